@@ -1,0 +1,42 @@
+"""HAL for running the firmware core off the board: heaters modelled as resistors.
+
+The emulator (hil/emulator) builds this with seeded heater resistances and a clock, and
+listens to the outputs through `on_write` (the chip's heaters hear the board). The current
+readback passes through a 16-bit ADC over the module's current full scale, like the board's.
+"""
+
+ADC_FULL = 65535
+
+
+class EmulatedHAL:
+    def __init__(self, vfull, ifull, resistances_ohm, clock_ms, on_write=None):
+        """vfull, ifull: per channel full scales in 1e-4 V and 1e-4 mA; clock_ms() -> int."""
+        self.vfull = list(vfull)
+        self.ifull = list(ifull)
+        self.resistance = list(resistances_ohm)  # None or 0 means open circuit
+        self.codes = [0] * len(self.vfull)
+        self.clock_ms = clock_ms
+        self.on_write = on_write
+
+    def write(self, ch, code):
+        self.codes[ch] = code
+        if self.on_write is not None:
+            self.on_write(ch, self.volts(ch))
+
+    def volts(self, ch):
+        """The output voltage of channel ch, in volts (for the physics)."""
+        return self.codes[ch] * self.vfull[ch] / ADC_FULL / 10000.0
+
+    def read_current(self, ch):
+        r = self.resistance[ch]
+        if not r:
+            return 0
+        units = self.codes[ch] * self.vfull[ch] * 1000.0 / ADC_FULL / r  # 1e-4 mA
+        full = self.ifull[ch]
+        adc = int(units * ADC_FULL / full + 0.5)
+        if adc > ADC_FULL:
+            adc = ADC_FULL
+        return (adc * full + ADC_FULL // 2) // ADC_FULL
+
+    def ticks_ms(self):
+        return self.clock_ms()

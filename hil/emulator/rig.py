@@ -1,0 +1,83 @@
+"""Emulated rigs: which instruments a named rig has, and starting them on real wires.
+
+`EmulatedRig(spec, seed).start()` brings every instrument of the rig up (the DAC board behind
+a pty; SCPI instruments on loopback sockets) and returns the endpoints a lab script would be
+given. Nothing downstream imports this: it reads the endpoints.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from hil.emulator.dac_board import EmulatedDACBoard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RigSpec:
+    name: str
+    description: str
+    dac_modules: int = 0          # Q8iv modules of 8 channels in the heater DAC chain
+
+
+RIGS = {
+    "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards",
+                      dac_modules=7),
+}
+
+
+def rig_spec(name: str) -> RigSpec:
+    try:
+        return RIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown rig {name!r}; known rigs: {', '.join(sorted(RIGS))}") from None
+
+
+class EmulatedRig:
+    """Every instrument of a rig, started on its wire. Use as a context manager."""
+
+    def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None):
+        self.spec = spec
+        self.seed = seed
+        self._own_dir = workdir is None
+        self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
+        self.dac: EmulatedDACBoard | None = None
+        self.endpoints: dict[str, str] = {}
+
+    def start(self) -> dict[str, str]:
+        try:
+            if self.spec.dac_modules:
+                self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
+                                            seed=self.seed)
+                self.endpoints["dac"] = self.dac.start()
+        except BaseException:
+            self.close()
+            raise
+        return dict(self.endpoints)
+
+    def write_endpoints(self, path: str | os.PathLike) -> None:
+        """Write the endpoints JSON atomically (temp file + rename)."""
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.endpoints, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self.dac is not None:
+            self.dac.close()
+            self.dac = None
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "EmulatedRig":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,3 @@
+from ptb.cli import main
+
+raise SystemExit(main())
