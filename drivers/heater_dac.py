@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import serial
@@ -105,7 +105,7 @@ class BoardInfo:
     channels: int
     vfull: float        # volts
     ifull: float        # mA
-    compact: bool       # speaks the VHEX extension
+    compact: bool       # speaks the VHEX extension (learnt by asking VHEX? on open)
 
 
 def _open_pyserial(port: str, timeout: float):
@@ -177,10 +177,21 @@ class HeaterDAC:
         self._rx.clear()
         self._drain()
         self._board_reset = False
-        self.info = self._identify()
-        n = self.info.channels
-        self._codes = self._read_codes()
-        if len(self._commanded) != n:
+        previous = self.info
+        info = self._identify()
+        if previous is not None and (previous.ident, previous.channels) != (info.ident,
+                                                                             info.channels):
+            self.close()
+            raise DACError(f"{self.port} now answers as {info.ident} with {info.channels} "
+                           f"channels, not {previous.ident} with {previous.channels}: "
+                           "refusing to drive a different board with this one's voltages")
+        self.info = info
+        try:
+            self._codes = self._read_codes()
+        except UnknownCommand:  # a stock Qontrol board: no VHEX extension
+            self.info = replace(info, compact=False)
+            self._codes = self._read_codes()
+        if len(self._commanded) != info.channels:
             self._commanded = list(self._codes)
 
     def _identify(self) -> BoardInfo:
@@ -210,12 +221,7 @@ class HeaterDAC:
         vfull = self._parse_value(self._query("vfull?")[0], "V")
         ifull = self._parse_value(self._query("ifull?")[0], "mA")
         firmware = self._query("firmware?")[0]
-        try:
-            self._query("vhex?")
-            compact = True
-        except UnknownCommand:
-            compact = False
-        info = BoardInfo(ident, firmware, tuple(modules), nchan, vfull, ifull, compact)
+        info = BoardInfo(ident, firmware, tuple(modules), nchan, vfull, ifull, compact=True)
         log.info("heater DAC %s on %s: %d modules, %d channels, firmware %s", ident, self.port,
                  len(modules), nchan, firmware)
         return info
@@ -355,7 +361,7 @@ class HeaterDAC:
         if not 0.0 <= volts <= info.vfull:
             raise ValueError(f"{volts!r} V on channel {ch} is outside the board's "
                              f"0..{info.vfull:g} V range")
-        return round(volts / info.vfull * CODE_FULL)
+        return int(volts / info.vfull * CODE_FULL + 0.5)  # half up, as the firmware rounds
 
     def _volts(self, code: int) -> float:
         return round(code * self._require_info().vfull / CODE_FULL, 4)

@@ -1,18 +1,130 @@
 """Our heater DAC driver against the emulated board, over the real pseudo-terminal."""
 from __future__ import annotations
 
+import time
+
 import pytest
+import serial
 
-from drivers.heater_dac import HeaterDAC, OverVoltage
+from drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
+from hil.emulator.dac_board import EmulatedDACBoard
 
 
-def test_identify_and_set_over_pty(dac_board):
+def wait_until(predicate, timeout=2.0, step=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def test_identify_set_and_read_back(dac_board):
     with HeaterDAC(str(dac_board.link)) as dac:
         assert dac.info.channels == 56
         assert [m.index for m in dac.info.modules] == list(range(7))
-        dac.set_voltages([1.0] * 56)
+        assert dac.set_voltages([1.0] * 56) == 1
         assert dac.voltages() == pytest.approx([1.0] * 56, abs=2e-4)
+        assert dac_board.outputs == pytest.approx([1.0] * 56, abs=2e-4)
+        # Ohm's law through the board's current sense: I = V / R of each seeded heater.
+        expected = [1000.0 / r for r in dac_board.resistances]
+        assert dac.currents() == pytest.approx(expected, abs=2e-3)
+
+
+def test_refused_over_voltage_leaves_the_output_alone(dac_board):
+    with HeaterDAC(str(dac_board.link)) as dac:
+        dac.set_voltage(0, 1.0)
         dac.set_vmax(0, 2.0)
-        with pytest.raises(OverVoltage):
+        with pytest.raises(OverVoltage) as e:
             dac.set_voltage(0, 2.5)
+        assert e.value.channel == 0
         assert dac_board.outputs[0] == pytest.approx(1.0, abs=2e-4)
+
+
+def test_only_changed_channels_travel(dac_board):
+    with HeaterDAC(str(dac_board.link)) as dac:
+        dac.set_voltages([0.5] * 56)
+        before = dac.bytes_sent
+        assert dac.set_voltages([0.5] * 56) == 0
+        assert dac.bytes_sent == before
+        values = [0.5] * 56
+        values[10] = 1.5
+        values[40] = 1.5
+        assert dac.set_voltages(values) == 2
+        assert dac.bytes_sent - before == len(b"vhex10=2001\n") * 2
+
+
+@pytest.mark.parametrize("power_cycle", [False, True])
+def test_unplug_replug_reopens_and_restores(dac_board, power_cycle):
+    with HeaterDAC(str(dac_board.link), reconnect_timeout=3.0) as dac:
+        dac.set_vmax(5, 3.0)
+        dac.set_voltages({c: 0.1 * c for c in range(56)})
+        wanted = list(dac.commanded)
+        dac_board.unplug()
+        dac_board.replug(power_cycle=power_cycle)
+        dac.set_voltage(1, 2.0)   # the first write after the drop finds a dead pty
+        wanted[1] = dac.commanded[1]
+        assert dac.reconnects == 1
+        assert dac_board.outputs == pytest.approx(wanted, abs=2e-4)
+        assert dac.vmax(5) == 3.0  # limits come back before voltages
+        with pytest.raises(OverVoltage):
+            dac.set_voltage(5, 3.5)
+
+
+def test_a_board_that_stays_away_is_a_clear_error_in_bounded_time(dac_board):
+    dac = HeaterDAC(str(dac_board.link), reconnect_timeout=0.3)
+    dac.open()
+    dac_board.unplug()
+    t = time.monotonic()
+    with pytest.raises(DACDisconnected, match="did not come back within 0.3 s"):
+        dac.set_voltage(0, 1.0)
+    assert time.monotonic() - t < 5
+    dac.close()
+
+
+def test_a_different_board_on_the_port_is_refused(tmp_path):
+    link = tmp_path / "dac"
+    first = EmulatedDACBoard(link, modules=2, seed=1)
+    first.start()
+    dac = HeaterDAC(str(link), reconnect_timeout=2.0)
+    dac.open()
+    dac.set_voltage(0, 1.0)
+    first.close()
+    other = EmulatedDACBoard(link, modules=2, seed=2)
+    other.start()
+    try:
+        with pytest.raises(DACError, match="refusing to drive a different board"):
+            dac.set_voltage(0, 2.0)
+        assert other.outputs[0] == 0.0
+    finally:
+        dac.close()
+        other.close()
+
+
+def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
+    with HeaterDAC(str(dac_board.link)) as dac:
+        dac.set_voltages([2.0] * 56)
+        dac.set_watchdog(50)
+        assert wait_until(lambda: max(dac_board.outputs) == 0.0, timeout=3.0)
+        # the host speaks again: normal service resumes
+        dac.set_watchdog(0)
+        dac.set_voltage(3, 1.0)
+        assert dac_board.outputs[3] == pytest.approx(1.0, abs=2e-4)
+
+
+def test_garbage_on_the_line_is_answered_and_the_board_keeps_serving(dac_board):
+    with serial.Serial(str(dac_board.link), 115200, timeout=1.0) as raw:
+        raw.reset_input_buffer()
+        raw.write(b"\xff\xfe\x00garbage\n" + b"x" * 1000 + b"\nid?\n")
+        lines = []
+        for _ in range(5):  # at most: a power-up notice, then the three answers
+            line = raw.readline()
+            if line != b"E90:00\n":
+                lines.append(line)
+            if len(lines) == 3:
+                break
+    assert lines[0] == b"E15:00\n"
+    assert lines[1] == b"E14:00\n"
+    assert lines[2].startswith(b"Q8iv-")
+    with HeaterDAC(str(dac_board.link)) as dac:
+        assert dac.ping().startswith("Q8iv-")
