@@ -1,0 +1,149 @@
+"""The agent's journal: every decision and every applied configuration, durably, in SQLite.
+
+One row per event, written in its own transaction before the agent acts on it (write-ahead),
+in WAL mode with full sync, so a `kill -9` of the agent loses nothing that was reported as
+written. The journal also holds the *intended* circuits of every switch: after a restart the
+agent reads them back and repairs only what differs on the hardware.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts         REAL    NOT NULL,
+    kind       TEXT    NOT NULL,
+    cause      TEXT    NOT NULL DEFAULT '',
+    latency_s  REAL,
+    details    TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind);
+CREATE TABLE IF NOT EXISTS intended (
+    switch     TEXT PRIMARY KEY,
+    circuits   TEXT NOT NULL,
+    seq        INTEGER NOT NULL
+);
+"""
+
+# What the agent writes; the GUI filters on these.
+KINDS = ("start", "failure", "detected", "decision", "applied", "verified", "verify_failed",
+         "rank_map", "restart", "phase", "alarm", "reconcile", "note")
+
+
+class JournalError(Exception):
+    """The journal file cannot be used (wrong schema version, not a journal, unwritable)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq: int
+    ts: float
+    kind: str
+    cause: str
+    latency_s: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.ts))
+        ms = f"{self.ts % 1:.3f}"[1:]
+        latency = f" [{self.latency_s * 1e3:.1f} ms]" if self.latency_s is not None else ""
+        details = (" " + json.dumps(self.details, sort_keys=True)) if self.details else ""
+        cause = f" ({self.cause})" if self.cause else ""
+        return f"{self.seq:6d} {stamp}{ms} {self.kind:<13}{cause}{latency}{details}"
+
+
+class Journal:
+    """Append-only event log plus the intended circuits per switch. Thread-safe."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                       timeout=5.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] != str(SCHEMA_VERSION):
+                raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
+                                   f"reads schema {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"{self.path} is not a usable journal: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def record(self, kind: str, cause: str = "", latency_s: float | None = None,
+               ts: float | None = None, **details: Any) -> int:
+        """Append one event; returns its sequence number once it is on disk."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
+        text = json.dumps(details, sort_keys=True, default=str)
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO events (ts, kind, cause, latency_s, details) VALUES (?,?,?,?,?)",
+                (time.time() if ts is None else ts, kind, cause, latency_s, text))
+            return cur.lastrowid
+
+    def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str) -> int:
+        """Record what a switch should hold, with the event that explains it, atomically."""
+        pairs = sorted((int(a), int(b)) for a, b in circuits)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
+                    (time.time(), "decision", cause,
+                     json.dumps({"switch": switch, "circuits": pairs})))
+                seq = cur.lastrowid
+                self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
+                                 (switch, json.dumps(pairs), seq))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return seq
+
+    def intended(self) -> dict[str, list[tuple[int, int]]]:
+        with self._lock:
+            rows = self._db.execute("SELECT switch, circuits FROM intended").fetchall()
+        return {name: [tuple(p) for p in json.loads(text)] for name, text in rows}
+
+    def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
+                limit: int | None = None) -> list[Entry]:
+        query = "SELECT seq, ts, kind, cause, latency_s, details FROM events WHERE seq > ?"
+        args: list[Any] = [since]
+        if kinds:
+            query += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args += list(kinds)
+        query += " ORDER BY seq"
+        if limit is not None:
+            query += " LIMIT ?"
+            args.append(int(limit))
+        with self._lock:
+            rows = self._db.execute(query, args).fetchall()
+        return [Entry(seq, ts, kind, cause, lat, json.loads(det))
+                for seq, ts, kind, cause, lat, det in rows]
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries())

@@ -1,0 +1,38 @@
+"""`ptb journal`: print the agent's journal (optionally following it as it grows)."""
+from __future__ import annotations
+
+import os
+import time
+
+from hil.journal import KINDS, Journal, JournalError
+from ptb.cli import CommandFailed
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("journal", help="print the agent's journal",
+                       description="Print the agent's journal: decisions, applied "
+                       "configurations, verifications and alarms, with causes and latencies.")
+    p.add_argument("path", help="journal database (the agent's --journal file)")
+    p.add_argument("--kind", action="append", choices=KINDS, help="only these kinds (repeatable)")
+    p.add_argument("--since", type=int, default=0, help="only entries after this sequence number")
+    p.add_argument("--follow", action="store_true", help="keep printing new entries (Ctrl-C)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if not os.path.exists(args.path):
+        raise CommandFailed(f"no journal at {args.path}")
+    try:
+        journal = Journal(args.path)
+    except JournalError as e:
+        raise CommandFailed(str(e)) from None
+    kinds = tuple(args.kind) if args.kind else None
+    last = args.since
+    with journal:
+        while True:
+            for entry in journal.entries(since=last, kinds=kinds):
+                print(entry.line(), flush=True)
+                last = entry.seq
+            if not args.follow:
+                return 0
+            time.sleep(0.2)

@@ -1,0 +1,73 @@
+"""The agent's journal: durable across kill -9, intended state, filters, bad files."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hil.journal import Journal, JournalError
+
+WRITER = """
+import sys
+from hil.journal import Journal
+j = Journal(sys.argv[1])
+for k in range(100000):
+    seq = j.record("note", cause="test", k=k)
+    print(seq, flush=True)
+"""
+
+
+def test_entries_reported_written_survive_kill_9(tmp_path):
+    path = tmp_path / "journal.db"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE,
+                            text=True)
+    acknowledged = []
+    deadline = time.monotonic() + 20
+    while len(acknowledged) < 200 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        acknowledged.append(int(line))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    assert len(acknowledged) >= 200
+    with Journal(path) as j:
+        stored = {e.seq for e in j.entries()}
+    assert set(acknowledged) <= stored
+
+
+def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
+    with Journal(tmp_path / "j.db") as j:
+        j.set_intended("chip", [(3, 7), (1, 2)], cause="spare swap gpu3 -> spare0")
+        j.set_intended("ocs", [(1, 33)], cause="phase tp")
+        j.set_intended("chip", [(1, 2)], cause="phase dp")
+    with Journal(tmp_path / "j.db") as j:
+        assert j.intended() == {"chip": [(1, 2)], "ocs": [(1, 33)]}
+        decisions = j.entries(kinds=("decision",))
+        assert [d.details["switch"] for d in decisions] == ["chip", "ocs", "chip"]
+        assert decisions[0].details["circuits"] == [[1, 2], [3, 7]]
+
+
+def test_filters_and_lines(tmp_path):
+    with Journal(tmp_path / "j.db") as j:
+        j.record("failure", cause="xid 79", gpu=3)
+        j.record("applied", cause="swap", latency_s=0.0042, switch="chip")
+        j.record("alarm", cause="no spare left")
+        assert [e.kind for e in j.entries(kinds=("failure", "alarm"))] == ["failure", "alarm"]
+        assert [e.kind for e in j.entries(since=1)] == ["applied", "alarm"]
+        line = j.entries(kinds=("applied",))[0].line()
+        assert "applied" in line and "[4.2 ms]" in line and '"switch": "chip"' in line
+        with pytest.raises(ValueError, match="unknown journal kind"):
+            j.record("oops")
+
+
+def test_a_file_that_is_not_a_journal_is_refused(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(JournalError, match="not a usable journal"):
+        Journal(bad)
