@@ -1,0 +1,97 @@
+"""What the agent sees of any optical switch: a set of port-to-port circuits.
+
+A Polatis-class OCS and a programmable photonic chip are both a `CircuitSwitch`: the agent
+asks for circuits and reads back what is set, and never learns which kind it talks to.
+
+Ports are numbered the Polatis way on every switch: inputs (ingress) 1..N, outputs (egress)
+N+1..2N. A circuit joins one input to one output; an input feeds at most one output and an
+output hears at most one input. A switch whose ports are not split into inputs and outputs (a
+recirculating mesh) still names each circuit (a, b) with a < b, and a port is in at most one
+circuit.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+Circuits = dict[int, int]     # input port -> output port
+
+
+class SwitchError(Exception):
+    """A switch refused or failed a request; the message says which port and why."""
+
+
+class CircuitConflict(SwitchError, ValueError):
+    """The request joins a port to two others, or names a port the switch does not have."""
+
+
+def check_circuits(circuits: Mapping[int, int] | Iterable[tuple[int, int]], ports: int,
+                   split: bool = True) -> Circuits:
+    """Normalise circuits to {input: output} and refuse impossible ones with a clear message.
+
+    `ports` is N (the switch is N x N, ports 1..2N) when `split`, else the number of ports of an
+    unsplit switch (ports 1..ports).
+    """
+    pairs = circuits.items() if isinstance(circuits, Mapping) else circuits
+    out: Circuits = {}
+    used: dict[int, int] = {}
+    top = 2 * ports if split else ports
+    for pair in pairs:
+        try:
+            a, b = pair
+            a, b = int(a), int(b)
+        except (TypeError, ValueError):
+            raise CircuitConflict(f"a circuit is a pair of port numbers, not {pair!r}") from None
+        if not split and a > b:
+            a, b = b, a
+        for p in (a, b):
+            if not 1 <= p <= top:
+                raise CircuitConflict(f"port {p} does not exist on this switch (ports 1..{top})")
+        if split and not (a <= ports < b):
+            raise CircuitConflict(f"circuit ({a}, {b}) must join an input 1..{ports} "
+                                  f"to an output {ports + 1}..{2 * ports}")
+        if a == b:
+            raise CircuitConflict(f"circuit ({a}, {b}) joins a port to itself")
+        for p in (a, b):
+            if p in used:
+                raise CircuitConflict(f"port {p} is in two circuits: ({used[p]}, ...) and ({a}, {b})")
+            used[p] = a
+        out[a] = b
+    return out
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What one `apply` did: the circuits added and removed, and how long it took."""
+    added: Circuits = field(default_factory=dict)
+    removed: Circuits = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class CircuitSwitch(abc.ABC):
+    """Apply a set of circuits, read back what is set."""
+
+    name: str = "switch"
+
+    @property
+    @abc.abstractmethod
+    def ports(self) -> int:
+        """N for an N x N switch (ports 1..2N)."""
+
+    @abc.abstractmethod
+    def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
+        """Make exactly these circuits the switch's state (others are removed), changing only
+        what differs from the current state; returns when the light has settled."""
+
+    @abc.abstractmethod
+    def circuits(self) -> Circuits:
+        """The circuits the switch reports as set, read from the device."""
+
+    def describe(self) -> dict:
+        """What the switch is, as plain JSON-able data (kind, ports, and for a chip its
+        topology)."""
+        return {"name": self.name, "kind": type(self).__name__, "ports": self.ports}
+
+    def close(self) -> None:
+        """Release the connection (never done in __del__)."""
