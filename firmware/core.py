@@ -104,7 +104,7 @@ def parse_fixed(text):
         exp_text = s[epos + 1:]
         s = s[:epos]
         digits = exp_text[1:] if exp_text[:1] in ("+", "-") else exp_text
-        if not digits or not digits.isdigit() or len(digits) > 3:
+        if not is_digits(digits) or len(digits) > 3:
             raise ValueError(text)
         exponent = int(exp_text)
     dot = s.find(".")
@@ -114,7 +114,7 @@ def parse_fixed(text):
         whole, frac = s, ""
     if not whole and not frac:
         raise ValueError(text)
-    if (whole and not whole.isdigit()) or (frac and not frac.isdigit()):
+    if (whole and not is_digits(whole)) or (frac and not is_digits(frac)):
         raise ValueError(text)
     mantissa = int((whole or "0") + frac)
     # value = mantissa * 10**(exponent - len(frac)); we want value * 10**4
@@ -130,6 +130,16 @@ def parse_fixed(text):
             den = 10 ** (-shift)
             result = (2 * mantissa + den) // (2 * den)
     return -result if negative else result
+
+
+def is_digits(s):
+    """True for a non-empty string of ASCII digits (str.isdigit also takes other scripts)."""
+    if not s:
+        return False
+    for ch in s:
+        if ch < "0" or ch > "9":
+            return False
+    return True
 
 
 def ticks_diff(a, b):
@@ -301,7 +311,7 @@ class Board:
             raise CommandError(E_UNKNOWN_COMMAND, 0)
         ch = None
         if chan:
-            if not chan.isdigit() or len(chan) > 4:
+            if not is_digits(chan) or len(chan) > 4:
                 raise CommandError(E_UNKNOWN_COMMAND, 0)
             ch = int(chan)
         handler = self.COMMANDS.get((name, op))
