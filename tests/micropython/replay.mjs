@@ -2,7 +2,7 @@
 //
 // Usage: node tests/micropython/replay.mjs [VECTORS.json]
 // Loads firmware/core.py, firmware/hal_emulated.py and tests/firmware_replay.py into the
-// MicroPython filesystem, runs every session and prints one JSON object on stdout:
+// MicroPython filesystem, runs every session there and prints one JSON object on stdout:
 //   {"micropython": "<sys.version>", "replies": {"<session>": ["<hex reply>", ...]}}
 // tests/test_firmware_vectors.py compares those replies byte for byte with the frozen ones.
 import { readFileSync } from 'node:fs';
@@ -15,8 +15,12 @@ const vectorsPath = process.argv[2] ? resolve(process.argv[2]) : join(root, 'tes
 
 const { loadMicroPython } = await import('@micropython/micropython-webassembly-pyscript');
 
-let out = '';
-const mp = await loadMicroPython({ stdout: (s) => { out += s; }, stderr: (s) => { process.stderr.write(s); } });
+// Whatever the Python side prints goes to stderr (for debugging); the result goes through a file.
+const mp = await loadMicroPython({
+  heapsize: 16 * 1024 * 1024,
+  stdout: (line) => { process.stderr.write(line + '\n'); },
+  stderr: (line) => { process.stderr.write(line + '\n'); },
+});
 mp.FS.mkdir('/fw');
 for (const [src, dst] of [
   ['firmware/core.py', '/fw/core.py'],
@@ -38,11 +42,12 @@ import firmware_replay
 with open('/fw/vectors.json') as f:
     vectors = json.load(f)
 replies = firmware_replay.run_all(vectors, core, hal_emulated)
-print(json.dumps({'micropython': sys.version, 'implementation': sys.implementation.name,
-                  'replies': replies}))
+with open('/fw/result.json', 'w') as f:
+    f.write(json.dumps({'micropython': sys.version, 'implementation': sys.implementation.name,
+                        'replies': replies}))
 `);
 } catch (e) {
   process.stderr.write(`replay.mjs: MicroPython raised: ${e}\n`);
   process.exit(1);
 }
-process.stdout.write(out);
+process.stdout.write(mp.FS.readFile('/fw/result.json', { encoding: 'utf8' }) + '\n');
