@@ -426,8 +426,6 @@ class Board:
         refused = None
         for c in order:
             previous[c] = self.codes[c]
-            if c in self.ramp:
-                del self.ramp[c]
             if self._output(c, targets[c]) > self.imax[c] and refused is None:
                 refused = CommandError(E_OVER_CURRENT, c)
         if refused is None:
@@ -437,7 +435,10 @@ class Board:
         if refused is not None:
             for c in order:
                 self._output(c, previous[c])
-            raise refused
+            raise refused  # a channel in a watchdog ramp stays in it
+        for c in order:
+            if c in self.ramp:
+                del self.ramp[c]  # the host has taken this channel over again
 
     @staticmethod
     def _number(value, c):

@@ -161,3 +161,22 @@ def test_measured_overshoot_is_put_back_and_refused():
     assert board.execute("v0=4.5") == "E02:00\n"
     assert board.volts_of(0, board.codes[0]) == 10000
     assert hal.codes[0] == board.codes[0]
+
+
+def test_a_refused_set_does_not_stop_a_watchdog_ramp():
+    clock = Clock()
+    modules = core.make_chain("Q8iv", [1])
+    hal = EmulatedHAL([120000] * 8, [240000] * 8, [1000] * 8, clock)
+    board = core.Board(hal, modules)
+    board.power_up()
+    assert board.feed(b"wdt=100\nimax0=5\nv0=4\n") == b"OK\nOK\nOK\n"
+    for _ in range(60):                                       # trip at 102 ms, ramp half way
+        clock.now += 2
+        board.tick()
+    assert 0 < board.codes[0] < board.code_of(0, 40000)
+    hal.resistance[0] = 700                                   # unseen: 3.9 V draws 5.6 mA
+    assert board.feed(b"v0=3.9\n") == b"E02:00\n"             # refused after the write
+    for _ in range(60):
+        clock.now += 2
+        board.tick()
+    assert board.codes[0] == 0 and hal.codes[0] == 0          # the ramp went on to 0 V
