@@ -68,13 +68,14 @@ class CommandError(Exception):
     """A refused command: the code and channel of its `E<code>:<ch>` reply."""
 
     def __init__(self, code, ch=0):
-        Exception.__init__(self, code, ch)
+        super().__init__(code, ch)
         self.code = code
         self.ch = ch
 
 
 def error_line(code, ch=0):
-    return "E%02d:%02d\n" % (code, ch)
+    """`E<code>:<ch>` with two-digit fields; channels past 99 keep their last two digits."""
+    return "E%02d:%02d\n" % (code % 100, ch % 100)
 
 
 def format_fixed(units, unit):
@@ -90,7 +91,7 @@ def parse_fixed(text):
     Integer arithmetic only, so that a single-precision board rounds exactly like the host.
     Raises ValueError for anything that is not such a number.
     """
-    s = text.strip()
+    s = text.strip().lower()
     if not s or len(s) > MAX_NUMBER_CHARS:
         raise ValueError(text)
     negative = False
@@ -103,7 +104,7 @@ def parse_fixed(text):
         exp_text = s[epos + 1:]
         s = s[:epos]
         digits = exp_text[1:] if exp_text[:1] in ("+", "-") else exp_text
-        if not digits or not digits.isdigit() or len(digits) > 3:
+        if not is_digits(digits) or len(digits) > 3:
             raise ValueError(text)
         exponent = int(exp_text)
     dot = s.find(".")
@@ -113,7 +114,7 @@ def parse_fixed(text):
         whole, frac = s, ""
     if not whole and not frac:
         raise ValueError(text)
-    if (whole and not whole.isdigit()) or (frac and not frac.isdigit()):
+    if (whole and not is_digits(whole)) or (frac and not is_digits(frac)):
         raise ValueError(text)
     mantissa = int((whole or "0") + frac)
     # value = mantissa * 10**(exponent - len(frac)); we want value * 10**4
@@ -129,6 +130,16 @@ def parse_fixed(text):
             den = 10 ** (-shift)
             result = (2 * mantissa + den) // (2 * den)
     return -result if negative else result
+
+
+def is_digits(s):
+    """True for a non-empty string of ASCII digits (str.isdigit also takes other scripts)."""
+    if not s:
+        return False
+    for ch in s:
+        if ch < "0" or ch > "9":
+            return False
+    return True
 
 
 def ticks_diff(a, b):
@@ -300,7 +311,7 @@ class Board:
             raise CommandError(E_UNKNOWN_COMMAND, 0)
         ch = None
         if chan:
-            if not chan.isdigit() or len(chan) > 4:
+            if not is_digits(chan) or len(chan) > 4:
                 raise CommandError(E_UNKNOWN_COMMAND, 0)
             ch = int(chan)
         handler = self.COMMANDS.get((name, op))
@@ -333,12 +344,30 @@ class Board:
         return (units * CODE_FULL + full // 2) // full
 
     def _output(self, c, code):
+        """Write one channel; returns the measured current (0 at 0 V) in 1e-4 mA."""
         self.codes[c] = code
         self.hal.write(c, code)
-        if code:
-            i = self.hal.read_current(c)
-            if i > 0:
-                self.load[c] = (self.volts_of(c, code), i)
+        if not code:
+            return 0
+        i = self.hal.read_current(c)
+        if i > 0:
+            self.load[c] = (self.volts_of(c, code), i)
+        return i
+
+    def _measured_power(self):
+        """Total power of every live channel from measured currents, in 1e-11 W."""
+        total = 0
+        for c in range(self.n):
+            if self.codes[c]:
+                total += self.volts_of(c, self.codes[c]) * self.hal.read_current(c)
+        return total
+
+    def _code_at_most(self, c, units):
+        """The DAC code nearest to `units` volts whose quantised voltage is not above VMAX."""
+        code = self.code_of(c, units)
+        while code > 0 and self.volts_of(c, code) > self.vmax[c]:
+            code -= 1
+        return code
 
     def _predicted_current(self, c, units):
         """Current the heater will draw at `units` volts, from its last measurement (ohmic)."""
@@ -364,30 +393,52 @@ class Board:
             self.load[c] = (self.volts_of(c, probe), i)
 
     def _check_and_set(self, targets):
-        """Set several channels {ch: code} all-or-nothing, after every limit check."""
+        """Set several channels {ch: code} all-or-nothing, after every limit check.
+
+        Channels are checked and written in channel order (not dict order, which differs
+        between CPython and MicroPython), so the reply names the lowest offending channel.
+        VMAX is compared on quantised voltages; IMAX and the power budget on currents
+        predicted from each heater's last measurement, then verified after the write: a
+        measured overshoot puts every target back and is refused like a predicted one.
+        A set that does not raise the total power is never refused for the budget.
+        """
+        order = sorted(targets)
         currents = {}
-        for c in targets:
+        for c in order:
             units = self.volts_of(c, targets[c])
             if units > self.vmax[c]:
-                raise CommandError(E_OVER_VOLTAGE, c % 100)
+                raise CommandError(E_OVER_VOLTAGE, c)
             cur = self._predicted_current(c, units)
             if cur > self.imax[c]:
-                raise CommandError(E_OVER_CURRENT, c % 100)
+                raise CommandError(E_OVER_CURRENT, c)
             currents[c] = cur
         # Board-wide power budget over the whole chain; (1e-4 V)(1e-4 mA) = 1e-11 W.
-        total = 0
-        for c in range(self.n):
-            if c in targets:
-                total += self.volts_of(c, targets[c]) * currents[c]
-            elif self.codes[c]:
-                total += self.volts_of(c, self.codes[c]) * self._predicted_current(
-                    c, self.volts_of(c, self.codes[c]))
-        if total > self.pmax_mw * W11_PER_MW:
-            raise CommandError(E_POWER, min(targets) % 100)
-        for c in targets:
+        budget = self.pmax_mw * W11_PER_MW
+        before = self._measured_power()
+        total = before
+        for c in order:
+            if self.codes[c]:
+                total -= self.volts_of(c, self.codes[c]) * self.hal.read_current(c)
+            total += self.volts_of(c, targets[c]) * currents[c]
+        if total > budget and total > before:
+            raise CommandError(E_POWER, order[0])
+        previous = {}
+        refused = None
+        for c in order:
+            previous[c] = self.codes[c]
+            if self._output(c, targets[c]) > self.imax[c] and refused is None:
+                refused = CommandError(E_OVER_CURRENT, c)
+        if refused is None:
+            after = self._measured_power()
+            if after > budget and after > before:
+                refused = CommandError(E_POWER, order[0])
+        if refused is not None:
+            for c in order:
+                self._output(c, previous[c])
+            raise refused  # a channel in a watchdog ramp stays in it
+        for c in order:
             if c in self.ramp:
-                del self.ramp[c]
-            self._output(c, targets[c])
+                del self.ramp[c]  # the host has taken this channel over again
 
     @staticmethod
     def _number(value, c):
@@ -403,7 +454,7 @@ class Board:
             raise CommandError(E_BAD_PARAMETER, c % 100)
         if units > self.vmax[c]:
             raise CommandError(E_OVER_VOLTAGE, c % 100)
-        return self.code_of(c, units)
+        return self._code_at_most(c, units)
 
     # ---- command handlers: (self, ch, value) -> reply text -------------------------------
 
@@ -431,11 +482,32 @@ class Board:
         if self.load[c] is None:
             raise CommandError(E_FORBIDDEN, c % 100)  # open circuit: no voltage gives a current
         v, i = self.load[c]
-        units = (target * v + i // 2) // i
-        if units > self.vmax[c]:
+        if (target * v + i // 2) // i > self.vmax[c]:
             raise CommandError(E_OVER_VOLTAGE, c % 100)
-        self._check_and_set({c: self.code_of(c, units)})
+        # First step: aim a little low (one ADC step more current than measured), so that a
+        # coarse measurement at the probe voltage never makes the output overshoot.
+        lsb = (self.ifull[c] + CODE_FULL - 1) // CODE_FULL
+        self._check_and_set({c: self._code_for_current(c, target, lsb)})
+        # Second step: the measurement at the new voltage is finer; aim at the target itself.
+        try:
+            code = self._code_for_current(c, target, 0)
+            if code != self.codes[c]:
+                self._check_and_set({c: code})
+        except CommandError:
+            pass  # the first step stands: within every limit, a hair below the target
         return "OK\n"
+
+    def _code_for_current(self, c, target, margin):
+        """The code that draws `target` by the last measurement (its current + margin),
+        never above VMAX nor predicted above IMAX."""
+        v, i = self.load[c]
+        i += margin
+        code = self._code_at_most(c, (target * v + i // 2) // i)
+        for _ in range(3):
+            if code == 0 or self._predicted_current(c, self.volts_of(c, code)) <= self.imax[c]:
+                break
+            code -= 1
+        return code
 
     def cmd_get_i(self, ch, value):
         c = self._channel(ch)
@@ -578,6 +650,8 @@ class Board:
         units = parse_fixed(value)
         if units <= 0 or units % UNITS:
             raise CommandError(E_BAD_PARAMETER, 0)
+        if self._measured_power() > (units // UNITS) * W11_PER_MW:
+            raise CommandError(E_FORBIDDEN, 0)  # lower the outputs first
         self.pmax_mw = units // UNITS
         return "OK\n"
 

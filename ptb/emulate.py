@@ -32,7 +32,12 @@ def run(args) -> int:
             rig.write_endpoints(args.endpoints)
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
         for name, where in rig.endpoints.items():
-            print(f"  {name:<11} {where}")
+            if name == "dac" and rig.dac is not None:
+                # the pty itself, and the stable link (like /dev/serial/by-id) that the
+                # endpoints file holds: it survives an unplug/replug, the pty name does not
+                print(f"  dac: {rig.dac.pty} (link: {where})")
+            else:
+                print(f"  {name:<11} {where}")
         print("running; Ctrl-C to stop", flush=True)
         while not stop.wait(0.2):
             pass

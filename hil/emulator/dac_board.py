@@ -98,6 +98,12 @@ class EmulatedDACBoard:
         return str(self.link)
 
     @property
+    def pty(self) -> str | None:
+        """The pseudo-terminal behind the link now (`/dev/pts/N`), None while unplugged."""
+        with self._lock:
+            return os.ttyname(self._slave) if self._slave is not None else None
+
+    @property
     def outputs(self) -> list[float]:
         """Output voltages, volts, per channel (what the heaters see)."""
         return [self.hal.volts(c) for c in range(self.board.n)]
