@@ -22,6 +22,7 @@ import logging
 import math
 import re
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -398,12 +399,11 @@ class SCPIServer:
 
     @staticmethod
     def _abort(s: socket.socket) -> None:
+        """Make the socket's close a reset (RST), and wake its serving thread, which closes it:
+        the client's next read fails at once, as when a link or the instrument goes away."""
         try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        except OSError:
-            pass
-        try:
-            s.shutdown(socket.SHUT_RDWR)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.shutdown(socket.SHUT_RD)
         except OSError:
             pass
 
@@ -495,6 +495,9 @@ class SCPIServer:
         finally:
             with self._clients_lock:
                 self._clients.pop(conn, None)
-            self._abort(conn)
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
             conn.close()
             log.info("%s: client disconnected", session.peer)
