@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024        # bytes in one program message (a full 32x32 ONLY is ~200 bytes)
 ERROR_QUEUE_LEN = 30
-IDLE_POLL_S = 0.2           # how often a client thread notices that the server is closing
+IDLE_POLL_S = 0.05          # how often a client thread notices that the server is closing
 
 ERROR_TEXT = {
     0: "No error",
@@ -124,6 +124,7 @@ class Session:
     def __init__(self, peer: str):
         self.peer = peer
         self.errors: list[str] = []
+        self.dropped = False          # cut by a fault: serve nothing more, reset the socket
 
     def push_error(self, entry: str) -> None:
         if len(self.errors) >= ERROR_QUEUE_LEN:
@@ -385,10 +386,11 @@ class SCPIServer:
     def drop_clients(self) -> int:
         """Cut every client's TCP connection now (a reset, as when a cable or a switch fails)."""
         with self._clients_lock:
-            socks = list(self._clients)
-        for s in socks:
+            clients = list(self._clients.items())
+        for s, session in clients:
+            session.dropped = True
             self._abort(s)
-        return len(socks)
+        return len(clients)
 
     def drop_on(self, header: str, when: str = "after") -> None:
         """Cut the connection of the next client that sends a line containing `header`
@@ -446,7 +448,7 @@ class SCPIServer:
                     continue
                 except OSError:
                     break
-                if not data:
+                if not data or session.dropped:
                     break
                 self.bytes_in += len(data)
                 buf += data
@@ -473,6 +475,8 @@ class SCPIServer:
                     line = raw.rstrip(b"\r").decode("latin-1").strip()
                     if not line:
                         continue
+                    if session.dropped:
+                        return
                     if self._drop_rules and self._take_drop_rule(line, "before"):
                         log.info("%s: connection cut before %r (fault injected)",
                                  session.peer, line[:60])
