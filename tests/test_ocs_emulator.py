@@ -348,3 +348,13 @@ def test_fixed_port_base(tmp_path):
     finally:
         r.close()
     assert _free(base)
+
+
+def test_bench_ocs_runs_small(tmp_path):
+    import argparse
+
+    from ptb.bench import ocs as bench_ocs
+    result = bench_ocs.run(argparse.Namespace(reconfigurations=5, seed=1))
+    assert result["reconfigurations"] == 5
+    assert result["ours"]["bytes"] < result["per_circuit"]["bytes"]
+    assert result["ours_moves_per_reconfig"] <= 64
