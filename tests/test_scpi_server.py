@@ -265,3 +265,12 @@ def test_fuzz_laser(line):
     assert laser.execute(session, "*IDN?").startswith("Keysight")
     assert laser.MIN_MW * 0.99 <= laser.state.power_mw <= laser.MAX_MW * 1.01
     assert 1.48e-6 <= laser.state.wavelength_m <= 1.64e-6
+
+
+def test_relative_headers_after_a_semicolon():
+    laser = LaserInstrument()
+    session = Session("t")
+    assert laser.execute(session, ":SOUR0:POW:UNIT 1;STAT 1;:SOUR0:POW:STAT?") == "+1"
+    assert laser.state.unit == 1 and laser.state.on
+    assert laser.execute(session, ":SOUR0:WAV 1560nm;WAV?") == "+1.56000000E-006"
+    assert not session.errors

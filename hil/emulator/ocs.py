@@ -234,7 +234,9 @@ class OCSInstrument(Instrument):
                      lambda s, x, a: (no_arg(a), format_pairs(p.commanded))[1])
         self.command(":OXC:SWITch:CONNect:PORT?", self._port)
         self.command(":PMONitor:POWer?", self._pmon)
-        self.pending_until = physics.pending_until
+
+    def pending_until(self) -> float:
+        return self.physics.pending_until()
 
     def reset(self) -> None:
         # *RST leaves the circuits in place (disturbing light paths is not a "reset" on an OCS).

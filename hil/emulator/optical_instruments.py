@@ -29,7 +29,9 @@ WAVELENGTH_RANGE_M = (1.25e-6, 1.65e-6)
 
 
 def _sci(x: float) -> str:
-    return f"{x:+.8E}"
+    """Keysight's number format: `+1.55000000E-006` (three exponent digits)."""
+    mantissa, _, exp = f"{x:+.8E}".partition("E")
+    return f"{mantissa}E{int(exp):+04d}"
 
 
 def _dbm_to_mw(dbm: float) -> float:

@@ -241,18 +241,21 @@ class Instrument:
                 arg = rest + (" " + arg if arg else "")
             arg = arg.strip()
             found = None
+            full = header
             if _HEADER.match(header):
                 if path and header[0] not in ":*":
                     found = self.lookup(path + header)
-                found = found or self.lookup(header)
+                    full = path + header
+                if found is None:
+                    found, full = self.lookup(header), header
             if found is None:
                 code = -113 if _HEADER.match(header) else -102
                 session.push_error(SCPIError(code, header[:40]).entry())
                 log.warning("%s: refused %r: %s", session.peer, unit[:80], ERROR_TEXT[code])
                 continue
-            if header[0] != "*":
-                full = header if header[0] == ":" or not path else path + header
-                path = full[:full.rfind(":") + 1] if ":" in full.lstrip(":") else ":"
+            if full[0] != "*":
+                # SCPI: a following header without a leading colon is relative to this path
+                path = full[:full.rfind(":") + 1]
             cmd, sfx = found
             try:
                 if cmd.locked:
