@@ -115,11 +115,16 @@ class ConnectionLost(Exception):
         self.timeout = timeout
 
 
+_MANAGERS: dict[str, Any] = {}
+
+
 def open_visa(resource: str, timeout_s: float, visa_library: str = "@py"):
     """A pyvisa session on a raw socket with explicit terminations."""
     import pyvisa
 
-    rm = pyvisa.ResourceManager(visa_library)
+    rm = _MANAGERS.get(visa_library)
+    if rm is None:
+        rm = _MANAGERS[visa_library] = pyvisa.ResourceManager(visa_library)
     res = rm.open_resource(resource, read_termination="\n", write_termination="\n",
                            timeout=int(timeout_s * 1000), open_timeout=int(timeout_s * 1000))
     return res

@@ -358,3 +358,26 @@ def test_bench_ocs_runs_small(tmp_path):
     assert result["reconfigurations"] == 5
     assert result["ours"]["bytes"] < result["per_circuit"]["bytes"]
     assert result["ours_moves_per_reconfig"] <= 64
+
+
+def test_driver_rides_through_an_instrument_restart_on_the_same_port():
+    from hil.emulator.ocs import OCSInstrument, OCSPhysics
+    from hil.emulator.scpi import SCPIServer
+    import threading
+
+    phys = OCSPhysics(4, switching_s=0.0)
+    server = SCPIServer(OCSInstrument(phys), name="ocs")
+    server.start()
+    port = server.port
+    with OpticalCircuitSwitch(server.resource, reconnect_s=5.0) as drv:
+        drv.apply({1: 5})
+        server.close()                                  # the instrument goes away...
+        again = SCPIServer(OCSInstrument(phys), port=port, name="ocs")
+        timer = threading.Timer(0.3, again.start)       # ...and comes back a moment later
+        timer.start()
+        try:
+            assert drv.circuits() == {1: 5}             # reopened by itself
+            assert drv.reconnects == 1
+        finally:
+            timer.join()
+            again.close()

@@ -210,6 +210,30 @@ def test_fuzz_ocs_socket_keeps_answering(fuzz_server, data):
     c.send(data + b"\n")
     c.close()
     assert watcher.query("*IDN?").startswith("Polatis")
+    for _ in range(250):               # let the server notice the departure (bounded)
+        if server.clients <= 1:
+            break
+        time.sleep(0.004)
+
+
+def test_connections_beyond_the_limit_are_refused_and_others_still_served(ocs_server):
+    from hil.emulator.scpi import MAX_CLIENTS
+    clients = [Client(ocs_server) for _ in range(MAX_CLIENTS)]
+    try:
+        assert clients[-1].query("*IDN?").startswith("Polatis")
+        extra = Client(ocs_server)
+        extra.sock.settimeout(5)
+        try:
+            extra.send(b"*IDN?\n")
+            assert extra.sock.recv(100) == b""          # closed by the server, unanswered
+        except ConnectionError:
+            pass
+        finally:
+            extra.close()
+        assert clients[0].query("*IDN?").startswith("Polatis")
+    finally:
+        for c in clients:
+            c.close()
 
 
 @settings(max_examples=400, deadline=None)

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024        # bytes in one program message (a full 32x32 ONLY is ~200 bytes)
 ERROR_QUEUE_LEN = 30
+MAX_CLIENTS = 16            # sessions served at once; a further connection is refused
+SEND_TIMEOUT_S = 5.0        # a client that reads nothing for this long is dropped
 IDLE_POLL_S = 0.05          # how often a client thread notices that the server is closing
 
 ERROR_TEXT = {
@@ -422,6 +424,11 @@ class SCPIServer:
                 if not self._stop.is_set():
                     log.exception("%s: accept failed", self.name)
                 return
+            if self.clients >= MAX_CLIENTS:
+                log.warning("%s: refused a connection from %s:%s: %d clients already",
+                            self.name, addr[0], addr[1], MAX_CLIENTS)
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(IDLE_POLL_S)
             session = Session(f"{self.name} {addr[0]}:{addr[1]}")
@@ -492,9 +499,12 @@ class SCPIServer:
                     if reply is not None:
                         out = reply.encode("ascii", "replace") + b"\r\n"
                         try:
+                            conn.settimeout(SEND_TIMEOUT_S)
                             conn.sendall(out)
+                            conn.settimeout(IDLE_POLL_S)
                         except OSError:
-                            log.info("%s: client vanished before its reply", session.peer)
+                            log.info("%s: client vanished (or stopped reading) before its "
+                                     "reply", session.peer)
                             return
                         self.bytes_out += len(out)
         except Exception:
