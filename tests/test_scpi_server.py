@@ -186,34 +186,55 @@ def lines_for(seeds):
         lambda b: b.decode("latin-1")))
 
 
+PM_LINES = [":READ1:CHAN1:POW?", ":SENS2:CHAN1:POW:WAV 1550nm", ":SENS1:POW:ATIM 0",
+            ":SENS3:POW:UNIT W", ":FETC2:CHAN1:POW?", ":SENS1:CHAN1:POW:RANG:AUTO 1", "*IDN?"]
+LASER_LINES = ["sour0:wav 1550nm", "sour0:pow 1mW", "sour0:pow -3dBm", "sour0:pow:stat 1",
+               "sour0:pow:unit 1", "sour0:pow?", "*IDN?"]
+
+
 @pytest.fixture(scope="module")
-def fuzz_server():
+def fuzz_servers():
     phys = OCSPhysics(8, seed=2, switching_s=0.0)
-    with SCPIServer(OCSInstrument(phys), name="ocs-fuzz") as server:
-        watcher = Client(server)
-        yield server, watcher
-        watcher.close()
+    meter = PowerMeterInstrument(lambda ch: 0.5, channels=4)
+    # Averaging times are accepted but not kept here, so that fuzzed READs never sleep.
+    meter.command(":SENSe#[:CHANnel#]:POWer:ATIMe", lambda s, x, a: None)
+    meter.commands.insert(0, meter.commands.pop())     # it shadows the real one
+    servers = {"ocs": SCPIServer(OCSInstrument(phys), name="ocs-fuzz"),
+               "powermeter": SCPIServer(meter, name="pm-fuzz"),
+               "laser": SCPIServer(LaserInstrument(), name="laser-fuzz")}
+    for s in servers.values():
+        s.start()
+    watchers = {k: Client(s) for k, s in servers.items()}
+    yield {k: (servers[k], watchers[k]) for k in servers}
+    for k, s in servers.items():
+        watchers[k].close()
+        s.close()
+
+
+@pytest.mark.parametrize("name,seeds,idn", [("ocs", OCS_LINES, "Polatis"),
+                                            ("powermeter", PM_LINES, "Keysight"),
+                                            ("laser", LASER_LINES, "Keysight")])
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_socket_keeps_answering(fuzz_servers, name, seeds, idn, data):
+    """Whatever one client sends (then vanishing), the server answers *IDN? to the next."""
+    server, watcher = fuzz_servers[name]
+    payload = data.draw(st.one_of(st.binary(max_size=200), st.lists(lines_for(seeds), max_size=3)
+                                  .map(lambda ls: "\n".join(ls).encode("latin-1", "replace"))))
+    c = Client(server)
+    c.send(payload + b"\n")
+    c.close()
+    assert watcher.query("*IDN?").startswith(idn)
+    for _ in range(250):               # let the server notice the departure (bounded)
+        if server.clients <= 1:
+            break
+        time.sleep(0.004)
 
 
 def _valid_matching(state: dict[int, int], n: int) -> bool:
     return (all(1 <= i <= n < e <= 2 * n for i, e in state.items())
             and len(set(state.values())) == len(state))
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.one_of(st.binary(max_size=200),
-                      lines_for(OCS_LINES).map(lambda t: t.encode("latin-1", "replace"))))
-def test_fuzz_ocs_socket_keeps_answering(fuzz_server, data):
-    """Whatever one client sends (then vanishing), the server answers *IDN? to the next."""
-    server, watcher = fuzz_server
-    c = Client(server)
-    c.send(data + b"\n")
-    c.close()
-    assert watcher.query("*IDN?").startswith("Polatis")
-    for _ in range(250):               # let the server notice the departure (bounded)
-        if server.clients <= 1:
-            break
-        time.sleep(0.004)
 
 
 def test_connections_beyond_the_limit_are_refused_and_others_still_served(ocs_server):
