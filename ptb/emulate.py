@@ -29,6 +29,10 @@ def run(args) -> int:
         spec = rig_spec(args.rig)
     except ValueError as e:
         raise CommandFailed(str(e)) from None
+    if not 0 <= args.switching_ms <= 10_000:
+        raise CommandFailed(f"--switching-ms must be in 0..10000, not {args.switching_ms:g}")
+    if args.port_base is not None and not 1024 <= args.port_base <= 65532:
+        raise CommandFailed(f"--port-base must be in 1024..65532, not {args.port_base}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -33,6 +33,8 @@ class OCSPhysics:
                  light_in: Callable[[], dict[int, float]] | None = None):
         if n < 1:
             raise ValueError("an OCS has at least one port pair")
+        if not 0 <= switching_s <= 10:
+            raise ValueError(f"switching time {switching_s} s is not in 0..10 s")
         self.n = n
         self.switching_s = switching_s
         self.light_in = light_in or (lambda: {})
