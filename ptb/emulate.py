@@ -16,6 +16,11 @@ def add_parser(sub) -> None:
                    help=f"rig name ({', '.join(sorted(RIGS))}); default lumion")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
     p.add_argument("--endpoints", metavar="FILE", help="also write the endpoints as JSON here")
+    p.add_argument("--port-base", type=int, metavar="PORT",
+                   help="fixed TCP ports: OCS PORT, power meter PORT+1, laser PORT+2, "
+                   "control PORT+3 (default: ephemeral)")
+    p.add_argument("--switching-ms", type=float, default=25.0,
+                   help="OCS switching time in ms (default 25)")
     p.set_defaults(func=run)
 
 
@@ -24,10 +29,15 @@ def run(args) -> int:
         spec = rig_spec(args.rig)
     except ValueError as e:
         raise CommandFailed(str(e)) from None
+    if not 0 <= args.switching_ms <= 10_000:
+        raise CommandFailed(f"--switching-ms must be in 0..10000, not {args.switching_ms:g}")
+    if args.port_base is not None and not 1024 <= args.port_base <= 65532:
+        raise CommandFailed(f"--port-base must be in 1024..65532, not {args.port_base}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with EmulatedRig(spec, seed=args.seed) as rig:
+    with EmulatedRig(spec, seed=args.seed, port_base=args.port_base,
+                     switching_s=args.switching_ms / 1000) as rig:
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from hil.emulator.bench_optics import OpticalBench
+from hil.emulator.control import ControlServer
 from hil.emulator.dac_board import EmulatedDACBoard
 
 log = logging.getLogger(__name__)
@@ -24,11 +26,16 @@ class RigSpec:
     name: str
     description: str
     dac_modules: int = 0          # Q8iv modules of 8 channels in the heater DAC chain
+    ocs_ports: int = 0            # N of an N x N Polatis-class OCS (0: none)
+    meter_channels: int = 0       # ports of the N774x power meter (read OCS egress N+1..)
+    laser: bool = False           # an N7776C laser feeding OCS ingress 1
 
 
 RIGS = {
     "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards",
                       dac_modules=7),
+    "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
+                    "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
 }
 
 
@@ -42,9 +49,16 @@ def rig_spec(name: str) -> RigSpec:
 class EmulatedRig:
     """Every instrument of a rig, started on its wire. Use as a context manager."""
 
-    def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None):
+    def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None,
+                 port_base: int | None = None, switching_s: float = 0.025):
         self.spec = spec
         self.seed = seed
+        # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2,
+        # control = base+3; ephemeral otherwise.
+        self.port_base = port_base
+        self.switching_s = switching_s
+        self.optics: OpticalBench | None = None
+        self.control: ControlServer | None = None
         self._own_dir = workdir is None
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
@@ -56,6 +70,19 @@ class EmulatedRig:
                 self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
                                             seed=self.seed)
                 self.endpoints["dac"] = self.dac.start()
+            if self.spec.ocs_ports or self.spec.laser:
+                base = self.port_base
+                fixed = {} if base is None else {"ocs": base, "powermeter": base + 1,
+                                                 "laser": base + 2}
+                self.optics = OpticalBench(ocs_ports=self.spec.ocs_ports,
+                                           meter_channels=self.spec.meter_channels,
+                                           laser=self.spec.laser, seed=self.seed,
+                                           switching_s=self.switching_s, ports=fixed)
+                self.endpoints.update(self.optics.start())
+                self.control = ControlServer(
+                    bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
+                self.optics.register(self.control)
+                self.endpoints["control"] = self.control.start()
         except BaseException:
             self.close()
             raise
@@ -69,6 +96,12 @@ class EmulatedRig:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self.optics is not None:
+            self.optics.close()
+            self.optics = None
         if self.dac is not None:
             self.dac.close()
             self.dac = None

@@ -1,0 +1,223 @@
+"""Driver for a Polatis-class optical circuit switch (SCPI over a raw socket, via pyvisa).
+
+`OpticalCircuitSwitch` is a `CircuitSwitch`: `apply()` makes a whole port map the switch's state
+in one line and one round trip,
+
+    :OXC:SWIT:CONN:ONLY (@1,2,...),(@33,34,...);*OPC?;:SYST:ERR?
+
+which the switch carries out by moving only the circuits that differ, answers once the light has
+settled (`*OPC?`), and confirms (`:SYST:ERR?`). Refusals are raised as typed `SCPIError`s from
+the drained error queue.
+
+If the session drops in the middle of a change, the driver reopens it, reads the map back and
+sends only what is still missing (nothing if the switch already did it), so a reconfiguration is
+never applied twice.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable, Mapping
+from typing import Callable
+
+from drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch, SwitchError,
+                                    check_circuits)
+from drivers.scpi import (ConnectionLost, InstrumentDisconnected, ProtocolError,
+                          SCPIInstrument, parse_error, scpi_error)
+
+log = logging.getLogger(__name__)
+
+_LIST = re.compile(r"\(@([^()]*)\)")
+SETTLE_TIMEOUT_S = 10.0      # the longest a move may take before *OPC? is late
+
+
+def format_circuits(circuits: Mapping[int, int]) -> str:
+    """{1: 33, 2: 34} -> `(@1,2),(@33,34)` (ingress ascending)."""
+    ins = sorted(circuits)
+    return f"(@{','.join(map(str, ins))}),(@{','.join(str(circuits[i]) for i in ins)})"
+
+
+def parse_circuits(text: str) -> Circuits:
+    """`(@1,2),(@33,34)` (or `(@),(@)`, or `(@1),(@33);(@2),(@34)`) -> {1: 33, 2: 34}."""
+    out: Circuits = {}
+    for group in text.strip().split(";"):
+        lists = _LIST.findall(group)
+        if len(lists) != 2 or _LIST.sub("", group).replace(",", "").strip():
+            raise ProtocolError(f"not a connection state: {text[:80]!r}")
+        try:
+            ins = [int(x) for x in lists[0].split(",") if x.strip()]
+            outs = [int(x) for x in lists[1].split(",") if x.strip()]
+        except ValueError:
+            raise ProtocolError(f"not a connection state: {text[:80]!r}") from None
+        if len(ins) != len(outs):
+            raise ProtocolError(f"unpaired connection state: {text[:80]!r}")
+        out.update(zip(ins, outs))
+    return out
+
+
+class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
+    """A Polatis-class N x N OCS on `TCPIP::host::port::SOCKET` (ingress 1..N, egress N+1..2N).
+
+    The driver remembers the map it last read or set (`known`) so that `apply()` of an
+    unchanged map sends nothing and a changed one costs one round trip; after a dropped session
+    it forgets it and reads the map back.
+    """
+
+    name = "ocs"
+
+    def __init__(self, resource: str, *, settle_timeout_s: float = SETTLE_TIMEOUT_S, **kwargs):
+        self.settle_timeout_s = settle_timeout_s
+        super().__init__(resource, **kwargs)
+        size = self.query(":OXC:SWIT:SIZE?")
+        try:
+            n_in, n_out = (int(x) for x in size.split(","))
+        except ValueError:
+            raise ProtocolError(f"size query answered {size!r}") from None
+        if n_in != n_out or n_in < 1:
+            raise ProtocolError(f"not an N x N switch: {size!r}")
+        self._n = n_in
+        self.known: Circuits | None = None
+
+    @property
+    def ports(self) -> int:
+        return self._n
+
+    def describe(self) -> dict:
+        return {**super().describe(), "identity": self.identity,
+                "resource": self.resource_name}
+
+    def _on_reconnect(self) -> None:
+        self.known = None
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def circuits(self) -> Circuits:
+        self.known = parse_circuits(self.query(":OXC:SWIT:CONN:STAT?"))
+        return dict(self.known)
+
+    def connected_port(self, port: int) -> int | None:
+        """The port joined to `port`, or None."""
+        self._check_port(port)
+        reply = self.query(f":OXC:SWIT:CONN:PORT? {port}")
+        try:
+            peer = int(reply)
+        except ValueError:
+            raise ProtocolError(f"port query answered {reply[:40]!r}") from None
+        return peer or None
+
+    def port_power(self, ports: Iterable[int]) -> dict[int, float]:
+        """Optical power at each port in dBm, from the switch's own monitors (`:PMON:POW?`)."""
+        ports = list(ports)
+        for p in ports:
+            self._check_port(p)
+        if not ports:
+            return {}
+        reply = self.query(f":PMON:POW? (@{','.join(map(str, ports))})")
+        try:
+            values = [float(v) for v in reply.strip("()").split(",")]
+        except ValueError:
+            raise ProtocolError(f"power monitor answered {reply[:80]!r}") from None
+        if len(values) != len(ports):
+            raise ProtocolError(f"asked {len(ports)} ports, got {len(values)} powers")
+        return dict(zip(ports, values))
+
+    def _check_port(self, port: int) -> None:
+        if not isinstance(port, int) or not 1 <= port <= 2 * self._n:
+            raise SwitchError(f"port {port!r} does not exist on this switch (1..{2 * self._n})")
+
+    # ---- changing ----------------------------------------------------------------------------
+
+    def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
+        t0 = time.perf_counter()
+        want = check_circuits(circuits, self._n)
+        before = self.known if self.known is not None else self.circuits()
+        if before != want:
+            self._change(f":OXC:SWIT:CONN:ONLY {format_circuits(want)}",
+                         lambda now: None if now == want else
+                         f":OXC:SWIT:CONN:ONLY {format_circuits(want)}",
+                         lambda now: want)
+        return ApplyReport(added={i: e for i, e in want.items() if before.get(i) != e},
+                           removed={i: e for i, e in before.items() if want.get(i) != e},
+                           seconds=time.perf_counter() - t0)
+
+    def connect(self, ingress: int, egress: int) -> None:
+        """Add one circuit (refused by the switch if either port is in use)."""
+        self.connect_many({ingress: egress})
+
+    def connect_many(self, circuits: Mapping[int, int]) -> None:
+        """Add circuits in one `:CONN:ADD` (all or nothing); existing ones stay."""
+        pairs = check_circuits(circuits, self._n)
+        if not pairs:
+            return
+        self._change(f":OXC:SWIT:CONN:ADD {format_circuits(pairs)}",
+                     lambda now: self._missing_line("ADD", {i: e for i, e in pairs.items()
+                                                            if now.get(i) != e}),
+                     lambda now: {**now, **pairs})
+
+    def disconnect(self, ingress: int, egress: int | None = None) -> None:
+        """Remove the circuit from `ingress` (to `egress`, read from the switch if not given)."""
+        if egress is None:
+            egress = self.connected_port(ingress)
+            if egress is None:
+                return
+        self.disconnect_many({ingress: egress})
+
+    def disconnect_many(self, circuits: Mapping[int, int]) -> None:
+        """Remove circuits in one `:CONN:SUB`; the switch refuses ones that are not set."""
+        pairs = check_circuits(circuits, self._n)
+        if not pairs:
+            return
+        self._change(f":OXC:SWIT:CONN:SUB {format_circuits(pairs)}",
+                     lambda now: self._missing_line("SUB", {i: e for i, e in pairs.items()
+                                                            if now.get(i) == e}),
+                     lambda now: {i: e for i, e in now.items() if pairs.get(i) != e})
+
+    def disconnect_all(self) -> None:
+        self._change(":OXC:SWIT:DISC:ALL", lambda now: ":OXC:SWIT:DISC:ALL" if now else None,
+                     lambda now: {})
+
+    def reconcile(self, circuits: Mapping[int, int]) -> ApplyReport:
+        """Read the map back, then apply only the difference to `circuits`."""
+        self.known = None
+        return self.apply(circuits)
+
+    @staticmethod
+    def _missing_line(verb: str, pairs: Circuits) -> str | None:
+        return f":OXC:SWIT:CONN:{verb} {format_circuits(pairs)}" if pairs else None
+
+    def _change(self, line: str, redo: Callable[[Circuits], str | None],
+                after: Callable[[Circuits], Circuits]) -> None:
+        """Send a state change with `*OPC?;:SYST:ERR?` on the same line.
+
+        If the session drops before the answer, reopen it, read the map back and send
+        `redo(map)` (what is still missing), or nothing when `redo` says it is done.
+        """
+        base = self.known
+        try:
+            reply = self._exchange(f"{line};*OPC?;:SYST:ERR?", True, self.settle_timeout_s)
+        except ConnectionLost as e:
+            log.warning("%s: session lost during a change (%s); reopening to reconcile",
+                        self.resource_name, e)
+            self._reconnect()
+            now = self.circuits()
+            line = redo(now)
+            if line is None:
+                log.info("%s: the switch had already made the change", self.resource_name)
+                return
+            base = now
+            try:
+                reply = self._exchange(f"{line};*OPC?;:SYST:ERR?", True, self.settle_timeout_s)
+            except ConnectionLost as e2:
+                self.known = None
+                raise InstrumentDisconnected(f"{self.resource_name}: lost again while "
+                                             f"reconciling: {e2}") from e2
+        opc, _, entry = reply.partition(";")
+        if opc.strip() != "1":
+            self.known = None
+            raise ProtocolError(f"{line[:60]!r}: expected '1;<error>', got {reply[:80]!r}")
+        code, msg = parse_error(entry)
+        if code != 0:
+            self.known = None
+            raise scpi_error(code, msg, line, [(code, msg)] + self.errors())
+        self.known = after(base) if base is not None else None

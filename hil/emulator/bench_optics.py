@@ -1,0 +1,146 @@
+"""The optical bench of a rig: an OCS, a power meter and a laser, wired by fibre, on sockets.
+
+Wiring (the `opus` rig, documented in docs/instruments.md):
+  laser output  -> OCS ingress `LASER_INGRESS` (1)
+  OCS egress N+m -> power meter port m (m = 1..channels; egress 33..36 on a 32 x 32 switch)
+
+`OpticalBench.start()` serves each instrument on its own loopback port and registers the
+control handlers (drop, reboot, stick, switching_time, truth) with a `ControlServer`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hil.emulator.control import ControlError, ControlServer
+from hil.emulator.ocs import OCSInstrument, OCSPhysics
+from hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
+from hil.emulator.scpi import SCPIServer
+
+log = logging.getLogger(__name__)
+
+LASER_INGRESS = 1
+
+
+class OpticalBench:
+    """OCS + power meter + laser; `ports` gives fixed TCP ports (ocs, powermeter, laser)."""
+
+    def __init__(self, *, ocs_ports: int = 32, meter_channels: int = 4, laser: bool = True,
+                 seed: int = 0, switching_s: float = 0.025, host: str = "127.0.0.1",
+                 ports: dict[str, int] | None = None):
+        ports = ports or {}
+        self.laser = LaserInstrument(serial=f"DE{seed:08d}") if laser else None
+        self.physics = OCSPhysics(ocs_ports, seed=seed, switching_s=switching_s,
+                                  light_in=self.light_in) if ocs_ports else None
+        self.meter_channels = meter_channels if ocs_ports else 0
+        self.servers: dict[str, SCPIServer] = {}
+        if self.physics is not None:
+            self.ocs = OCSInstrument(self.physics, serial=f"{seed:06d}")
+            self.servers["ocs"] = SCPIServer(self.ocs, host, ports.get("ocs", 0), "ocs")
+        if self.meter_channels:
+            self.powermeter = PowerMeterInstrument(self.meter_light, meter_channels, seed=seed,
+                                                   serial=f"MY{seed:08d}")
+            self.servers["powermeter"] = SCPIServer(self.powermeter, host,
+                                                    ports.get("powermeter", 0), "powermeter")
+        if self.laser is not None:
+            self.servers["laser"] = SCPIServer(self.laser, host, ports.get("laser", 0), "laser")
+
+    # ---- optics ----------------------------------------------------------------------------
+
+    def light_in(self) -> dict[int, float]:
+        """mW entering each OCS ingress."""
+        return {LASER_INGRESS: self.laser.output_mw()} if self.laser is not None else {}
+
+    def meter_egress(self, channel: int) -> int:
+        return self.physics.n + channel
+
+    def meter_light(self, channel: int) -> float:
+        """mW reaching power meter port `channel`: what leaves its OCS egress."""
+        return self.physics.transfer(self.light_in())[self.meter_egress(channel)]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> dict[str, str]:
+        endpoints = {}
+        try:
+            for name, server in self.servers.items():
+                endpoints[name] = server.start()
+        except BaseException:
+            self.close()
+            raise
+        return endpoints
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+    # ---- control handlers --------------------------------------------------------------------
+
+    def register(self, control: ControlServer) -> None:
+        control.register("drop", self._drop)
+        control.register("reboot", self._reboot)
+        control.register("stick", self._stick)
+        control.register("switching_time", self._switching_time)
+        control.register("truth", self._truth)
+
+    def _server(self, req: dict) -> SCPIServer:
+        name = req.get("device")
+        if name not in self.servers:
+            raise ControlError(f"device must be one of {sorted(self.servers)}, not {name!r}")
+        return self.servers[name]
+
+    def _drop(self, req: dict) -> Any:
+        server = self._server(req)
+        when = req.get("when", "now")
+        if when == "now":
+            return {"dropped": server.drop_clients()}
+        header = req.get("header")
+        if not isinstance(header, str) or not header:
+            raise ControlError('"header" (a regex of the line to cut on) is needed with '
+                               '"when": "before" | "after"')
+        server.drop_on(header, when)
+        return {"armed": header, "when": when}
+
+    def _reboot(self, req: dict) -> Any:
+        server = self._server(req)
+        inst = server.instrument
+        with inst.lock:
+            if inst is getattr(self, "ocs", None):
+                self.physics.reboot()
+            else:
+                inst.reboot()
+        return {"dropped": server.drop_clients()}
+
+    def _stick(self, req: dict) -> Any:
+        if self.physics is None:
+            raise ControlError("this rig has no OCS")
+        port = req["port"]
+        if not isinstance(port, int) or not 1 <= port <= 2 * self.physics.n:
+            raise ControlError(f"port must be an integer in 1..{2 * self.physics.n}")
+        with self.physics.lock:
+            if req.get("stuck", True):
+                self.physics.stuck.add(port)
+            else:
+                self.physics.stuck.discard(port)
+            return sorted(self.physics.stuck)
+
+    def _switching_time(self, req: dict) -> Any:
+        if self.physics is None:
+            raise ControlError("this rig has no OCS")
+        s = req["seconds"]
+        if not isinstance(s, (int, float)) or not 0 <= s <= 10:
+            raise ControlError("seconds must be a number in 0..10")
+        self.physics.switching_s = float(s)
+        return self.physics.switching_s
+
+    def _truth(self, req: dict) -> Any:
+        out: dict[str, Any] = {}
+        if self.physics is not None:
+            out["ocs"] = self.physics.truth()
+            out["powermeter"] = {m: {"egress": self.meter_egress(m), "mw": self.meter_light(m)}
+                                 for m in range(1, self.meter_channels + 1)}
+        if self.laser is not None:
+            s = self.laser.state
+            out["laser"] = {"on": s.on, "power_mw": s.power_mw, "wavelength_m": s.wavelength_m,
+                            "output_mw": self.laser.output_mw(), "feeds_ingress": LASER_INGRESS}
+        return out
