@@ -25,7 +25,7 @@ BAUD = 115200
 CODE_FULL = 65535
 ERROR_LINE = re.compile(r"^[A-Za-z]{1,3}(\d+):(\d+)$")
 MODULE_LINE = re.compile(r"^\s*([^:\s]+)\s*:\s*(\d+)\s*$")
-VALUE_LINE = re.compile(r"^([+-]?\d+(?:\.\d*)?)\s*(V|mA|mW)?$")
+VALUE_LINE = re.compile(r"^([+-]?\d+(?:\.\d*)?)\s*(V|mA|mW|uA)?$")
 # A gap of this many unchanged channels costs more bytes as a new line than resent in place.
 MERGE_GAP = 2
 
@@ -455,6 +455,17 @@ class HeaterDAC:
     def currents(self) -> list[float]:
         n = self.channels
         return self._call(lambda: [self._parse_value(s, "mA") for s in self._query("iall?", n)])
+
+    def photocurrent(self, ch: int) -> float:
+        """Monitor photodiode current beside heater channel ch, in uA (our PD extension;
+        Forbidden when the board has no photodiode inputs)."""
+        self._code(ch, 0.0)  # refuses a channel the chain does not have
+        return self._call(lambda: self._parse_value(self._query(f"pd{ch}?")[0], "uA"))
+
+    def photocurrents(self) -> list[float]:
+        """Every monitor photodiode of the chain in one query (PDALL?), in uA."""
+        n = self.channels
+        return self._call(lambda: [self._parse_value(s, "uA") for s in self._query("pdall?", n)])
 
     def set_vmax(self, ch: int, volts: float) -> None:
         self._code(ch, volts)

@@ -17,6 +17,11 @@ The hardware is reached only through a HAL object with three methods:
     hal.write(ch, code)      set one DAC channel (global channel index across the chain)
     hal.read_current(ch)     measured heater current of that channel, in 1e-4 mA
     hal.ticks_ms()           a millisecond clock (wrap-around is handled with ticks_diff)
+
+and optionally a fourth, on boards that carry the chip's monitor photodiodes:
+
+    hal.read_photocurrent(ch)  photocurrent of the photodiode wired beside heater channel ch,
+                               in 1e-4 uA, or None when the board has no photodiode inputs
 """
 
 FIRMWARE_VERSION = "0.1.0"
@@ -58,7 +63,7 @@ HELP_TEXT = (
     "V<ch>=<volts> V<ch>?  I<ch>=<mA> I<ch>?  VMAX<ch>=<volts> VMAX<ch>?  IMAX<ch>=<mA> IMAX<ch>?",
     "VALL? IALL? VMAXALL? IMAXALL?  VVEC<ch>=a,b,...  VHEX<ch>=hhhh...  VHEX?",
     "ID? NUP=0 NUP? NUPALL? NCHAN? VFULL? IFULL? FIRMWARE? HELP",
-    "WDT=<ms> (0 = off) WDT?  PMAX=<mW> PMAX?  PTOT?",
+    "WDT=<ms> (0 = off) WDT?  PMAX=<mW> PMAX?  PTOT?  PD<ch>? PDALL? (monitor photodiodes)",
     "Errors: E<code>:<ch>  01 over voltage, 02 over current, 03 power budget, 10 command,",
     "11 parameter, 12 channel, 13 forbidden, 14 line too long, 15 serial, 90 powered up",
 )
@@ -667,6 +672,23 @@ class Board:
                 total += self.volts_of(c, self.codes[c]) * self.hal.read_current(c)
         return format_fixed((total + 5000) // 10000, "mW") + "\n"  # to 1e-4 mW
 
+    # ---- monitor photodiodes (our extension) ------------------------------------------------
+
+    def _photocurrent(self, c):
+        reader = getattr(self.hal, "read_photocurrent", None)
+        value = reader(c) if reader is not None else None
+        if value is None:
+            raise CommandError(E_FORBIDDEN, c % 100)  # this board has no photodiode inputs
+        return value
+
+    def cmd_get_pd(self, ch, value):
+        c = self._channel(ch)
+        return format_fixed(self._photocurrent(c), "uA") + "\n"
+
+    def cmd_pdall(self, ch, value):
+        self._no_channel(ch)
+        return "".join([format_fixed(self._photocurrent(c), "uA") + "\n" for c in range(self.n)])
+
     COMMANDS = {
         ("v", "="): cmd_set_v,
         ("v", "?"): cmd_get_v,
@@ -697,4 +719,6 @@ class Board:
         ("pmax", "="): cmd_set_pmax,
         ("pmax", "?"): cmd_get_pmax,
         ("ptot", "?"): cmd_ptot,
+        ("pd", "?"): cmd_get_pd,
+        ("pdall", "?"): cmd_pdall,
     }

@@ -6,11 +6,17 @@ readback passes through a 16-bit ADC over the module's current full scale, like 
 """
 
 ADC_FULL = 65535
+PD_FULL = 10000000  # photodiode input full scale, 1000 uA in 1e-4 uA (a 24-bit ADC behind a TIA)
 
 
 class EmulatedHAL:
-    def __init__(self, vfull, ifull, resistances_ohm, clock_ms, on_write=None):
-        """vfull, ifull: per channel full scales in 1e-4 V and 1e-4 mA; clock_ms() -> int."""
+    def __init__(self, vfull, ifull, resistances_ohm, clock_ms, on_write=None, photocurrent=None):
+        """vfull, ifull: per channel full scales in 1e-4 V and 1e-4 mA; clock_ms() -> int.
+
+        photocurrent(ch) -> amperes: the light on the monitor photodiode beside heater channel
+        ch (None: the board has no photodiode inputs).
+        """
+        self.photocurrent = photocurrent
         self.vfull = list(vfull)
         self.ifull = list(ifull)
         self.resistance = list(resistances_ohm)  # None or 0 means open circuit
@@ -37,6 +43,16 @@ class EmulatedHAL:
         if adc > ADC_FULL:
             adc = ADC_FULL
         return (adc * full + ADC_FULL // 2) // ADC_FULL
+
+    def read_photocurrent(self, ch):
+        if self.photocurrent is None:
+            return None
+        units = int(self.photocurrent(ch) * 1e10 + 0.5)  # A -> 1e-4 uA
+        if units < 0:
+            return 0
+        if units > PD_FULL:
+            return PD_FULL
+        return units
 
     def ticks_ms(self):
         return self.clock_ms()

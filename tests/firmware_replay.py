@@ -45,9 +45,13 @@ def run_session(session, core, hal_module):
         raise ValueError("session %s: %d resistances for %d channels"
                          % (session["name"], len(resistances), n))
     clock = FakeClock()
+    photocurrent = None
+    if "photocurrents_na" in session:
+        nanoamps = session["photocurrents_na"]
+        photocurrent = lambda ch: nanoamps[ch] * 1e-9  # noqa: E731
     hal = hal_module.EmulatedHAL([m.vfull for m in modules for _ in range(m.n)],
                       [m.ifull for m in modules for _ in range(m.n)],
-                      resistances, clock)
+                      resistances, clock, None, photocurrent)
     board = core.Board(hal, modules)
     replies = []
     for step in session["steps"]:

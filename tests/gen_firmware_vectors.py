@@ -118,6 +118,13 @@ SESSIONS = [
         "imax48=1", "imax55=1", "vvec48=2,2,2,2,2,2,2,2", "vvec48=0.5,0.5,0.5,0.5,0.5,0.5,0.5,2",
         "vall?", "vvec0=" + ",".join(["1"] * 56), "ptot?", "iall?",
         "vvec0=" + ",".join(["0"] * 56), "ptot?")),
+    dict(name="monitor_photodiodes", modules=2, resistances=R16,
+         photocurrents_na=[0, 1, 12345.6, 999999, 2e6, -5, 50, 7.5, 0.04, 0.05, 100, 200, 300,
+                           400, 500, 600],
+         steps=POWER_UP + s("pd0?", "pd2?", "pd3?", "pd4?", "pd5?", "pd8?", "pd9?", "PD15?",
+                            "pd16?", "pd?", "pd2=1", "pdall?", "pdall3?")),
+    dict(name="no_photodiodes", modules=1, resistances=R16[:8], steps=POWER_UP + s(
+        "pd0?", "pd7?", "pd8?", "pdall?")),
 ]
 
 
@@ -127,6 +134,8 @@ def main() -> None:
         session = {"name": spec["name"], "kind": "Q8iv", "modules": spec["modules"],
                    "channels_per_module": 8, "resistances": spec["resistances"],
                    "steps": [dict(step) for step in spec["steps"]]}
+        if "photocurrents_na" in spec:
+            session["photocurrents_na"] = spec["photocurrents_na"]
         replies = firmware_replay.run_session(session, core, hal_emulated)
         for step, reply in zip(session["steps"], replies):
             step["expect"] = reply.decode("ascii")

@@ -128,3 +128,30 @@ def test_garbage_on_the_line_is_answered_and_the_board_keeps_serving(dac_board):
     assert lines[2].startswith(b"Q8iv-")
     with HeaterDAC(str(dac_board.link)) as dac:
         assert dac.ping().startswith("Q8iv-")
+
+
+def test_monitor_photodiodes_read_through_the_board(tmp_path):
+    """PD<ch>? / PDALL? carry the chip's monitor photocurrents over the same serial line."""
+    light = {3: 12.5e-6, 9: 0.25e-6}
+    board = EmulatedDACBoard(tmp_path / "dac", modules=2, seed=1,
+                             photocurrent=lambda ch: light.get(ch, 0.0))
+    port = board.start()
+    try:
+        with HeaterDAC(port) as dac:
+            assert dac.photocurrent(3) == pytest.approx(12.5)
+            values = dac.photocurrents()
+            assert len(values) == 16
+            assert values[9] == pytest.approx(0.25) and values[0] == 0.0
+            with pytest.raises(ValueError):
+                dac.photocurrent(16)
+    finally:
+        board.close()
+
+
+def test_board_without_photodiodes_says_so(dac_board):
+    from drivers.heater_dac import Forbidden
+    with HeaterDAC(str(dac_board.link)) as dac:
+        with pytest.raises(Forbidden) as refused:
+            dac.photocurrents()
+        assert refused.value.code == 13
+        assert dac.ping()  # the session goes on

@@ -43,7 +43,8 @@ class EmulatedDACBoard:
     def __init__(self, link: str | os.PathLike, *, modules: int = 7, kind: str = "Q8iv",
                  channels_per_module: int = 8, seed: int = 0,
                  resistances: list[float] | None = None,
-                 on_output: Callable[[int, float], None] | None = None):
+                 on_output: Callable[[int, float], None] | None = None,
+                 photocurrent: Callable[[int], float] | None = None):
         self.link = pathlib.Path(link)
         chain = make_chain(kind, [seed * 0x100 + k + 1 for k in range(modules)],
                            channels_per_module)
@@ -51,7 +52,7 @@ class EmulatedDACBoard:
         self.resistances = resistances if resistances is not None else heater_resistances(n, seed)
         self.hal = EmulatedHAL([m.vfull for m in chain for _ in range(m.n)],
                                [m.ifull for m in chain for _ in range(m.n)],
-                               self.resistances, _clock_ms, on_output)
+                               self.resistances, _clock_ms, on_output, photocurrent)
         self.board = Board(self.hal, chain)
         self._lock = threading.Lock()
         self._master: int | None = None
