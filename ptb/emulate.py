@@ -16,6 +16,8 @@ def add_parser(sub) -> None:
                    help=f"rig name ({', '.join(sorted(RIGS))}); default lumion")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
     p.add_argument("--endpoints", metavar="FILE", help="also write the endpoints as JSON here")
+    p.add_argument("--write-rig", metavar="FILE",
+                   help="also write a rig file (TOML) pointing at the emulated instruments")
     p.set_defaults(func=run)
 
 
@@ -30,6 +32,9 @@ def run(args) -> int:
     with EmulatedRig(spec, seed=args.seed) as rig:
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
+        if args.write_rig:
+            from hil import rigfile
+            rigfile.write(args.write_rig, rigfile.for_emulator(spec.name, rig.endpoints))
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
         for name, where in rig.endpoints.items():
             print(f"  {name:<11} {where}")

@@ -124,18 +124,22 @@ class ServiceClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def send(self, op: str, args: dict | None = None, *, ttl: float | None = None,
-             expect: str | None = None) -> str:
-        """Send one request without waiting; returns its id (for `receive`)."""
+             expect: str | None = None, wait: float = 0.0) -> str:
+        """Send one request, waiting at most `wait` seconds for a connection (a request is
+        never queued for a peer that is not connected); returns its id (for `receive`)."""
         if self._sock is None:
             raise BusError("the client is closed")
         rid = self._prefix + str(next(_ids))
         ttl = self.timeout if ttl is None else ttl
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,
                           expect=expect)
+        frame = schema.encode(msg)
+        if wait > 0 and not self._sock.poll(max(1, int(wait * 1e3)), zmq.POLLOUT):
+            return rid      # not connected (yet): the caller's wait times out and retries
         try:
-            self._sock.send(schema.encode(msg), zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            pass            # not connected (yet): the caller's wait times out and retries
+            pass
         return rid
 
     def receive(self, rid: str, deadline: float):
@@ -172,7 +176,9 @@ class ServiceClient:
         attempt = min(timeout, 0.25) if retry else timeout
         while True:
             left = deadline - time.monotonic()
-            rid = self.send(op, args, ttl=max(left, 0.001), expect=expect)
+            rid = self.send(op, args, ttl=max(left, 0.001), expect=expect,
+                            wait=max(0.0, min(deadline, time.monotonic() + attempt)
+                                     - time.monotonic()))
             try:
                 return self.receive(rid, min(deadline, time.monotonic() + attempt))
             except ServiceUnavailable:
