@@ -125,8 +125,9 @@ def check_fields(where: str, obj: Mapping, spec: Mapping, extra_ok: bool = False
 
 def make(type_: str, **fields) -> dict:
     """A message dict (checked: a bug here must not reach the wire)."""
-    msg = {"v": VERSION, "type": type_, **{k: v for k, v in fields.items() if v is not None
-                                           or (type_ == "error" and k == "id")}}
+    spec = MESSAGES[type_]
+    msg = {"v": VERSION, "type": type_,
+           **{k: v for k, v in fields.items() if v is not None or spec.get(k, (0, False))[1]}}
     check_fields(type_, msg, MESSAGES[type_])
     return msg
 
