@@ -271,11 +271,15 @@ class StateSubscriber:
                 if dev.dealer is not None and dev.pending is not None:
                     poller.register(dev.dealer, zmq.POLLIN)
             poller.poll(int(timeout * 1e3))
+        sub = self.sub
+        more = zmq.RCVMORE
         while handled < max_messages:
             try:
-                frames = self.sub.recv_multipart(zmq.NOBLOCK)
+                frames = [sub.recv(zmq.NOBLOCK)]      # cheaper than recv_multipart
             except zmq.Again:
                 break
+            while sub.getsockopt(more):
+                frames.append(sub.recv())
             self._on_published(frames)
             handled += 1
         for dev in self.devices.values():

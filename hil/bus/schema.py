@@ -108,16 +108,22 @@ def _is(value, types: tuple) -> bool:
     return isinstance(value, types)
 
 
+_ENVELOPE = frozenset({"v", "type"})
+
+
 def check_fields(where: str, obj: Mapping, spec: Mapping, extra_ok: bool = False) -> None:
     for name, (types, required) in spec.items():
         if name not in obj:
             if required:
                 raise MissingField(f"{where}: field {name!r} is missing")
             continue
-        if not _is(obj[name], types):
+        value = obj[name]
+        if type(value) in types and type(value) is not bool:
+            continue                                   # the common case, decided at once
+        if not _is(value, types):
             raise WrongType(f"{where}: field {name!r} must be {_type_names(types)}, "
-                            f"not {type(obj[name]).__name__}")
-    if not extra_ok:
+                            f"not {type(value).__name__}")
+    if not extra_ok and not obj.keys() <= spec.keys() | _ENVELOPE:
         unknown = sorted(set(obj) - set(spec) - {"v", "type"})
         if unknown:
             raise WrongType(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
