@@ -263,3 +263,26 @@ def test_curve_listed_client_works_and_unlisted_cannot_change_anything(tmp_path)
             assert c.call("read_circuits") == {"circuits": [[1, 9]]}
             with StateSubscriber({"ocs": (request, publish)}, keys=intruder) as sub:
                 assert not sub.wait_synced(0.5)
+
+
+def test_device_unplugged_is_reported_and_comes_back(rig):
+    spec = ServiceSpec("heaters", "heater_dac", rig.endpoints["dac"], heartbeat=0.1,
+                       health=0.2, options={"reconnect_timeout": 0.3})
+    with Supervised([spec]) as s, ServiceClient(s.endpoints["heaters"][0], timeout=5) as c, \
+            StateSubscriber({"heaters": s.endpoints["heaters"]}) as sub:
+        assert sub.wait_synced(10)
+        c.call("set_heaters", volts=[2.0])
+        rig.dac.unplug()
+        with pytest.raises(RemoteError) as gone:
+            c.call("read_heaters")
+        assert gone.value.kind == "DACDisconnected"
+        deadline = time.monotonic() + 10
+        while sub.state("heaters")["online"] and time.monotonic() < deadline:
+            sub.poll(0.05)
+        assert sub.state("heaters")["online"] is False
+        rig.dac.replug()
+        while not sub.state("heaters")["online"] and time.monotonic() < deadline + 10:
+            sub.poll(0.05)
+        assert sub.state("heaters")["online"] is True
+        assert c.call("read_heaters")["volts"][0] == pytest.approx(2.0, abs=2e-4)
+        assert s.manager.services["heaters"].restarts == 0     # the service itself stayed up

@@ -45,13 +45,17 @@ class Manager:
 
     def __init__(self, specs: list[ServiceSpec], *, backoff_min: float = 0.1,
                  backoff_max: float = 5.0, stable_s: float = 10.0, start_timeout: float = 20.0,
-                 missed_heartbeats: int = 6, watch_heartbeats: bool = True,
+                 missed_heartbeats: int = 6, silence_s: float = 15.0,
+                 watch_heartbeats: bool = True,
                  keys: ClientKeys | None = None):
         self._mp = mp.get_context("spawn")
         self.services = {s.name: Supervised(s) for s in specs}
         self.backoff_min, self.backoff_max, self.stable_s = backoff_min, backoff_max, stable_s
         self.start_timeout = start_timeout
         self.missed_heartbeats = missed_heartbeats
+        # A service is silent while a driver call runs (a device reconnecting can take
+        # seconds): only a silence longer than this is a hang.
+        self.silence_s = silence_s
         self._ctx = zmq.Context()
         self._sub = None
         self.keys = keys
@@ -130,7 +134,8 @@ class Manager:
     def _check_one(self, sup: Supervised, now: float) -> None:
         proc = sup.process
         if proc is not None:
-            silent = now - sup.last_heartbeat > self.missed_heartbeats * sup.spec.heartbeat
+            silent = now - sup.last_heartbeat > max(self.silence_s,
+                                                    self.missed_heartbeats * sup.spec.heartbeat)
             if proc.is_alive() and not (self._watch and silent):
                 if now - sup.started_at > self.stable_s:
                     sup.backoff = 0.0
