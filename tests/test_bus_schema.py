@@ -142,3 +142,30 @@ def test_a_restarted_owner_is_noticed():
     assert mirror.needs_snapshot
     mirror.load(second.snapshot())
     assert mirror.state == {"x": 3}
+
+
+def test_a_service_answers_an_unencodable_result_with_an_error():
+    import threading
+
+    from hil.bus.client import RemoteError, ServiceClient
+    from hil.bus.service import DeviceService, ServiceSpec
+    from tests.bus_doubles import MemoryPowerMeter
+
+    class NanMeter(MemoryPowerMeter):
+        def read_power(self, channels):
+            return {1: float("nan")}
+    service = DeviceService(ServiceSpec("pm", "power_meter", "mem", telemetry_hz=0.0),
+                            driver=NanMeter("mem"))
+    request, _ = service.bind()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        with ServiceClient(request, timeout=5) as c:
+            with pytest.raises(RemoteError, match="UnencodableResult: .*cannot be sent as JSON"):
+                c.call("read_power")
+            assert c.call("ping")["device"] == "pm"          # and the service carries on
+    finally:
+        stop.set()
+        thread.join(5)
+        service.close()

@@ -3,7 +3,9 @@
 A message is one JSON object (UTF-8) in one ZeroMQ frame, with `v` (the protocol version) and
 `type`. JSON keeps numbers exact in both directions (Python writes floats with `repr`, which
 reads back to the same double), and a vector of heater voltages is a plain JSON array: about
-eight bytes a channel. `decode` refuses anything that is not exactly a known message of this
+eight bytes a channel. Frames are written by the standard library's `json` (which refuses NaN
+rather than sending it) and read by `orjson` (strict JSON, the subscriber's hot path). `decode`
+refuses anything that is not exactly a known message of this
 version, with a `SchemaError` whose message says what was wrong; the service answers such a
 frame with an `error` message and carries on.
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+
+import orjson
 
 VERSION = 1
 MAX_FRAME = 1 << 20          # bytes; a whole 4096-channel heater vector is ~80 kB
@@ -138,6 +142,15 @@ def make(type_: str, **fields) -> dict:
     return msg
 
 
+def telemetry(device: str, seq: int, t: float, values: dict) -> dict:
+    """A telemetry message, built without `make`'s checks: this is the hot path, and every
+    field's type is fixed here."""
+    if not isinstance(values, dict):
+        raise WrongType(f"telemetry values must be an object, not {type(values).__name__}")
+    return {"v": VERSION, "type": "telemetry", "device": str(device), "seq": int(seq),
+            "t": float(t), "values": values}
+
+
 def encode(msg: Mapping) -> bytes:
     return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
 
@@ -147,7 +160,7 @@ def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
     if len(frame) > max_size:
         raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the limit of {max_size}")
     try:
-        msg = json.loads(frame)
+        msg = orjson.loads(frame)        # strict JSON (no NaN), 4x faster than json.loads
     except (UnicodeDecodeError, ValueError) as e:
         raise BadFrame(f"frame is not UTF-8 JSON: {e}") from None
     if not isinstance(msg, dict):

@@ -57,6 +57,10 @@ class BadRequest(Exception):
     """The request's arguments do not make sense for this device."""
 
 
+class UnencodableResult(Exception):
+    """The driver returned something JSON cannot carry (NaN, infinity, bytes)."""
+
+
 # ---- device kinds -----------------------------------------------------------------------------
 
 Op = Callable[[Any, dict], tuple[Any, dict]]     # (driver, args) -> (result, state changes)
@@ -196,11 +200,16 @@ class Publisher:
         make_server(self.sock, keys)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.last_endpoint.decode()
+        self._topics: dict[tuple[str, str], bytes] = {}
 
     def send(self, msg: dict) -> None:
-        kind = {"snapshot": schema.STATE, "delta": schema.STATE}.get(msg["type"], msg["type"])
+        key = (msg["type"], msg["device"])
+        topic = self._topics.get(key)
+        if topic is None:
+            kind = schema.STATE if msg["type"] in ("snapshot", "delta") else msg["type"]
+            topic = self._topics[key] = schema.topic(kind, msg["device"])
         # Two plain sends: pyzmq's send_multipart costs several times more per message.
-        self.sock.send(schema.topic(kind, msg["device"]), zmq.SNDMORE)
+        self.sock.send(topic, zmq.SNDMORE)
         self.sock.send(schema.encode(msg))
 
     def close(self) -> None:
@@ -333,9 +342,14 @@ class DeviceService:
 
     def _reply(self, envelope: list[bytes], msg: dict) -> None:
         try:
+            frame = schema.encode(msg)
+        except (TypeError, ValueError) as e:     # a result JSON cannot carry (NaN, bytes...)
+            frame = schema.encode(self._error(msg.get("id"), UnencodableResult(
+                f"the result of the request cannot be sent as JSON: {e}")))
+        try:
             for part in envelope:
                 self.router.send(part, zmq.NOBLOCK | zmq.SNDMORE)
-            self.router.send(schema.encode(msg), zmq.NOBLOCK)
+            self.router.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:     # the client went away; its loss
             log.debug("%s: reply not delivered: %s", self.name, e)
 
@@ -426,8 +440,7 @@ class DeviceService:
             log.debug("%s: telemetry read failed: %s", self.name, e)
             return
         self._telemetry_seq += 1
-        self.pub.send(schema.make("telemetry", device=self.name, seq=self._telemetry_seq,
-                                  t=time.time(), values=values))
+        self.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(), values))
 
 
 def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = None) -> None:

@@ -54,7 +54,7 @@ def _pump(endpoint_conn, go, n: int, values: dict) -> None:
     go.wait(30)
     t0 = time.time()
     for i in range(1, n + 1):
-        pub.send(schema.make("telemetry", device="bench", seq=i, t=t0, values=values))
+        pub.send(schema.telemetry("bench", i, t0, values))
     time.sleep(1.0)
     pub.close()
     ctx.term()
