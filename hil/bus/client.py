@@ -99,7 +99,7 @@ class ServiceClient:
         sock.linger = 0
         sock.immediate = True               # queue nothing for a peer that is not connected
         sock.reconnect_ivl = 20
-        sock.reconnect_ivl_max = 500
+        sock.reconnect_ivl_max = 100        # find a restarted service quickly
         make_client(sock, self.keys)
         sock.connect(self.endpoint)
         self._sock = sock
@@ -134,12 +134,16 @@ class ServiceClient:
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,
                           expect=expect)
         frame = schema.encode(msg)
-        if wait > 0 and not self._sock.poll(max(1, int(wait * 1e3)), zmq.POLLOUT):
-            return rid      # not connected (yet): the caller's wait times out and retries
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            pass
+            # Not connected (yet): wait for the connection, else the caller's wait times out
+            # and it retries on a fresh socket.
+            if wait > 0 and self._sock.poll(max(1, int(wait * 1e3)), zmq.POLLOUT):
+                try:
+                    self._sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
         return rid
 
     def receive(self, rid: str, deadline: float):
@@ -186,4 +190,4 @@ class ServiceClient:
                 if not retry or time.monotonic() >= deadline:
                     raise ServiceUnavailable(
                         f"{op}: no answer from {self.endpoint} within {timeout:g} s") from None
-                attempt = min(attempt * 2, 1.0)
+                attempt = min(attempt * 2, 0.5)
