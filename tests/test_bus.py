@@ -286,3 +286,18 @@ def test_device_unplugged_is_reported_and_comes_back(rig):
         assert sub.state("heaters")["online"] is True
         assert c.call("read_heaters")["volts"][0] == pytest.approx(2.0, abs=2e-4)
         assert s.manager.services["heaters"].restarts == 0     # the service itself stayed up
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_not_run(switches):
+    request, _ = switches.endpoints["ocs"]
+    slow = ServiceSpec("slow", "switch", "mem://slow", driver=SWITCH, heartbeat=0.1,
+                       options={"ports": 8, "settle_s": 0.3})
+    with Supervised([slow]) as s, ServiceClient(s.endpoints["slow"][0], timeout=5) as a, \
+            ServiceClient(s.endpoints["slow"][0], timeout=5) as b:
+        busy = a.send("apply_circuits", {"circuits": [[1, 9]]}, wait=2)
+        time.sleep(0.05)                                   # a's request is being run
+        late = b.send("apply_circuits", {"circuits": [[2, 10]]}, ttl=0.05, wait=2)
+        a.receive(busy, time.monotonic() + 5)
+        with pytest.raises(RemoteError, match="DeadlineExceeded: apply_circuits waited"):
+            b.receive(late, time.monotonic() + 5)
+        assert b.call("read_circuits")["circuits"] == [[1, 9]]    # the late one never ran

@@ -391,7 +391,10 @@ class SubscriberThread:
 
     def start(self) -> "SubscriberThread":
         self._thread.start()
-        self._ready.wait(5.0)
+        if not self._ready.wait(5.0):
+            raise MirrorError("the subscriber thread did not start within 5 s")
+        if self.error is not None:
+            raise MirrorError(f"the subscriber could not start: {self.error}") from self.error
         return self
 
     def states(self) -> dict[str, dict]:

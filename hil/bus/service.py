@@ -239,6 +239,7 @@ class DeviceService:
         self.online = True
         self.requests = 0
         self._queue: collections.deque = collections.deque()
+        self._seen_empty = time.monotonic()     # when the request socket was last seen empty
         self._telemetry_seq = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -316,21 +317,28 @@ class DeviceService:
                 self._telemetry()
                 next_tel = time.monotonic() + period
             wait = min(next_beat, next_health, next_tel, now + 0.1) - time.monotonic()
-            if not self._queue and not self.router.poll(max(0, int(wait * 1e3))):
-                continue
+            if not self._queue and not self.router.poll(0):
+                # Nothing waiting now: whatever arrives during this wait arrives "now".
+                self._seen_empty = time.monotonic()
+                if not self.router.poll(max(0, int(wait * 1e3))):
+                    continue
+                self._seen_empty = time.monotonic()
             self._drain()
             if self._queue:
                 envelope, frame, arrived = self._queue.popleft()
                 self._reply(envelope, self.handle(frame, arrived))
 
     def _drain(self) -> None:
-        """Take waiting requests off the socket, stamped with their arrival time (deadlines
-        count from here)."""
+        """Take waiting requests off the socket, stamped with the last moment the socket was
+        seen empty: no later than their arrival, so a deadline counts (at least) the time a
+        request waited behind a slow device call, without a second thread on the fast path."""
         router, more = self.router, zmq.RCVMORE
+        arrived = self._seen_empty
         while len(self._queue) < QUEUE_LIMIT:
             try:
                 frames = [router.recv(zmq.NOBLOCK)]     # cheaper than recv_multipart
             except zmq.Again:
+                self._seen_empty = time.monotonic()
                 return
             while router.getsockopt(more):
                 frames.append(router.recv())
@@ -338,7 +346,7 @@ class DeviceService:
                 self._reply(frames[:1], self._error(None, schema.BadFrame(
                     f"a request is one frame after the envelope, not {len(frames) - 1}")))
                 continue
-            self._queue.append((frames[:-1], frames[-1], time.monotonic()))
+            self._queue.append((frames[:-1], frames[-1], arrived))
 
     def _reply(self, envelope: list[bytes], msg: dict) -> None:
         try:
