@@ -26,6 +26,17 @@ def test_heater_vectors_round_trip_exactly(volts):
     assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts))
 
 
+def test_encode_refuses_what_json_cannot_carry_and_keeps_the_rest():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError):
+            schema.encode({"x": [1.0, bad]})
+    assert json.loads(schema.encode({"a": None, "b": "null", 1: 2})) == {"a": None, "b": "null",
+                                                                       "1": 2}
+    assert json.loads(schema.encode({"big": 2 ** 70})) == {"big": 2 ** 70}
+    assert schema.decode(schema.encode(schema.make("error", id=None, error="E", message="m")))[
+        "id"] is None
+
+
 def test_heater_vector_is_compact():
     volts = [round(0.123456 * i, 4) for i in range(56)]
     frame = schema.encode(schema.make("request", id="1", op="set_heaters",

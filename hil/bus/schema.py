@@ -3,9 +3,8 @@
 A message is one JSON object (UTF-8) in one ZeroMQ frame, with `v` (the protocol version) and
 `type`. JSON keeps numbers exact in both directions (Python writes floats with `repr`, which
 reads back to the same double), and a vector of heater voltages is a plain JSON array: about
-eight bytes a channel. Frames are written by the standard library's `json` (which refuses NaN
-rather than sending it) and read by `orjson` (strict JSON, the subscriber's hot path). `decode`
-refuses anything that is not exactly a known message of this
+eight bytes a channel. Frames are written and read by `orjson` (strict JSON; NaN and infinity
+are refused rather than sent, see `encode`). `decode` refuses anything that is not exactly a known message of this
 version, with a `SchemaError` whose message says what was wrong; the service answers such a
 frame with an `error` message and carries on.
 
@@ -151,8 +150,20 @@ def telemetry(device: str, seq: int, t: float, values: dict) -> dict:
             "t": float(t), "values": values}
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def encode(msg: Mapping) -> bytes:
-    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    """A message as one compact JSON frame. NaN and infinities are refused (ValueError), not
+    sent: orjson writes them as null, so a frame holding null is written again by the standard
+    library, which refuses them (and writes a real None as the same null)."""
+    try:
+        frame = orjson.dumps(msg)
+    except TypeError:          # int keys, integers beyond 64 bits: the standard library's rules
+        return _JSON.encode(msg).encode()
+    if b"null" in frame:
+        return _JSON.encode(msg).encode()
+    return frame
 
 
 def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
