@@ -19,6 +19,8 @@ from hil.bus.service import ServiceSpec
 from hil.bus.supervisor import Manager
 from hil.emulator.rig import EmulatedRig, rig_spec
 
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")    # the Qt test needs no display
+
 SWITCH = "tests.bus_doubles:MemorySwitch"
 METER = "tests.bus_doubles:MemoryPowerMeter"
 
@@ -301,3 +303,23 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_not_run(switches):
         with pytest.raises(RemoteError, match="DeadlineExceeded: apply_circuits waited"):
             b.receive(late, time.monotonic() + 5)
         assert b.call("read_circuits")["circuits"] == [[1, 9]]    # the late one never ran
+
+
+def test_a_qt_event_loop_polls_the_mirror_without_blocking(switches, qtbot):
+    from PySide6.QtCore import QTimer
+
+    request, publish = switches.endpoints["ocs"]
+    seen = []
+    sub = StateSubscriber({"ocs": (request, publish)},
+                          on_state=lambda d, s, ops: seen.append(s["circuits"]))
+    timer = QTimer()
+    timer.timeout.connect(lambda: sub.poll(0))       # never waits: the GUI thread stays free
+    timer.start(10)
+    try:
+        qtbot.waitUntil(lambda: bool(seen), timeout=10_000)
+        with ServiceClient(request, timeout=5) as c:
+            c.call("apply_circuits", circuits=[[3, 11]], expect=sub.mirror("ocs").version)
+        qtbot.waitUntil(lambda: seen[-1] == [[3, 11]], timeout=10_000)
+    finally:
+        timer.stop()
+        sub.close()
