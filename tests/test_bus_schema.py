@@ -102,6 +102,20 @@ def test_apply_ops_paths_and_errors():
         apply_ops(state, [["put", ["a"], 1]])
 
 
+def test_a_few_changed_heaters_travel_alone():
+    sent = []
+    owner = StatePublisher("dac", {"volts": [0.0] * 56}, sent.append)
+    mirror = Mirror("dac")
+    mirror.load(owner.snapshot())
+    owner.update({"volts": [0.0] * 10 + [1.5] + [0.0] * 45, "version": "a:1"})
+    assert sent[-1]["ops"] == [["set", ["volts", 10], 1.5], ["set", ["version"], "a:1"]]
+    owner.update({"volts": [2.0] * 56})
+    assert sent[-1]["ops"] == [["set", ["volts"], [2.0] * 56]]
+    for msg in sent:
+        mirror.feed(msg)
+    assert mirror.state == owner.state
+
+
 def test_late_subscriber_buffers_deltas_until_its_snapshot():
     sent = []
     owner = StatePublisher("sw", {"circuits": []}, sent.append)

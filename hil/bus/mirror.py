@@ -37,6 +37,7 @@ from hil.bus.security import ClientKeys, make_client
 log = logging.getLogger(__name__)
 
 MAX_BUFFERED = 10_000       # deltas held while a snapshot is on its way
+_MISSING = object()
 
 
 class MirrorError(Exception):
@@ -99,9 +100,19 @@ class StatePublisher:
         return self.change([["set", list(path), copy.deepcopy(value)]])
 
     def update(self, values: Mapping) -> dict | None:
-        """Set several top-level keys in one delta, only those whose value differs."""
-        ops = [["set", [k], copy.deepcopy(v)] for k, v in values.items()
-               if self.state.get(k, object()) != v]
+        """Set several top-level keys in one delta, only those whose value differs. A list of
+        the same length with few changed items (a heater vector) goes as those items alone."""
+        ops = []
+        for k, v in values.items():
+            old = self.state.get(k, _MISSING)
+            if old == v:
+                continue
+            if isinstance(old, list) and isinstance(v, list) and len(old) == len(v):
+                changed = [i for i, (a, b) in enumerate(zip(old, v)) if a != b]
+                if len(changed) * 2 < len(v):
+                    ops += [["set", [k, i], copy.deepcopy(v[i])] for i in changed]
+                    continue
+            ops.append(["set", [k], copy.deepcopy(v)])
         return self.change(ops)
 
 

@@ -29,7 +29,7 @@ import zmq
 from drivers.circuit_switch import CircuitSwitch, check_circuits
 from hil.bus import schema
 from hil.bus.mirror import StatePublisher
-from hil.bus.security import ServerKeys, make_server, start_authenticator
+from hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,6 @@ class DeviceService:
         spec = self.spec
         try:
             if spec.curve_secret:
-                from hil.bus.security import server_keys
                 self.keys = server_keys(spec.curve_secret, spec.curve_authorized or "")
                 self.auth = start_authenticator(self.ctx, self.keys)
             if self.driver is None:
@@ -290,7 +289,7 @@ class DeviceService:
             except Exception as e:        # closing must not hide why we stopped
                 log.warning("%s: closing the driver failed: %s", self.name, e)
         self.driver = None
-        if self._own_ctx:
+        if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
 
     @property
