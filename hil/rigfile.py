@@ -391,6 +391,10 @@ EMULATED_DEVICES = {
 }
 
 
+# Emulated rig name -> the chip topology it carries.
+EMULATED_CHIPS = {"lumion": "benes16"}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS says is free now (for endpoints written into a rig file)."""
     import socket
@@ -411,7 +415,9 @@ def for_emulator(name: str, endpoints: dict[str, str], host: str = "127.0.0.1") 
                                     f"tcp://{host}:{free_port(host)}")
     if not devices:
         raise RigFileError(f"the emulated rig {name} has no device the bus can serve")
-    chip = ChipConfig("benes16", "", "heaters") if "heaters" in devices else None
+    topology = EMULATED_CHIPS.get(name)
+    chip = ChipConfig(topology, "", "heaters" if "heaters" in devices else "") if topology \
+        else None
     return Rig(name, None, BusConfig(host=host, curve=False), devices, chip)
 
 
