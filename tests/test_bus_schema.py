@@ -1,9 +1,8 @@
 """The bus's message schema and the state mirror, without sockets."""
 from __future__ import annotations
 
-import copy
 import json
-import random
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -194,3 +193,42 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
         stop.set()
         thread.join(5)
         service.close()
+
+
+def test_a_state_server_mirrors_the_agents_own_state():
+    import threading
+
+    from hil.bus.client import ServiceClient, UnknownOperation
+    from hil.bus.mirror import StateSubscriber
+    from hil.bus.stateserver import StateServer
+
+    server = StateServer("agent", {"spares": ["gpu7"], "phase": "dp"}, heartbeat=0.05,
+                         handlers={"spares": lambda args: len(server.state.state["spares"])})
+    request, publish = server.bind()
+    stop = threading.Event()
+    updates: list[dict] = []
+
+    def loop():                                   # the owner's loop: all socket use is here
+        while not stop.is_set():
+            server.poll(0.01)
+            while updates:
+                server.update(updates.pop(0))
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        with StateSubscriber({"agent": (request, publish)}) as sub, \
+                ServiceClient(request, timeout=5) as c:
+            assert sub.wait_synced(10)
+            assert sub.state("agent") == {"spares": ["gpu7"], "phase": "dp"}
+            assert c.call("spares") == 1
+            with pytest.raises(UnknownOperation, match="offers ping, snapshot, spares"):
+                c.call("apply_circuits", circuits=[])
+            updates.append({"phase": "pp"})
+            deadline = time.monotonic() + 10
+            while sub.state("agent")["phase"] != "pp" and time.monotonic() < deadline:
+                sub.poll(0.05)
+            assert sub.state("agent") == {"spares": ["gpu7"], "phase": "pp"}
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
