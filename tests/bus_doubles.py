@@ -50,3 +50,11 @@ class MemoryPowerMeter:
             if not 1 <= ch <= self.channels:
                 raise ValueError(f"channel {ch} does not exist (1..{self.channels})")
         return {ch: 0.001 * ch for ch in chosen}
+
+
+class HangingSwitch(MemorySwitch):
+    """A switch whose apply never returns in useful time (a wedged instrument)."""
+
+    def apply(self, circuits):
+        time.sleep(30)
+        return super().apply(circuits)

@@ -323,3 +323,21 @@ def test_a_qt_event_loop_polls_the_mirror_without_blocking(switches, qtbot):
     finally:
         timer.stop()
         sub.close()
+
+
+def test_a_hung_service_is_killed_and_restarted():
+    spec = ServiceSpec("wedged", "switch", "mem://w", driver="tests.bus_doubles:HangingSwitch",
+                       heartbeat=0.1, options={"ports": 4})
+    with Supervised([spec], silence_s=0.5) as s, \
+            ServiceClient(s.endpoints["wedged"][0], timeout=10) as c:
+        first = s.manager.pid("wedged")
+        deadline = time.monotonic() + 10
+        while not s.manager.services["wedged"].heard and time.monotonic() < deadline:
+            time.sleep(0.05)                  # the manager hears it before it wedges
+        with pytest.raises(ServiceUnavailable):
+            c.call("apply_circuits", circuits=[[1, 5]], timeout=0.3)
+        deadline = time.monotonic() + 10
+        while s.manager.pid("wedged") in (first, None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.manager.pid("wedged") not in (first, None)
+        assert c.call("read_circuits") == {"circuits": []}     # a fresh service answers

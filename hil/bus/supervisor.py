@@ -38,6 +38,8 @@ class Supervised:
     next_start: float = 0.0
     last_error: str = ""
     last_heartbeat: float = 0.0
+    heard: bool = False          # a heartbeat of this process was heard (silence counts after)
+    warned: bool = False
 
 
 class Manager:
@@ -105,6 +107,7 @@ class Manager:
         sup.spec = dataclasses.replace(sup.spec, request=request, publish=publish)
         sup.process = proc
         sup.started_at = sup.last_heartbeat = time.monotonic()
+        sup.heard = sup.warned = False
         log.info("service %s started (pid %d) on %s", sup.spec.name, proc.pid, request)
 
     def pid(self, name: str) -> int | None:
@@ -127,6 +130,7 @@ class Manager:
                 sup = self.services.get(msg.get("device"))
                 if sup is not None:
                     sup.last_heartbeat = now
+                    sup.heard = True
         with self._lock:
             for sup in self.services.values():
                 self._check_one(sup, now)
@@ -136,6 +140,14 @@ class Manager:
         if proc is not None:
             silent = now - sup.last_heartbeat > max(self.silence_s,
                                                     self.missed_heartbeats * sup.spec.heartbeat)
+            if silent and not sup.heard:
+                # Never heard (a client key the service does not list?): a process that never
+                # spoke is not judged by its silence.
+                if not sup.warned:
+                    log.warning("no heartbeat heard from service %s: watching its process only "
+                                "(is this host's client key listed?)", sup.spec.name)
+                    sup.warned = True
+                silent = False
             if proc.is_alive() and not (self._watch and silent):
                 if now - sup.started_at > self.stable_s:
                     sup.backoff = 0.0
