@@ -269,6 +269,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
     for d in devices.values():
         for key in ("request", "publish"):
             ep = getattr(d, key)
+            if ep.endswith(":0"):
+                continue                       # any free port: resolved when bound
             if ep in used:
                 c.fail(f"devices.{d.name}", key, f"an endpoint of its own ({used[ep]} has it)",
                        ep)
@@ -280,7 +282,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                 c.fail("bus", key, "a key file (CURVE is on; `ptb keys` makes them) or "
                        "curve = false for a loopback-only rig")
     else:
-        remote = [ep for ep in used if not _is_loopback(ep)]
+        remote = [ep for d in devices.values() for ep in (d.request, d.publish)
+                  if not _is_loopback(ep)]
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
 

@@ -179,3 +179,44 @@ def test_keys_command(tmp_path):
     again = _ptb("keys", "server", "--dir", str(tmp_path))
     out, _ = again.communicate(timeout=30)
     assert again.returncode == 1 and "refusing to overwrite" in out
+
+
+def test_serve_one_process_with_any_ports_and_ipv6_loopback(tmp_path):
+    rig_path, ep_path = tmp_path / "rig.toml", tmp_path / "endpoints.json"
+    rig_path.write_text(textwrap.dedent("""\
+        [rig]
+        name = "loopback"
+        [bus]
+        curve = false
+        base_port = 1
+        [devices.ocs]
+        kind = "switch"
+        driver = "tests.bus_doubles:MemorySwitch"
+        address = "memory"
+        request = "tcp://127.0.0.1:0"
+        publish = "tcp://127.0.0.1:0"
+        [devices.meter]
+        kind = "power_meter"
+        driver = "tests.bus_doubles:MemoryPowerMeter"
+        address = "memory"
+        request = "tcp://127.0.0.1:0"
+        publish = "tcp://127.0.0.1:0"
+        """))
+    assert rigfile.load(rig_path).bus.curve is False      # port 0 (any) may repeat
+    rig_path.write_text(rig_path.read_text().replace(
+        'request = "tcp://127.0.0.1:0"\npublish = "tcp://127.0.0.1:0"\n',
+        'request = "tcp://[::1]:0"\npublish = "tcp://[::1]:0"\n', 1))
+    serve = _ptb("serve", "--rig", str(rig_path), "--one-process", "--endpoints", str(ep_path))
+    try:
+        _wait_for(ep_path, serve)
+        endpoints = json.loads(ep_path.read_text())
+        assert sorted(endpoints) == ["meter", "ocs"] and "[::1]" in endpoints["ocs"][0]
+        with ServiceClient(endpoints["ocs"][0], timeout=5) as c:
+            c.call("apply_circuits", circuits=[[1, 17]])
+            assert c.call("read_circuits") == {"circuits": [[1, 17]]}
+        with ServiceClient(endpoints["meter"][0], timeout=5) as c:
+            assert c.call("read_power", channels=[1]) == {"power": {"1": 0.001}}
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        out, _ = serve.communicate(timeout=15)
+    assert serve.returncode == 0, out

@@ -97,6 +97,7 @@ class ServiceClient:
     def _connect(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
+        sock.ipv6 = "[" in self.endpoint     # an IPv6 literal, tcp://[::1]:port
         sock.immediate = True               # queue nothing for a peer that is not connected
         sock.reconnect_ivl = 20
         sock.reconnect_ivl_max = 100        # find a restarted service quickly

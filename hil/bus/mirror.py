@@ -230,6 +230,7 @@ class StateSubscriber:
         self.on_state, self.on_telemetry, self.on_online = on_state, on_telemetry, on_online
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.linger = 0
+        self.sub.ipv6 = any("[" in pub for _, pub in devices.values())   # IPv6 literals
         self.sub.rcvhwm = rcvhwm
         self.sub.reconnect_ivl = 20
         self.sub.reconnect_ivl_max = 500
@@ -342,6 +343,7 @@ class StateSubscriber:
             dev.dealer.close(linger=0)
         dev.dealer = self._ctx.socket(zmq.DEALER)
         dev.dealer.linger = 0
+        dev.dealer.ipv6 = "[" in dev.request
         make_client(dev.dealer, self.keys)
         dev.dealer.connect(dev.request)
         dev.pending = uuid.uuid4().hex

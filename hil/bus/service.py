@@ -196,6 +196,7 @@ class Publisher:
                  sndhwm: int = 100_000):
         self.sock = ctx.socket(zmq.PUB)
         self.sock.linger = 0
+        self.sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
         self.sock.sndhwm = sndhwm
         make_server(self.sock, keys)
         self.sock.bind(endpoint)
@@ -255,6 +256,7 @@ class DeviceService:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.linger = 0
+            self.router.ipv6 = "[" in spec.request
             self.router.maxmsgsize = HARD_FRAME_LIMIT
             self.router.router_mandatory = False
             make_server(self.router, self.keys)

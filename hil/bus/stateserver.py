@@ -52,6 +52,7 @@ class StateServer:
                 self.auth = start_authenticator(self.ctx, self.keys)
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.linger = 0
+            self.router.ipv6 = "[" in self._endpoints[0]
             self.router.maxmsgsize = HARD_FRAME_LIMIT
             make_server(self.router, self.keys)
             self.router.bind(self._endpoints[0])
