@@ -1,12 +1,12 @@
 """Every message on the bus: its type, fields, field types, and the protocol version.
 
 A message is one JSON object (UTF-8) in one ZeroMQ frame, with `v` (the protocol version) and
-`type`. JSON keeps numbers exact in both directions (Python writes floats with `repr`, which
-reads back to the same double), and a vector of heater voltages is a plain JSON array: about
-eight bytes a channel. Frames are written and read by `orjson` (strict JSON; NaN and infinity
-are refused rather than sent, see `encode`). `decode` refuses anything that is not exactly a known message of this
-version, with a `SchemaError` whose message says what was wrong; the service answers such a
-frame with an `error` message and carries on.
+`type`. JSON keeps numbers exact in both directions (floats are written as the shortest text
+that reads back to the same double), and a vector of heater voltages is a plain JSON array:
+about eight bytes a channel. Frames are written and read by `orjson` (strict JSON; NaN and
+infinity are refused rather than sent, see `encode`). `decode` refuses anything that is not
+exactly a known message of this version, with a `SchemaError` whose message says what was
+wrong; the service answers such a frame with an `error` message and carries on.
 
 docs/bus.md lists every socket, topic and message with an example.
 """
