@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                    "control PORT+3 (default: ephemeral)")
     p.add_argument("--switching-ms", type=float, default=25.0,
                    help="OCS switching time in ms (default 25)")
+    p.add_argument("--write-rig", metavar="FILE",
+                   help="also write a rig file (TOML) pointing at the emulated instruments")
     p.set_defaults(func=run)
 
 
@@ -40,6 +42,9 @@ def run(args) -> int:
                      switching_s=args.switching_ms / 1000) as rig:
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
+        if args.write_rig:
+            from hil import rigfile
+            rigfile.write(args.write_rig, rigfile.for_emulator(spec.name, rig.endpoints))
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
         for name, where in rig.endpoints.items():
             if name == "dac" and rig.dac is not None:

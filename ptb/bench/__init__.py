@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs")
+BENCHMARKS = ("dac", "ocs", "bus")
 
 
 def _module(name: str):

@@ -1,0 +1,2 @@
+"""The ZeroMQ bus: message schema, state mirroring, device services, clients, supervision and
+CurveZMQ security. docs/bus.md describes every socket, topic and message."""

@@ -1,0 +1,143 @@
+"""Publishing a state that is not a device's (the agent's view of the fabric, a job's phase)
+with the same mirror protocol as the device services, from the owner's own loop.
+
+    server = StateServer("agent", {"circuits": {}, "spares": []},
+                         request="tcp://127.0.0.1:5690", publish="tcp://127.0.0.1:5691")
+    server.bind()
+    while running:
+        server.poll(0.05)                    # answers snapshot/ping, sends heartbeats
+        server.update({"spares": ["gpu7"]})  # one delta to every subscriber
+
+Subscribers use `StateSubscriber` exactly as for a device. Extra read-only requests can be
+offered with `handlers` ({op: fn(args) -> result}); nothing here changes hardware, so nothing
+here is compare-and-set.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+
+from hil.bus import schema
+from hil.bus.mirror import StatePublisher
+from hil.bus.security import ServerKeys, make_server, start_authenticator
+from hil.bus.service import HARD_FRAME_LIMIT, Publisher, UnknownOperation
+
+log = logging.getLogger(__name__)
+
+
+class StateServer:
+    def __init__(self, name: str, state: dict, *, request: str = "tcp://127.0.0.1:0",
+                 publish: str = "tcp://127.0.0.1:0", keys: ServerKeys | None = None,
+                 heartbeat: float = 0.5,
+                 handlers: Mapping[str, Callable[[dict], object]] | None = None):
+        self.name = name
+        self._initial = state
+        self._endpoints = (request, publish)
+        self.keys = keys
+        self.heartbeat = heartbeat
+        self.handlers = dict(handlers or {})
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.router: zmq.Socket | None = None
+        self.pub: Publisher | None = None
+        self.state: StatePublisher | None = None
+        self._next_beat = 0.0
+
+    def bind(self) -> tuple[str, str]:
+        try:
+            if self.keys is not None:
+                self.auth = start_authenticator(self.ctx, self.keys)
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.linger = 0
+            self.router.ipv6 = "[" in self._endpoints[0]
+            self.router.maxmsgsize = HARD_FRAME_LIMIT
+            make_server(self.router, self.keys)
+            self.router.bind(self._endpoints[0])
+            self.pub = Publisher(self.ctx, self._endpoints[1], self.keys)
+            self.state = StatePublisher(self.name, self._initial, self.pub.send)
+        except Exception:
+            self.close()
+            raise
+        return self.router.last_endpoint.decode(), self.pub.endpoint
+
+    def update(self, values: Mapping) -> dict | None:
+        return self.state.update(values)
+
+    def change(self, ops: list) -> dict | None:
+        return self.state.change(ops)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Answer waiting requests (waiting at most `timeout` for the first) and send a
+        heartbeat when one is due. Returns the number of requests answered."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self.pub.send(schema.make("heartbeat", device=self.name,
+                                      incarnation=self.state.incarnation, seq=self.state.seq,
+                                      t=time.time(), online=True, interval=self.heartbeat))
+            self._next_beat = now + self.heartbeat
+        wait = min(timeout, max(0.0, self._next_beat - now))
+        if not self.router.poll(int(wait * 1e3)):
+            return 0
+        answered = 0
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            reply = self._answer(frames)
+            try:
+                self.router.send_multipart(reply, zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                log.debug("%s: reply not delivered: %s", self.name, e)
+            answered += 1
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        rid = None
+        try:
+            if not 2 <= len(frames) <= 3:
+                raise schema.BadFrame(f"a request is one frame after the envelope, not "
+                                      f"{len(frames) - 1}")
+            msg = schema.decode(frames[-1])
+            if msg["type"] != "request":
+                raise schema.UnknownType(f"this end takes requests, not {msg['type']!r}")
+            rid, op = msg["id"], msg["op"]
+            if op == "snapshot":
+                result = self.state.snapshot()
+            elif op == "ping":
+                result = {"device": self.name, "incarnation": self.state.incarnation,
+                          "seq": self.state.seq}
+            elif op in self.handlers:
+                result = self.handlers[op](msg.get("args", {}))
+            else:
+                raise UnknownOperation(f"{self.name} offers ping, snapshot"
+                                       + "".join(f", {k}" for k in sorted(self.handlers)))
+            frame = schema.encode(schema.make("reply", id=rid, result=result,
+                                              version=f"{self.state.incarnation}:"
+                                                      f"{self.state.seq}"))
+        except Exception as e:
+            frame = schema.encode(schema.make("error", id=rid, error=type(e).__name__,
+                                              message=str(e) or type(e).__name__))
+        return [*frames[:-1], frame]
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close(linger=0)
+            self.router = None
+        if self.pub is not None:
+            self.pub.close()
+            self.pub = None
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        if not self.ctx.closed:
+            self.ctx.term()
+
+    def __enter__(self) -> "StateServer":
+        self.bind()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

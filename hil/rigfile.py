@@ -1,0 +1,432 @@
+"""The rig file: one TOML file that says what a lab (or an emulated one) is made of.
+
+It names every device (its kind, driver and address: a serial port or a VISA resource), the
+chip (topology and calibration file), the GPUs and spares and the switch ports they attach to,
+and the bus (endpoints, heartbeat, CurveZMQ keys). Every command that takes `--rig FILE` reads
+it with `load()`, which refuses a bad file with the key, the line and what was expected.
+docs/rigfile.md describes every key.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import pathlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+from hil.bus.security import ClientKeys, client_keys
+from hil.bus.service import KINDS, ServiceSpec
+
+ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
+
+
+class RigFileError(ValueError):
+    """The rig file is missing, not TOML, or does not say what it must."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: str
+    kind: str
+    address: str
+    driver: str = ""
+    request: str = ""            # endpoint clients connect to for requests
+    publish: str = ""            # endpoint subscribers connect to
+    options: dict = field(default_factory=dict)
+    telemetry_hz: float | None = None
+
+
+@dataclass(frozen=True)
+class ChipConfig:
+    topology: str                # a topology name ("benes16") or a JSON file
+    calibration: str = ""        # calibration file, "" when not calibrated yet
+    heaters: str = ""            # the device that drives the chip's heaters
+    switch: str = ""             # the device that offers the chip as a CircuitSwitch
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    name: str
+    switch: str
+    port: int
+    spare: bool = False
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    host: str = "127.0.0.1"
+    base_port: int = 5600
+    bind: str = ""               # address services bind ("" = the endpoint's own host)
+    curve: bool = True
+    server_key: str = ""         # server secret certificate (.key_secret)
+    server_public_key: str = ""  # server public certificate (.key), what clients check
+    authorized_keys: str = ""    # folder of client public certificates
+    client_key: str = ""         # this host's client secret certificate
+    heartbeat_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class Rig:
+    name: str
+    path: pathlib.Path | None
+    bus: BusConfig
+    devices: dict[str, DeviceConfig]
+    chip: ChipConfig | None = None
+    gpus: tuple[GpuConfig, ...] = ()
+
+    def endpoints(self) -> dict[str, tuple[str, str]]:
+        """Device name -> (request endpoint, publish endpoint)."""
+        return {d.name: (d.request, d.publish) for d in self.devices.values()}
+
+    def _bind(self, endpoint: str) -> str:
+        if not self.bus.bind:
+            return endpoint
+        port = endpoint.rsplit(":", 1)[1]
+        return f"tcp://{self.bus.bind}:{port}"
+
+    def service_specs(self, names: list[str] | None = None) -> list[ServiceSpec]:
+        names = list(self.devices) if not names else names
+        unknown = [n for n in names if n not in self.devices]
+        if unknown:
+            raise RigFileError(f"no device named {', '.join(unknown)} in the rig; it has: "
+                               f"{', '.join(self.devices)}")
+        specs = []
+        for n in names:
+            d = self.devices[n]
+            specs.append(ServiceSpec(
+                name=d.name, kind=d.kind, address=d.address, driver=d.driver,
+                request=self._bind(d.request), publish=self._bind(d.publish),
+                options=dict(d.options), heartbeat=self.bus.heartbeat_s,
+                telemetry_hz=d.telemetry_hz,
+                curve_secret=self.bus.server_key if self.bus.curve else None,
+                curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
+        return specs
+
+    def client_keys(self) -> ClientKeys | None:
+        """This host's client keys (None when the bus runs without CURVE)."""
+        if not self.bus.curve:
+            return None
+        return client_keys(self.bus.client_key, self.bus.server_public_key)
+
+
+# ---- reading and checking ---------------------------------------------------------------------
+
+def _line_of(text: str, table: str, key: str | None = None, index: int = 0) -> int | None:
+    """The line of `key` in `[table]` (or of the table's header), 1-based, when findable."""
+    lines = text.splitlines()
+    header = re.compile(r"^\s*\[\[?\s*" + re.escape(table).replace(r"\.", r"\s*\.\s*")
+                        + r"\s*\]\]?\s*(#.*)?$")
+    seen = -1
+    start = None
+    for i, line in enumerate(lines):
+        if header.match(line):
+            seen += 1
+            if seen == index:
+                start = i
+                break
+    if start is None:
+        if key is None:
+            return None
+        start = -1          # top-level keys
+    if key is None:
+        return start + 1
+    pat = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+    for i in range(start + 1, len(lines)):
+        if lines[i].lstrip().startswith("[") and i > start + 0:
+            break
+        if pat.match(lines[i]):
+            return i + 1
+    return start + 1 if start >= 0 else None
+
+
+class _Checker:
+    def __init__(self, text: str, where: str):
+        self.text = text
+        self.where = where
+
+    def fail(self, table: str, key: str | None, expected: str, got=None, index: int = 0):
+        line = _line_of(self.text, table, key, index)
+        at = f"{self.where}:{line}" if line else self.where
+        dotted = f"{table}.{key}" if key and table else (key or table)
+        got_text = "" if got is None else f", got {got!r}"
+        raise RigFileError(f"{at}: {dotted}: expected {expected}{got_text}")
+
+    def table(self, data: dict, table: str, known: dict, index: int = 0) -> dict:
+        """Check a table's keys against `known` (key -> (type, required, description))."""
+        if not isinstance(data, dict):
+            self.fail(table, None, "a table", data, index)
+        for key in data:
+            if key not in known:
+                self.fail(table, key, f"one of the keys {', '.join(known)}",
+                          index=index, got=key)
+        out = {}
+        for key, (types, required, what) in known.items():
+            if key not in data:
+                if required:
+                    self.fail(table, None, f"a key {key!r} ({what})", index=index)
+                continue
+            value = data[key]
+            types = types if isinstance(types, tuple) else (types,)
+            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+                self.fail(table, key, what, value, index)
+            out[key] = value
+        return out
+
+
+def _check_endpoint(c: _Checker, table: str, key: str, value: str) -> str:
+    m = ENDPOINT.match(value)
+    if m is None or not 0 <= int(m.group(2)) <= 65535:
+        c.fail(table, key, "an endpoint tcp://HOST:PORT", value)
+    return value
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = ENDPOINT.match(endpoint).group(1).strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> Rig:
+    """Parse and check rig TOML text; relative file paths are taken from `base`."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RigFileError(f"{where}: not valid TOML: {e}") from None
+    c = _Checker(text, where)
+    top = c.table(data, "", {
+        "rig": (dict, True, "a [rig] table with the rig's name"),
+        "bus": (dict, False, "a [bus] table"),
+        "devices": (dict, True, "a [devices.NAME] table per device"),
+        "chip": (dict, False, "a [chip] table"),
+        "gpus": (list, False, "an array of [[gpus]] tables"),
+    })
+    base = base or pathlib.Path.cwd()
+
+    def path(value: str) -> str:
+        return str(value) if not value or os.path.isabs(value) else str(base / value)
+
+    rig = c.table(top["rig"], "rig", {"name": (str, True, "the rig's name (a string)"),
+                                      "description": (str, False, "a string")})
+    b = c.table(top.get("bus", {}), "bus", {
+        "host": (str, False, "the host clients reach the services at (a string)"),
+        "base_port": (int, False, "a TCP port number 1..65000 (a device takes two)"),
+        "bind": (str, False, "the address services bind, e.g. \"*\" (a string)"),
+        "curve": (bool, False, "true or false (false only when every endpoint is loopback)"),
+        "server_key": (str, False, "the server's secret certificate file"),
+        "server_public_key": (str, False, "the server's public certificate file"),
+        "authorized_keys": (str, False, "the folder of authorised client certificates"),
+        "client_key": (str, False, "this host's client secret certificate file"),
+        "heartbeat_s": ((int, float), False, "seconds between heartbeats (> 0)"),
+    })
+    bus = BusConfig(host=b.get("host", "127.0.0.1"), base_port=b.get("base_port", 5600),
+                    bind=b.get("bind", ""), curve=b.get("curve", True),
+                    server_key=path(b.get("server_key", "")),
+                    server_public_key=path(b.get("server_public_key", "")),
+                    authorized_keys=path(b.get("authorized_keys", "")),
+                    client_key=path(b.get("client_key", "")),
+                    heartbeat_s=float(b.get("heartbeat_s", 0.5)))
+    if not 1 <= bus.base_port <= 65000:
+        c.fail("bus", "base_port", "a TCP port number 1..65000", bus.base_port)
+    if bus.heartbeat_s <= 0:
+        c.fail("bus", "heartbeat_s", "a positive number of seconds", bus.heartbeat_s)
+
+    devices: dict[str, DeviceConfig] = {}
+    if not top["devices"]:
+        c.fail("devices", None, "at least one [devices.NAME] table")
+    for i, (name, d) in enumerate(top["devices"].items()):
+        table = f"devices.{name}"
+        d = c.table(d, table, {
+            "kind": (str, True, f"the device kind, one of {', '.join(sorted(KINDS))}"),
+            "address": (str, True, "the device's address (serial port or VISA resource)"),
+            "driver": (str, False, "the driver class as 'module:Class'"),
+            "request": (str, False, "the request endpoint tcp://HOST:PORT"),
+            "publish": (str, False, "the publish endpoint tcp://HOST:PORT"),
+            "options": (dict, False, "a table of keyword arguments for the driver"),
+            "telemetry_hz": ((int, float), False, "telemetry messages per second (>= 0)"),
+        })
+        if d["kind"] not in KINDS:
+            c.fail(table, "kind", f"one of {', '.join(sorted(KINDS))}", d["kind"])
+        if not KINDS[d["kind"]].driver and not d.get("driver"):
+            c.fail(table, "driver", f"the driver class ('module:Class') for a {d['kind']}")
+        if d.get("driver") and not re.match(r"^[\w.]+:\w+$", d["driver"]):
+            c.fail(table, "driver", "'module:Class'", d["driver"])
+        if d.get("telemetry_hz", 0) < 0:
+            c.fail(table, "telemetry_hz", "a rate >= 0", d["telemetry_hz"])
+        request = d.get("request") or f"tcp://{bus.host}:{bus.base_port + 2 * i}"
+        publish = d.get("publish") or f"tcp://{bus.host}:{bus.base_port + 2 * i + 1}"
+        _check_endpoint(c, table, "request", request)
+        _check_endpoint(c, table, "publish", publish)
+        devices[name] = DeviceConfig(name, d["kind"], d["address"], d.get("driver", ""),
+                                     request, publish, d.get("options", {}),
+                                     d.get("telemetry_hz"))
+    used: dict[str, str] = {}
+    for d in devices.values():
+        for key in ("request", "publish"):
+            ep = getattr(d, key)
+            if ep.endswith(":0"):
+                continue                       # any free port: resolved when bound
+            if ep in used:
+                c.fail(f"devices.{d.name}", key, f"an endpoint of its own ({used[ep]} has it)",
+                       ep)
+            used[ep] = f"devices.{d.name}.{key}"
+
+    if bus.curve:
+        for key in ("server_key", "server_public_key", "authorized_keys", "client_key"):
+            if not getattr(bus, key):
+                c.fail("bus", key, "a key file (CURVE is on; `ptb keys` makes them) or "
+                       "curve = false for a loopback-only rig")
+    else:
+        remote = [ep for d in devices.values() for ep in (d.request, d.publish)
+                  if not _is_loopback(ep)]
+        if remote:
+            c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
+
+    chip = None
+    if "chip" in top:
+        ch = c.table(top["chip"], "chip", {
+            "topology": (str, True, "a topology name (e.g. \"benes16\") or a JSON file"),
+            "calibration": (str, False, "the calibration file"),
+            "heaters": (str, False, "the name of the heater DAC device"),
+            "switch": (str, False, "the name of the device that switches the chip"),
+        })
+        for key in ("heaters", "switch"):
+            if ch.get(key) and ch[key] not in devices:
+                c.fail("chip", key, f"a device name ({', '.join(devices)})", ch[key])
+        topo = ch["topology"]
+        if topo.endswith(".json"):
+            topo = path(topo)
+        chip = ChipConfig(topo, path(ch.get("calibration", "")), ch.get("heaters", ""),
+                          ch.get("switch", ""))
+
+    gpus: list[GpuConfig] = []
+    seen_ports: dict[tuple[str, int], str] = {}
+    for i, g in enumerate(top.get("gpus", [])):
+        g = c.table(g, "gpus", {
+            "name": (str, True, "the GPU's name"),
+            "switch": (str, True, "the device its link goes through"),
+            "port": (int, True, "the switch input port it attaches to (>= 1)"),
+            "spare": (bool, False, "true for a spare"),
+            "host": (str, False, "the host it sits in"),
+        }, index=i)
+        if g["switch"] not in devices:
+            c.fail("gpus", "switch", f"a device name ({', '.join(devices)})", g["switch"], i)
+        if g["port"] < 1:
+            c.fail("gpus", "port", "a port number >= 1", g["port"], i)
+        key = (g["switch"], g["port"])
+        if key in seen_ports:
+            c.fail("gpus", "port", f"a port no other GPU uses ({seen_ports[key]} has it)",
+                   g["port"], i)
+        if any(x.name == g["name"] for x in gpus):
+            c.fail("gpus", "name", "a name no other GPU has", g["name"], i)
+        seen_ports[key] = g["name"]
+        gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
+                              g.get("host", "")))
+    return Rig(rig["name"], None, bus, devices, chip, tuple(gpus))
+
+
+def load(path: str | os.PathLike) -> Rig:
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RigFileError(f"cannot read the rig file {path}: {e}") from None
+    rig = parse(text, str(path), path.parent.resolve())
+    return Rig(rig.name, path, rig.bus, rig.devices, rig.chip, rig.gpus)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def dumps(rig: Rig) -> str:
+    """A rig as TOML text that `parse` reads back to the same rig (paths as stored)."""
+    out = ["[rig]", f"name = {_toml_value(rig.name)}", "", "[bus]"]
+    b = rig.bus
+    out += [f"host = {_toml_value(b.host)}", f"base_port = {b.base_port}",
+            f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
+    if b.bind:
+        out.append(f"bind = {_toml_value(b.bind)}")
+    for key in ("server_key", "server_public_key", "authorized_keys", "client_key"):
+        if getattr(b, key):
+            out.append(f"{key} = {_toml_value(getattr(b, key))}")
+    for d in rig.devices.values():
+        out += ["", f"[devices.{d.name}]", f"kind = {_toml_value(d.kind)}",
+                f"address = {_toml_value(d.address)}"]
+        if d.driver:
+            out.append(f"driver = {_toml_value(d.driver)}")
+        out += [f"request = {_toml_value(d.request)}", f"publish = {_toml_value(d.publish)}"]
+        if d.options:
+            out.append(f"options = {_toml_value(d.options)}")
+        if d.telemetry_hz is not None:
+            out.append(f"telemetry_hz = {d.telemetry_hz!r}")
+    if rig.chip:
+        out += ["", "[chip]", f"topology = {_toml_value(rig.chip.topology)}"]
+        for key in ("calibration", "heaters", "switch"):
+            if getattr(rig.chip, key):
+                out.append(f"{key} = {_toml_value(getattr(rig.chip, key))}")
+    for g in rig.gpus:
+        out += ["", "[[gpus]]", f"name = {_toml_value(g.name)}",
+                f"switch = {_toml_value(g.switch)}", f"port = {g.port}",
+                f"spare = {_toml_value(g.spare)}"]
+        if g.host:
+            out.append(f"host = {_toml_value(g.host)}")
+    return "\n".join(out) + "\n"
+
+
+# ---- a rig file for an emulated rig ------------------------------------------------------------
+
+# Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
+EMULATED_DEVICES = {
+    "dac": ("heaters", "heater_dac", ""),
+}
+
+
+# Emulated rig name -> the chip topology it carries.
+EMULATED_CHIPS = {"lumion": "benes16"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS says is free now (for endpoints written into a rig file)."""
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def for_emulator(name: str, endpoints: dict[str, str], host: str = "127.0.0.1") -> Rig:
+    """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`."""
+    devices = {}
+    for key, address in endpoints.items():
+        if key not in EMULATED_DEVICES:
+            continue
+        dev, kind, driver = EMULATED_DEVICES[key]
+        devices[dev] = DeviceConfig(dev, kind, address, driver,
+                                    f"tcp://{host}:{free_port(host)}",
+                                    f"tcp://{host}:{free_port(host)}")
+    if not devices:
+        raise RigFileError(f"the emulated rig {name} has no device the bus can serve")
+    topology = EMULATED_CHIPS.get(name)
+    chip = ChipConfig(topology, "", "heaters" if "heaters" in devices else "") if topology \
+        else None
+    return Rig(name, None, BusConfig(host=host, curve=False), devices, chip)
+
+
+def write(path: str | os.PathLike, rig: Rig) -> None:
+    """Write a rig file atomically (temp file + rename)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(rig))
+    os.replace(tmp, path)

@@ -1,0 +1,102 @@
+"""`ptb serve`: put a rig's devices on the bus, each behind its own service."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+
+from hil.bus.security import KeyFileError
+from hil.bus.service import DeviceService, ServiceError
+from hil.bus.supervisor import Manager, SupervisorError
+from hil.rigfile import RigFileError, load
+from ptb.cli import CommandFailed
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the device services of a rig on the bus",
+                       description="Start one bus service per device of the rig file (or the "
+                       "devices named), each in its own process restarted with back-off when "
+                       "it dies; or all in this process with --one-process.")
+    p.add_argument("--rig", required=True, metavar="FILE", help="the rig file (TOML)")
+    p.add_argument("--device", action="append", metavar="NAME",
+                   help="serve only this device (repeatable); default every device")
+    p.add_argument("--one-process", action="store_true",
+                   help="run the services as threads of this process (no restarts)")
+    p.add_argument("--endpoints", metavar="FILE",
+                   help="write {device: [request, publish]} as JSON once every service is up")
+    p.set_defaults(func=run)
+
+
+def _write_endpoints(path: str, endpoints: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: list(v) for k, v in endpoints.items()}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def run(args) -> int:
+    try:
+        rig = load(args.rig)
+        specs = rig.service_specs(args.device)
+        keys = rig.client_keys()
+    except (RigFileError, KeyFileError) as e:
+        raise CommandFailed(str(e)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.one_process:
+        return _run_in_process(specs, stop, args)
+    manager = Manager(specs, keys=keys)
+    try:
+        endpoints = manager.start()
+    except SupervisorError as e:
+        raise CommandFailed(str(e)) from None
+    try:
+        _announce(rig.name, endpoints, args)
+        manager.run(stop)
+    finally:
+        manager.close()
+    print("stopped", flush=True)
+    return 0
+
+
+def _announce(name: str, endpoints: dict, args) -> None:
+    print(f"rig {name}: serving {len(endpoints)} device(s)")
+    for device, (request, publish) in endpoints.items():
+        print(f"  {device:<12} requests {request}  publishes {publish}")
+    if args.endpoints:
+        _write_endpoints(args.endpoints, endpoints)
+    print("running; Ctrl-C to stop", flush=True)
+
+
+def _run_in_process(specs, stop: threading.Event, args) -> int:
+    services, threads, endpoints = [], [], {}
+    try:
+        for spec in specs:
+            service = DeviceService(spec)
+            try:
+                endpoints[spec.name] = service.bind()
+            except (ServiceError, KeyFileError, OSError) as e:
+                raise CommandFailed(f"{spec.name}: {e}") from None
+            services.append(service)
+        for service in services:
+            t = threading.Thread(target=service.serve, args=(stop,), name=service.name,
+                                 daemon=True)
+            t.start()
+            threads.append(t)
+        _announce("(one process)", endpoints, args)
+        while not stop.wait(0.2):
+            if not all(t.is_alive() for t in threads):
+                raise CommandFailed("a service stopped; see the log")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(2.0)
+        for service in services:
+            service.close()
+    print("stopped", flush=True)
+    return 0

@@ -1,0 +1,234 @@
+"""The bus's message schema and the state mirror, without sockets."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hil.bus import schema
+from hil.bus.mirror import Mirror, MirrorError, StatePublisher, apply_ops
+
+
+def req(**fields):
+    msg = {"v": 1, "type": "request", "id": "r1", "op": "ping"}
+    msg.update(fields)
+    return json.dumps(msg).encode()
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=64))
+def test_heater_vectors_round_trip_exactly(volts):
+    msg = schema.make("request", id="x", op="set_heaters", args={"volts": volts})
+    back = schema.decode(schema.encode(msg))
+    assert back["args"]["volts"] == volts
+    assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts))
+
+
+def test_encode_refuses_what_json_cannot_carry_and_keeps_the_rest():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError):
+            schema.encode({"x": [1.0, bad]})
+    assert json.loads(schema.encode({"a": None, "b": "null", 1: 2})) == {"a": None, "b": "null",
+                                                                       "1": 2}
+    assert json.loads(schema.encode({"big": 2 ** 70})) == {"big": 2 ** 70}
+    assert schema.decode(schema.encode(schema.make("error", id=None, error="E", message="m")))[
+        "id"] is None
+
+
+def test_heater_vector_is_compact():
+    volts = [round(0.123456 * i, 4) for i in range(56)]
+    frame = schema.encode(schema.make("request", id="1", op="set_heaters",
+                                      args={"volts": volts}))
+    assert len(frame) < 56 * 9 + 80
+
+
+@pytest.mark.parametrize("frame, error, words", [
+    (b"\xff\xfe garbage", schema.BadFrame, "not UTF-8 JSON"),
+    (b"[1, 2]", schema.BadFrame, "JSON object"),
+    (req(v=2), schema.UnknownVersion, "version 2"),
+    (req(v=True), schema.UnknownVersion, "version True"),
+    (req(type="launch"), schema.UnknownType, "launch"),
+    (json.dumps({"v": 1, "type": "request", "op": "ping"}).encode(), schema.MissingField, "'id'"),
+    (req(id=7), schema.WrongType, "'id' must be string"),
+    (req(ttl_ms=True), schema.WrongType, "'ttl_ms' must be integer or number"),
+    (req(extra=1), schema.WrongType, "unknown field"),
+    (req(op="set_heaters", args={"volts": "1,2"}), schema.WrongType, "'volts' must be array"),
+    (req(op="set_heaters", args={}), schema.MissingField, "'volts' is missing"),
+])
+def test_decode_refuses_with_a_clear_message(frame, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        schema.decode(frame)
+
+
+def test_oversized_frame_is_refused_before_parsing():
+    with pytest.raises(schema.FrameTooLarge, match="exceeds the limit"):
+        schema.decode(b"x" * (schema.MAX_FRAME + 1))
+
+
+def test_every_message_type_has_a_valid_example():
+    examples = {
+        "request": dict(id="a", op="ping"),
+        "reply": dict(id="a", result=None, version="i:0"),
+        "error": dict(id=None, error="BadFrame", message="m"),
+        "snapshot": dict(device="d", incarnation="i", seq=0, state={}),
+        "delta": dict(device="d", incarnation="i", seq=1, ops=[["set", ["a"], 1]]),
+        "telemetry": dict(device="d", seq=1, t=1.5, values={}),
+        "heartbeat": dict(device="d", incarnation="i", seq=0, t=1.0, online=True, interval=0.5),
+    }
+    assert set(examples) == set(schema.MESSAGES)
+    for kind, fields in examples.items():
+        msg = schema.make(kind, **fields)
+        assert schema.decode(schema.encode(msg)) == msg
+
+
+def test_circuits_on_the_wire():
+    assert schema.circuits_to_wire({2: 18, 1: 17}) == [[1, 17], [2, 18]]
+    assert schema.circuits_from_wire([[1, 17]]) == {1: 17}
+    with pytest.raises(schema.WrongType):
+        schema.circuits_from_wire([[1, "17"]])
+    with pytest.raises(schema.WrongType):
+        schema.circuits_from_wire([[True, 17]])
+
+
+def test_apply_ops_paths_and_errors():
+    state = {"a": {"b": [1, 2]}, "c": 1}
+    apply_ops(state, [["set", ["a", "b", 1], 5], ["set", ["a", "b", 2], 6], ["del", ["c"]]])
+    assert state == {"a": {"b": [1, 5, 6]}}
+    with pytest.raises(MirrorError, match="does not exist"):
+        apply_ops(state, [["set", ["x", "y"], 1]])
+    with pytest.raises(MirrorError):
+        apply_ops(state, [["put", ["a"], 1]])
+
+
+def test_a_few_changed_heaters_travel_alone():
+    sent = []
+    owner = StatePublisher("dac", {"volts": [0.0] * 56}, sent.append)
+    mirror = Mirror("dac")
+    mirror.load(owner.snapshot())
+    owner.update({"volts": [0.0] * 10 + [1.5] + [0.0] * 45, "version": "a:1"})
+    assert sent[-1]["ops"] == [["set", ["volts", 10], 1.5], ["set", ["version"], "a:1"]]
+    owner.update({"volts": [2.0] * 56})
+    assert sent[-1]["ops"] == [["set", ["volts"], [2.0] * 56]]
+    for msg in sent:
+        mirror.feed(msg)
+    assert mirror.state == owner.state
+
+
+def test_late_subscriber_buffers_deltas_until_its_snapshot():
+    sent = []
+    owner = StatePublisher("sw", {"circuits": []}, sent.append)
+    owner.set(["circuits"], [[1, 17]])
+    mirror = Mirror("sw")
+    owner.set(["circuits"], [[1, 18]])          # arrives before the snapshot
+    mirror.feed(sent[-1])
+    assert mirror.state is None and mirror.needs_snapshot
+    snap = owner.snapshot()                      # taken after delta 2
+    owner.set(["circuits"], [[2, 18]])
+    mirror.feed(sent[-1])
+    assert mirror.load(snap)
+    assert mirror.state == owner.state and mirror.seq == owner.seq
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 9), st.booleans()),
+                min_size=1, max_size=40), st.randoms(use_true_random=False))
+def test_a_mirror_that_loses_deltas_recovers_by_snapshot(changes, rnd):
+    sent = []
+    owner = StatePublisher("d", {}, sent.append)
+    mirror = Mirror("d")
+    mirror.load(owner.snapshot())
+    for key, value, lost in changes:
+        owner.update({key: value}) if rnd.random() < 0.7 else owner.change(
+            [["del", [key]]] if key in owner.state else [])
+        while sent:
+            msg = sent.pop(0)
+            if not lost:
+                mirror.feed(msg)
+        if mirror.needs_snapshot:
+            mirror.load(owner.snapshot())
+        beat = schema.make("heartbeat", device="d", incarnation=owner.incarnation,
+                           seq=owner.seq, t=0.0, online=True, interval=0.5)
+        mirror.feed(beat)
+        if mirror.needs_snapshot:
+            mirror.load(owner.snapshot())
+        assert mirror.state == owner.state
+
+
+def test_a_restarted_owner_is_noticed():
+    sent = []
+    first = StatePublisher("d", {"x": 1}, sent.append)
+    mirror = Mirror("d")
+    mirror.load(first.snapshot())
+    second = StatePublisher("d", {"x": 2}, sent.append)
+    second.update({"x": 3})
+    mirror.feed(sent[-1])
+    assert mirror.needs_snapshot
+    mirror.load(second.snapshot())
+    assert mirror.state == {"x": 3}
+
+
+def test_a_service_answers_an_unencodable_result_with_an_error():
+    import threading
+
+    from hil.bus.client import RemoteError, ServiceClient
+    from hil.bus.service import DeviceService, ServiceSpec
+    from tests.bus_doubles import MemoryPowerMeter
+
+    class NanMeter(MemoryPowerMeter):
+        def read_power(self, channels):
+            return {1: float("nan")}
+    service = DeviceService(ServiceSpec("pm", "power_meter", "mem", telemetry_hz=0.0),
+                            driver=NanMeter("mem"))
+    request, _ = service.bind()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        with ServiceClient(request, timeout=5) as c:
+            with pytest.raises(RemoteError, match="UnencodableResult: .*cannot be sent as JSON"):
+                c.call("read_power")
+            assert c.call("ping")["device"] == "pm"          # and the service carries on
+    finally:
+        stop.set()
+        thread.join(5)
+        service.close()
+
+
+def test_a_state_server_mirrors_the_agents_own_state():
+    import threading
+
+    from hil.bus.client import ServiceClient, UnknownOperation
+    from hil.bus.mirror import StateSubscriber
+    from hil.bus.stateserver import StateServer
+
+    server = StateServer("agent", {"spares": ["gpu7"], "phase": "dp"}, heartbeat=0.05,
+                         handlers={"spares": lambda args: len(server.state.state["spares"])})
+    request, publish = server.bind()
+    stop = threading.Event()
+    updates: list[dict] = []
+
+    def loop():                                   # the owner's loop: all socket use is here
+        while not stop.is_set():
+            server.poll(0.01)
+            while updates:
+                server.update(updates.pop(0))
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        with StateSubscriber({"agent": (request, publish)}) as sub, \
+                ServiceClient(request, timeout=5) as c:
+            assert sub.wait_synced(10)
+            assert sub.state("agent") == {"spares": ["gpu7"], "phase": "dp"}
+            assert c.call("spares") == 1
+            with pytest.raises(UnknownOperation, match="offers ping, snapshot, spares"):
+                c.call("apply_circuits", circuits=[])
+            updates.append({"phase": "pp"})
+            deadline = time.monotonic() + 10
+            while sub.state("agent")["phase"] != "pp" and time.monotonic() < deadline:
+                sub.poll(0.05)
+            assert sub.state("agent") == {"spares": ["gpu7"], "phase": "pp"}
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -1,0 +1,222 @@
+"""The rig file: reading, validation messages, writing one for the emulator, and `ptb serve`
+and `ptb keys` driven through the command line."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hil import rigfile
+from hil.bus.client import ServiceClient
+from hil.rigfile import RigFileError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+GOOD = textwrap.dedent("""\
+    [rig]
+    name = "bench-a"
+
+    [bus]
+    host = "10.0.0.2"
+    base_port = 5700
+    bind = "*"
+    server_key = "keys/server.key_secret"
+    server_public_key = "keys/server.key"
+    authorized_keys = "keys/authorized"
+    client_key = "keys/operator.key_secret"
+
+    [devices.heaters]
+    kind = "heater_dac"
+    address = "/dev/serial/by-id/usb-Qontrol-if00"
+    options = { timeout = 0.5 }
+
+    [devices.ocs]
+    kind = "switch"
+    driver = "drivers.polatis:Polatis"
+    address = "TCPIP::10.0.0.9::5025::SOCKET"
+    request = "tcp://10.0.0.2:5800"
+    publish = "tcp://10.0.0.2:5801"
+
+    [chip]
+    topology = "benes16"
+    calibration = "cal/chip.json"
+    heaters = "heaters"
+
+    [[gpus]]
+    name = "gpu0"
+    switch = "ocs"
+    port = 1
+
+    [[gpus]]
+    name = "spare0"
+    switch = "ocs"
+    port = 2
+    spare = true
+    """)
+
+
+def test_a_good_rig_file(tmp_path):
+    path = tmp_path / "rig.toml"
+    path.write_text(GOOD)
+    rig = rigfile.load(path)
+    assert rig.endpoints() == {"heaters": ("tcp://10.0.0.2:5700", "tcp://10.0.0.2:5701"),
+                               "ocs": ("tcp://10.0.0.2:5800", "tcp://10.0.0.2:5801")}
+    assert rig.chip.calibration == str(tmp_path / "cal/chip.json")
+    assert [g.name for g in rig.gpus if g.spare] == ["spare0"]
+    specs = rig.service_specs(["ocs"])
+    assert specs[0].request == "tcp://*:5800" and specs[0].driver == "drivers.polatis:Polatis"
+    assert specs[0].curve_secret == str(tmp_path / "keys/server.key_secret")
+    assert rigfile.parse(rigfile.dumps(rig), base=tmp_path) == rigfile.parse(GOOD, base=tmp_path)
+    with pytest.raises(RigFileError, match="no device named laser"):
+        rig.service_specs(["laser"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (('kind = "heater_dac"', 'kind = "heater_dax"'),
+     r"rig.toml:14: devices.heaters.kind: expected one of heater_dac, power_meter, switch, "
+     r"got 'heater_dax'"),
+    (('port = 2\n', 'port = "2"\n'),
+     r"rig.toml:38: gpus.port: expected the switch input port it attaches to"),
+    (('port = 2\n', 'port = 1\n'),
+     r"rig.toml:38: gpus.port: expected a port no other GPU uses \(gpu0 has it\), got 1"),
+    (('base_port = 5700', 'base_prot = 5700'), r"rig.toml:6: bus.base_prot: expected one of"),
+    (('request = "tcp://10.0.0.2:5800"', 'request = "10.0.0.2:5800"'),
+     r"rig.toml:22: devices.ocs.request: expected an endpoint tcp://HOST:PORT"),
+    (('request = "tcp://10.0.0.2:5800"', 'request = "tcp://10.0.0.2:5700"'),
+     r"devices.ocs.request: expected an endpoint of its own \(devices.heaters.request"),
+    (('driver = "drivers.polatis:Polatis"\n', ''),
+     r"devices.ocs.driver: expected the driver class"),
+    (('client_key = "keys/operator.key_secret"\n', ''),
+     r"bus.client_key: expected a key file \(CURVE is on"),
+    (('bind = "*"\n', 'curve = false\n'),
+     r"rig.toml:7: bus.curve: expected true: endpoints off loopback need CURVE"),
+    (('switch = "ocs"\nport = 1', 'switch = "oxc"\nport = 1'), r"gpus.switch: expected a device"),
+    (('heaters = "heaters"', 'heaters = "dac"'), r"chip.heaters: expected a device name"),
+    (('[rig]\nname = "bench-a"\n', ''), r"expected a key 'rig'"),
+    (('name = "bench-a"', 'name = bench-a'), r"not valid TOML"),
+])
+def test_bad_rig_files_say_where_and_what(tmp_path, edit, message):
+    assert edit[0] in GOOD
+    path = tmp_path / "rig.toml"
+    path.write_text(GOOD.replace(edit[0], edit[1], 1))
+    with pytest.raises(RigFileError, match=message):
+        rigfile.load(path)
+
+
+def test_missing_rig_file(tmp_path):
+    with pytest.raises(RigFileError, match="cannot read the rig file"):
+        rigfile.load(tmp_path / "none.toml")
+
+
+def _ptb(*args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kwargs)
+
+
+def _wait_for(path: pathlib.Path, proc, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared:\n{proc.communicate()[0]}")
+        time.sleep(0.05)
+
+
+def test_emulate_writes_a_rig_that_serve_serves(tmp_path):
+    rig_path, ep_path = tmp_path / "rig.toml", tmp_path / "endpoints.json"
+    emulate = _ptb("emulate", "--rig", "lumion", "--write-rig", str(rig_path))
+    serve = None
+    try:
+        _wait_for(rig_path, emulate)
+        rig = rigfile.load(rig_path)
+        assert rig.bus.curve is False and rig.devices["heaters"].kind == "heater_dac"
+        serve = _ptb("serve", "--rig", str(rig_path), "--endpoints", str(ep_path))
+        _wait_for(ep_path, serve)
+        request, _ = json.loads(ep_path.read_text())["heaters"]
+        assert request == rig.devices["heaters"].request
+        with ServiceClient(request, timeout=5) as c:
+            c.call("set_heaters", volts=[3.0])
+            assert c.call("read_heaters")["volts"][0] == pytest.approx(3.0, abs=2e-4)
+        serve.send_signal(signal.SIGTERM)
+        out, _ = serve.communicate(timeout=15)
+        assert serve.returncode == 0, out
+        assert "heaters" in out and "stopped" in out
+    finally:
+        for proc in (serve, emulate):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+
+
+def test_serve_refuses_a_bad_rig_clearly(tmp_path):
+    path = tmp_path / "rig.toml"
+    path.write_text(GOOD.replace('kind = "switch"', 'kind = 3'))
+    proc = _ptb("serve", "--rig", str(path))
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "devices.ocs.kind: expected the device kind" in out and "Traceback" not in out
+
+
+def test_keys_command(tmp_path):
+    proc = _ptb("keys", "server", "operator", "--dir", str(tmp_path), "--authorize")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert (tmp_path / "authorized" / "operator.key").exists()
+    assert oct((tmp_path / "server.key_secret").stat().st_mode & 0o777) == "0o600"
+    again = _ptb("keys", "server", "--dir", str(tmp_path))
+    out, _ = again.communicate(timeout=30)
+    assert again.returncode == 1 and "refusing to overwrite" in out
+
+
+def test_serve_one_process_with_any_ports_and_ipv6_loopback(tmp_path):
+    rig_path, ep_path = tmp_path / "rig.toml", tmp_path / "endpoints.json"
+    rig_path.write_text(textwrap.dedent("""\
+        [rig]
+        name = "loopback"
+        [bus]
+        curve = false
+        base_port = 1
+        [devices.ocs]
+        kind = "switch"
+        driver = "tests.bus_doubles:MemorySwitch"
+        address = "memory"
+        request = "tcp://127.0.0.1:0"
+        publish = "tcp://127.0.0.1:0"
+        [devices.meter]
+        kind = "power_meter"
+        driver = "tests.bus_doubles:MemoryPowerMeter"
+        address = "memory"
+        request = "tcp://127.0.0.1:0"
+        publish = "tcp://127.0.0.1:0"
+        """))
+    assert rigfile.load(rig_path).bus.curve is False      # port 0 (any) may repeat
+    rig_path.write_text(rig_path.read_text().replace(
+        'request = "tcp://127.0.0.1:0"\npublish = "tcp://127.0.0.1:0"\n',
+        'request = "tcp://[::1]:0"\npublish = "tcp://[::1]:0"\n', 1))
+    serve = _ptb("serve", "--rig", str(rig_path), "--one-process", "--endpoints", str(ep_path))
+    try:
+        _wait_for(ep_path, serve)
+        endpoints = json.loads(ep_path.read_text())
+        assert sorted(endpoints) == ["meter", "ocs"] and "[::1]" in endpoints["ocs"][0]
+        with ServiceClient(endpoints["ocs"][0], timeout=5) as c:
+            c.call("apply_circuits", circuits=[[1, 17]])
+            assert c.call("read_circuits") == {"circuits": [[1, 17]]}
+        with ServiceClient(endpoints["meter"][0], timeout=5) as c:
+            assert c.call("read_power", channels=[1]) == {"power": {"1": 0.001}}
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        out, _ = serve.communicate(timeout=15)
+    assert serve.returncode == 0, out
