@@ -70,3 +70,6 @@ class Laser(SCPIInstrument):
     def is_on(self) -> bool:
         reply = self.query(":SOUR0:POW:STAT?")
         return bool(int(_float(reply, "output state")))
+
+    def describe(self) -> dict:
+        return {"kind": "laser", "identity": self.identity, "resource": self.resource_name}

@@ -119,3 +119,12 @@ class PowerMeter(SCPIInstrument):
 
     def read_all(self) -> dict[int, PowerReading]:
         return {p: self.read(p) for p in range(1, self.ports + 1)}
+
+    def read_power(self, ports: list[int] | None = None) -> dict[int, float]:
+        """New measurements in mW of the given ports (all when None)."""
+        wanted = range(1, self.ports + 1) if ports is None else ports
+        return {p: self.read(p).mw for p in wanted}
+
+    def describe(self) -> dict:
+        return {"kind": "power_meter", "identity": self.identity, "ports": self.ports,
+                "resource": self.resource_name}

@@ -391,6 +391,9 @@ def dumps(rig: Rig) -> str:
 # Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
 EMULATED_DEVICES = {
     "dac": ("heaters", "heater_dac", ""),
+    "ocs": ("ocs", "switch", "drivers.ocs:OpticalCircuitSwitch"),
+    "powermeter": ("powermeter", "power_meter", ""),
+    "laser": ("laser", "laser", ""),
 }
 
 

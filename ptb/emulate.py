@@ -1,8 +1,11 @@
 """`ptb emulate`: run a rig's emulated instruments on their real wires until told to stop."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+
+import zmq
 
 from hil.emulator.rig import RIGS, EmulatedRig, rig_spec
 from ptb.cli import CommandFailed
@@ -26,6 +29,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _start(spec, args) -> EmulatedRig:
+    rig = EmulatedRig(spec, seed=args.seed, port_base=args.port_base,
+                      switching_s=args.switching_ms / 1000)
+    try:
+        rig.start()
+    except (OSError, zmq.ZMQError) as e:
+        hint = (f" (is a port in {args.port_base}..{args.port_base + 3} already in use?)"
+                if args.port_base is not None else "")
+        raise CommandFailed(f"cannot start the {spec.name} rig: {e}{hint}") from None
+    return rig
+
+
 def run(args) -> int:
     try:
         spec = rig_spec(args.rig)
@@ -38,8 +53,8 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with EmulatedRig(spec, seed=args.seed, port_base=args.port_base,
-                     switching_s=args.switching_ms / 1000) as rig:
+    rig = _start(spec, args)
+    with contextlib.closing(rig):
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         if args.write_rig:

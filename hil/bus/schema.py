@@ -37,10 +37,13 @@ OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "read_heaters": {},
     "set_heaters": {"volts": ((list,), True), "first": ((int,), False)},
     "read_power": {"channels": ((list,), False)},
+    "set_laser": {"on": ((bool,), False), "power_mw": (_NUM, False),
+                  "wavelength_nm": (_NUM, False)},
+    "read_laser": {},
 }
 # Operations that change hardware: serialised by the one writer, and compare-and-set when the
 # request carries `expect`.
-CHANGING = frozenset({"apply_circuits", "set_heaters"})
+CHANGING = frozenset({"apply_circuits", "set_heaters", "set_laser"})
 
 # Message fields: name -> (accepted types, required). `None` in a type tuple allows null.
 _ANY = (object,)

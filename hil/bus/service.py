@@ -124,6 +124,36 @@ def _read_power(meter, args):
     return {"power": {str(k): float(v) for k, v in power.items()}}, {}
 
 
+def _number(args: dict, key: str, lo: float, hi: float) -> float | None:
+    v = args.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise BadRequest(f"{key} must be a number in {lo:g}..{hi:g}, not {v!r}")
+    return float(v)
+
+
+def _laser_state(laser) -> dict:
+    return {"on": laser.is_on(), "power_mw": laser.power_mw(),
+            "wavelength_nm": laser.wavelength_nm()}
+
+
+def _set_laser(laser, args):
+    wavelength = _number(args, "wavelength_nm", 1000.0, 2000.0)
+    power = _number(args, "power_mw", 0.0, 1000.0)
+    on = args.get("on")
+    if on is not None and not isinstance(on, bool):
+        raise BadRequest(f"on must be true or false, not {on!r}")
+    if wavelength is not None:
+        laser.set_wavelength_nm(wavelength)
+    if power is not None:
+        laser.set_power_mw(power)
+    if on is not None:
+        laser.set_output(on)
+    state = _laser_state(laser)
+    return state, state
+
+
 KINDS: dict[str, DeviceKind] = {
     "heater_dac": DeviceKind(
         "heater_dac", "drivers.heater_dac:HeaterDAC",
@@ -140,11 +170,15 @@ KINDS: dict[str, DeviceKind] = {
         describe=lambda sw: sw.describe()),
     # A power meter driver offers read_power(channels or None) -> {channel: mW}.
     "power_meter": DeviceKind(
-        "power_meter", "",
+        "power_meter", "drivers.power_meter:PowerMeter",
         ops={"read_power": _read_power}, state=lambda m: {},
         describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
         telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
         telemetry_hz=2.0),
+    "laser": DeviceKind(
+        "laser", "drivers.laser:Laser",
+        ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},
+        state=_laser_state, describe=lambda laser: laser.describe()),
 }
 
 
