@@ -311,3 +311,27 @@ def matching_schedule(topology: Topology, endpoints: int | None = None) -> list[
             dec.cell_phases()
         schedule.append(circuits)
     return schedule
+
+
+def trace_states(topology: Topology, states: Mapping[str, str]) -> list[int]:
+    """Follow each input through bar/cross cells of a feed-forward topology: the permutation
+    (0-based) the cells make. A cell left out, or "partial", stops with a RoutingError."""
+    if topology.recirculating:
+        raise RoutingError(f"{topology.name} is a recirculating mesh: no input/output order")
+    nxt = {a: b for a, b in topology.links}
+    n = topology.ports
+    perm = []
+    for i in range(1, n + 1):
+        end = nxt[("port", i)]
+        while end[0] == "cell":
+            _, cid, arm = end
+            state = states.get(cid)
+            if state == BAR:
+                out = arm + 2
+            elif state == CROSS:
+                out = 3 - arm
+            else:
+                raise RoutingError(f"cell {cid} is {state!r}, neither bar nor cross")
+            end = nxt[("cell", cid, out)]
+        perm.append(int(end[1]) - n - 1)
+    return perm

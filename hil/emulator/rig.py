@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from drivers.topology import build as build_topology
+from hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
 from hil.emulator.dac_board import EmulatedDACBoard
 
 log = logging.getLogger(__name__)
@@ -24,11 +26,13 @@ class RigSpec:
     name: str
     description: str
     dac_modules: int = 0          # Q8iv modules of 8 channels in the heater DAC chain
+    chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements
+    chip_ports: int = 0
 
 
 RIGS = {
     "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards",
-                      dac_modules=7),
+                      dac_modules=7, chip_kind="benes", chip_ports=16),
 }
 
 
@@ -42,9 +46,12 @@ def rig_spec(name: str) -> RigSpec:
 class EmulatedRig:
     """Every instrument of a rig, started on its wire. Use as a context manager."""
 
-    def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None):
+    def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None,
+                 ideal_chip: bool = False):
         self.spec = spec
         self.seed = seed
+        self.ideal_chip = ideal_chip     # no fabrication errors, nominal heaters (for tests)
+        self.chip: EmulatedChip | None = None
         self._own_dir = workdir is None
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
@@ -52,14 +59,29 @@ class EmulatedRig:
 
     def start(self) -> dict[str, str]:
         try:
+            if self.spec.chip_kind:
+                self._make_chip()
             if self.spec.dac_modules:
+                on_output = self.chip.set_voltage if self.chip is not None else None
+                resistances = ([NOMINAL_R_OHM] * self.spec.dac_modules * 8
+                               if self.chip is not None and self.ideal_chip else None)
                 self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
-                                            seed=self.seed)
+                                            seed=self.seed, resistances=resistances,
+                                            on_output=on_output)
+                if self.chip is not None:
+                    self.chip.set_resistances(self.dac.resistances)
                 self.endpoints["dac"] = self.dac.start()
         except BaseException:
             self.close()
             raise
         return dict(self.endpoints)
+
+    def _make_chip(self) -> None:
+        """The chip on the DAC's heaters. Light enters through an input selector (the
+        laser's fibre is patched to one input: `chip.inject(port, mw)`), and each output's
+        1 % tap is what a power-meter channel reads: `lambda: chip.tap_power_mw(port)`."""
+        topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
+        self.chip = EmulatedChip(topology, seed=self.seed, ideal=self.ideal_chip)
 
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""
