@@ -248,10 +248,17 @@ def route_mesh(topology: Topology, pairs: Iterable[tuple[int, int]], capacity: i
     cap_rows = np.tile(np.repeat(np.arange(n_edges), 2), k)
     cap = sparse.csr_array((np.ones(k * n_arcs), (cap_rows, np.arange(k * n_arcs))),
                            shape=(n_edges, k * n_arcs))
+    # No path re-enters its source or leaves its sink: these bounds cost nothing in optimality
+    # and make the relaxation much tighter (the 9 x 9 benchmark solves at the root node).
+    upper = np.ones((k, n_arcs))
+    for c, (a, b) in enumerate(pairs):
+        upper[c, head == topology.port_nodes[a - 1]] = 0
+        upper[c, tail == topology.port_nodes[b - 1]] = 0
     res = optimize.milp(np.ones(k * n_arcs),
                         constraints=[optimize.LinearConstraint(flow, rhs, rhs),
                                      optimize.LinearConstraint(cap, 0, capacity)],
-                        integrality=np.ones(k * n_arcs), bounds=optimize.Bounds(0, 1),
+                        integrality=np.ones(k * n_arcs),
+                        bounds=optimize.Bounds(0, upper.ravel()),
                         options={"time_limit": time_limit})
     if res.status == 2 or res.x is None:
         raise RoutingError(f"cannot route {pairs} on {topology.name}: no set of cell-disjoint "

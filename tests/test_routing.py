@@ -250,3 +250,12 @@ def test_matching_schedules_are_routable_on_each_topology():
 
 def test_states_constants():
     assert (BAR, CROSS) == ("bar", "cross")
+
+
+def test_two_ports_at_one_corner_node_join_without_crossing_a_cell():
+    t = square(3)
+    a, b = 1, t.ports                    # the top-left corner has the first and the last port
+    assert t.port_nodes[a - 1] == t.port_nodes[b - 1]
+    r = route_mesh(t, [(a, b), (2, 5)])
+    assert r.paths[(a, b)] == ()
+    _check_paths(t, r, 1)
