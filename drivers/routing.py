@@ -21,7 +21,7 @@ import numpy as np
 from scipy import optimize, sparse
 
 from drivers.circuit_switch import check_circuits
-from drivers.topology import Topology, benes_stages, cell_id, clements_cells
+from drivers.topology import Topology, benes_stages, cell_id
 
 BAR, CROSS = "bar", "cross"
 
