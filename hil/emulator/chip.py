@@ -183,8 +183,7 @@ class EmulatedChip:
         hx = self._x[self._heater_cell] - 0.35 * self._heater_role
         hy = self._y[self._heater_cell]
         dist = np.hypot(hx[:, None] - hx[None, :], hy[:, None] - hy[None, :])
-        with np.errstate(divide="ignore"):
-            k = 0.03 * rng.uniform(0.7, 1.3, (h, h)) / np.maximum(dist, 0.35) ** 2
+        k = 0.03 * rng.uniform(0.7, 1.3, (h, h)) / np.maximum(dist, 0.35) ** 2
         k[(dist > 2.5) | (dist == 0)] = 0.0
         np.fill_diagonal(k, 0.0)
         return ChipTruth(self.cell_ids, couplers, loss, self.channels, offset, p_pi, r, k, tau)
