@@ -196,3 +196,13 @@ def test_mesh_refuses_what_it_cannot_drive():
         Mesh(benes(16), WiredDAC(None, 8))
     with pytest.raises(CalibrationError):
         Mesh(benes(4), WiredDAC(None, 8), Calibration.ideal(range(2)))
+
+
+def test_circuits_survive_a_dac_power_cycle(rig, mesh):
+    circuits = random_circuits(16, 4)
+    mesh.apply(circuits)
+    rig.dac.replug(power_cycle=True)           # every heater drops to 0 V: the light goes astray
+    assert shares(rig.chip, circuits).min() < 0.5
+    # The driver reopens the port, sees the power-up and restores the voltages it had set.
+    assert mesh.circuits() == circuits
+    assert shares(rig.chip, circuits).min() > 0.999
