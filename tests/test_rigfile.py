@@ -80,7 +80,7 @@ def test_a_good_rig_file(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (('kind = "heater_dac"', 'kind = "heater_dax"'),
-     r"rig.toml:14: devices.heaters.kind: expected one of heater_dac, power_meter, switch, "
+     r"rig.toml:14: devices.heaters.kind: expected one of heater_dac, laser, power_meter, switch, "
      r"got 'heater_dax'"),
     (('port = 2\n', 'port = "2"\n'),
      r"rig.toml:38: gpus.port: expected the switch input port it attaches to"),

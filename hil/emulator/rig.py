@@ -14,7 +14,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from drivers.topology import build as build_topology
 from hil.emulator.bench_optics import OpticalBench
+from hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
 from hil.emulator.control import ControlServer
 from hil.emulator.dac_board import EmulatedDACBoard
 
@@ -29,11 +31,13 @@ class RigSpec:
     ocs_ports: int = 0            # N of an N x N Polatis-class OCS (0: none)
     meter_channels: int = 0       # ports of the N774x power meter (read OCS egress N+1..)
     laser: bool = False           # an N7776C laser feeding OCS ingress 1
+    chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements
+    chip_ports: int = 0
 
 
 RIGS = {
     "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards",
-                      dac_modules=7),
+                      dac_modules=7, chip_kind="benes", chip_ports=16),
     "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
                     "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
 }
@@ -50,7 +54,8 @@ class EmulatedRig:
     """Every instrument of a rig, started on its wire. Use as a context manager."""
 
     def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None,
-                 port_base: int | None = None, switching_s: float = 0.025):
+                 port_base: int | None = None, switching_s: float = 0.025,
+                 ideal_chip: bool = False):
         self.spec = spec
         self.seed = seed
         # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2,
@@ -59,6 +64,8 @@ class EmulatedRig:
         self.switching_s = switching_s
         self.optics: OpticalBench | None = None
         self.control: ControlServer | None = None
+        self.ideal_chip = ideal_chip     # no fabrication errors, nominal heaters (for tests)
+        self.chip: EmulatedChip | None = None
         self._own_dir = workdir is None
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
@@ -66,9 +73,17 @@ class EmulatedRig:
 
     def start(self) -> dict[str, str]:
         try:
+            if self.spec.chip_kind:
+                self._make_chip()
             if self.spec.dac_modules:
+                on_output = self.chip.set_voltage if self.chip is not None else None
+                resistances = ([NOMINAL_R_OHM] * self.spec.dac_modules * 8
+                               if self.chip is not None and self.ideal_chip else None)
                 self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
-                                            seed=self.seed)
+                                            seed=self.seed, resistances=resistances,
+                                            on_output=on_output)
+                if self.chip is not None:
+                    self.chip.set_resistances(self.dac.resistances)
                 self.endpoints["dac"] = self.dac.start()
             if self.spec.ocs_ports or self.spec.laser:
                 base = self.port_base
@@ -87,6 +102,13 @@ class EmulatedRig:
             self.close()
             raise
         return dict(self.endpoints)
+
+    def _make_chip(self) -> None:
+        """The chip on the DAC's heaters. Light enters through an input selector (the
+        laser's fibre is patched to one input: `chip.inject(port, mw)`), and each output's
+        1 % tap is what a power-meter channel reads: `lambda: chip.tap_power_mw(port)`."""
+        topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
+        self.chip = EmulatedChip(topology, seed=self.seed, ideal=self.ideal_chip)
 
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""

@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh")
 
 
 def _module(name: str):

@@ -1,0 +1,291 @@
+"""The mesh driver: circuits on a programmable photonic chip, as heater voltages.
+
+`Mesh` joins a chip topology, a calibration (heater voltage <-> phase) and the heater DAC
+driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping or the
+Clements decomposition), turns cell phases into voltages and sends only the heaters that change,
+merged into as few serial lines as the DAC driver can.
+
+Calibration, per heater channel: phase = offset + pi * P / P_pi with P = V^2 / R. Until a chip is
+calibrated, `Calibration.ideal()` assumes P_pi = 22.5 mW, R = 1 kOhm and zero offset for every
+heater, and no crosstalk: right for an ideal chip only (that is what calibration is for).
+A calibration file is JSON:
+
+    {"version": 1, "chip": "benes16",
+     "channels": [{"channel": 0, "offset_rad": 0.0, "p_pi_mw": 22.5, "r_ohm": 1000.0}, ...],
+     "crosstalk": [[...], ...]}          # optional: k[i][j], channels in the order listed
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
+    check_circuits
+from drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
+    circuits_to_permutation, clements_decompose, mzi, permutation_matrix, trace_states
+from drivers.topology import Topology
+
+log = logging.getLogger(__name__)
+
+NOMINAL_P_PI_MW = 22.5
+NOMINAL_R_OHM = 1000.0
+STATE_TOLERANCE_RAD = 0.05       # a cell read back within this of pi / 0 is bar / cross
+CALIBRATION_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file is missing, malformed, or does not fit the chip."""
+
+
+@dataclass(frozen=True)
+class HeaterCalibration:
+    offset_rad: float = 0.0
+    p_pi_mw: float = NOMINAL_P_PI_MW
+    r_ohm: float = NOMINAL_R_OHM
+
+
+@dataclass(frozen=True)
+class Calibration:
+    heaters: dict[int, HeaterCalibration]
+    crosstalk: np.ndarray | None = None        # k[i][j] in sorted channel order
+    chip: str = ""
+    source: str = "ideal"
+
+    @classmethod
+    def ideal(cls, channels, chip: str = "") -> "Calibration":
+        return cls({int(ch): HeaterCalibration() for ch in channels}, None, chip, "ideal")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        path = pathlib.Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except OSError as e:
+            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"calibration {path} is not JSON: {e}") from None
+        return cls.from_dict(d, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "dict") -> "Calibration":
+        try:
+            if d.get("version") != CALIBRATION_VERSION:
+                raise CalibrationError(f"calibration version {d.get('version')!r} is not "
+                                       f"{CALIBRATION_VERSION}")
+            heaters = {}
+            for h in d["channels"]:
+                cal = HeaterCalibration(float(h["offset_rad"]), float(h["p_pi_mw"]),
+                                        float(h["r_ohm"]))
+                if not (cal.p_pi_mw > 0 and cal.r_ohm > 0):
+                    raise CalibrationError(f"channel {h['channel']}: P_pi and R must be > 0")
+                heaters[int(h["channel"])] = cal
+            k = d.get("crosstalk")
+            k = None if k is None else np.asarray(k, dtype=float)
+            if k is not None and k.shape != (len(heaters), len(heaters)):
+                raise CalibrationError(f"crosstalk is {k.shape}, not {len(heaters)} square")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"calibration {source} is malformed: {e!r}") from None
+        return cls(heaters, k, str(d.get("chip", "")), source)
+
+    def to_dict(self) -> dict:
+        d = {"version": CALIBRATION_VERSION, "chip": self.chip,
+             "channels": [{"channel": ch, "offset_rad": h.offset_rad, "p_pi_mw": h.p_pi_mw,
+                           "r_ohm": h.r_ohm} for ch, h in sorted(self.heaters.items())]}
+        if self.crosstalk is not None:
+            d["crosstalk"] = self.crosstalk.tolist()
+        return d
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+
+    def _arrays(self, channels):
+        try:
+            hs = [self.heaters[ch] for ch in channels]
+        except KeyError as e:
+            raise CalibrationError(f"the calibration has no heater channel {e.args[0]}") from None
+        return (np.array([h.offset_rad for h in hs]), np.array([h.p_pi_mw for h in hs]),
+                np.array([h.r_ohm for h in hs]))
+
+    def voltages(self, phases: Mapping[int, float]) -> dict[int, float]:
+        """Heater voltages giving these phases (rad) on these channels; every channel of the
+        calibration must be named when it has crosstalk (all heaters solved together)."""
+        chans = sorted(phases)
+        off, p_pi, r = self._arrays(chans)
+        delta = np.mod(np.array([phases[c] for c in chans]) - off, 2 * math.pi)
+        if self.crosstalk is None:
+            p = delta * p_pi / math.pi
+        else:
+            if chans != sorted(self.heaters):
+                raise CalibrationError("with crosstalk, give phases for every heater")
+            mix = np.eye(len(chans)) + self.crosstalk
+            for _ in range(8):
+                p = np.linalg.solve(mix, delta * p_pi / math.pi)
+                if (p >= 0).all():
+                    break
+                delta = delta + 2 * math.pi * (p < 0)
+            else:
+                raise CalibrationError("no non-negative heater powers reach these phases")
+        return {c: float(v) for c, v in zip(chans, np.sqrt(p * r / 1000.0))}
+
+    def phases(self, volts: Mapping[int, float]) -> dict[int, float]:
+        """Phases (rad, in [0, 2 pi)) the calibration predicts for these heater voltages."""
+        chans = sorted(volts)
+        off, p_pi, r = self._arrays(chans)
+        p = 1000.0 * np.array([volts[c] for c in chans]) ** 2 / r
+        if self.crosstalk is not None and chans == sorted(self.heaters):
+            p = (np.eye(len(chans)) + self.crosstalk) @ p
+        return {c: float(x) for c, x in zip(chans, np.mod(off + math.pi * p / p_pi, 2 * math.pi))}
+
+
+def classify(theta: float) -> str:
+    d_bar = abs((theta - math.pi + math.pi) % (2 * math.pi) - math.pi)
+    d_cross = abs((theta + math.pi) % (2 * math.pi) - math.pi)
+    if d_bar < STATE_TOLERANCE_RAD:
+        return BAR
+    if d_cross < STATE_TOLERANCE_RAD:
+        return CROSS
+    return "partial"
+
+
+class Mesh(CircuitSwitch):
+    """A Benes or Clements chip driven through a heater DAC."""
+
+    def __init__(self, topology: Topology, dac, calibration: Calibration | str | os.PathLike |
+                 None = None, *, name: str | None = None, own_dac: bool = True):
+        if topology.recirculating:
+            raise SwitchError(f"{topology.name}: Mesh drives feed-forward chips (benes, "
+                              "clements); route recirculating meshes with "
+                              "drivers.routing.route_mesh")
+        self.topology = topology
+        self.dac = dac
+        self.name = name or topology.name
+        self._own_dac = own_dac
+        channels = [ch for c in topology.cells for ch in c.channels]
+        if calibration is None:
+            calibration = Calibration.ideal(channels, topology.name)
+        elif not isinstance(calibration, Calibration):
+            calibration = Calibration.load(calibration)
+        missing = set(channels) - set(calibration.heaters)
+        if missing:
+            raise CalibrationError(f"calibration {calibration.source} lacks heater channels "
+                                   f"{sorted(missing)[:8]}")
+        self.calibration = calibration
+        if dac.channels < topology.channels:
+            raise SwitchError(f"{topology.name} needs {topology.channels} heater channels; "
+                              f"the DAC has {dac.channels}")
+        self._channels = channels
+        self._active: Circuits | None = None
+        self.lines_sent = 0
+
+    @property
+    def ports(self) -> int:
+        return self.topology.ports
+
+    # ---- circuits -> phases -> volts --------------------------------------------------------
+
+    def cell_phases(self, circuits: Mapping[int, int]) -> dict[str, tuple[float, float]]:
+        """{cell id: (theta, phi)} making these circuits (the rest of the inputs go to the
+        outputs left over)."""
+        perm = circuits_to_permutation(circuits, self.ports)
+        if self.topology.kind == "benes":
+            named = {BAR: math.pi, CROSS: 0.0}
+            return {cid: (named[s], 0.0) for cid, s in benes_cell_states(perm).items()}
+        return clements_decompose(permutation_matrix(perm)).cell_phases()
+
+    def heater_phases(self, cell_phases: Mapping[str, tuple[float, float]]) -> dict[int, float]:
+        phases = {}
+        for cid, (theta, phi) in cell_phases.items():
+            chans = self.topology.cell(cid).channels
+            phases[chans[0]] = theta
+            if len(chans) > 1:
+                phases[chans[1]] = phi
+        return phases
+
+    def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
+        t0 = time.perf_counter()
+        circuits = check_circuits(circuits, self.ports)
+        try:
+            cells = self.cell_phases(circuits)
+        except RoutingError as e:
+            raise SwitchError(f"{self.name}: {e}") from e
+        volts = self.calibration.voltages(self.heater_phases(cells))
+        commanded = self.dac.commanded
+        changed = {ch: v for ch, v in volts.items() if abs(commanded[ch] - v) > 1e-4}
+        if changed:
+            self.lines_sent += self.dac.set_voltages(changed)
+        before = self._active or {}
+        self._active = dict(circuits)
+        added = {i: o for i, o in circuits.items() if before.get(i) != o}
+        removed = {i: o for i, o in before.items() if circuits.get(i) != o}
+        log.info("%s: %d circuits, %d heaters changed", self.name, len(circuits), len(changed))
+        # The thermal time constant is microseconds: the light has settled when the DAC answers.
+        return ApplyReport(added, removed, time.perf_counter() - t0)
+
+    # ---- read back ----------------------------------------------------------------------------
+
+    def cell_states(self) -> dict[str, dict]:
+        """The chip-service state: {cell id: {"state", "theta", "phi"}} from the board's
+        voltages and the calibration."""
+        volts = self.dac.voltages()
+        phases = self.calibration.phases({ch: volts[ch] for ch in self._channels})
+        out = {}
+        for c in self.topology.cells:
+            theta = phases[c.channels[0]]
+            phi = phases[c.channels[1]] if len(c.channels) > 1 else 0.0
+            out[c.id] = {"state": classify(theta), "theta": theta, "phi": phi}
+        return out
+
+    def circuits(self) -> Circuits:
+        """Circuits the chip makes now, from the heater voltages read back from the board. Once
+        `apply` has run, only the inputs it was asked about are reported (every input of a
+        chip goes somewhere); a circuit that is no longer made is missing."""
+        states = self.cell_states()
+        n = self.ports
+        if self.topology.kind == "benes":
+            try:
+                perm = trace_states(self.topology, {c: s["state"] for c, s in states.items()})
+            except RoutingError:
+                return {}
+            made = {i + 1: n + 1 + o for i, o in enumerate(perm)}
+        else:
+            u = self.transfer_matrix(states)
+            power = np.abs(u) ** 2
+            made = {i + 1: n + 1 + int(np.argmax(power[:, i])) for i in range(n)
+                    if power[:, i].max() > 0.99}
+        if self._active is None:
+            return made
+        return {i: o for i, o in made.items() if i in self._active and self._active[i] == o}
+
+    def transfer_matrix(self, states: Mapping[str, dict] | None = None) -> np.ndarray:
+        """The ideal field transfer matrix the cell phases make (Clements chips)."""
+        if self.topology.kind != "clements":
+            raise SwitchError("transfer_matrix is for Clements meshes")
+        states = states or self.cell_states()
+        n = self.ports
+        u = np.eye(n, dtype=complex)
+        for c in sorted(self.topology.cells, key=lambda c: c.x):
+            m = int(round(2 * c.y))
+            s = states[c.id]
+            u[m:m + 2, :] = mzi(s["theta"], s["phi"]) @ u[m:m + 2, :]
+        return u
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "Mesh", "ports": self.ports,
+                "topology": self.topology.describe(), "calibration": self.calibration.source}
+
+    def close(self) -> None:
+        if self._own_dac:
+            self.dac.close()

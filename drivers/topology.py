@@ -1,0 +1,238 @@
+"""Chip topologies as data: 2 x 2 MZI cells, the heater channels that set them, and the links.
+
+A chip is a graph of cells. Each cell has four arms: 0 = top input, 1 = bottom input,
+2 = top output, 3 = bottom output; a cell is *bar* when its top input leaves by its top output.
+Ports follow the CircuitSwitch convention: inputs 1..N on the left, outputs N+1..2N on the right
+(a recirculating mesh has ports 1..P around its edge, not split into inputs and outputs).
+
+`Topology.describe()` is the chip-topology shape every piece shares (the chip service sends it
+on the bus, the GUI draws it, the emulator builds its physics from it):
+
+    {"kind": "benes" | "clements" | "square" | "hexagonal", "name": "benes16", "ports": N,
+     "cells": [{"id": "s0r0", "x": 0.0, "y": 0.0, "channels": [0] or [0, 1]}, ...],
+     "links": [{"from": ["port", 1] | ["cell", "s0r0", arm], "to": [...]}, ...]}
+
+`channels` are heater DAC channels, the internal phase first, then the external one if the cell
+has one. A recirculating mesh (square, hexagonal) also carries "nodes" and "edges": its cells
+sit on the edges of a lattice, light turns at the nodes, and port p enters at a boundary node.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+KINDS = ("benes", "clements", "square", "hexagonal")
+
+
+class TopologyError(ValueError):
+    """A topology cannot be built as asked, or a description does not hold together."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    id: str
+    x: float                     # column (stage), cell units
+    y: float                     # row, cell units
+    channels: tuple[int, ...]    # heater channels: internal phase, then external phase
+
+
+@dataclass(frozen=True)
+class Topology:
+    kind: str
+    name: str
+    ports: int
+    cells: tuple[Cell, ...]
+    links: tuple[tuple[tuple, tuple], ...]       # (from end, to end); an end is a tuple
+    # Recirculating meshes only: lattice nodes, the cell on each edge, the node of each port.
+    nodes: tuple[tuple[float, float], ...] = ()
+    edges: tuple[tuple[int, int], ...] = ()      # edges[k] joins two nodes through cells[k]
+    port_nodes: tuple[int, ...] = ()             # port p (1-based) enters at port_nodes[p - 1]
+    _index: dict = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise TopologyError(f"unknown topology kind {self.kind!r}; known: {', '.join(KINDS)}")
+        index = {}
+        for k, c in enumerate(self.cells):
+            if c.id in index:
+                raise TopologyError(f"cell id {c.id!r} appears twice")
+            index[c.id] = k
+        object.__setattr__(self, "_index", index)
+
+    @property
+    def recirculating(self) -> bool:
+        return self.kind in ("square", "hexagonal")
+
+    @property
+    def channels(self) -> int:
+        """Heater channels used (one past the highest channel number)."""
+        return 1 + max((ch for c in self.cells for ch in c.channels), default=-1)
+
+    def cell(self, cell_id: str) -> Cell:
+        try:
+            return self.cells[self._index[cell_id]]
+        except KeyError:
+            raise TopologyError(f"no cell {cell_id!r} in {self.name}") from None
+
+    def cell_index(self, cell_id: str) -> int:
+        self.cell(cell_id)
+        return self._index[cell_id]
+
+    def describe(self) -> dict:
+        d = {"kind": self.kind, "name": self.name, "ports": self.ports,
+             "cells": [{"id": c.id, "x": float(c.x), "y": float(c.y),
+                        "channels": list(c.channels)} for c in self.cells],
+             "links": [{"from": list(a), "to": list(b)} for a, b in self.links]}
+        if self.recirculating:
+            d["nodes"] = [[float(x), float(y)] for x, y in self.nodes]
+            d["edges"] = [list(e) for e in self.edges]
+            d["port_nodes"] = list(self.port_nodes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Topology":
+        try:
+            cells = tuple(Cell(str(c["id"]), float(c["x"]), float(c["y"]),
+                               tuple(int(ch) for ch in c["channels"])) for c in d["cells"])
+            links = tuple((tuple(l["from"]), tuple(l["to"])) for l in d["links"])
+            return cls(str(d["kind"]), str(d["name"]), int(d["ports"]), cells, links,
+                       tuple(tuple(n) for n in d.get("nodes", ())),
+                       tuple(tuple(int(v) for v in e) for e in d.get("edges", ())),
+                       tuple(int(n) for n in d.get("port_nodes", ())))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TopologyError(f"not a chip topology description: {e!r}") from None
+
+
+def cell_id(stage: int, row: int) -> str:
+    return f"s{stage}r{row}"
+
+
+# ---- Benes --------------------------------------------------------------------------------------
+
+def benes_stages(n: int) -> int:
+    return 2 * int(math.log2(n)) - 1
+
+
+def _check_power_of_two(n: int) -> None:
+    if not isinstance(n, int) or n < 2 or n & (n - 1):
+        raise TopologyError(f"a Benes network has N = 2^k >= 2 ports, not {n!r}")
+
+
+def benes(n: int = 16, name: str | None = None) -> Topology:
+    """N x N Benes network: 2 log2 N - 1 stages of N/2 cells; one heater per cell."""
+    _check_power_of_two(n)
+    stages = benes_stages(n)
+    half = n // 2
+    cells = tuple(Cell(cell_id(s, r), float(s), float(r), (s * half + r,))
+                  for s in range(stages) for r in range(half))
+    links: list = []
+
+    def build(m: int, s0: int, r0: int):
+        """Wire a Benes subnetwork of size m; returns (input sinks, output sources)."""
+        if m == 2:
+            c = cell_id(s0, r0)
+            return [("cell", c, 0), ("cell", c, 1)], [("cell", c, 2), ("cell", c, 3)]
+        last = s0 + benes_stages(m) - 1
+        up_in, up_out = build(m // 2, s0 + 1, r0)
+        lo_in, lo_out = build(m // 2, s0 + 1, r0 + m // 4)
+        ins, outs = [], []
+        for c in range(m // 2):
+            first, final = cell_id(s0, r0 + c), cell_id(last, r0 + c)
+            links.append((("cell", first, 2), up_in[c]))
+            links.append((("cell", first, 3), lo_in[c]))
+            links.append((up_out[c], ("cell", final, 0)))
+            links.append((lo_out[c], ("cell", final, 1)))
+            ins += [("cell", first, 0), ("cell", first, 1)]
+            outs += [("cell", final, 2), ("cell", final, 3)]
+        return ins, outs
+
+    ins, outs = build(n, 0, 0)
+    links = [(("port", i + 1), sink) for i, sink in enumerate(ins)] + links + \
+            [(src, ("port", n + 1 + o)) for o, src in enumerate(outs)]
+    return Topology("benes", name or f"benes{n}", n, cells, tuple(links))
+
+
+# ---- Clements -----------------------------------------------------------------------------------
+
+def clements_cells(n: int) -> list[tuple[int, int]]:
+    """(column, top mode) of every cell of an N-mode rectangular mesh, column by column."""
+    return [(col, m) for col in range(n) for m in range(col % 2, n - 1, 2)]
+
+
+def clements(n: int = 8, name: str | None = None) -> Topology:
+    """N x N rectangular (Clements) mesh: N columns, N(N-1)/2 cells, two heaters per cell
+    (internal theta, external phi on the top input arm)."""
+    if not isinstance(n, int) or n < 2:
+        raise TopologyError(f"a Clements mesh has N >= 2 modes, not {n!r}")
+    cells = []
+    links = []
+    last = [("port", m + 1) for m in range(n)]     # what feeds each mode so far
+    for k, (col, m) in enumerate(clements_cells(n)):
+        cid = cell_id(col, m // 2)
+        cells.append(Cell(cid, float(col), m / 2, (2 * k, 2 * k + 1)))
+        links.append((last[m], ("cell", cid, 0)))
+        links.append((last[m + 1], ("cell", cid, 1)))
+        last[m], last[m + 1] = ("cell", cid, 2), ("cell", cid, 3)
+    links += [(last[m], ("port", n + 1 + m)) for m in range(n)]
+    return Topology("clements", name or f"clements{n}", n, tuple(cells), tuple(links))
+
+
+# ---- Recirculating meshes -------------------------------------------------------------------------
+
+def _lattice(kind: str, rows: int, cols: int, name: str | None) -> Topology:
+    if not (isinstance(rows, int) and isinstance(cols, int)) or rows < 2 or cols < 2:
+        raise TopologyError(f"a {kind} mesh needs at least 2 x 2 nodes, not {rows!r} x {cols!r}")
+    node = {(r, c): r * cols + c for r in range(rows) for c in range(cols)}
+    edges = []
+    for r in range(rows):
+        for c in range(cols):
+            if c + 1 < cols:
+                edges.append((node[r, c], node[r, c + 1]))
+            # A hexagonal lattice drawn as a brick wall: every other vertical edge.
+            if r + 1 < rows and (kind == "square" or (r + c) % 2 == 0):
+                edges.append((node[r, c], node[r + 1, c]))
+    nodes = tuple((float(c), float(r)) for r in range(rows) for c in range(cols))
+    cells = []
+    for k, (a, b) in enumerate(edges):
+        (xa, ya), (xb, yb) = nodes[a], nodes[b]
+        cells.append(Cell(f"e{k}", (xa + xb) / 2, (ya + yb) / 2, (k,)))
+    # Undirected adjacency for drawing: cells meeting at a node are linked there.
+    at_node: dict[int, list[tuple]] = {}
+    for k, (a, b) in enumerate(edges):
+        at_node.setdefault(a, []).append(("cell", f"e{k}", 0))
+        at_node.setdefault(b, []).append(("cell", f"e{k}", 2))
+    # Ports: one per edge stub leaving the lattice (a corner node has two), clockwise from
+    # the top-left corner.
+    ring = [(0, c) for c in range(cols)] + [(r, cols - 1) for r in range(rows)] + \
+           [(rows - 1, c) for c in range(cols - 1, -1, -1)] + \
+           [(r, 0) for r in range(rows - 1, -1, -1)]
+    port_nodes = tuple(node[rc] for rc in ring)
+    links = []
+    for p, nd in enumerate(port_nodes, start=1):
+        links.append((("port", p), at_node[nd][0]))
+    for ends in at_node.values():
+        for i in range(len(ends)):
+            for j in range(i + 1, len(ends)):
+                links.append((ends[i], ends[j]))
+    return Topology(kind, name or f"{kind}{rows}x{cols}", len(port_nodes), tuple(cells),
+                    tuple(links), nodes, tuple(edges), port_nodes)
+
+
+def square(rows: int = 9, cols: int | None = None, name: str | None = None) -> Topology:
+    """Recirculating square mesh of rows x cols nodes; a cell on every lattice edge; a port at
+    every edge stub of the boundary (4 x side ports)."""
+    return _lattice("square", rows, cols if cols is not None else rows, name)
+
+
+def hexagonal(rows: int = 9, cols: int | None = None, name: str | None = None) -> Topology:
+    """Recirculating hexagonal mesh (brick-wall drawing: three cells meet at each node)."""
+    return _lattice("hexagonal", rows, cols if cols is not None else rows, name)
+
+
+def build(kind: str, size: int) -> Topology:
+    """A topology by kind and size (N ports for benes/clements, nodes per side for meshes)."""
+    makers = {"benes": benes, "clements": clements, "square": square, "hexagonal": hexagonal}
+    try:
+        return makers[kind](size)
+    except KeyError:
+        raise TopologyError(f"unknown topology kind {kind!r}; known: {', '.join(KINDS)}") from None
