@@ -314,6 +314,8 @@ class Agent:
                         suspects.append(src)
             suspects = [g for g in dict.fromkeys(suspects) if g in self.rank_map.values()]
             for g in suspects:
+                if self._health.get(g) != "failed":
+                    self.journal.record("detected", f"GPU {g} lost by the job", reason=reason)
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
             return self._failover(suspects, reason or "job failure") if suspects else None

@@ -157,6 +157,9 @@ class TrainingJob:
     def subscribe(self, listener: Callable[[JobEvent], None]) -> None:
         self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Callable[[JobEvent], None]) -> None:
+        self._listeners.remove(listener)
+
     # --- running ----------------------------------------------------------------------------
     def _emit(self, kind: str, phase: str = "", round: int = 0, **details: Any) -> None:
         ev = JobEvent(kind, self.clock.now(), self.step, phase, round, details)

@@ -230,6 +230,9 @@ class EmulatedRack:
         """listener(GpuHealth) is called from poll() whenever a GPU's state changes."""
         self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Callable[[GpuHealth], None]) -> None:
+        self._listeners.remove(listener)
+
     def poll(self) -> list[GpuHealth]:
         """Health of every GPU whose state changed since the last poll; tells the listeners."""
         changed = []
