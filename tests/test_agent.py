@@ -299,3 +299,57 @@ def test_bad_requests_get_clear_errors(tmp_path):
     with pytest.raises(AgentError, match="does not fit"):
         w.agent.admit(dp_ring(8), {r: "gpu0" if r < 2 else f"gpu{r}" for r in range(8)})
     assert w.agent.on_health(w.rack.gpu_health("spare1")) is None
+
+
+def test_wall_clock_threads_failover(tmp_path):
+    """The demo's arrangement: the job in its thread, the rack polling health in another."""
+    from hil.emulator.clock import WallClock
+    clock = WallClock()
+    sw = PermutationSwitch("chip", 16)
+    rack = EmulatedRack(lumion(), {"chip": sw}, clock)
+    with Journal(tmp_path / "j.db") as journal:
+        agent = Agent(lumion(), {"chip": sw}, journal, rack.port_power_dbm)
+        plan = dp_ring(8, bytes=1e6, compute_s=0.002)
+        job = TrainingJob(plan, agent.admit(plan), rack, clock, restart_s=0.01,
+                          checkpoint_every=2, link_timeout_s=5.0, grant_timeout_s=5.0)
+        agent.on_grant, agent.on_restart = job.grant, job.restart
+        job.subscribe(agent.on_job_event)
+        rack.subscribe(agent.on_health)
+        job.subscribe(lambda ev: ev.kind == "step" and ev.step == 3 and job.restarts == 0
+                      and not rack.faults.gpus and rack.faults.fail_gpu("gpu6"))
+        rack.start_monitor(0.002)
+        try:
+            job.start(10)
+            job.join(timeout=30)
+        finally:
+            job.close()
+            rack.close()
+        assert job.state == "done" and job.rank_map[6] == "spare0" and job.restarts == 1
+        assert all(c.all_up for c in job.communications)
+
+
+def test_verified_phases_withhold_the_grant_from_dark_circuits(tmp_path):
+    alarms, grants = [], []
+    w = make_world(tmp_path, opus(), verify_phases=True, on_alarm=lambda t, d: alarms.append(t),
+                   on_grant=lambda p, r: grants.append((p, r)))
+    w.agent.admit(dp_tp(8))
+    w.agent.on_phase("dp", 0)
+    assert grants == [("dp", 0)] and w.journal.entries(kinds=("verified",))
+    w.rack.faults.cut_fibre("ocs", 35)                   # server2's RX fibre
+    w.agent.on_phase("tp", 0)
+    assert grants == [("dp", 0)] and "do not verify" in alarms[-1]
+    dark = w.journal.entries(kinds=("verify_failed",))[-1].details["dark"]
+    assert dark == [["ocs", 4, 35]]
+
+
+def test_throughput_drops_during_failover(tmp_path):
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05), latency_s=0.001)
+    w.job.restart_s = 1.0
+    fail_at_step(w, 10, "gpu1")
+    w.job.run(30)
+    t_fail = next(e.t for e in w.job.log if e.kind == "failure")
+    t_back = next(e.t for e in w.job.log if e.kind == "restarted")
+    before = w.job.throughput(0.0, t_fail)
+    during = w.job.throughput(t_fail + 1e-9, t_back)
+    after = w.job.throughput(t_back, w.job.records[-1].t_end + 1e-9)
+    assert during == 0.0 and before == pytest.approx(after, rel=0.05) and before > 10

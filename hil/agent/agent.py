@@ -434,7 +434,3 @@ class Agent:
         if restart:
             self.journal.record("restart", cause, rank_map=rank_map)
             self.on_restart(dict(rank_map), cause)
-
-    def close(self) -> None:
-        """The agent holds no connections of its own; switches and journal belong to the
-        caller."""
