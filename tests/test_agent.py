@@ -349,7 +349,7 @@ def test_throughput_drops_during_failover(tmp_path):
     w.job.run(30)
     t_fail = next(e.t for e in w.job.log if e.kind == "failure")
     t_back = next(e.t for e in w.job.log if e.kind == "restarted")
-    before = w.job.throughput(0.0, t_fail)
+    before = w.job.throughput(0.0, t_fail + 1e-9)
     during = w.job.throughput(t_fail + 1e-9, t_back)
     after = w.job.throughput(t_back, w.job.records[-1].t_end + 1e-9)
     assert during == 0.0 and before == pytest.approx(after, rel=0.05) and before > 10

@@ -327,7 +327,7 @@ class Agent:
                     self.journal.record("detected", f"GPU {g} lost by the job", reason=reason)
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
-            return self._failover(suspects, reason or "job failure") if suspects else None
+            return self._failover(suspects, "job failure") if suspects else None
 
     def spares(self) -> list[str]:
         """GPUs that may take a rank now, in rack order."""
