@@ -15,7 +15,7 @@ circuits give rank r's GPU its peers) and the rig file (issue 6 reads it as JSON
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 

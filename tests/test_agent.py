@@ -353,3 +353,12 @@ def test_throughput_drops_during_failover(tmp_path):
     during = w.job.throughput(t_fail + 1e-9, t_back)
     after = w.job.throughput(t_back, w.job.records[-1].t_end + 1e-9)
     assert during == 0.0 and before == pytest.approx(after, rel=0.05) and before > 10
+
+
+def test_health_reports_as_dicts_from_the_bus(tmp_path):
+    w = make_world(tmp_path, lumion(), dp_ring(8))
+    w.rack.faults.fail_gpu("gpu2")
+    out = w.agent.on_health(w.rack.gpu_health("gpu2").to_dict())
+    assert out.swaps == {"gpu2": "spare0"}
+    with pytest.raises(AgentError, match="not a GPU health report"):
+        w.agent.on_health({"gpu": "gpu1", "colour": "red"})

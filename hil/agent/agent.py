@@ -289,11 +289,18 @@ class Agent:
             self._alarm(f"cannot serve job event {kind!r}: {e}", kind=kind)
 
     # --- failures ---------------------------------------------------------------------------
-    def on_health(self, *healths: GpuHealth) -> SwapOutcome | None:
-        """GPU health reports (several at once are handled as one failover)."""
+    def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
+        """GPU health reports, as GpuHealth or its to_dict() form off the bus (several at
+        once are handled as one failover)."""
         with self._lock:
             failed = []
             for h in healths:
+                if isinstance(h, Mapping):
+                    try:
+                        h = GpuHealth(**{**h, "reasons": tuple(h.get("reasons", ())),
+                                         "xids": tuple(h.get("xids", ()))})
+                    except TypeError as e:
+                        raise AgentError(f"not a GPU health report: {e}") from None
                 old = self._health.get(h.gpu, "ok")
                 self._health[h.gpu] = h.state
                 if h.state == "failed":
