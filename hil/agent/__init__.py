@@ -1,0 +1,8 @@
+"""The host agent: reconfigures optical circuits when GPUs fail or the job changes phase.
+
+`policies` holds the pure decisions (which circuits, which spare); `agent` applies them to
+`CircuitSwitch` objects, verifies them by light, and journals every step.
+"""
+from hil.agent.agent import Agent, AgentError, SwapOutcome
+
+__all__ = ["Agent", "AgentError", "SwapOutcome"]

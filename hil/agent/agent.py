@@ -1,0 +1,443 @@
+"""The agent's orchestration: health and phase events in; circuits, rank maps and alarms out.
+
+Inputs are plain method calls, so a bus adapter (or a test) connects them directly:
+`admit(plan)`, `on_health(GpuHealth)`, `on_phase(phase, round)`, `on_job_failure(...)`,
+`on_job_event(event)`, `start()` (reconcile after a (re)start), `reconcile()`.
+Outputs are callbacks given at construction: `on_grant(phase, round)` (the job may
+communicate), `on_restart(rank_map, cause)`, `on_rank_map(rank_map)`, `on_alarm(text, details)`.
+
+Switches are `CircuitSwitch` objects; light is read through `read_power(switch, port) -> dBm`
+(a power meter on the output fibres). Every decision is written to the journal *before* it is
+applied (the intended circuits of each switch included), so an agent killed mid-swap and
+started again repairs only what differs and finishes the swap without extra switch moves.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from drivers.circuit_switch import CircuitSwitch, Circuits, SwitchError
+from hil.agent import policies
+from hil.agent.policies import RankMap, Targets
+from hil.gpu_health import GpuHealth
+from hil.jobplan import JobPlan, PlanError, round_robin_matchings
+from hil.journal import Journal
+from hil.rack_layout import RackLayout
+
+log = logging.getLogger(__name__)
+
+VERIFY_DBM = -12.0      # a verified circuit delivers at least the receivers' sensitivity
+
+
+class AgentError(Exception):
+    """The agent was asked something it cannot do (no job admitted, unknown phase...)."""
+
+
+@dataclass(frozen=True)
+class SwapOutcome:
+    """What a failover did: who replaced whom, the new rank map, and how long it took."""
+    failed: tuple[str, ...]
+    swaps: dict[str, str]
+    rank_map: RankMap
+    degraded: bool = False
+    stopped: bool = False               # no spare and the job cannot shrink: no restart sent
+    rejected_spares: tuple[str, ...] = ()
+    latency_s: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)   # decided/applied/verified times
+
+
+def _pairs(c: Mapping[int, int]) -> list[tuple[int, int]]:
+    return sorted((int(a), int(b)) for a, b in c.items())
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+class Agent:
+    def __init__(self, layout: RackLayout, switches: Mapping[str, CircuitSwitch],
+                 journal: Journal, read_power: Callable[[str, int], float], *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 verify_dbm: float = VERIFY_DBM,
+                 loss_db: Callable[[str, int, int], float] | None = None,
+                 matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings,
+                 prestage: bool = False, verify_phases: bool = False, quarantine_s: float = 60.0,
+                 on_grant: Callable[[str, int], None] | None = None,
+                 on_restart: Callable[[RankMap, str], None] | None = None,
+                 on_rank_map: Callable[[RankMap], None] | None = None,
+                 on_alarm: Callable[[str, dict], None] | None = None):
+        missing = set(layout.switches) - set(switches)
+        if missing:
+            raise AgentError(f"no CircuitSwitch given for switch(es) {sorted(missing)}")
+        self.layout = layout
+        self.switches = dict(switches)
+        self.journal = journal
+        self.read_power = read_power
+        self.clock = clock
+        self.verify_dbm = verify_dbm
+        self.loss_db = loss_db
+        self.matchings = matchings
+        self.prestage = prestage
+        self.verify_phases = verify_phases
+        self.quarantine_s = quarantine_s
+        self.on_grant = on_grant or _nothing
+        self.on_restart = on_restart or _nothing
+        self.on_rank_map = on_rank_map or _nothing
+        self.on_alarm = on_alarm or _nothing
+        self.plan: JobPlan | None = None
+        self.rank_map: RankMap = {}
+        self.phase: tuple[str, int] | None = None
+        self._targets: dict[tuple[str, int], Targets] = {}
+        self._current: dict[str, Circuits] = {}
+        self._health: dict[str, str] = {}
+        self._failed_at: dict[str, float] = {}
+        self._rejected: set[str] = set()
+        self._lock = threading.RLock()
+
+    # --- the switches -----------------------------------------------------------------------
+    def _apply(self, targets: Targets, cause: str, record: bool = True
+               ) -> dict[str, dict[str, Any]]:
+        """Journal then apply every switch whose circuits differ; {switch: what changed}.
+        With record=False the caller journals the outcome in its own entry (phase rails:
+        one write fewer per phase on the critical path)."""
+        todo = {s: c for s, c in targets.items() if self._current.get(s) != c}
+        for s, c in todo.items():               # write-ahead: intended state first
+            self.journal.set_intended(s, _pairs(c), cause)
+        took = {}
+        for s, c in todo.items():
+            t0 = self.clock()
+            try:
+                rep = self.switches[s].apply(c)
+            except SwitchError as e:
+                self._current.pop(s, None)        # unknown now: read back at reconcile
+                self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+                raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
+            took[s] = {"seconds": self.clock() - t0, "added": _pairs(rep.added),
+                       "removed": _pairs(rep.removed)}
+            self._current[s] = dict(c)
+            if record:
+                self.journal.record("applied", cause, took[s]["seconds"], switch=s,
+                                    added=took[s]["added"], removed=took[s]["removed"])
+        return took
+
+    def _verify(self, points: list[tuple[str, int, int]], cause: str, since: float
+                ) -> list[tuple[str, int, int, float]]:
+        """Read light at each (switch, in, out) circuit's output; returns the dark ones."""
+        bad, seen = [], {}
+        for s, i, o in points:
+            p = float(self.read_power(s, o))
+            seen[f"{s}:{o}"] = round(p, 2)
+            if not p >= self.verify_dbm:
+                bad.append((s, i, o, p))
+        kind = "verify_failed" if bad else "verified"
+        self.journal.record(kind, cause, self.clock() - since, dbm=seen,
+                            dark=[[s, i, o] for s, i, o, _ in bad])
+        return bad
+
+    def _alarm(self, text: str, **details: Any) -> None:
+        log.error("alarm: %s", text)
+        self.journal.record("alarm", text, **details)
+        self.on_alarm(text, details)
+
+    def reconcile(self, cause: str = "reconcile") -> dict[str, int]:
+        """Read every switch, repair only what differs from the journal's intended circuits.
+        Returns {switch: circuits added + removed}."""
+        with self._lock:
+            t0 = self.clock()
+            intended = self.journal.intended()
+            moves: dict[str, int] = {}
+            for name, sw in self.switches.items():
+                try:
+                    actual = sw.circuits()
+                except SwitchError as e:
+                    self._current.pop(name, None)
+                    self._alarm(f"cannot read switch {name}: {e}", switch=name)
+                    continue
+                if name not in intended:
+                    self._current[name] = dict(actual)
+                    continue
+                want = dict(intended[name])
+                moves[name] = policies.changes(actual, want)
+                if moves[name]:
+                    t1 = self.clock()
+                    rep = sw.apply(want)
+                    self.journal.record("reconcile", cause, self.clock() - t1, switch=name,
+                                        added=_pairs(rep.added), removed=_pairs(rep.removed))
+                self._current[name] = want
+            self.journal.record("reconcile", cause, self.clock() - t0, moves=moves)
+            return moves
+
+    # --- recovery ---------------------------------------------------------------------------
+    def start(self) -> SwapOutcome | None:
+        """Reconcile the switches with the journal and take up where a previous agent left:
+        its job, rank map and phase; a swap it decided but never announced is finished."""
+        with self._lock:
+            self.journal.record("start", "agent started")
+            self.reconcile("agent start")
+            admit = swap = None
+            announced = 0
+            for e in self.journal.entries(kinds=("decision", "rank_map", "phase")):
+                action = e.details.get("action")
+                if e.kind == "decision" and action == "admit":
+                    admit, swap, self.phase = e, None, None
+                elif e.kind == "decision" and action == "swap":
+                    swap = e
+                elif e.kind == "rank_map":
+                    announced = e.seq
+                elif e.kind == "phase" and "phase" in e.details:
+                    self.phase = (e.details["phase"], int(e.details.get("round", 0)))
+            if admit is None:
+                return None
+            self.plan = JobPlan.from_dict(admit.details["plan"])
+            last = swap if swap is not None else admit
+            self.rank_map = {int(r): g for r, g in last.details["rank_map"].items()}
+            if swap is not None and swap.details.get("phase"):
+                self.phase = tuple(swap.details["phase"])
+            self._targets = policies.phase_circuits(self.plan, self.layout, self.rank_map,
+                                                    self.matchings)
+            if swap is None or swap.seq < announced:
+                return None
+            # A swap was decided but not announced: make it so, verify, announce.
+            t0 = self.clock()
+            spares = list(swap.details.get("swaps", {}).values())
+            cause = "resume " + swap.cause
+            targets = self._targets[self._key()]
+            self._apply(targets, cause)
+            bad = self._verify(self._points(targets, spares), cause, t0)
+            if bad:
+                self._alarm("swap resumed after restart does not verify", dark=bad)
+            self._announce(self.rank_map, cause)
+            return SwapOutcome(tuple(swap.details.get("failed", ())), swap.details.get("swaps", {}),
+                               dict(self.rank_map), latency_s=self.clock() - t0)
+
+    # --- job admission and phases ----------------------------------------------------------
+    def _key(self) -> tuple[str, int]:
+        keys = list(self._targets)
+        return self.phase if self.phase in self._targets else keys[0]
+
+    def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None) -> RankMap:
+        """Take on a job: precompute every phase's circuits and set up its first phase."""
+        with self._lock:
+            if rank_map is None:
+                workers = self.layout.workers
+                if len(workers) < plan.world:
+                    raise AgentError(f"job {plan.name!r} needs {plan.world} GPUs; rack "
+                                     f"{self.layout.name!r} has {len(workers)} workers")
+                rank_map = {r: workers[r] for r in range(plan.world)}
+            rank_map = {int(r): str(g) for r, g in rank_map.items()}
+            if len(rank_map) != plan.world:
+                raise AgentError(f"rank map has {len(rank_map)} ranks, job wants {plan.world}")
+            try:
+                targets = policies.phase_circuits(plan, self.layout, rank_map, self.matchings)
+            except (policies.PolicyError, PlanError) as e:
+                raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
+                                 f"{e}") from None
+            self.plan, self.rank_map, self._targets = plan, rank_map, targets
+            self.phase = next(iter(targets))
+            self.journal.record("decision", f"admit job {plan.name}", action="admit",
+                                plan=plan.to_dict(), rank_map=rank_map)
+            self._apply(targets[self.phase], f"job {plan.name} admitted")
+            self._announce(rank_map, f"job {plan.name} admitted", restart=False)
+            return dict(rank_map)
+
+    def on_phase(self, phase: str, round: int = 0) -> None:
+        """The job reached (phase, round): switch the rails, then grant it."""
+        with self._lock:
+            if self.plan is None:
+                raise AgentError("no job admitted: call admit(plan) first")
+            key = (str(phase), int(round))
+            if key not in self._targets:
+                raise AgentError(f"job {self.plan.name!r} has no phase {phase!r} round {round}")
+            t0 = self.clock()
+            cause = f"phase {phase} round {round}"
+            self.phase = key
+            targets = self._targets[key]
+            applied = self._apply(targets, cause, record=False)
+            if self.verify_phases:
+                if self._verify(self._points(targets, None), cause, t0):
+                    self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
+                    return
+            self.on_grant(*key)
+            staged = []
+            if self.prestage:
+                keys = list(self._targets)
+                nxt = self._targets[keys[(keys.index(key) + 1) % len(keys)]]
+                for s, c in nxt.items():
+                    fn = getattr(self.switches[s], "prestage", None)
+                    if callable(fn) and c != targets[s]:
+                        fn(c)
+                        staged.append(s)
+            self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
+                                applied=applied, prestaged=staged)
+
+    def on_job_event(self, event: Any) -> None:
+        """A job event (an object or dict with kind, phase, round, details) from the job."""
+        get = (event.get if isinstance(event, Mapping)
+               else lambda k, d=None: getattr(event, k, d))
+        kind = get("kind")
+        try:
+            if kind == "phase":
+                self.on_phase(get("phase"), get("round", 0))
+            elif kind == "failure":
+                d = get("details", {}) or {}
+                self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))
+        except AgentError as e:
+            # the job's thread delivered this: tell the operator, leave the job to time out
+            self._alarm(f"cannot serve job event {kind!r}: {e}", kind=kind)
+
+    # --- failures ---------------------------------------------------------------------------
+    def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
+        """GPU health reports, as GpuHealth or its to_dict() form off the bus (several at
+        once are handled as one failover)."""
+        with self._lock:
+            failed = []
+            for h in healths:
+                if isinstance(h, Mapping):
+                    try:
+                        h = GpuHealth(**{**h, "reasons": tuple(h.get("reasons", ())),
+                                         "xids": tuple(h.get("xids", ()))})
+                    except TypeError as e:
+                        raise AgentError(f"not a GPU health report: {e}") from None
+                old = self._health.get(h.gpu, "ok")
+                self._health[h.gpu] = h.state
+                if h.state == "failed":
+                    self._failed_at[h.gpu] = self.clock()
+                    if old != "failed":
+                        self.journal.record("detected", f"GPU {h.gpu} failed",
+                                            reasons=list(h.reasons))
+                        failed.append(h.gpu)
+                elif h.state == "degraded" and old != "degraded":
+                    self.journal.record("note", f"GPU {h.gpu} degraded", reasons=list(h.reasons))
+            return self._failover(failed, "GPU failure") if failed else None
+
+    def on_job_failure(self, reason: str, gpus: Any = (), links: Any = ()) -> SwapOutcome | None:
+        """The job failed: swap out failed GPUs it names and any GPU whose light went missing
+        on a link it needed (found by reading the power at the link's receiver)."""
+        with self._lock:
+            self.journal.record("failure", reason or "job failure", gpus=list(gpus),
+                                links=[list(x) for x in links])
+            suspects = [g for g in gpus if g in self.rank_map.values()]
+            for src, dst in links:
+                for att in self.layout.gpus.get(dst, ()):
+                    cur = self._current.get(att.switch, {})
+                    src_att = self.layout.attachment(src, att.switch)
+                    if src_att is None or cur.get(src_att.tx) != att.rx:
+                        continue
+                    if not float(self.read_power(att.switch, att.rx)) >= self.verify_dbm:
+                        suspects.append(src)
+            suspects = [g for g in dict.fromkeys(suspects) if g in self.rank_map.values()]
+            for g in suspects:
+                if self._health.get(g) != "failed":
+                    self.journal.record("detected", f"GPU {g} lost by the job", reason=reason)
+                self._health[g] = "failed"
+                self._failed_at[g] = self.clock()
+            return self._failover(suspects, "job failure") if suspects else None
+
+    def spares(self) -> list[str]:
+        """GPUs that may take a rank now, in rack order."""
+        now = self.clock()
+        used = set(self.rank_map.values())
+        return [g for g in self.layout.gpus
+                if g not in used and g not in self._rejected
+                and self._health.get(g, "ok") == "ok"
+                and now - self._failed_at.get(g, -float("inf")) >= self.quarantine_s]
+
+    def return_to_pool(self, gpu: str) -> None:
+        """An operator repaired a GPU that failed verification: it may be a spare again."""
+        with self._lock:
+            self._rejected.discard(gpu)
+            self._failed_at.pop(gpu, None)
+
+    def _points(self, targets: Targets, gpus: list[str] | None) -> list[tuple[str, int, int]]:
+        """Circuits to verify: those touching `gpus` (all circuits when None)."""
+        out = []
+        for s, c in targets.items():
+            for i, o in sorted(c.items()):
+                if gpus is None or {self.layout.owner(s, i), self.layout.owner(s, o)} & set(gpus):
+                    out.append((s, i, o))
+        return out
+
+    def _cost(self, failed: str, spare: str) -> tuple[float, float]:
+        key = self._key()
+        links = self.plan.links(len(self.rank_map), self.matchings)[key]
+        t = policies.circuits_for(self.layout, policies.swap_ranks(self.rank_map,
+                                                                   {failed: spare}), links)
+        moves = loss = 0.0
+        for s, c in t.items():
+            cur = self._current.get(s, {})
+            fn = getattr(self.switches[s], "change_cost", None)
+            moves += fn(cur, c) if callable(fn) else policies.changes(cur, c)
+            if self.loss_db is not None:
+                loss += sum(self.loss_db(s, i, o) for i, o in c.items()
+                            if spare in (self.layout.owner(s, i), self.layout.owner(s, o)))
+        return moves, loss
+
+    def _failover(self, failed: list[str], cause: str) -> SwapOutcome | None:
+        if self.plan is None:
+            self.journal.record("note", f"{cause}: no job admitted, nothing to swap",
+                                gpus=failed)
+            return None
+        failed = [g for g in failed if g in self.rank_map.values()]
+        if not failed:
+            return None
+        t0 = self.clock()
+        steps: dict[str, float] = {}
+        rejected: list[str] = []
+        cause = f"{cause}: {', '.join(failed)}"
+        while True:
+            swaps, left = policies.choose_spares(failed, self.spares(), self._cost)
+            new_map = policies.swap_ranks(self.rank_map, swaps)
+            degraded = stopped = False
+            if left:
+                world = len(new_map) - len(left)
+                if self.plan.allows(world):
+                    degraded = True
+                    new_map = policies.shrink_ranks(new_map, left)
+                    self._alarm(f"no healthy spare for {', '.join(left)}: job continues "
+                                f"degraded on {world} ranks", gpus=left, world=world)
+                else:
+                    stopped = True
+                    self._alarm(f"no healthy spare for {', '.join(left)} and job "
+                                f"{self.plan.name!r} cannot run on {world} ranks: job stopped",
+                                gpus=left)
+                    return SwapOutcome(tuple(failed), swaps, dict(self.rank_map), stopped=True,
+                                       rejected_spares=tuple(rejected),
+                                       latency_s=self.clock() - t0)
+            targets_all = policies.phase_circuits(self.plan, self.layout, new_map, self.matchings)
+            key = self.phase if self.phase in targets_all else next(iter(targets_all))
+            self.journal.record("decision", cause, self.clock() - t0, action="swap",
+                                failed=failed, swaps=swaps, rank_map=new_map, phase=list(key),
+                                degraded=degraded)
+            steps["decided"] = self.clock() - t0
+            self._apply(targets_all[key], cause)
+            steps["applied"] = self.clock() - t0
+            bad = self._verify(self._points(targets_all[key], list(swaps.values())), cause, t0)
+            if not bad:
+                steps["verified"] = self.clock() - t0
+                break
+            for s, i, o, _ in bad:
+                src, dst = self.layout.owner(s, i), self.layout.owner(s, o)
+                culprit = src if src in swaps.values() else dst
+                if culprit in swaps.values() and culprit not in rejected:
+                    rejected.append(culprit)
+                    self._rejected.add(culprit)
+            if not any(sp in rejected for sp in swaps.values()):
+                self._alarm(f"{cause}: circuits do not verify and no spare is to blame",
+                            dark=[list(b[:3]) for b in bad])
+                break
+            log.warning("%s: spare(s) %s failed verification, trying the next", cause, rejected)
+        self.rank_map, self._targets, self.phase = new_map, targets_all, key
+        self._announce(new_map, cause)
+        steps["announced"] = self.clock() - t0
+        return SwapOutcome(tuple(failed), swaps, dict(new_map), degraded, stopped,
+                           tuple(rejected), self.clock() - t0, steps)
+
+    def _announce(self, rank_map: RankMap, cause: str, restart: bool = True) -> None:
+        self.journal.record("rank_map", cause, rank_map=rank_map)
+        self.on_rank_map(dict(rank_map))
+        if restart:
+            self.journal.record("restart", cause, rank_map=rank_map)
+            self.on_restart(dict(rank_map), cause)

@@ -1,0 +1,69 @@
+"""The agent's pure decisions."""
+from __future__ import annotations
+
+import pytest
+from optics_doubles import PermutationSwitch
+
+from hil.agent import Agent, policies
+from hil.agent.policies import PolicyError
+from hil.emulator.clock import SimClock
+from hil.emulator.rack import EmulatedRack
+from hil.jobplan import dp_ring, dp_tp
+from hil.journal import Journal
+from hil.rack_layout import Attachment, RackLayout, lumion
+
+
+def test_circuits_for_a_ring_and_for_tp_pairs():
+    lu = lumion()
+    ranks = {r: f"gpu{r}" for r in range(8)}
+    ring = policies.circuits_for(lu, ranks, dp_ring(8).links()[("dp", 0)])
+    assert ring == {"chip": {i: 17 + (i % 8) for i in range(1, 9)}}
+    tp = policies.circuits_for(lu, ranks, dp_tp(8).links()[("tp", 0)])
+    assert tp["chip"][1] == 18 and tp["chip"][2] == 17
+    swapped = policies.circuits_for(lu, policies.swap_ranks(ranks, {"gpu3": "spare1"}),
+                                    dp_ring(8).links()[("dp", 0)])
+    assert swapped["chip"][3] == 26 and swapped["chip"][10] == 21 and 4 not in swapped["chip"]
+
+
+def test_circuits_refuse_impossible_links():
+    two = RackLayout("two", {"a": 4, "b": 4}, {"x": (Attachment("a", 1, 5),),
+                                                "y": (Attachment("b", 1, 5),)})
+    with pytest.raises(PolicyError, match="share no switch"):
+        policies.circuits_for(two, {0: "x", 1: "y"}, [(0, 1)])
+    with pytest.raises(PolicyError, match="two peers"):
+        policies.circuits_for(lumion(), {0: "gpu0", 1: "gpu1", 2: "gpu2"}, [(0, 1), (0, 2)])
+    with pytest.raises(PolicyError, match="rank 5"):
+        policies.circuits_for(lumion(), {0: "gpu0"}, [(0, 5)])
+
+
+def test_every_switch_a_gpu_is_cabled_to_gets_the_circuit():
+    dual = RackLayout("dual", {"a": 4, "b": 4},
+                      {"x": (Attachment("a", 1, 5), Attachment("b", 2, 6)),
+                       "y": (Attachment("a", 2, 6), Attachment("b", 1, 5))})
+    c = policies.circuits_for(dual, {0: "x", 1: "y"}, [(0, 1), (1, 0)])
+    assert c == {"a": {1: 6, 2: 5}, "b": {2: 5, 1: 6}}
+
+
+def test_choose_spares_and_rank_maps():
+    cost = {("g1", "s0"): (4, 2.0), ("g1", "s1"): (4, 1.0), ("g2", "s0"): (2, 9.0),
+            ("g2", "s1"): (4, 0.0)}
+    chosen, left = policies.choose_spares(["g1", "g2", "g3"], ["s0", "s1"],
+                                          lambda f, s: cost.get((f, s), (0, 0)))
+    assert chosen == {"g1": "s1", "g2": "s0"} and left == ["g3"]
+    assert policies.choose_spares(["g"], ["a", "b"], lambda f, s: (1,))[0] == {"g": "a"}
+    assert policies.shrink_ranks({0: "a", 1: "b", 2: "c"}, ["b"]) == {0: "a", 1: "c"}
+    assert policies.changes({1: 5, 2: 6}, {1: 6, 2: 5}) == 4
+    assert policies.changes({1: 5}, {1: 5, 2: 6}) == 1
+
+
+def test_switch_change_cost_counts_before_loss(tmp_path):
+    """A switch that knows its cost (a chip counting cells to flip) steers the choice."""
+    clock = SimClock()
+    chip = PermutationSwitch("chip", 16, clock=clock)
+    chip.change_cost = lambda cur, new: 1 if 10 in new else 6      # spare1 needs fewer cells
+    rack = EmulatedRack(lumion(), {"chip": chip}, clock)
+    with Journal(tmp_path / "j.db") as j:
+        agent = Agent(lumion(), {"chip": chip}, j, rack.port_power_dbm, clock=clock.now)
+        agent.admit(dp_ring(8))
+        rack.faults.fail_gpu("gpu0")
+        assert agent.on_health(rack.gpu_health("gpu0")).swaps == {"gpu0": "spare1"}
