@@ -1,8 +1,13 @@
 """The optical bench of a rig: an OCS, a power meter and a laser, wired by fibre, on sockets.
 
-Wiring (the `opus` rig, documented in docs/instruments.md):
+Wiring without a chip (the `opus` rig, documented in docs/instruments.md):
   laser output  -> OCS ingress `LASER_INGRESS` (1)
   OCS egress N+m -> power meter port m (m = 1..channels; egress 33..36 on a 32 x 32 switch)
+
+With a chip (the `lumion` rig, docs/chip.md), the OCS is the chip's input selector:
+  laser output  -> OCS ingress 1
+  OCS egress N+k -> chip input k (k = 1..N; the OCS is N x N for an N-port chip)
+  chip output N+m's 1 % monitor tap -> power meter port m
 
 `OpticalBench.start()` serves each instrument on its own loopback port and registers the
 control handlers (drop, reboot, stick, switching_time, truth) with a `ControlServer`.
@@ -27,8 +32,9 @@ class OpticalBench:
 
     def __init__(self, *, ocs_ports: int = 32, meter_channels: int = 4, laser: bool = True,
                  seed: int = 0, switching_s: float = 0.025, host: str = "127.0.0.1",
-                 ports: dict[str, int] | None = None):
+                 ports: dict[str, int] | None = None, chip: Any = None):
         ports = ports or {}
+        self.chip = chip
         self.laser = LaserInstrument(serial=f"DE{seed:08d}") if laser else None
         self.physics = OCSPhysics(ocs_ports, seed=seed, switching_s=switching_s,
                                   light_in=self.light_in) if ocs_ports else None
@@ -54,8 +60,22 @@ class OpticalBench:
     def meter_egress(self, channel: int) -> int:
         return self.physics.n + channel
 
+    def chip_light_in(self) -> dict[int, float]:
+        """mW the input selector (the OCS) sends into each chip input."""
+        n = self.physics.n
+        out = self.physics.transfer(self.light_in())
+        return {k: out[n + k] for k in range(1, n + 1) if out.get(n + k, 0.0) > 0.0}
+
+    def light_chip(self) -> None:
+        """Bring the chip's input light up to date with the laser and the selector."""
+        self.chip.set_inputs(self.chip_light_in())
+
     def meter_light(self, channel: int) -> float:
-        """mW reaching power meter port `channel`: what leaves its OCS egress."""
+        """mW reaching power meter port `channel`: what leaves its OCS egress, or with a chip,
+        its output N+channel's monitor tap."""
+        if self.chip is not None:
+            self.light_chip()
+            return self.chip.tap_power_mw(self.chip.ports + channel)
         return self.physics.transfer(self.light_in())[self.meter_egress(channel)]
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -137,8 +157,15 @@ class OpticalBench:
         out: dict[str, Any] = {}
         if self.physics is not None:
             out["ocs"] = self.physics.truth()
-            out["powermeter"] = {m: {"egress": self.meter_egress(m), "mw": self.meter_light(m)}
-                                 for m in range(1, self.meter_channels + 1)}
+            if self.chip is None:
+                out["powermeter"] = {m: {"egress": self.meter_egress(m), "mw": self.meter_light(m)}
+                                     for m in range(1, self.meter_channels + 1)}
+            else:
+                self.light_chip()
+                out["chip_inputs"] = {str(k): v for k, v in self.chip.inputs.items()}
+                out["powermeter"] = {m: {"chip_output": self.chip.ports + m,
+                                         "mw": self.chip.tap_power_mw(self.chip.ports + m)}
+                                     for m in range(1, self.meter_channels + 1)}
         if self.laser is not None:
             s = self.laser.state
             out["laser"] = {"on": s.on, "power_mw": s.power_mw, "wavelength_m": s.wavelength_m,

@@ -12,6 +12,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 
 from drivers.topology import build as build_topology
@@ -21,6 +22,10 @@ from hil.emulator.control import ControlServer
 from hil.emulator.dac_board import EmulatedDACBoard
 
 log = logging.getLogger(__name__)
+
+# A PDALL? reads every photodiode of the chain in one pass over the channels: one optical
+# solution serves the pass. A new pass, any heater write, or this age starts a new solution.
+PD_REFRESH_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,11 @@ class RigSpec:
 
 
 RIGS = {
-    "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards",
-                      dac_modules=7, chip_kind="benes", chip_ports=16),
+    "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards "
+                      "with monitor photodiodes; laser through a 16 x 16 OCS (input selector) "
+                      "into the chip; 16-port power meter on the chip's output taps",
+                      dac_modules=7, chip_kind="benes", chip_ports=16, ocs_ports=16,
+                      meter_channels=16, laser=True),
     "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
                     "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
 }
@@ -76,12 +84,14 @@ class EmulatedRig:
             if self.spec.chip_kind:
                 self._make_chip()
             if self.spec.dac_modules:
-                on_output = self.chip.set_voltage if self.chip is not None else None
+                on_output = self._heater_changed if self.chip is not None else None
                 resistances = ([NOMINAL_R_OHM] * self.spec.dac_modules * 8
                                if self.chip is not None and self.ideal_chip else None)
+                photocurrent = (self._photocurrent
+                                if self.chip is not None and self.chip.monitors else None)
                 self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
                                             seed=self.seed, resistances=resistances,
-                                            on_output=on_output)
+                                            on_output=on_output, photocurrent=photocurrent)
                 if self.chip is not None:
                     self.chip.set_resistances(self.dac.resistances)
                 self.endpoints["dac"] = self.dac.start()
@@ -92,7 +102,8 @@ class EmulatedRig:
                 self.optics = OpticalBench(ocs_ports=self.spec.ocs_ports,
                                            meter_channels=self.spec.meter_channels,
                                            laser=self.spec.laser, seed=self.seed,
-                                           switching_s=self.switching_s, ports=fixed)
+                                           switching_s=self.switching_s, ports=fixed,
+                                           chip=self.chip)
                 self.endpoints.update(self.optics.start())
                 self.control = ControlServer(
                     bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
@@ -103,12 +114,36 @@ class EmulatedRig:
             raise
         return dict(self.endpoints)
 
+    def _photocurrent(self, channel: int) -> float:
+        """The DAC board's photodiode input beside heater `channel`: the monitor photodiode of
+        the cell that heater drives (amperes; 0 where no cell's first heater is `channel`)."""
+        cell = self._pd_cells.get(channel)
+        if cell is None:
+            return 0.0
+        now = time.monotonic()
+        if (self._pd_cache is None or channel <= self._pd_last
+                or now - self._pd_cache[0] > PD_REFRESH_S):
+            if self.optics is not None and self.optics.physics is not None:
+                self.optics.light_chip()
+            self._pd_cache = (now, self.chip.monitor_currents_ua())
+        self._pd_last = channel
+        return self._pd_cache[1][cell] * 1e-6
+
+    def _heater_changed(self, channel: int, volts: float) -> None:
+        self._pd_cache = None
+        self._pd_last = -1
+        self.chip.set_voltage(channel, volts)
+
     def _make_chip(self) -> None:
-        """The chip on the DAC's heaters. Light enters through an input selector (the
-        laser's fibre is patched to one input: `chip.inject(port, mw)`), and each output's
-        1 % tap is what a power-meter channel reads: `lambda: chip.tap_power_mw(port)`."""
+        """The chip on the DAC's heaters. With the rig's optical bench, the laser reaches the
+        chip's inputs through the OCS (the input selector) and the power meter reads the chip's
+        output taps; tests may also light inputs directly (`chip.inject(port, mw)`)."""
         topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
         self.chip = EmulatedChip(topology, seed=self.seed, ideal=self.ideal_chip)
+        self._pd_cells = {cell["channels"][0]: cell["id"] for cell in topology["cells"]
+                          if cell["channels"]}
+        self._pd_cache = None
+        self._pd_last = -1
 
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""
