@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal")
+SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.gui")
 
 
 class CommandFailed(Exception):

@@ -1,0 +1,395 @@
+"""Port map: every switch's live circuits. An OCS is an ingress x egress connection matrix
+coloured by port power; a chip is drawn from its topology with each cell's state and the light
+paths of its circuits. What just changed flashes for `FLASH_S`."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
+
+from gui.model import FabricModel, SwitchChange
+from gui.paths import LightPath, trace
+
+FLASH_S = 0.8
+POWER_RANGE_DBM = (-40.0, 0.0)
+BACKGROUND = QColor("#16181d")
+GRID = QColor("#2a2e37")
+EMPTY = QColor("#20232a")
+TEXT = QColor("#c8ccd4")
+FLASH = QColor("#ffd400")          # what just connected / switched
+GONE = QColor("#ff4d4d")           # what just disconnected
+PATH = QColor("#ff9f1c")           # ports in use
+STRAY = QColor("#e0457b")          # light that does not reach the circuit's output
+LINK = QColor("#4a5160")
+CELL_FILL = {"bar": QColor("#2b3a55"), "cross": QColor("#3d2b55"), "partial": QColor("#55462b")}
+NO_POWER = QColor("#7f8ea3")
+
+_LUT = pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)
+
+
+def power_colour(dbm: float | None) -> QColor:
+    if dbm is None or not math.isfinite(dbm):
+        return NO_POWER
+    lo, hi = POWER_RANGE_DBM
+    i = int(np.clip((dbm - lo) / (hi - lo), 0.0, 1.0) * 255)
+    r, g, b = (int(v) for v in _LUT[i][:3])
+    return QColor(r, g, b)
+
+
+def circuit_colour(inp: int, ports: int) -> QColor:
+    """Each circuit's light in its own hue, so crossing paths can be told apart."""
+    return QColor.fromHsv(int(360 * ((inp - 1) % ports) / ports) % 360, 210, 255)
+
+
+def _blend(base: QColor, top: QColor, alpha: float) -> QColor:
+    a = max(0.0, min(1.0, alpha))
+    return QColor(round(base.red() + (top.red() - base.red()) * a),
+                  round(base.green() + (top.green() - base.green()) * a),
+                  round(base.blue() + (top.blue() - base.blue()) * a))
+
+
+class _Flashes:
+    """Keys that changed recently, and how much of their flash is left (1 -> 0)."""
+
+    def __init__(self, widget: QWidget):
+        self._started: dict[object, tuple[float, QColor]] = {}
+        self._timer = QTimer(widget)
+        self._timer.setInterval(33)
+        self._timer.timeout.connect(self._tick)
+        self._widget = widget
+
+    def start(self, key, colour: QColor = FLASH) -> None:
+        self._started[key] = (time.monotonic(), colour)
+        if not self._timer.isActive():
+            self._timer.start()
+
+    def level(self, key) -> tuple[float, QColor] | None:
+        got = self._started.get(key)
+        if got is None:
+            return None
+        left = 1.0 - (time.monotonic() - got[0]) / FLASH_S
+        return (left, got[1]) if left > 0 else None
+
+    def items(self):
+        now = time.monotonic()
+        for key, (t, colour) in list(self._started.items()):
+            left = 1.0 - (now - t) / FLASH_S
+            if left > 0:
+                yield key, left, colour
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._started.items() if now - t >= FLASH_S]:
+            del self._started[key]
+        if not self._started:
+            self._timer.stop()
+        self._widget.update()
+
+
+class SwitchView(QWidget):
+    """Common base: repaints on the model's changes and reports which update it showed."""
+
+    painted = Signal(str, int)      # switch name, model seq shown by this repaint
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model, self.name = model, name
+        self.applied_seq = model.seq
+        self.flashes = _Flashes(self)
+        self.setMinimumSize(240, 200)
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        try:
+            p.setRenderHint(QPainter.RenderHint.Antialiasing)
+            p.fillRect(self.rect(), BACKGROUND)
+            self.draw(p)
+        finally:
+            p.end()
+        self.painted.emit(self.name, self.applied_seq)
+
+    def draw(self, p: QPainter) -> None:
+        raise NotImplementedError
+
+
+class OcsMatrixView(SwitchView):
+    """Rows are ingress ports 1..N, columns egress ports N+1..2N; a circuit is a filled cell
+    coloured by the power arriving at its egress port (the port's monitor)."""
+
+    MARGIN = 36
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(model, name, parent)
+        model.switchChanged.connect(self._changed)
+
+    def _changed(self, name: str, change: SwitchChange, seq: int) -> None:
+        if name != self.name:
+            return
+        for a, b in change.added.items():
+            self.flashes.start((a, b), FLASH)
+        for a, b in change.removed.items():
+            self.flashes.start((a, b), GONE)
+        self.applied_seq = seq
+        self.update()
+
+    def _geometry(self) -> tuple[float, float, float]:
+        n = self.model.switches[self.name].ports
+        side = max(1.0, min(self.width() - self.MARGIN - 8, self.height() - self.MARGIN - 8) / n)
+        return self.MARGIN, self.MARGIN, side
+
+    def cell_rect(self, inp: int, out: int) -> QRectF:
+        """Where the cell of circuit inp -> out is drawn, in widget pixels."""
+        n = self.model.switches[self.name].ports
+        x0, y0, s = self._geometry()
+        return QRectF(x0 + (out - n - 1) * s, y0 + (inp - 1) * s, s, s)
+
+    def draw(self, p: QPainter) -> None:
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return
+        n = state.ports
+        x0, y0, s = self._geometry()
+        p.fillRect(QRectF(x0, y0, n * s, n * s), EMPTY)
+        # Port power strips: ingress on the left, egress on top.
+        for port in range(1, n + 1):
+            dbm = state.power_dbm.get(port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 - 8, y0 + (port - 1) * s, 6, s), power_colour(dbm))
+            dbm = state.power_dbm.get(n + port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 + (port - 1) * s, y0 - 8, s, 6), power_colour(dbm))
+        if s >= 4:
+            p.setPen(QPen(GRID, 1))
+            step = 1 if s >= 8 else 8
+            for i in range(0, n + 1, step):
+                p.drawLine(QPointF(x0 + i * s, y0), QPointF(x0 + i * s, y0 + n * s))
+                p.drawLine(QPointF(x0, y0 + i * s), QPointF(x0 + n * s, y0 + i * s))
+        for a, b in state.circuits.items():
+            colour = power_colour(state.power_dbm.get(b, state.power_dbm.get(a)))
+            p.fillRect(self.cell_rect(a, b).adjusted(1, 1, -1, -1), colour)
+        for (a, b), left, colour in self.flashes.items():
+            r = self.cell_rect(a, b)
+            base = power_colour(state.power_dbm.get(b)) if state.circuits.get(a) == b else EMPTY
+            p.fillRect(r.adjusted(1, 1, -1, -1), _blend(base, colour, left))
+            # A ring the size of a few cells so a change in a 64 x 64 matrix catches the eye.
+            ring = QColor(colour)
+            ring.setAlphaF(left)
+            p.setPen(QPen(ring, 2))
+            p.setBrush(Qt.BrushStyle.NoBrush)
+            p.drawEllipse(r.center(), 2.5 * s, 2.5 * s)
+        p.setPen(TEXT)
+        font = QFont(p.font())
+        font.setPointSizeF(7)
+        p.setFont(font)
+        label_step = max(1, int(math.ceil(14 / s)))
+        label_step = 8 if label_step > 4 and n >= 32 else label_step
+        for port in range(1, n + 1, label_step):
+            p.drawText(QRectF(0, y0 + (port - 1) * s - 6, x0 - 10, s + 12),
+                       Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(port))
+            p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, x0 - 12),
+                       Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, str(n + port))
+
+
+class ChipView(SwitchView):
+    """The chip as its topology draws it: cells with their state, and the light paths."""
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(model, name, parent)
+        self._paths: dict[int, LightPath] | None = None
+        model.switchChanged.connect(self._switch_changed)
+        model.cellsChanged.connect(self._cells_changed)
+        model.topologyChanged.connect(self._topology_changed)
+
+    def _switch_changed(self, name: str, change: SwitchChange, seq: int) -> None:
+        if name == self.name:
+            self._paths = None
+            for a in change.added:
+                self.flashes.start(("port", a), FLASH)
+            self.applied_seq = seq
+            self.update()
+
+    def _cells_changed(self, name: str, changed: set, seq: int) -> None:
+        if name == self.name:
+            self._paths = None
+            for cid in changed:
+                self.flashes.start(("cell", cid), FLASH)
+            self.applied_seq = seq
+            self.update()
+
+    def _topology_changed(self, name: str) -> None:
+        if name == self.name:
+            self._paths = None
+            self.update()
+
+    # --- geometry ----------------------------------------------------------------------
+    def _frame(self):
+        topo = self.model.topologies[self.name]
+        xs = [c.x for c in topo.cells.values()] or [0.0]
+        ys = [c.y for c in topo.cells.values()] or [0.0]
+        x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
+        sx = self.width() / (x_hi - x_lo + 3.6)
+        sy = self.height() / (y_hi - y_lo + 1.6)
+        return topo, (lambda x: (x - x_lo + 1.8) * sx), (lambda y: (y - y_lo + 0.8) * sy), sx, sy
+
+    def _anchor(self, frame, end: tuple) -> QPointF:
+        topo, fx, fy, sx, sy = frame
+        if end[0] == "cell":
+            c = topo.cells[end[1]]
+            arm = end[2]
+            dx = -0.25 if arm in (0, 1) else 0.25
+            dy = -0.22 if arm in (0, 2) else 0.22
+            return QPointF(fx(c.x + dx), fy(c.y + dy))
+        # A port sits one column outside the cell arm it is linked to.
+        for _, other in topo.touching.get(end, ()):
+            if other[0] == "cell":
+                c = topo.cells[other[1]]
+                arm = other[2]
+                dx = -1.1 if arm in (0, 1) else 1.1
+                dy = -0.22 if arm in (0, 2) else 0.22
+                return QPointF(fx(c.x + dx), fy(c.y + dy))
+        return QPointF(fx(-1.0), fy(0.0))
+
+    def link_midpoint(self, index: int) -> QPointF:
+        """Middle of link `index` in widget pixels (where its highlight can be seen)."""
+        frame = self._frame()
+        a, b = frame[0].links[index]
+        pa, pb = self._anchor(frame, a), self._anchor(frame, b)
+        return (pa + pb) / 2
+
+    def cell_center(self, cid: str) -> QPointF:
+        topo, fx, fy, _, _ = self._frame()
+        c = topo.cells[cid]
+        return QPointF(fx(c.x), fy(c.y))
+
+    def paths(self) -> dict[int, LightPath]:
+        """Light paths of the switch's circuits (input port -> path), cached until a change."""
+        if self._paths is None:
+            topo = self.model.topologies.get(self.name)
+            state = self.model.switches.get(self.name)
+            cells = self.model.cells.get(self.name, {})
+            self._paths = ({a: trace(topo, cells, a) for a in state.circuits}
+                           if topo is not None and state is not None else {})
+        return self._paths
+
+    def draw(self, p: QPainter) -> None:
+        if self.name not in self.model.topologies:
+            p.setPen(TEXT)
+            p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter,
+                       f"{self.name}: waiting for its topology")
+            return
+        frame = self._frame()
+        topo, fx, fy, sx, sy = frame
+        state = self.model.switches.get(self.name)
+        circuits = state.circuits if state else {}
+        cells = self.model.cells.get(self.name, {})
+        lit: dict[int, QColor] = {}
+        passes: dict[tuple, QColor] = {}
+        for a, path in self.paths().items():
+            colour = (circuit_colour(a, topo.ports) if path.ends == {circuits[a]} else STRAY)
+            for i in path.links:
+                lit[i] = colour
+            for ps in path.passes:
+                passes[ps] = colour
+        width = max(1.0, min(sx, sy) * 0.06)
+        p.setPen(QPen(LINK, width))
+        anchors = [(self._anchor(frame, a), self._anchor(frame, b)) for a, b in topo.links]
+        for i, (pa, pb) in enumerate(anchors):
+            if i not in lit:
+                p.drawLine(pa, pb)
+        for i, colour in lit.items():
+            p.setPen(QPen(colour, width * 2.2, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap))
+            p.drawLine(*anchors[i])
+        # Cells: a box coloured by state (flashing when it just changed), its routing drawn in.
+        bw, bh = 0.5 * sx, 0.6 * sy
+        for cid, c in topo.cells.items():
+            st = cells.get(cid, {}).get("state")
+            fill = CELL_FILL.get(st, EMPTY)
+            flash = self.flashes.level(("cell", cid))
+            if flash is not None:
+                fill = _blend(fill, flash[1], flash[0])
+            box = QRectF(fx(c.x) - bw / 2, fy(c.y) - bh / 2, bw, bh)
+            p.setPen(QPen(GRID, 1))
+            p.setBrush(fill)
+            p.drawRoundedRect(box, 3, 3)
+            if st in ("bar", "cross", "partial"):
+                routes = [(0, 2), (1, 3)] if st == "bar" else [(0, 3), (1, 2)]
+                if st == "partial":
+                    routes = [(0, 2), (1, 3), (0, 3), (1, 2)]
+                for i, o in routes:
+                    colour = passes.get((cid, i, o)) or passes.get((cid, o, i)) or TEXT
+                    pen = QPen(colour, width * (2.2 if colour is not TEXT else 1))
+                    if st == "partial":
+                        pen.setStyle(Qt.PenStyle.DashLine)
+                    p.setPen(pen)
+                    p.drawLine(self._anchor(frame, ("cell", cid, i)),
+                               self._anchor(frame, ("cell", cid, o)))
+        # Ports: numbers, highlighted when a circuit uses them.
+        font = QFont(p.font())
+        font.setPointSizeF(max(6.0, min(9.0, sy * 0.18)))
+        p.setFont(font)
+        used = set(circuits) | set(circuits.values())
+        for end in topo.touching:
+            if end[0] != "port":
+                continue
+            pt = self._anchor(frame, end)
+            flash = self.flashes.level(end)
+            colour = PATH if end[1] in used else TEXT
+            if flash is not None:
+                colour = _blend(colour, flash[1], flash[0])
+            p.setPen(colour)
+            inward = end[1] <= topo.ports       # inputs on the left, outputs on the right
+            box = QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if inward else \
+                QRectF(pt.x() + 4, pt.y() - 8, 40, 16)
+            p.drawText(box, (Qt.AlignmentFlag.AlignRight if inward else Qt.AlignmentFlag.AlignLeft)
+                       | Qt.AlignmentFlag.AlignVCenter, str(end[1]))
+        p.setPen(TEXT)
+        p.drawText(QRectF(4, 2, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft,
+                   f"{topo.name} ({topo.kind}, {topo.ports} x {topo.ports}): "
+                   f"{len(circuits)} circuits")
+
+
+class PortMapView(QWidget):
+    """One panel per switch, side by side, created as switches appear on the bus."""
+
+    def __init__(self, model: FabricModel, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model = model
+        self.views: dict[str, SwitchView] = {}
+        self._splitter = QSplitter(Qt.Orientation.Horizontal)
+        self._empty = QLabel("no switch on the bus yet")
+        self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self._empty)
+        layout.addWidget(self._splitter)
+        model.switchesChanged.connect(self._rebuild)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        for name in [n for n in self.views if n not in self.model.switches]:
+            view = self.views.pop(name)
+            view.parentWidget().deleteLater()
+        for name, state in self.model.switches.items():
+            if name in self.views:
+                continue
+            panel = QWidget()
+            box = QVBoxLayout(panel)
+            box.setContentsMargins(2, 2, 2, 2)
+            title = QLabel(f"<b>{name}</b> ({'OCS' if state.kind == 'ocs' else 'chip'}, "
+                           f"{state.ports} x {state.ports})")
+            view = (OcsMatrixView if state.kind == "ocs" else ChipView)(self.model, name)
+            box.addWidget(title)
+            box.addWidget(view, 1)
+            self._splitter.addWidget(panel)
+            self.views[name] = view
+        self._empty.setVisible(not self.views)
+        for view in self.views.values():
+            view.update()
+
+
