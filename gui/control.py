@@ -193,7 +193,7 @@ class ManualControl(QWidget):
             self._list(f"cancelled: {command.action} {command.params}", QColor("#9e9e9e"))
             return False
         self._list(f"sent #{command.id}: {describe_change(command, self.model).splitlines()[0]}",
-                   QColor("#c8ccd4"))
+                   QColor("#37474f"))
         self.runner.submit(command)
         return True
 

@@ -87,12 +87,20 @@ class KindFilter(QSortFilterProxyModel):
         self.text = ""
 
     def set_kinds(self, kinds: set[str] | None) -> None:
-        self.kinds = kinds
-        self.invalidateFilter()
+        self._refilter(lambda: setattr(self, "kinds", kinds))
 
     def set_text(self, text: str) -> None:
-        self.text = text.lower()
-        self.invalidateFilter()
+        self._refilter(lambda: setattr(self, "text", text.lower()))
+
+    def _refilter(self, change) -> None:
+        # Qt >= 6.10 wants begin/endFilterChange around the change; older ones invalidate.
+        if hasattr(self, "beginFilterChange"):
+            self.beginFilterChange()
+            change()
+            self.endFilterChange(QSortFilterProxyModel.Direction.Rows)
+        else:
+            change()
+            self.invalidateFilter()
 
     def filterAcceptsRow(self, row: int, parent) -> bool:
         e = self.sourceModel().rows[row]

@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
 
 from gui.model import FabricModel, SwitchChange
 from gui.paths import LightPath, trace
 
 FLASH_S = 0.8
+RINGS = 8                          # newest OCS changes that also get a ring
 POWER_RANGE_DBM = (-40.0, 0.0)
 BACKGROUND = QColor("#16181d")
 GRID = QColor("#2a2e37")
@@ -24,26 +24,26 @@ TEXT = QColor("#c8ccd4")
 FLASH = QColor("#ffd400")          # what just connected / switched
 GONE = QColor("#ff4d4d")           # what just disconnected
 PATH = QColor("#ff9f1c")           # ports in use
-STRAY = QColor("#e0457b")          # light that does not reach the circuit's output
+STRAY = QColor("#ff2a2a")          # light that does not reach the circuit's output (dashed)
 LINK = QColor("#4a5160")
 CELL_FILL = {"bar": QColor("#2b3a55"), "cross": QColor("#3d2b55"), "partial": QColor("#55462b")}
 NO_POWER = QColor("#7f8ea3")
 
-_LUT = pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)
+_COLOURS = [QColor(int(r), int(g), int(b)) for r, g, b in
+            pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)]
 
 
 def power_colour(dbm: float | None) -> QColor:
     if dbm is None or not math.isfinite(dbm):
         return NO_POWER
     lo, hi = POWER_RANGE_DBM
-    i = int(np.clip((dbm - lo) / (hi - lo), 0.0, 1.0) * 255)
-    r, g, b = (int(v) for v in _LUT[i][:3])
-    return QColor(r, g, b)
+    return _COLOURS[int(min(1.0, max(0.0, (dbm - lo) / (hi - lo))) * 255)]
 
 
 def circuit_colour(inp: int, ports: int) -> QColor:
     """Each circuit's light in its own hue, so crossing paths can be told apart."""
-    return QColor.fromHsv(int(360 * ((inp - 1) % ports) / ports) % 360, 210, 255)
+    # Hues 30..330: reds are kept for light that goes astray.
+    return QColor.fromHsv(30 + int(300 * ((inp - 1) % ports) / ports), 210, 255)
 
 
 def _blend(base: QColor, top: QColor, alpha: float) -> QColor:
@@ -103,16 +103,39 @@ class SwitchView(QWidget):
         self.flashes = _Flashes(self)
         self.setMinimumSize(240, 200)
         self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
+        self._layer: QPixmap | None = None
+        self._layer_key: tuple = ()
 
     def paintEvent(self, event) -> None:
         p = QPainter(self)
         try:
-            p.setRenderHint(QPainter.RenderHint.Antialiasing)
-            p.fillRect(self.rect(), BACKGROUND)
+            p.drawPixmap(0, 0, self._static_layer())
             self.draw(p)
         finally:
             p.end()
         self.painted.emit(self.name, self.applied_seq)
+
+    def _static_layer(self) -> QPixmap:
+        """What does not change between updates (grid, labels, unlit links), drawn once."""
+        key = (self.width(), self.height(), self.devicePixelRatioF(), self.static_key())
+        if self._layer is None or key != self._layer_key:
+            ratio = self.devicePixelRatioF()
+            layer = QPixmap(round(self.width() * ratio), round(self.height() * ratio))
+            layer.setDevicePixelRatio(ratio)
+            layer.fill(BACKGROUND)
+            p = QPainter(layer)
+            try:
+                self.draw_static(p)
+            finally:
+                p.end()
+            self._layer, self._layer_key = layer, key
+        return self._layer
+
+    def static_key(self) -> tuple:
+        return ()
+
+    def draw_static(self, p: QPainter) -> None:
+        """Draw the parts that change only with `static_key()` or the widget's size."""
 
     def draw(self, p: QPainter) -> None:
         raise NotImplementedError
@@ -149,40 +172,23 @@ class OcsMatrixView(SwitchView):
         x0, y0, s = self._geometry()
         return QRectF(x0 + (out - n - 1) * s, y0 + (inp - 1) * s, s, s)
 
-    def draw(self, p: QPainter) -> None:
+    def static_key(self) -> tuple:
+        state = self.model.switches.get(self.name)
+        return (state.ports,) if state else ()
+
+    def draw_static(self, p: QPainter) -> None:
         state = self.model.switches.get(self.name)
         if state is None:
             return
         n = state.ports
         x0, y0, s = self._geometry()
         p.fillRect(QRectF(x0, y0, n * s, n * s), EMPTY)
-        # Port power strips: ingress on the left, egress on top.
-        for port in range(1, n + 1):
-            dbm = state.power_dbm.get(port)
-            if dbm is not None:
-                p.fillRect(QRectF(x0 - 8, y0 + (port - 1) * s, 6, s), power_colour(dbm))
-            dbm = state.power_dbm.get(n + port)
-            if dbm is not None:
-                p.fillRect(QRectF(x0 + (port - 1) * s, y0 - 8, s, 6), power_colour(dbm))
         if s >= 4:
             p.setPen(QPen(GRID, 1))
             step = 1 if s >= 8 else 8
             for i in range(0, n + 1, step):
                 p.drawLine(QPointF(x0 + i * s, y0), QPointF(x0 + i * s, y0 + n * s))
                 p.drawLine(QPointF(x0, y0 + i * s), QPointF(x0 + n * s, y0 + i * s))
-        for a, b in state.circuits.items():
-            colour = power_colour(state.power_dbm.get(b, state.power_dbm.get(a)))
-            p.fillRect(self.cell_rect(a, b).adjusted(1, 1, -1, -1), colour)
-        for (a, b), left, colour in self.flashes.items():
-            r = self.cell_rect(a, b)
-            base = power_colour(state.power_dbm.get(b)) if state.circuits.get(a) == b else EMPTY
-            p.fillRect(r.adjusted(1, 1, -1, -1), _blend(base, colour, left))
-            # A ring the size of a few cells so a change in a 64 x 64 matrix catches the eye.
-            ring = QColor(colour)
-            ring.setAlphaF(left)
-            p.setPen(QPen(ring, 2))
-            p.setBrush(Qt.BrushStyle.NoBrush)
-            p.drawEllipse(r.center(), 2.5 * s, 2.5 * s)
         p.setPen(TEXT)
         font = QFont(p.font())
         font.setPointSizeF(7)
@@ -194,6 +200,39 @@ class OcsMatrixView(SwitchView):
                        Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(port))
             p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, x0 - 12),
                        Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, str(n + port))
+
+    def draw(self, p: QPainter) -> None:
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return
+        n = state.ports
+        x0, y0, s = self._geometry()
+        # Port power strips: ingress on the left, egress on top.
+        power = state.power_dbm
+        for port in range(1, n + 1):
+            dbm = power.get(port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 - 8, y0 + (port - 1) * s, 6, s), power_colour(dbm))
+            dbm = power.get(n + port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 + (port - 1) * s, y0 - 8, s, 6), power_colour(dbm))
+        for a, b in state.circuits.items():
+            colour = power_colour(power.get(b, power.get(a)))
+            p.fillRect(QRectF(x0 + (b - n - 1) * s + 1, y0 + (a - 1) * s + 1, s - 2, s - 2),
+                       colour)
+        flashing = sorted(self.flashes.items(), key=lambda f: -f[1])
+        for (a, b), left, colour in flashing:
+            base = power_colour(power.get(b)) if state.circuits.get(a) == b else EMPTY
+            p.fillRect(self.cell_rect(a, b).adjusted(1, 1, -1, -1), _blend(base, colour, left))
+        # A ring a few cells wide so a change in a 64 x 64 matrix catches the eye; only around
+        # the newest changes (rings are costly to draw, and a storm of them shows nothing).
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setBrush(Qt.BrushStyle.NoBrush)
+        for (a, b), left, colour in flashing[:RINGS]:
+            ring = QColor(colour)
+            ring.setAlphaF(left)
+            p.setPen(QPen(ring, 2))
+            p.drawEllipse(self.cell_rect(a, b).center(), 2.5 * s, 2.5 * s)
 
 
 class ChipView(SwitchView):
@@ -277,14 +316,57 @@ class ChipView(SwitchView):
                            if topo is not None and state is not None else {})
         return self._paths
 
+    def static_key(self) -> tuple:
+        return (id(self.model.topologies.get(self.name)),)
+
+    def _geometry_cache(self):
+        """Pixel positions of every link end and cell arm, kept until a resize or new topology."""
+        key = (self.width(), self.height(), id(self.model.topologies[self.name]))
+        if getattr(self, "_geo_key", None) != key:
+            frame = self._frame()
+            topo = frame[0]
+            links = [(self._anchor(frame, a), self._anchor(frame, b)) for a, b in topo.links]
+            arms = {(cid, arm): self._anchor(frame, ("cell", cid, arm))
+                    for cid in topo.cells for arm in range(4)}
+            ports = {end: self._anchor(frame, end) for end in topo.touching if end[0] == "port"}
+            self._geo, self._geo_key = (frame, links, arms, ports), key
+        return self._geo
+
+    def _port_label(self, p: QPainter, topo, end, pt: QPointF) -> None:
+        inward = end[1] <= topo.ports       # inputs on the left, outputs on the right
+        box = QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if inward else \
+            QRectF(pt.x() + 4, pt.y() - 8, 40, 16)
+        p.drawText(box, (Qt.AlignmentFlag.AlignRight if inward else Qt.AlignmentFlag.AlignLeft)
+                   | Qt.AlignmentFlag.AlignVCenter, str(end[1]))
+
+    def _font(self, p: QPainter, sy: float) -> None:
+        font = QFont(p.font())
+        font.setPointSizeF(max(6.0, min(9.0, sy * 0.18)))
+        p.setFont(font)
+
+    def draw_static(self, p: QPainter) -> None:
+        if self.name not in self.model.topologies:
+            return
+        frame, links, _, ports = self._geometry_cache()
+        topo, _, _, sx, sy = frame
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setPen(QPen(LINK, max(1.0, min(sx, sy) * 0.06)))
+        for pa, pb in links:
+            p.drawLine(pa, pb)
+        self._font(p, sy)
+        p.setPen(TEXT)
+        for end, pt in ports.items():
+            self._port_label(p, topo, end, pt)
+
     def draw(self, p: QPainter) -> None:
         if self.name not in self.model.topologies:
             p.setPen(TEXT)
             p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter,
                        f"{self.name}: waiting for its topology")
             return
-        frame = self._frame()
+        frame, links, arms, ports = self._geometry_cache()
         topo, fx, fy, sx, sy = frame
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
         state = self.model.switches.get(self.name)
         circuits = state.circuits if state else {}
         cells = self.model.cells.get(self.name, {})
@@ -297,57 +379,50 @@ class ChipView(SwitchView):
             for ps in path.passes:
                 passes[ps] = colour
         width = max(1.0, min(sx, sy) * 0.06)
-        p.setPen(QPen(LINK, width))
-        anchors = [(self._anchor(frame, a), self._anchor(frame, b)) for a, b in topo.links]
-        for i, (pa, pb) in enumerate(anchors):
-            if i not in lit:
-                p.drawLine(pa, pb)
+        # Unlit links are in the static layer; light is drawn over them.
         for i, colour in lit.items():
-            p.setPen(QPen(colour, width * 2.2, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap))
-            p.drawLine(*anchors[i])
+            style = Qt.PenStyle.DashLine if colour is STRAY else Qt.PenStyle.SolidLine
+            p.setPen(QPen(colour, width * 2.2, style, Qt.PenCapStyle.RoundCap))
+            p.drawLine(*links[i])
         # Cells: a box coloured by state (flashing when it just changed), its routing drawn in.
         bw, bh = 0.5 * sx, 0.6 * sy
+        border = QPen(GRID, 1)
+        plain = QPen(TEXT, width)
         for cid, c in topo.cells.items():
             st = cells.get(cid, {}).get("state")
             fill = CELL_FILL.get(st, EMPTY)
             flash = self.flashes.level(("cell", cid))
             if flash is not None:
                 fill = _blend(fill, flash[1], flash[0])
-            box = QRectF(fx(c.x) - bw / 2, fy(c.y) - bh / 2, bw, bh)
-            p.setPen(QPen(GRID, 1))
+            p.setPen(border)
             p.setBrush(fill)
-            p.drawRoundedRect(box, 3, 3)
+            p.drawRoundedRect(QRectF(fx(c.x) - bw / 2, fy(c.y) - bh / 2, bw, bh), 3, 3)
             if st in ("bar", "cross", "partial"):
                 routes = [(0, 2), (1, 3)] if st == "bar" else [(0, 3), (1, 2)]
                 if st == "partial":
                     routes = [(0, 2), (1, 3), (0, 3), (1, 2)]
                 for i, o in routes:
-                    colour = passes.get((cid, i, o)) or passes.get((cid, o, i)) or TEXT
-                    pen = QPen(colour, width * (2.2 if colour is not TEXT else 1))
+                    colour = passes.get((cid, i, o)) or passes.get((cid, o, i))
+                    pen = QPen(colour, width * 2.2) if colour is not None else plain
                     if st == "partial":
+                        pen = QPen(pen)
                         pen.setStyle(Qt.PenStyle.DashLine)
                     p.setPen(pen)
-                    p.drawLine(self._anchor(frame, ("cell", cid, i)),
-                               self._anchor(frame, ("cell", cid, o)))
-        # Ports: numbers, highlighted when a circuit uses them.
-        font = QFont(p.font())
-        font.setPointSizeF(max(6.0, min(9.0, sy * 0.18)))
-        p.setFont(font)
+                    p.drawLine(arms[(cid, i)], arms[(cid, o)])
+        # Ports a circuit uses are drawn again over the static label, in colour.
+        self._font(p, sy)
         used = set(circuits) | set(circuits.values())
-        for end in topo.touching:
-            if end[0] != "port":
-                continue
-            pt = self._anchor(frame, end)
+        for end, pt in ports.items():
             flash = self.flashes.level(end)
+            if end[1] not in used and flash is None:
+                continue
             colour = PATH if end[1] in used else TEXT
             if flash is not None:
                 colour = _blend(colour, flash[1], flash[0])
+            p.fillRect(QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if end[1] <= topo.ports
+                       else QRectF(pt.x() + 4, pt.y() - 8, 40, 16), BACKGROUND)
             p.setPen(colour)
-            inward = end[1] <= topo.ports       # inputs on the left, outputs on the right
-            box = QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if inward else \
-                QRectF(pt.x() + 4, pt.y() - 8, 40, 16)
-            p.drawText(box, (Qt.AlignmentFlag.AlignRight if inward else Qt.AlignmentFlag.AlignLeft)
-                       | Qt.AlignmentFlag.AlignVCenter, str(end[1]))
+            self._port_label(p, topo, end, pt)
         p.setPen(TEXT)
         p.drawText(QRectF(4, 2, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft,
                    f"{topo.name} ({topo.kind}, {topo.ports} x {topo.ports}): "

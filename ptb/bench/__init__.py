@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac",)
+BENCHMARKS = ("dac", "gui")
 
 
 def _module(name: str):
