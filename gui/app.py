@@ -32,16 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from gui.demo import DemoCommands, DemoFabric, demo_calibration
-    from gui.model import FabricModel
-    from gui.window import MainWindow
-
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    model = FabricModel()
-    fabric = DemoFabric(model, seed=args.seed)
-    window = MainWindow(model, DemoCommands(fabric),
-                        title="photonic testbed GUI — DEMO DATA (synthetic, not a rig)")
-    window.calibration.set_data(demo_calibration(fabric.topology, args.seed), "demo calibration")
+    window, fabric = demo_window(args.seed)
     fabric.start()
     window.show()
     if args.quit_after is not None:
@@ -53,6 +45,20 @@ def run(args: argparse.Namespace) -> int:
     code = app.exec()
     fabric.stop()
     return code
+
+
+def demo_window(seed: int = 1, settings=None):
+    """The main window fed by demo data (not started), labelled as such in its title."""
+    from gui.demo import DemoCommands, DemoFabric, demo_calibration
+    from gui.model import FabricModel
+    from gui.window import MainWindow
+
+    model = FabricModel()
+    fabric = DemoFabric(model, seed=seed)
+    window = MainWindow(model, DemoCommands(fabric), settings=settings,
+                        title="photonic testbed GUI — DEMO DATA (synthetic, not a rig)")
+    window.calibration.set_data(demo_calibration(fabric.topology, seed), "demo calibration")
+    return window, fabric
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import math
 import time
 
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, QRectF, Qt, QTimer, Signal
+from PySide6.QtCore import QLineF, QPointF, QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
 
@@ -28,6 +28,8 @@ STRAY = QColor("#ff2a2a")          # light that does not reach the circuit's out
 LINK = QColor("#4a5160")
 CELL_FILL = {"bar": QColor("#2b3a55"), "cross": QColor("#3d2b55"), "partial": QColor("#55462b")}
 NO_POWER = QColor("#7f8ea3")
+_ROUTES = {"bar": ((0, 2), (1, 3)), "cross": ((0, 3), (1, 2)),
+           "partial": ((0, 2), (1, 3), (0, 3), (1, 2))}
 
 _COLOURS = [QColor(int(r), int(g), int(b)) for r, g, b in
             pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)]
@@ -216,14 +218,16 @@ class OcsMatrixView(SwitchView):
             dbm = power.get(n + port)
             if dbm is not None:
                 p.fillRect(QRectF(x0 + (port - 1) * s, y0 - 8, s, 6), power_colour(dbm))
+        inset = 1.0 if s >= 6 else 0.0       # small cells are filled whole to stay visible
         for a, b in state.circuits.items():
             colour = power_colour(power.get(b, power.get(a)))
-            p.fillRect(QRectF(x0 + (b - n - 1) * s + 1, y0 + (a - 1) * s + 1, s - 2, s - 2),
-                       colour)
+            p.fillRect(QRectF(x0 + (b - n - 1) * s + inset, y0 + (a - 1) * s + inset,
+                              s - 2 * inset, s - 2 * inset), colour)
         flashing = sorted(self.flashes.items(), key=lambda f: -f[1])
         for (a, b), left, colour in flashing:
             base = power_colour(power.get(b)) if state.circuits.get(a) == b else EMPTY
-            p.fillRect(self.cell_rect(a, b).adjusted(1, 1, -1, -1), _blend(base, colour, left))
+            p.fillRect(self.cell_rect(a, b).adjusted(inset, inset, -inset, -inset),
+                       _blend(base, colour, left))
         # A ring a few cells wide so a change in a 64 x 64 matrix catches the eye; only around
         # the newest changes (rings are costly to draw, and a storm of them shows nothing).
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
@@ -370,45 +374,38 @@ class ChipView(SwitchView):
         state = self.model.switches.get(self.name)
         circuits = state.circuits if state else {}
         cells = self.model.cells.get(self.name, {})
-        lit: dict[int, QColor] = {}
-        passes: dict[tuple, QColor] = {}
-        for a, path in self.paths().items():
-            colour = (circuit_colour(a, topo.ports) if path.ends == {circuits[a]} else STRAY)
-            for i in path.links:
-                lit[i] = colour
-            for ps in path.passes:
-                passes[ps] = colour
         width = max(1.0, min(sx, sy) * 0.06)
-        # Unlit links are in the static layer; light is drawn over them.
-        for i, colour in lit.items():
-            style = Qt.PenStyle.DashLine if colour is STRAY else Qt.PenStyle.SolidLine
-            p.setPen(QPen(colour, width * 2.2, style, Qt.PenCapStyle.RoundCap))
-            p.drawLine(*links[i])
         # Cells: a box coloured by state (flashing when it just changed), its routing drawn in.
         bw, bh = 0.5 * sx, 0.6 * sy
-        border = QPen(GRID, 1)
-        plain = QPen(TEXT, width)
+        p.setPen(QPen(GRID, 1))
+        solid: list[QLineF] = []
+        dashed: list[QLineF] = []
         for cid, c in topo.cells.items():
             st = cells.get(cid, {}).get("state")
             fill = CELL_FILL.get(st, EMPTY)
             flash = self.flashes.level(("cell", cid))
             if flash is not None:
                 fill = _blend(fill, flash[1], flash[0])
-            p.setPen(border)
             p.setBrush(fill)
             p.drawRoundedRect(QRectF(fx(c.x) - bw / 2, fy(c.y) - bh / 2, bw, bh), 3, 3)
-            if st in ("bar", "cross", "partial"):
-                routes = [(0, 2), (1, 3)] if st == "bar" else [(0, 3), (1, 2)]
-                if st == "partial":
-                    routes = [(0, 2), (1, 3), (0, 3), (1, 2)]
-                for i, o in routes:
-                    colour = passes.get((cid, i, o)) or passes.get((cid, o, i))
-                    pen = QPen(colour, width * 2.2) if colour is not None else plain
-                    if st == "partial":
-                        pen = QPen(pen)
-                        pen.setStyle(Qt.PenStyle.DashLine)
-                    p.setPen(pen)
-                    p.drawLine(arms[(cid, i)], arms[(cid, o)])
+            for i, o in _ROUTES.get(st, ()):
+                (dashed if st == "partial" else solid).append(
+                    QLineF(arms[(cid, i)], arms[(cid, o)]))
+        p.setPen(QPen(TEXT, width))
+        p.drawLines(solid)
+        p.setPen(QPen(TEXT, width, Qt.PenStyle.DashLine))
+        p.drawLines(dashed)
+        # Light: one batch of segments per circuit (its links and its ways through cells), over
+        # the cells; unlit links are in the static layer.
+        for a, path in self.paths().items():
+            ok = path.ends == {circuits[a]}
+            segments = [QLineF(*links[i]) for i in path.links]
+            segments += [QLineF(arms[(cid, i)], arms[(cid, o)]) for cid, i, o in path.passes]
+            p.setPen(QPen(circuit_colour(a, topo.ports) if ok else STRAY, width * 2.2,
+                          Qt.PenStyle.SolidLine if ok else Qt.PenStyle.DashLine,
+                          Qt.PenCapStyle.RoundCap))
+            for line in segments:
+                p.drawLine(line)
         # Ports a circuit uses are drawn again over the static label, in colour.
         self._font(p, sy)
         used = set(circuits) | set(circuits.values())

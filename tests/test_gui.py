@@ -15,17 +15,16 @@ from PySide6.QtGui import QColor, QImage  # noqa: E402
 from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
 from gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
-from gui.commands import Command, CommandError, CommandResult, Commands  # noqa: E402
+from gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
+                          Commands)
 from gui.control import ManualControl, describe_change  # noqa: E402
 from gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
 from gui.events import EventsView  # noqa: E402
 from gui.model import FabricModel, ModelError  # noqa: E402
 from gui.paths import Topology, TopologyError, trace  # noqa: E402
-from gui.portmap import (BACKGROUND, FLASH, ChipView, OcsMatrixView,  # noqa: E402
-                         circuit_colour)
+from gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
 from gui.rack import RackView  # noqa: E402
 from gui.window import MainWindow  # noqa: E402
-from gui.commands import CommandRunner  # noqa: E402
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -343,18 +342,22 @@ def test_demo_commands_apply_and_refuse_like_the_agent(qtbot):
 
 
 def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
-    from gui.app import run
+    from gui.app import demo_window
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
-    model = FabricModel()
-    fabric = DemoFabric(model, seed=1, interval_ms=20)
-    window = MainWindow(model, DemoCommands(fabric), title="x — DEMO DATA", settings=settings)
+    window, fabric = demo_window(seed=1, settings=settings)
     qtbot.addWidget(window)
+    assert "DEMO DATA" in window.windowTitle()
     window.show()
+    fabric.timer.setInterval(20)
     fabric.start()
-    qtbot.waitUntil(lambda: len(window.portmap.views) == 2 and len(model.entries) > 3)
+    qtbot.waitUntil(lambda: len(window.portmap.views) == 2 and len(window.model.entries) > 3)
     fabric.stop()
     assert window.services.labels["agent"].text().endswith("agent: connected")
     assert_not_blank(pixels(window, tmp_path / "window.png"), min_colours=50, min_fraction=0.2)
+    window.model.apply_delta({"op": "service", "name": "agent",
+                              "value": {"state": "down", "detail": "no heartbeat for 3 s"}})
+    label = window.services.labels["agent"]
+    assert label.text().endswith("agent: down") and "no heartbeat" in label.toolTip()
     shortcuts = {a.shortcut().toString() for a in window.findChildren(type(
         window.docks["rack"].toggleViewAction()))}
     assert {"Ctrl+2", "Ctrl+K", "Ctrl+Shift+S", "Ctrl+Shift+R"} <= shortcuts
@@ -367,7 +370,6 @@ def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
     again.reset_layout()
     assert not again.docks["calibration"].isHidden()
     again.close()
-    assert run is not None
 
 
 def test_ptb_gui_without_a_bus_says_what_to_do(capsys, tmp_path):
