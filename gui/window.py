@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QWidget
+from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QStatusBar
 
 from gui.calibration import CalibrationView
 from gui.commands import CommandResult, CommandRunner, Commands
@@ -20,11 +20,12 @@ SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53
 LAYOUT_VERSION = 1
 
 
-class ServiceStatus(QWidget):
-    """One coloured label per service in the status bar: connected / connecting / down."""
+class ServiceStatus(QObject):
+    """One coloured label per service in the status bar: connected / connecting / down.
+    Owned by the status bar, so it goes with its labels."""
 
-    def __init__(self, model: FabricModel, bar, parent: QWidget | None = None):
-        super().__init__(parent)
+    def __init__(self, model: FabricModel, bar: QStatusBar):
+        super().__init__(bar)
         self.model, self.bar = model, bar
         self.labels: dict[str, QLabel] = {}
         model.serviceChanged.connect(self.show_service)
@@ -86,9 +87,9 @@ class MainWindow(QMainWindow):
         self._default_state = self.saveState(LAYOUT_VERSION)
         self.services = ServiceStatus(model, self.statusBar())
         self.runner.finished.connect(self._answer)
-        model.gap.connect(lambda want, got: self.statusBar().showMessage(
-            f"bus: missed updates {want}..{got - 1}; waiting for a fresh snapshot", 5000))
-        model.rejected.connect(lambda why: self.statusBar().showMessage(f"ignored {why}", 5000))
+        # Bound methods, not lambdas: Qt drops these connections when the window goes.
+        model.gap.connect(self._gap)
+        model.rejected.connect(self._rejected)
         self._actions()
         self.restore_layout()
 
@@ -124,6 +125,13 @@ class MainWindow(QMainWindow):
             act.setShortcut(QKeySequence(key))
             act.triggered.connect(lambda _=False, s=slot: (self._show("control"), s()))
             control.addAction(act)
+
+    def _gap(self, want: int, got: int) -> None:
+        self.statusBar().showMessage(
+            f"bus: missed updates {want}..{got - 1}; waiting for a fresh snapshot", 5000)
+
+    def _rejected(self, why: str) -> None:
+        self.statusBar().showMessage(f"ignored {why}", 5000)
 
     def _show(self, key: str) -> None:
         self.docks[key].show()

@@ -376,3 +376,15 @@ def test_ptb_gui_without_a_bus_says_what_to_do(capsys, tmp_path):
     from ptb.cli import main
     assert main(["gui", "--rig", str(tmp_path / "rig.toml")]) == 1
     assert "--demo-data" in capsys.readouterr().err
+
+
+def test_demo_entry_point_runs_and_saves_a_screenshot(qapp, tmp_path):
+    from gui.app import main
+    shot = tmp_path / "demo.png"
+    assert main(["--demo-data", "--quit-after", "1.5", "--screenshot", str(shot)]) == 0
+    image = QImage(str(shot)).convertToFormat(QImage.Format.Format_RGB888)
+    assert image.width() > 800
+    raw = np.frombuffer(image.constBits(), dtype=np.uint8,
+                        count=image.bytesPerLine() * image.height())
+    raw = raw.reshape(image.height(), image.bytesPerLine())[:, : 3 * image.width()]
+    assert_not_blank(raw.reshape(image.height(), image.width(), 3), min_colours=50)
