@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--demo-data", action="store_true",
                      help="show synthetic data (labelled DEMO DATA), no rig and no bus")
     p.add_argument("--seed", type=int, default=1, help="seed of the demo data")
+    p.add_argument("--settings", metavar="INI",
+                   help="keep the window layout in this file (default: the user's Qt settings)")
     p.add_argument("--quit-after", type=float, metavar="S",
                    help="close by itself after S seconds (for checks)")
     p.add_argument("--screenshot", metavar="PNG", help="save the window before closing")
@@ -29,11 +31,12 @@ def run(args: argparse.Namespace) -> int:
         raise GuiUnavailable(
             f"cannot open {args.rig}: this build has no bus client to read the rig's state from "
             "yet; run with --demo-data to see the GUI on synthetic data")
-    from PySide6.QtCore import QTimer
+    from PySide6.QtCore import QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    window, fabric = demo_window(args.seed)
+    settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
+    window, fabric = demo_window(args.seed, settings)
     fabric.start()
     window.show()
     if args.quit_after is not None:

@@ -381,7 +381,9 @@ def test_ptb_gui_without_a_bus_says_what_to_do(capsys, tmp_path):
 def test_demo_entry_point_runs_and_saves_a_screenshot(qapp, tmp_path):
     from gui.app import main
     shot = tmp_path / "demo.png"
-    assert main(["--demo-data", "--quit-after", "1.5", "--screenshot", str(shot)]) == 0
+    assert main(["--demo-data", "--quit-after", "1.5", "--screenshot", str(shot),
+                 "--settings", str(tmp_path / "gui.ini")]) == 0
+    assert (tmp_path / "gui.ini").exists()                     # the layout was saved there
     image = QImage(str(shot)).convertToFormat(QImage.Format.Format_RGB888)
     assert image.width() > 800
     raw = np.frombuffer(image.constBits(), dtype=np.uint8,
