@@ -7,7 +7,8 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys")
+SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys",
+               "ptb.gui")
 
 
 class CommandFailed(Exception):

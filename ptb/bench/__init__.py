@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui")
 
 
 def _module(name: str):

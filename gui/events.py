@@ -1,0 +1,170 @@
+"""Events view: the agent's journal as a live timeline, filterable by kind and text, with the
+latency of each reconfiguration."""
+from __future__ import annotations
+
+import json
+import time
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLineEdit, QTableView,
+                               QVBoxLayout, QWidget)
+
+from gui.model import MAX_ENTRIES, FabricModel
+from hil.journal import KINDS, Entry
+
+COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")
+KIND_COLOUR = {"failure": QColor("#ef5350"), "alarm": QColor("#ef5350"),
+               "verify_failed": QColor("#ef5350"), "detected": QColor("#ffb74d"),
+               "decision": QColor("#64b5f6"), "applied": QColor("#81c784"),
+               "verified": QColor("#81c784"), "phase": QColor("#ba68c8")}
+
+
+class EntryTable(QAbstractTableModel):
+    def __init__(self, model: FabricModel):
+        super().__init__()
+        self.fabric = model
+        self.rows: list[Entry] = list(model.entries)
+        model.entriesAdded.connect(self.add)
+        model.entriesReset.connect(self.reset)
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        e = self.rows[index.row()]
+        col = index.column()
+        if role == Qt.ItemDataRole.DisplayRole:
+            if col == 0:
+                return e.seq
+            if col == 1:
+                return time.strftime("%H:%M:%S", time.localtime(e.ts)) + f"{e.ts % 1:.3f}"[1:]
+            if col == 2:
+                return e.kind
+            if col == 3:
+                return e.cause
+            if col == 4:
+                return "" if e.latency_s is None else f"{e.latency_s * 1e3:.1f}"
+            return json.dumps(e.details, sort_keys=True, default=str) if e.details else ""
+        if role == Qt.ItemDataRole.ForegroundRole and col == 2:
+            return KIND_COLOUR.get(e.kind)
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in (0, 4):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+    def add(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        overflow = len(self.rows) + len(entries) - MAX_ENTRIES
+        if overflow > 0:
+            drop = min(overflow, len(self.rows))
+            self.beginRemoveRows(QModelIndex(), 0, drop - 1)
+            del self.rows[:drop]
+            self.endRemoveRows()
+            entries = entries[-MAX_ENTRIES:]
+        self.beginInsertRows(QModelIndex(), len(self.rows), len(self.rows) + len(entries) - 1)
+        self.rows.extend(entries)
+        self.endInsertRows()
+
+    def reset(self) -> None:
+        self.beginResetModel()
+        self.rows = list(self.fabric.entries)
+        self.endResetModel()
+
+
+class KindFilter(QSortFilterProxyModel):
+    def __init__(self):
+        super().__init__()
+        self.kinds: set[str] | None = None     # None: every kind
+        self.text = ""
+
+    def set_kinds(self, kinds: set[str] | None) -> None:
+        self._refilter(lambda: setattr(self, "kinds", kinds))
+
+    def set_text(self, text: str) -> None:
+        self._refilter(lambda: setattr(self, "text", text.lower()))
+
+    def _refilter(self, change) -> None:
+        # Qt >= 6.10 wants begin/endFilterChange around the change; older ones invalidate.
+        if hasattr(self, "beginFilterChange"):
+            self.beginFilterChange()
+            change()
+            self.endFilterChange(QSortFilterProxyModel.Direction.Rows)
+        else:
+            change()
+            self.invalidateFilter()
+
+    def filterAcceptsRow(self, row: int, parent) -> bool:
+        e = self.sourceModel().rows[row]
+        if self.kinds is not None and e.kind not in self.kinds:
+            return False
+        if self.text:
+            hay = f"{e.kind} {e.cause} {json.dumps(e.details, default=str)}".lower()
+            return self.text in hay
+        return True
+
+
+class EventsView(QWidget):
+    def __init__(self, model: FabricModel, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.table_model = EntryTable(model)
+        self.proxy = KindFilter()
+        self.proxy.setSourceModel(self.table_model)
+        self.view = QTableView()
+        self.view.setModel(self.proxy)
+        self.view.verticalHeader().setVisible(False)
+        self.view.setAlternatingRowColors(True)
+        header = self.view.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("filter text (cause, details)")
+        self.search.textChanged.connect(self.proxy.set_text)
+        self.kind_boxes: dict[str, QCheckBox] = {}
+        kinds = QHBoxLayout()
+        for k in KINDS:
+            box = QCheckBox(k)
+            box.setChecked(True)
+            box.toggled.connect(self._kinds_changed)
+            self.kind_boxes[k] = box
+            kinds.addWidget(box)
+        kinds.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.addLayout(kinds)
+        layout.addWidget(self.search)
+        layout.addWidget(self.view)
+        self._at_bottom = True
+        self.table_model.rowsAboutToBeInserted.connect(self._remember_bottom)
+        self.table_model.rowsInserted.connect(self._scroll)
+
+    def set_kinds(self, kinds: set[str] | None) -> None:
+        for k, box in self.kind_boxes.items():
+            box.blockSignals(True)
+            box.setChecked(kinds is None or k in kinds)
+            box.blockSignals(False)
+        self._kinds_changed()
+
+    def _kinds_changed(self) -> None:
+        chosen = {k for k, b in self.kind_boxes.items() if b.isChecked()}
+        # Kinds the journal may add later stay visible unless the operator filters.
+        self.proxy.set_kinds(None if len(chosen) == len(self.kind_boxes) else chosen)
+
+    def _remember_bottom(self) -> None:
+        # Follow new events only while the operator has not scrolled back to read.
+        bar = self.view.verticalScrollBar()
+        self._at_bottom = bar.value() >= bar.maximum() - 1
+
+    def _scroll(self) -> None:
+        if self._at_bottom:
+            self.view.scrollToBottom()
+
+    def visible_kinds(self) -> list[str]:
+        return [self.proxy.index(r, 2).data() for r in range(self.proxy.rowCount())]

@@ -1,0 +1,330 @@
+"""The GUI's picture of the fabric: Qt objects fed by plain dict snapshots and deltas.
+
+The bus adapter (a client of the bus's state mirror) calls `FabricModel.post_snapshot` and
+`post_delta` from its own background thread; both only queue the message, which the Qt main
+thread applies and announces with signals. Nothing here waits on the network.
+
+Messages (what an adapter translates the bus's mirror into):
+
+    snapshot = {"seq": n,
+                "switches": [switch state, ...],
+                "topologies": {chip: topology}, "cells": {chip: {cell: cell state}},
+                "rack": [gpu, ...], "journal": [entry, ...],
+                "services": {service: {"state": ..., "detail": ...}}}      (every key optional)
+    delta    = {"seq": n, "op": OP, "name": ..., "value": ...} with OP one of
+        "switch"    value = switch state (whole or partial: circuits replace, power_dbm merges)
+        "topology"  name = chip, value = topology
+        "cells"     name = chip, value = {cell: cell state} (merged)
+        "rack"      value = [gpu, ...] (replaces the rack)
+        "gpu"       value = gpu dict (merged by name)
+        "journal"   value = [entry, ...] (appended)
+        "service"   name = service, value = {"state": ..., "detail": ...}
+
+A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
+"power_dbm": {port: dBm}}; a gpu {"name", "port", "switch", "health", "role", "rank"}; a
+journal entry a `hil.journal.Entry` or a dict with its fields. A delta whose `seq` is not the
+one after the last is still applied, and `gap` is emitted so the adapter can ask for a fresh
+snapshot.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gui import qtfix  # noqa: F401  (must run before heavy Qt use)
+from PySide6.QtCore import QObject, Qt, Signal, Slot
+
+from gui.paths import Topology, TopologyError
+from hil.journal import KINDS as JOURNAL_KINDS
+from hil.journal import Entry
+
+log = logging.getLogger(__name__)
+
+HEALTH = ("ok", "degraded", "failed")
+ROLES = ("active", "spare", "in_use_spare")
+SERVICE_STATES = ("connected", "connecting", "down")
+MAX_ENTRIES = 5000          # the events view keeps the newest; the journal keeps everything
+
+
+class ModelError(ValueError):
+    """A snapshot or delta that does not have the documented shape; says which field."""
+
+
+def _int_map(value: Any, what: str, conv=int) -> dict:
+    if not isinstance(value, Mapping):
+        raise ModelError(f"{what} must be a dict, not {type(value).__name__}")
+    try:
+        return {int(k): conv(v) for k, v in value.items()}
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{what} has a non-numeric entry: {e}") from None
+
+
+@dataclass(frozen=True)
+class SwitchState:
+    name: str
+    kind: str
+    ports: int
+    circuits: dict[int, int] = field(default_factory=dict)
+    power_dbm: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], old: "SwitchState | None" = None) -> "SwitchState":
+        if not isinstance(d, Mapping) or "name" not in d:
+            raise ModelError(f"a switch state is a dict with a 'name', not {d!r}")
+        name = str(d["name"])
+        if old is None:
+            for key in ("kind", "ports"):
+                if key not in d:
+                    raise ModelError(f"switch {name!r}: the first state must give {key!r}")
+        kind = str(d.get("kind", old.kind if old else ""))
+        if kind not in ("ocs", "chip"):
+            raise ModelError(f"switch {name!r}: kind {kind!r} is not 'ocs' or 'chip'")
+        try:
+            ports = int(d.get("ports", old.ports if old else 0))
+        except (TypeError, ValueError):
+            raise ModelError(f"switch {name!r}: ports {d.get('ports')!r} is not a number") from None
+        if ports < 1:
+            raise ModelError(f"switch {name!r}: ports must be >= 1, not {ports}")
+        circuits = (_int_map(d["circuits"], f"switch {name!r} circuits") if "circuits" in d
+                    else dict(old.circuits) if old else {})
+        for a, b in circuits.items():
+            if not (1 <= a <= ports < b <= 2 * ports):
+                raise ModelError(f"switch {name!r}: circuit {a}->{b} is not input 1..{ports} "
+                                 f"to output {ports + 1}..{2 * ports}")
+        power = dict(old.power_dbm) if old else {}
+        if "power_dbm" in d:
+            power.update(_int_map(d["power_dbm"], f"switch {name!r} power_dbm", float))
+        return cls(name, kind, ports, circuits, power)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    port: int | None
+    switch: str
+    health: str
+    role: str
+    rank: int | None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], old: "Gpu | None" = None) -> "Gpu":
+        if not isinstance(d, Mapping) or "name" not in d:
+            raise ModelError(f"a GPU is a dict with a 'name', not {d!r}")
+        base = old or cls(str(d["name"]), None, "", "ok", "active", None)
+        try:
+            gpu = replace(base, **{k: d[k] for k in ("port", "switch", "health", "role", "rank")
+                                   if k in d})
+            gpu = replace(gpu, port=None if gpu.port is None else int(gpu.port),
+                          rank=None if gpu.rank is None else int(gpu.rank),
+                          switch=str(gpu.switch))
+        except (TypeError, ValueError) as e:
+            raise ModelError(f"GPU {base.name!r}: {e}") from None
+        if gpu.health not in HEALTH:
+            raise ModelError(f"GPU {gpu.name!r}: health {gpu.health!r} is not one of "
+                             f"{', '.join(HEALTH)}")
+        if gpu.role not in ROLES:
+            raise ModelError(f"GPU {gpu.name!r}: role {gpu.role!r} is not one of {', '.join(ROLES)}")
+        return gpu
+
+
+def to_entry(e: Entry | Mapping[str, Any]) -> Entry:
+    if isinstance(e, Entry):
+        return e
+    if not isinstance(e, Mapping):
+        raise ModelError(f"a journal entry is a dict or Entry, not {type(e).__name__}")
+    try:
+        lat = e.get("latency_s")
+        entry = Entry(int(e["seq"]), float(e["ts"]), str(e["kind"]), str(e.get("cause", "")),
+                      None if lat is None else float(lat), dict(e.get("details") or {}))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(f"journal entry {e!r} is malformed: {err!r}") from None
+    if entry.kind not in JOURNAL_KINDS:
+        log.warning("journal entry %d has an unknown kind %r", entry.seq, entry.kind)
+    return entry
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    state: str
+    detail: str = ""
+    since: float = 0.0
+
+
+class FabricModel(QObject):
+    """Switches, chip topologies and cell states, the rack, the journal and the services."""
+
+    switchesChanged = Signal()                 # a switch appeared or went
+    switchChanged = Signal(str, object, int)   # name, SwitchChange, seq
+    topologyChanged = Signal(str)              # chip name
+    cellsChanged = Signal(str, object, int)    # chip name, set of changed cell ids, seq
+    rackChanged = Signal(object)               # set of changed GPU names (all on replace)
+    entriesAdded = Signal(object)              # list[Entry]
+    entriesReset = Signal()
+    serviceChanged = Signal(str)               # service name
+    gap = Signal(int, int)                     # expected seq, received seq
+    rejected = Signal(str)                     # a message that could not be applied, and why
+    _inbox = Signal(str, object)
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.switches: dict[str, SwitchState] = {}
+        self.topologies: dict[str, Topology] = {}
+        self.cells: dict[str, dict[str, dict[str, Any]]] = {}
+        self.rack: dict[str, Gpu] = {}
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=MAX_ENTRIES)
+        self.services: dict[str, Service] = {}
+        self.seq = 0
+        self._inbox.connect(self._receive, Qt.ConnectionType.QueuedConnection)
+
+    # --- thread-safe entry points (any thread) -------------------------------------------
+    def post_snapshot(self, snapshot: Mapping[str, Any]) -> None:
+        self._inbox.emit("snapshot", snapshot)
+
+    def post_delta(self, delta: Mapping[str, Any]) -> None:
+        self._inbox.emit("delta", delta)
+
+    @Slot(str, object)
+    def _receive(self, what: str, message: Mapping[str, Any]) -> None:
+        try:
+            if what == "snapshot":
+                self.apply_snapshot(message)
+            else:
+                self.apply_delta(message)
+        except (ModelError, TopologyError) as e:
+            log.warning("ignored a %s: %s", what, e)
+            self.rejected.emit(f"{what}: {e}")
+
+    # --- main-thread application ----------------------------------------------------------
+    def apply_snapshot(self, snap: Mapping[str, Any]) -> None:
+        if not isinstance(snap, Mapping):
+            raise ModelError(f"a snapshot is a dict, not {type(snap).__name__}")
+        self.seq = int(snap.get("seq", 0))
+        switches = snap.get("switches", [])
+        if isinstance(switches, Mapping):
+            switches = list(switches.values())
+        new = {}
+        for d in switches:
+            state = SwitchState.from_dict(d)
+            new[state.name] = state
+        topologies = {str(k): Topology.from_dict(v) for k, v in snap.get("topologies", {}).items()}
+        self.switches = new
+        self.topologies = topologies
+        self.cells = {str(k): {str(c): dict(s) for c, s in v.items()}
+                      for k, v in snap.get("cells", {}).items()}
+        self.rack = {}
+        for d in snap.get("rack", []):
+            gpu = Gpu.from_dict(d)
+            self.rack[gpu.name] = gpu
+        self.entries.clear()
+        self.entries.extend(to_entry(e) for e in snap.get("journal", []))
+        for name, s in snap.get("services", {}).items():
+            self._set_service(str(name), s, emit=False)
+        self.switchesChanged.emit()
+        for name in self.topologies:
+            self.topologyChanged.emit(name)
+        self.rackChanged.emit(set(self.rack))
+        self.entriesReset.emit()
+        for name in self.services:
+            self.serviceChanged.emit(name)
+
+    def apply_delta(self, delta: Mapping[str, Any]) -> None:
+        if not isinstance(delta, Mapping) or "op" not in delta:
+            raise ModelError(f"a delta is a dict with an 'op', not {delta!r}")
+        if "seq" in delta:
+            seq = int(delta["seq"])
+            if seq != self.seq + 1:
+                self.gap.emit(self.seq + 1, seq)
+            self.seq = seq
+        op, value = delta["op"], delta.get("value")
+        name = str(delta.get("name", ""))
+        if op == "switch":
+            self._update_switch(value)
+        elif op == "topology":
+            self.topologies[name] = Topology.from_dict(value)
+            self.topologyChanged.emit(name)
+        elif op == "cells":
+            self._update_cells(name, value)
+        elif op == "rack":
+            if not isinstance(value, list):
+                raise ModelError(f"a rack is a list of GPUs, not {value!r}")
+            gpus = [Gpu.from_dict(d) for d in value]
+            self.rack = {g.name: g for g in gpus}
+            self.rackChanged.emit(set(self.rack))
+        elif op == "gpu":
+            old = self.rack.get(str(value.get("name"))) if isinstance(value, Mapping) else None
+            gpu = Gpu.from_dict(value, old)
+            self.rack[gpu.name] = gpu
+            self.rackChanged.emit({gpu.name})
+        elif op == "journal":
+            entries = [to_entry(e) for e in (value or [])]
+            self.entries.extend(entries)
+            self.entriesAdded.emit(entries)
+        elif op == "service":
+            self._set_service(name, value)
+        else:
+            raise ModelError(f"unknown delta op {op!r}")
+
+    def _update_switch(self, value: Any) -> None:
+        if not isinstance(value, Mapping) or "name" not in value:
+            raise ModelError(f"a switch delta is a switch state with a 'name', not {value!r}")
+        old = self.switches.get(str(value["name"]))
+        state = SwitchState.from_dict(value, old)
+        self.switches[state.name] = state
+        if old is None:
+            self.switchesChanged.emit()
+            return
+        change = SwitchChange.between(old, state)
+        self.switchChanged.emit(state.name, change, self.seq)
+
+    def _update_cells(self, chip: str, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise ModelError(f"cell states of {chip!r} must be a dict, not {value!r}")
+        cells = self.cells.setdefault(chip, {})
+        changed = set()
+        for cid, s in value.items():
+            if not isinstance(s, Mapping):
+                raise ModelError(f"cell {cid!r} of {chip!r}: a state is a dict, not {s!r}")
+            cid = str(cid)
+            old = cells.get(cid, {})
+            new = {**old, **s}
+            if new.get("state") != old.get("state"):
+                changed.add(cid)
+            cells[cid] = new
+        self.cellsChanged.emit(chip, changed, self.seq)
+
+    def _set_service(self, name: str, value: Any, emit: bool = True) -> None:
+        if not isinstance(value, Mapping) or value.get("state") not in SERVICE_STATES:
+            raise ModelError(f"service {name!r}: state must be one of "
+                             f"{', '.join(SERVICE_STATES)}, got {value!r}")
+        old = self.services.get(name)
+        since = old.since if old and old.state == value["state"] else time.time()
+        self.services[name] = Service(name, value["state"], str(value.get("detail", "")), since)
+        if emit:
+            self.serviceChanged.emit(name)
+
+    # --- questions the views ask ----------------------------------------------------------
+    def chips(self) -> list[str]:
+        return [n for n, s in self.switches.items() if s.kind == "chip"]
+
+    def spares(self) -> list[Gpu]:
+        return [g for g in self.rack.values() if g.role == "spare" and g.health != "failed"]
+
+
+@dataclass(frozen=True)
+class SwitchChange:
+    """Circuits added and removed by one update, and ports whose power changed."""
+    added: dict[int, int]
+    removed: dict[int, int]
+    power: frozenset[int]
+
+    @classmethod
+    def between(cls, old: SwitchState, new: SwitchState) -> "SwitchChange":
+        added = {a: b for a, b in new.circuits.items() if old.circuits.get(a) != b}
+        removed = {a: b for a, b in old.circuits.items() if new.circuits.get(a) != b}
+        power = frozenset(p for p, v in new.power_dbm.items() if old.power_dbm.get(p) != v)
+        return cls(added, removed, power)

@@ -1,0 +1,467 @@
+"""Port map: every switch's live circuits. An OCS is an ingress x egress connection matrix
+coloured by port power; a chip is drawn from its topology with each cell's state and the light
+paths of its circuits. What just changed flashes for `FLASH_S`."""
+from __future__ import annotations
+
+import math
+import time
+
+import pyqtgraph as pg
+from PySide6.QtCore import QLineF, QPointF, QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap
+from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
+
+from gui.model import FabricModel, SwitchChange
+from gui.paths import LightPath, trace
+
+FLASH_S = 0.8
+RINGS = 8                          # newest OCS changes that also get a ring
+POWER_RANGE_DBM = (-40.0, 0.0)
+BACKGROUND = QColor("#16181d")
+GRID = QColor("#2a2e37")
+EMPTY = QColor("#20232a")
+TEXT = QColor("#c8ccd4")
+FLASH = QColor("#ffd400")          # what just connected / switched
+GONE = QColor("#ff4d4d")           # what just disconnected
+PATH = QColor("#ff9f1c")           # ports in use
+STRAY = QColor("#ff2a2a")          # light that does not reach the circuit's output (dashed)
+LINK = QColor("#4a5160")
+CELL_FILL = {"bar": QColor("#2b3a55"), "cross": QColor("#3d2b55"), "partial": QColor("#55462b")}
+NO_POWER = QColor("#7f8ea3")
+_ROUTES = {"bar": ((0, 2), (1, 3)), "cross": ((0, 3), (1, 2)),
+           "partial": ((0, 2), (1, 3), (0, 3), (1, 2))}
+
+_COLOURS = [QColor(int(r), int(g), int(b)) for r, g, b in
+            pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)]
+
+
+def power_colour(dbm: float | None) -> QColor:
+    if dbm is None or not math.isfinite(dbm):
+        return NO_POWER
+    lo, hi = POWER_RANGE_DBM
+    return _COLOURS[int(min(1.0, max(0.0, (dbm - lo) / (hi - lo))) * 255)]
+
+
+def circuit_colour(inp: int, ports: int) -> QColor:
+    """Each circuit's light in its own hue, so crossing paths can be told apart."""
+    # Hues 30..330: reds are kept for light that goes astray.
+    return QColor.fromHsv(30 + int(300 * ((inp - 1) % ports) / ports), 210, 255)
+
+
+def _blend(base: QColor, top: QColor, alpha: float) -> QColor:
+    a = max(0.0, min(1.0, alpha))
+    return QColor(round(base.red() + (top.red() - base.red()) * a),
+                  round(base.green() + (top.green() - base.green()) * a),
+                  round(base.blue() + (top.blue() - base.blue()) * a))
+
+
+class _Flashes:
+    """Keys that changed recently, and how much of their flash is left (1 -> 0)."""
+
+    def __init__(self, widget: QWidget):
+        self._started: dict[object, tuple[float, QColor]] = {}
+        self._timer = QTimer(widget)
+        self._timer.setInterval(33)
+        self._timer.timeout.connect(self._tick)
+        self._widget = widget
+
+    def start(self, key, colour: QColor = FLASH) -> None:
+        self._started[key] = (time.monotonic(), colour)
+        if not self._timer.isActive():
+            self._timer.start()
+
+    def level(self, key) -> tuple[float, QColor] | None:
+        got = self._started.get(key)
+        if got is None:
+            return None
+        left = 1.0 - (time.monotonic() - got[0]) / FLASH_S
+        return (left, got[1]) if left > 0 else None
+
+    def items(self):
+        now = time.monotonic()
+        for key, (t, colour) in list(self._started.items()):
+            left = 1.0 - (now - t) / FLASH_S
+            if left > 0:
+                yield key, left, colour
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._started.items() if now - t >= FLASH_S]:
+            del self._started[key]
+        if not self._started:
+            self._timer.stop()
+        self._widget.update()
+
+
+class SwitchView(QWidget):
+    """Common base: repaints on the model's changes and reports which update it showed."""
+
+    painted = Signal(str, int)      # switch name, model seq shown by this repaint
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model, self.name = model, name
+        self.applied_seq = model.seq
+        self.flashes = _Flashes(self)
+        self.setMinimumSize(240, 200)
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
+        self._layer: QPixmap | None = None
+        self._layer_key: tuple = ()
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        try:
+            p.drawPixmap(0, 0, self._static_layer())
+            self.draw(p)
+        finally:
+            p.end()
+        self.painted.emit(self.name, self.applied_seq)
+
+    def _static_layer(self) -> QPixmap:
+        """What does not change between updates (grid, labels, unlit links), drawn once."""
+        key = (self.width(), self.height(), self.devicePixelRatioF(), self.static_key())
+        if self._layer is None or key != self._layer_key:
+            ratio = self.devicePixelRatioF()
+            layer = QPixmap(round(self.width() * ratio), round(self.height() * ratio))
+            layer.setDevicePixelRatio(ratio)
+            layer.fill(BACKGROUND)
+            p = QPainter(layer)
+            try:
+                self.draw_static(p)
+            finally:
+                p.end()
+            self._layer, self._layer_key = layer, key
+        return self._layer
+
+    def static_key(self) -> tuple:
+        return ()
+
+    def draw_static(self, p: QPainter) -> None:
+        """Draw the parts that change only with `static_key()` or the widget's size."""
+
+    def draw(self, p: QPainter) -> None:
+        raise NotImplementedError
+
+
+class OcsMatrixView(SwitchView):
+    """Rows are ingress ports 1..N, columns egress ports N+1..2N; a circuit is a filled cell
+    coloured by the power arriving at its egress port (the port's monitor)."""
+
+    MARGIN = 36
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(model, name, parent)
+        model.switchChanged.connect(self._changed)
+
+    def _changed(self, name: str, change: SwitchChange, seq: int) -> None:
+        if name != self.name:
+            return
+        for a, b in change.added.items():
+            self.flashes.start((a, b), FLASH)
+        for a, b in change.removed.items():
+            self.flashes.start((a, b), GONE)
+        self.applied_seq = seq
+        self.update()
+
+    def _geometry(self) -> tuple[float, float, float]:
+        n = self.model.switches[self.name].ports
+        side = max(1.0, min(self.width() - self.MARGIN - 8, self.height() - self.MARGIN - 8) / n)
+        return self.MARGIN, self.MARGIN, side
+
+    def cell_rect(self, inp: int, out: int) -> QRectF:
+        """Where the cell of circuit inp -> out is drawn, in widget pixels."""
+        n = self.model.switches[self.name].ports
+        x0, y0, s = self._geometry()
+        return QRectF(x0 + (out - n - 1) * s, y0 + (inp - 1) * s, s, s)
+
+    def static_key(self) -> tuple:
+        state = self.model.switches.get(self.name)
+        return (state.ports,) if state else ()
+
+    def draw_static(self, p: QPainter) -> None:
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return
+        n = state.ports
+        x0, y0, s = self._geometry()
+        p.fillRect(QRectF(x0, y0, n * s, n * s), EMPTY)
+        if s >= 4:
+            p.setPen(QPen(GRID, 1))
+            step = 1 if s >= 8 else 8
+            for i in range(0, n + 1, step):
+                p.drawLine(QPointF(x0 + i * s, y0), QPointF(x0 + i * s, y0 + n * s))
+                p.drawLine(QPointF(x0, y0 + i * s), QPointF(x0 + n * s, y0 + i * s))
+        p.setPen(TEXT)
+        font = QFont(p.font())
+        font.setPointSizeF(7)
+        p.setFont(font)
+        label_step = max(1, int(math.ceil(14 / s)))
+        label_step = 8 if label_step > 4 and n >= 32 else label_step
+        for port in range(1, n + 1, label_step):
+            p.drawText(QRectF(0, y0 + (port - 1) * s - 6, x0 - 10, s + 12),
+                       Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(port))
+            p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, x0 - 12),
+                       Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, str(n + port))
+
+    def draw(self, p: QPainter) -> None:
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return
+        n = state.ports
+        x0, y0, s = self._geometry()
+        # Port power strips: ingress on the left, egress on top.
+        power = state.power_dbm
+        for port in range(1, n + 1):
+            dbm = power.get(port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 - 8, y0 + (port - 1) * s, 6, s), power_colour(dbm))
+            dbm = power.get(n + port)
+            if dbm is not None:
+                p.fillRect(QRectF(x0 + (port - 1) * s, y0 - 8, s, 6), power_colour(dbm))
+        inset = 1.0 if s >= 6 else 0.0       # small cells are filled whole to stay visible
+        for a, b in state.circuits.items():
+            colour = power_colour(power.get(b, power.get(a)))
+            p.fillRect(QRectF(x0 + (b - n - 1) * s + inset, y0 + (a - 1) * s + inset,
+                              s - 2 * inset, s - 2 * inset), colour)
+        flashing = sorted(self.flashes.items(), key=lambda f: -f[1])
+        for (a, b), left, colour in flashing:
+            base = power_colour(power.get(b)) if state.circuits.get(a) == b else EMPTY
+            p.fillRect(self.cell_rect(a, b).adjusted(inset, inset, -inset, -inset),
+                       _blend(base, colour, left))
+        # A ring a few cells wide so a change in a 64 x 64 matrix catches the eye; only around
+        # the newest changes (rings are costly to draw, and a storm of them shows nothing).
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setBrush(Qt.BrushStyle.NoBrush)
+        for (a, b), left, colour in flashing[:RINGS]:
+            ring = QColor(colour)
+            ring.setAlphaF(left)
+            p.setPen(QPen(ring, 2))
+            p.drawEllipse(self.cell_rect(a, b).center(), 2.5 * s, 2.5 * s)
+
+
+class ChipView(SwitchView):
+    """The chip as its topology draws it: cells with their state, and the light paths."""
+
+    def __init__(self, model: FabricModel, name: str, parent: QWidget | None = None):
+        super().__init__(model, name, parent)
+        self._paths: dict[int, LightPath] | None = None
+        model.switchChanged.connect(self._switch_changed)
+        model.cellsChanged.connect(self._cells_changed)
+        model.topologyChanged.connect(self._topology_changed)
+
+    def _switch_changed(self, name: str, change: SwitchChange, seq: int) -> None:
+        if name == self.name:
+            self._paths = None
+            for a in change.added:
+                self.flashes.start(("port", a), FLASH)
+            self.applied_seq = seq
+            self.update()
+
+    def _cells_changed(self, name: str, changed: set, seq: int) -> None:
+        if name == self.name:
+            self._paths = None
+            for cid in changed:
+                self.flashes.start(("cell", cid), FLASH)
+            self.applied_seq = seq
+            self.update()
+
+    def _topology_changed(self, name: str) -> None:
+        if name == self.name:
+            self._paths = None
+            self.update()
+
+    # --- geometry ----------------------------------------------------------------------
+    def _frame(self):
+        topo = self.model.topologies[self.name]
+        xs = [c.x for c in topo.cells.values()] or [0.0]
+        ys = [c.y for c in topo.cells.values()] or [0.0]
+        x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
+        sx = self.width() / (x_hi - x_lo + 3.6)
+        sy = self.height() / (y_hi - y_lo + 1.6)
+        return topo, (lambda x: (x - x_lo + 1.8) * sx), (lambda y: (y - y_lo + 0.8) * sy), sx, sy
+
+    def _anchor(self, frame, end: tuple) -> QPointF:
+        topo, fx, fy, sx, sy = frame
+        if end[0] == "cell":
+            c = topo.cells[end[1]]
+            arm = end[2]
+            dx = -0.25 if arm in (0, 1) else 0.25
+            dy = -0.22 if arm in (0, 2) else 0.22
+            return QPointF(fx(c.x + dx), fy(c.y + dy))
+        # A port sits one column outside the cell arm it is linked to.
+        for _, other in topo.touching.get(end, ()):
+            if other[0] == "cell":
+                c = topo.cells[other[1]]
+                arm = other[2]
+                dx = -1.1 if arm in (0, 1) else 1.1
+                dy = -0.22 if arm in (0, 2) else 0.22
+                return QPointF(fx(c.x + dx), fy(c.y + dy))
+        return QPointF(fx(-1.0), fy(0.0))
+
+    def link_midpoint(self, index: int) -> QPointF:
+        """Middle of link `index` in widget pixels (where its highlight can be seen)."""
+        frame = self._frame()
+        a, b = frame[0].links[index]
+        pa, pb = self._anchor(frame, a), self._anchor(frame, b)
+        return (pa + pb) / 2
+
+    def cell_center(self, cid: str) -> QPointF:
+        topo, fx, fy, _, _ = self._frame()
+        c = topo.cells[cid]
+        return QPointF(fx(c.x), fy(c.y))
+
+    def paths(self) -> dict[int, LightPath]:
+        """Light paths of the switch's circuits (input port -> path), cached until a change."""
+        if self._paths is None:
+            topo = self.model.topologies.get(self.name)
+            state = self.model.switches.get(self.name)
+            cells = self.model.cells.get(self.name, {})
+            self._paths = ({a: trace(topo, cells, a) for a in state.circuits}
+                           if topo is not None and state is not None else {})
+        return self._paths
+
+    def static_key(self) -> tuple:
+        return (id(self.model.topologies.get(self.name)),)
+
+    def _geometry_cache(self):
+        """Pixel positions of every link end and cell arm, kept until a resize or new topology."""
+        key = (self.width(), self.height(), id(self.model.topologies[self.name]))
+        if getattr(self, "_geo_key", None) != key:
+            frame = self._frame()
+            topo = frame[0]
+            links = [(self._anchor(frame, a), self._anchor(frame, b)) for a, b in topo.links]
+            arms = {(cid, arm): self._anchor(frame, ("cell", cid, arm))
+                    for cid in topo.cells for arm in range(4)}
+            ports = {end: self._anchor(frame, end) for end in topo.touching if end[0] == "port"}
+            self._geo, self._geo_key = (frame, links, arms, ports), key
+        return self._geo
+
+    def _port_label(self, p: QPainter, topo, end, pt: QPointF) -> None:
+        inward = end[1] <= topo.ports       # inputs on the left, outputs on the right
+        box = QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if inward else \
+            QRectF(pt.x() + 4, pt.y() - 8, 40, 16)
+        p.drawText(box, (Qt.AlignmentFlag.AlignRight if inward else Qt.AlignmentFlag.AlignLeft)
+                   | Qt.AlignmentFlag.AlignVCenter, str(end[1]))
+
+    def _font(self, p: QPainter, sy: float) -> None:
+        font = QFont(p.font())
+        font.setPointSizeF(max(6.0, min(9.0, sy * 0.18)))
+        p.setFont(font)
+
+    def draw_static(self, p: QPainter) -> None:
+        if self.name not in self.model.topologies:
+            return
+        frame, links, _, ports = self._geometry_cache()
+        topo, _, _, sx, sy = frame
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setPen(QPen(LINK, max(1.0, min(sx, sy) * 0.06)))
+        for pa, pb in links:
+            p.drawLine(pa, pb)
+        self._font(p, sy)
+        p.setPen(TEXT)
+        for end, pt in ports.items():
+            self._port_label(p, topo, end, pt)
+
+    def draw(self, p: QPainter) -> None:
+        if self.name not in self.model.topologies:
+            p.setPen(TEXT)
+            p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter,
+                       f"{self.name}: waiting for its topology")
+            return
+        frame, links, arms, ports = self._geometry_cache()
+        topo, fx, fy, sx, sy = frame
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        state = self.model.switches.get(self.name)
+        circuits = state.circuits if state else {}
+        cells = self.model.cells.get(self.name, {})
+        width = max(1.0, min(sx, sy) * 0.06)
+        # Cells: a box coloured by state (flashing when it just changed), its routing drawn in.
+        bw, bh = 0.5 * sx, 0.6 * sy
+        p.setPen(QPen(GRID, 1))
+        solid: list[QLineF] = []
+        dashed: list[QLineF] = []
+        for cid, c in topo.cells.items():
+            st = cells.get(cid, {}).get("state")
+            fill = CELL_FILL.get(st, EMPTY)
+            flash = self.flashes.level(("cell", cid))
+            if flash is not None:
+                fill = _blend(fill, flash[1], flash[0])
+            p.setBrush(fill)
+            p.drawRoundedRect(QRectF(fx(c.x) - bw / 2, fy(c.y) - bh / 2, bw, bh), 3, 3)
+            for i, o in _ROUTES.get(st, ()):
+                (dashed if st == "partial" else solid).append(
+                    QLineF(arms[(cid, i)], arms[(cid, o)]))
+        p.setPen(QPen(TEXT, width))
+        p.drawLines(solid)
+        p.setPen(QPen(TEXT, width, Qt.PenStyle.DashLine))
+        p.drawLines(dashed)
+        # Light: one batch of segments per circuit (its links and its ways through cells), over
+        # the cells; unlit links are in the static layer.
+        for a, path in self.paths().items():
+            ok = path.ends == {circuits[a]}
+            segments = [QLineF(*links[i]) for i in path.links]
+            segments += [QLineF(arms[(cid, i)], arms[(cid, o)]) for cid, i, o in path.passes]
+            p.setPen(QPen(circuit_colour(a, topo.ports) if ok else STRAY, width * 2.2,
+                          Qt.PenStyle.SolidLine if ok else Qt.PenStyle.DashLine,
+                          Qt.PenCapStyle.RoundCap))
+            for line in segments:
+                p.drawLine(line)
+        # Ports a circuit uses are drawn again over the static label, in colour.
+        self._font(p, sy)
+        used = set(circuits) | set(circuits.values())
+        for end, pt in ports.items():
+            flash = self.flashes.level(end)
+            if end[1] not in used and flash is None:
+                continue
+            colour = PATH if end[1] in used else TEXT
+            if flash is not None:
+                colour = _blend(colour, flash[1], flash[0])
+            p.fillRect(QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if end[1] <= topo.ports
+                       else QRectF(pt.x() + 4, pt.y() - 8, 40, 16), BACKGROUND)
+            p.setPen(colour)
+            self._port_label(p, topo, end, pt)
+        p.setPen(TEXT)
+        p.drawText(QRectF(4, 2, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft,
+                   f"{topo.name} ({topo.kind}, {topo.ports} x {topo.ports}): "
+                   f"{len(circuits)} circuits")
+
+
+class PortMapView(QWidget):
+    """One panel per switch, side by side, created as switches appear on the bus."""
+
+    def __init__(self, model: FabricModel, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model = model
+        self.views: dict[str, SwitchView] = {}
+        self._splitter = QSplitter(Qt.Orientation.Horizontal)
+        self._empty = QLabel("no switch on the bus yet")
+        self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self._empty)
+        layout.addWidget(self._splitter)
+        model.switchesChanged.connect(self._rebuild)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        for name in [n for n in self.views if n not in self.model.switches]:
+            view = self.views.pop(name)
+            view.parentWidget().deleteLater()
+        for name, state in self.model.switches.items():
+            if name in self.views:
+                continue
+            panel = QWidget()
+            box = QVBoxLayout(panel)
+            box.setContentsMargins(2, 2, 2, 2)
+            title = QLabel(f"<b>{name}</b> ({'OCS' if state.kind == 'ocs' else 'chip'}, "
+                           f"{state.ports} x {state.ports})")
+            view = (OcsMatrixView if state.kind == "ocs" else ChipView)(self.model, name)
+            box.addWidget(title)
+            box.addWidget(view, 1)
+            self._splitter.addWidget(panel)
+            self.views[name] = view
+        self._empty.setVisible(not self.views)
+        for view in self.views.values():
+            view.update()
+
+
