@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
                    help="the journal (SQLite); an existing one is resumed")
     p.add_argument("--quarantine", type=float, default=60.0, metavar="S",
                    help="seconds a failed GPU stays out of the spares (default 60)")
+    p.add_argument("--journal-sync", choices=("full", "normal"), default="full",
+                   help="full: every journal entry synced to disk (default); normal: survives "
+                   "a kill -9 of the agent but not a power loss, one fsync less per event")
     p.set_defaults(func=run)
 
 
@@ -34,7 +37,8 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        proc = AgentProcess(rig, args.journal, quarantine_s=args.quarantine)
+        proc = AgentProcess(rig, args.journal, quarantine_s=args.quarantine,
+                            journal_sync=args.journal_sync.upper())
     except JournalError as e:
         raise CommandFailed(str(e)) from None
     try:

@@ -107,11 +107,12 @@ class AgentProcess:
     """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`."""
 
     def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
-                 verify_dbm: float = -12.0, quarantine_s: float = 60.0):
+                 verify_dbm: float = -12.0, quarantine_s: float = 60.0,
+                 journal_sync: str = "FULL"):
         self.rig = rig
         self.keys = rig.client_keys()
         self.timeout = timeout
-        self.journal = Journal(journal_path)
+        self.journal = Journal(journal_path, journal_sync)
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
         self.server: StateServer | None = None
@@ -125,6 +126,7 @@ class AgentProcess:
         self._events: list[dict] = []
         self._last_seq = 0
         self._gpus_client: ServiceClient | None = None
+        self._rx: dict[str, tuple[str | None, dict]] = {}
 
     # --- set-up -----------------------------------------------------------------------------
     def _client(self, endpoint: str) -> ServiceClient:
@@ -192,18 +194,28 @@ class AgentProcess:
 
     def step(self) -> None:
         """Handle whatever is waiting (requests, health), then publish what changed."""
+        self._rx.clear()              # received power is read afresh for each event
         self.sub.poll(0)
         self.server.poll(0)
         self._publish()
 
     # --- inputs -----------------------------------------------------------------------------
     def _read_power(self, switch: str, port: int) -> float:
-        try:
-            got = self._gpus_client.call("rx_power", switch=switch, ports=[int(port)])
-        except BusError as e:
-            log.warning("no received power for %s:%d: %s", switch, port, e)
-            return DARK_DBM
-        return float(got["dbm"][str(port)])
+        """Received power on an output port: one request reads every receiver of the switch,
+        kept while the switch is unchanged and the agent handles the same event (a
+        verification reads several ports)."""
+        sw = self.switches.get(switch)
+        cached = self._rx.get(switch)
+        if cached is None or sw is None or cached[0] != sw.version or str(port) not in cached[1]:
+            ports = sorted({a.rx for atts in self.agent.layout.gpus.values() for a in atts
+                            if a.switch == switch} | {int(port)})
+            try:
+                got = self._gpus_client.call("rx_power", switch=switch, ports=ports)
+            except BusError as e:
+                log.warning("no received power for %s:%d: %s", switch, port, e)
+                return DARK_DBM
+            cached = self._rx[switch] = (sw.version if sw else None, got["dbm"])
+        return float(cached[1][str(port)])
 
     def _on_gpus(self, device: str, state: dict, ops: Any) -> None:
         changed = []

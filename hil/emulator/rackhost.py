@@ -28,13 +28,13 @@ from hil.client import Fabric
 from hil.emulator.clock import WallClock
 from hil.emulator.control import ControlError, ControlServer
 from hil.emulator.job import JobEvent, TrainingJob
-from hil.emulator.rack import EmulatedRack, RackError
+from hil.emulator.rack import EmulatedRack, RackError, dbm
 from hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 
-HEALTH_PERIOD_S = 0.002       # how often the monitor looks at the GPUs
+HEALTH_PERIOD_S = 0.001       # how often the monitor looks at the GPUs
 JOB_EVENTS_KEPT = 500
 
 
@@ -103,7 +103,10 @@ class RackHost:
         if switch not in self.layout.switches or not isinstance(ports, list):
             raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)} and "
                             f"a list of output ports, not {switch!r}, {ports!r}")
-        return {"dbm": {str(p): self.rack.port_power_dbm(switch, int(p)) for p in ports}}
+        for p in ports:
+            self.rack.faults._port(switch, int(p))       # a port the switch has
+        light = self.rack._light(switch)                 # the optics once for every port
+        return {"dbm": {str(p): dbm(sum(light.get(int(p), {}).values())) for p in ports}}
 
     # --- control endpoint -------------------------------------------------------------------
     def register(self, control: ControlServer) -> None:
