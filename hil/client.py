@@ -23,8 +23,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import zmq
+
 from hil.bus.client import ServiceClient
-from hil.bus.mirror import SubscriberThread
+from hil.bus.mirror import StateSubscriber
 from hil.bus.security import ClientKeys
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,22 @@ class Fabric:
         self._cond = threading.Condition()
         self._restart_seq: int | None = None      # the agent's restart seq when we joined
         self._orders: list[tuple[dict[int, str], str]] = []
-        self._sub = SubscriberThread({"agent": (request, publish)}, keys=keys,
-                                     on_state=self._on_state, telemetry=False)
-        self._sub.start()
+        # A plain subscriber on our own thread: only the `restart` key matters here, so no
+        # copy of the agent's state (its events) is made per delta.
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sub = StateSubscriber({"agent": (request, publish)}, keys=keys,
+                                    on_state=self._on_state, telemetry=False,
+                                    context=self._ctx)
+        self._thread = threading.Thread(target=self._listen, name="fabric-orders", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._sub.poll(0.05)
+        except Exception:
+            log.exception("the fabric's subscriber stopped")
 
     def _client(self) -> ServiceClient:
         c = getattr(self._local, "client", None)     # one client per thread (bus rule)
@@ -101,7 +116,10 @@ class Fabric:
             return self._orders.pop(0) if self._orders else None
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
         self._sub.close()
+        self._ctx.term()
         for c in self._clients:
             c.close()
         self._clients.clear()
