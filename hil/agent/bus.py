@@ -30,7 +30,6 @@ from hil.bus import schema
 from hil.bus.client import BusError, ServiceClient, StaleState
 from hil.bus.mirror import StateSubscriber
 from hil.bus.stateserver import StateServer
-from hil.gpu_health import GpuHealth
 from hil.jobplan import JobPlan, PlanError
 from hil.journal import Journal
 from hil.rack_layout import Attachment, RackLayout
