@@ -158,3 +158,80 @@ def test_demo_end_to_end_one_gpu_failure(tmp_path):
     assert "gpu6 -> spare0" in out
     assert "communications over a down link: 0" in out
     assert "gpu6" not in out.split("ranks now on")[1].split(";")[0]
+
+
+@pytest.fixture
+def lumion_bus(tmp_path):
+    """The lumion rig (ideal chip): instruments + rack in this process, the chip service (the
+    mesh owning the DAC) on a thread."""
+    rig = EmulatedRig(rig_spec("lumion"), ideal_chip=True)
+    rig.start()
+    lay = layout("lumion")
+    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
+                 for g, a in lay.gpus.items())
+    bus = rigfile.for_emulator("lumion", rig.endpoints, gpus=gpus)
+    rig.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
+    path = tmp_path / "rig.toml"
+    rigfile.write(path, bus)
+    service = DeviceService(bus.service_specs(["chip"])[0])
+    service.bind()
+    stop = threading.Event()
+    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        yield rig, rigfile.load(path), path
+    finally:
+        stop.set()
+        t.join(5)
+        service.close()
+        rig.close()
+
+
+def _ring_up(rack, rank_map):
+    n = len(rank_map)
+    ring = [(rank_map[r], rank_map[(r + 1) % n]) for r in range(n)]
+    return all(t is not None and t.up for t in rack.link_map(ring).values())
+
+
+def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_bus, tmp_path):
+    emu, rig, path = lumion_bus
+    rack = emu.rack.rack
+    agent = _agent(path, tmp_path / "journal.db")
+    fabric = None
+    try:
+        fabric = Fabric(*rig.agent_endpoints(), timeout=10)
+        rank_map = fabric.admit(dp_ring(8))
+        fabric.phase("dp")
+        assert _ring_up(rack, rank_map)          # the chip's physics carries the ring
+
+        rack.faults.fail_gpu("gpu1")             # two at once: one health delta, one swap
+        rack.faults.fail_gpu("gpu6")
+        got = fabric.wait_restart(timeout=20)
+        assert got is not None
+        new_map, _ = got
+        if {"gpu1", "gpu6"} & set(new_map.values()):      # the two came as two events
+            got = fabric.wait_restart(timeout=20)
+            assert got is not None
+            new_map, _ = got
+        assert sorted(g for g in new_map.values() if g.startswith("spare")) == \
+            ["spare0", "spare1"]
+        assert {new_map[1], new_map[6]} == {"spare0", "spare1"}
+        assert _ring_up(rack, new_map)
+
+        rack.faults.fail_gpu("gpu3")             # no spare left: the DP ring shrinks
+        got = fabric.wait_restart(timeout=20)
+        assert got is not None
+        small, _ = got
+        assert len(small) == 7 and "gpu3" not in small.values()
+        assert _ring_up(rack, small)
+        with ServiceClient(rig.agent_endpoints()[0], timeout=5) as c:
+            state = _until(lambda: (s := c.call("snapshot")["state"])["alarms"] and s,
+                           what="alarm published")
+        assert any("no healthy spare for gpu3" in a for a in state["alarms"])
+        roles = {g["name"]: (g["role"], g["health"]) for g in state["rack"]}
+        assert roles["spare0"] == ("in_use_spare", "ok")
+        assert roles["gpu3"] == ("active", "failed")
+    finally:
+        if fabric is not None:
+            fabric.close()
+        _stop(agent)
