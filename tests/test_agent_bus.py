@@ -235,3 +235,21 @@ def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_b
         if fabric is not None:
             fabric.close()
         _stop(agent)
+
+
+def test_received_powers_in_one_transfer_equal_the_sum_per_transmitter():
+    """What the GPU monitor's rx_power reports (one transfer with every live TX lit) is the
+    per-transmitter sum the rack's link model uses, faults included."""
+    from hil.emulator.rack import EmulatedRack
+    with EmulatedRig(rig_spec("lumion"), ideal_chip=True) as emu:
+        rack = EmulatedRack(layout("lumion"), {"chip": emu.chip})
+        rack.faults.fail_gpu("gpu2")
+        rack.faults.cut_fibre("chip", 20)
+        rack.faults.fail_transceiver("gpu5", side="tx")
+        ports = list(range(17, 33))
+        once = rack.port_powers_dbm("chip", ports)
+        for p in ports:
+            assert once[p] == pytest.approx(rack.port_power_dbm("chip", p), abs=1e-9)
+        assert once[20] < -90
+        with pytest.raises(ValueError):
+            rack.port_powers_dbm("chip", [40])
