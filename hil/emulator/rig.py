@@ -131,6 +131,7 @@ class EmulatedRig:
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
         self.endpoints: dict[str, str] = {}
+        self.rack = None                 # RackHost, once start_rack() ran
 
     def start(self) -> dict[str, str]:
         try:
@@ -198,6 +199,26 @@ class EmulatedRig:
         self._pd_cache = None
         self._pd_last = -1
 
+    def start_rack(self, gpus_endpoints: tuple[str, str],
+                   agent_endpoints: tuple[str, str] | None = None):
+        """The rack of GPUs on this rig's switch (hil.rack_layout), its link state from the
+        chip's or the OCS's physics; GPU health published at `gpus_endpoints`; faults, truth
+        and the job on the control endpoint. Returns the RackHost."""
+        from hil.emulator.rackhost import RackHost
+        from hil.rack_layout import layout
+        physics = {}
+        if self.chip is not None:
+            physics["chip"] = self.chip
+        if self.optics is not None and self.optics.physics is not None:
+            physics["ocs"] = self.optics.physics
+        lay = layout(self.spec.name)
+        self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
+                             gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)
+        self.rack.start()
+        if self.control is not None:
+            self.rack.register(self.control)
+        return self.rack
+
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""
         path = pathlib.Path(path)
@@ -206,6 +227,9 @@ class EmulatedRig:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        if self.rack is not None:
+            self.rack.close()
+            self.rack = None
         if self.control is not None:
             self.control.close()
             self.control = None
