@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
                        description="Start every instrument of an emulated rig, print where "
                        "each listens, and run until SIGINT or SIGTERM.")
     p.add_argument("--rig", default="lumion",
-                   help=f"rig name ({', '.join(sorted(RIGS))}); default lumion")
+                   help=f"rig name ({', '.join(sorted(RIGS))}) or a TOML file with an "
+                   "[emulator] table (docs/rigfile.md); default lumion")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
     p.add_argument("--endpoints", metavar="FILE", help="also write the endpoints as JSON here")
     p.add_argument("--port-base", type=int, metavar="PORT",
