@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gui import qtfix  # noqa: F401  (must run before heavy Qt use)
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from gui.paths import Topology, TopologyError
