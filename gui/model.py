@@ -18,6 +18,7 @@ Messages (what an adapter translates the bus's mirror into):
         "rack"      value = [gpu, ...] (replaces the rack)
         "gpu"       value = gpu dict (merged by name)
         "journal"   value = [entry, ...] (appended)
+        "journal_reset"  value = [entry, ...] (replaces the journal: a new one started)
         "service"   name = service, value = {"state": ..., "detail": ...}
 
 A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
@@ -263,6 +264,11 @@ class FabricModel(QObject):
             entries = [to_entry(e) for e in (value or [])]
             self.entries.extend(entries)
             self.entriesAdded.emit(entries)
+        elif op == "journal_reset":
+            entries = [to_entry(e) for e in (value or [])]
+            self.entries.clear()
+            self.entries.extend(entries)
+            self.entriesReset.emit()
         elif op == "service":
             self._set_service(name, value)
         else:
