@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def rig_window(rig, settings=None):
+def rig_window(rig, settings=None, **bus_options):
     """The main window on `rig`'s bus (the adapter not started yet)."""
     from gui.bus import BusFabric
     from gui.calibration import CalibrationFileError, load_calibration
@@ -67,7 +67,7 @@ def rig_window(rig, settings=None):
     from gui.window import MainWindow
 
     model = FabricModel()
-    fabric = BusFabric(model, rig)
+    fabric = BusFabric(model, rig, **bus_options)
     window = MainWindow(model, fabric, settings=settings,
                         title=f"photonic testbed — rig {rig.name} ({rig.path})")
     if rig.chip is not None and rig.chip.calibration:

@@ -55,12 +55,14 @@ class BusFabric(Commands):
     """State from the bus into a `FabricModel`, and operator commands onto the bus."""
 
     def __init__(self, model: FabricModel, rig: Rig, *, timeout: float = 5.0,
-                 keys: ClientKeys | None = None, poll_s: float = 0.05):
+                 keys: ClientKeys | None = None, poll_s: float = 0.05,
+                 down_after_s: float = DOWN_AFTER_S):
         self.model = model
         self.rig = rig
         self.timeout = timeout
         self.keys = keys if keys is not None else rig.client_keys()
         self.poll_s = poll_s
+        self.down_after_s = down_after_s
         self.endpoints: dict[str, tuple[str, str]] = dict(rig.endpoints())
         self.kinds: dict[str, str] = {n: d.kind for n, d in rig.devices.items()}
         self.endpoints[AGENT] = rig.agent_endpoints()
@@ -113,7 +115,7 @@ class BusFabric(Commands):
             sub.close()
 
     def _watch(self) -> None:
-        if time.monotonic() - self._started < DOWN_AFTER_S:
+        if time.monotonic() - self._started < self.down_after_s:
             return
         for name, alive in self._alive.items():
             if not alive and name not in self._marked_down:

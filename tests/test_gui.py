@@ -372,12 +372,6 @@ def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
     again.close()
 
 
-def test_ptb_gui_without_a_bus_says_what_to_do(capsys, tmp_path):
-    from ptb.cli import main
-    assert main(["gui", "--rig", str(tmp_path / "rig.toml")]) == 1
-    assert "--demo-data" in capsys.readouterr().err
-
-
 def test_demo_entry_point_runs_and_saves_a_screenshot(qapp, tmp_path):
     from gui.app import main
     shot = tmp_path / "demo.png"
