@@ -384,3 +384,54 @@ def test_demo_entry_point_runs_and_saves_a_screenshot(qapp, tmp_path):
                         count=image.bytesPerLine() * image.height())
     raw = raw.reshape(image.height(), image.bytesPerLine())[:, : 3 * image.width()]
     assert_not_blank(raw.reshape(image.height(), image.width(), 3), min_colours=50)
+
+
+def _file_v2(data: dict) -> dict:
+    """The GUI's calibration dict as a version 2 calibration file (docs/calibration.md)."""
+    cells = {c["id"]: c["channels"] for c in BENES["cells"]}
+    channels = [{"channel": ch, "cell": cid, "offset_rad": 0.1 * ch, "offset_std": 0.001,
+                 "p_pi_mw": 22.0 + ch / 100, "p_pi_std_mw": 0.01, "r_ohm": 1000.0}
+                for cid, chs in cells.items() for ch in chs]
+    return {"version": 2, "chip": "benes16", "chip_id": "lumion/benes16", "rig": "lumion",
+            "date": "2026-11-23T08:00:00Z", "method": "monitors", "channels": channels,
+            "crosstalk": data["crosstalk"], "crosstalk_std": data["crosstalk"],
+            "cells": {cid: {**data["cells"][cid], "channels": chs, "detector": "pd",
+                            "sweep_p_mw": data["cells"][cid]["sweep_v"],
+                            "visibility": 0.998, "splitter_limited": cid == "s0r1",
+                            "coupler_imbalance": 0.02, "residual_rms": 0.001,
+                            "measurements": 28}
+                      for cid, chs in cells.items()}}
+
+
+def test_calibration_view_reads_the_calibration_file_format(qtbot, tmp_path):
+    v2 = _file_v2(demo_calibration(BENES, seed=4))
+    path = tmp_path / "chip.cal.json"
+    path.write_text(json.dumps(v2))
+    view = CalibrationView()
+    qtbot.addWidget(view)
+    view.resize(1000, 700)
+    view.show()
+    assert view.open(str(path)), view.error.text()
+    assert view.cells.count() == 56
+    assert "chip_id lumion/benes16" in view.source.text() and "rig lumion" in view.source.text()
+    view.cells.setCurrentRow(1)
+    assert "ch 1: P_pi 22.01 ± 0.01 mW" in view.note.text()
+    assert "splitter-limited" in view.note.text()
+    rgb = pixels(view, tmp_path / "calibration-v2.png")
+    assert_not_blank(rgb, min_colours=20)
+    orange = np.all(np.abs(rgb.astype(int) - [0xff, 0x9f, 0x1c]) < 20, axis=2)
+    assert orange.sum() > 200, "the fitted fringe is not drawn"
+    # Version 1 (heater fits only): the crosstalk alone, said so.
+    v1 = {"version": 1, "chip": "benes16", "crosstalk": v2["crosstalk"],
+          "channels": [{k: c[k] for k in ("channel", "offset_rad", "p_pi_mw", "r_ohm")}
+                       for c in v2["channels"]]}
+    path.write_text(json.dumps(v1))
+    assert view.open(str(path)) and view.cells.count() == 0
+    assert "heater fits only" in view.source.text()
+    for bad, message in (({**v2, "version": 7}, "version 7"),
+                         ({**v2, "channels": []}, "non-empty 'channels'"),
+                         ({**v2, "crosstalk": [[0.0]]}, r"crosstalk is \(1, 1\)"),
+                         ({**v2, "cells": {"s0r0": {"sweep_v": [1]}}}, "lacks 'power'")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(CalibrationFileError, match=message):
+            load_calibration(path)
