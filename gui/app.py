@@ -40,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
     if rig is not None:
-        window, fabric = rig_window(rig, settings)
+        from hil.bus.security import KeyFileError
+        try:
+            window, fabric = rig_window(rig, settings)
+        except KeyFileError as e:
+            raise GuiUnavailable(f"{args.rig}: the bus's CURVE keys: {e}") from None
     else:
         window, fabric = demo_window(args.seed, settings)
     fabric.start()

@@ -69,7 +69,6 @@ class BusFabric(Commands):
         self.kinds[AGENT] = AGENT
         self._lock = threading.Lock()
         self._states: dict[str, dict] = {}            # latest mirrored state per device
-        self._incarnations: dict[str, str | None] = {}
         self._topology_asked: dict[str, str | None] = {}
         self._last_event = -1
         self._alarms: list[str] = []

@@ -307,3 +307,11 @@ def test_ptb_gui_refuses_a_bad_rig_file_with_the_reason(capsys, tmp_path):
     bad.write_text("[rig]\nname = 'x'\n")
     assert main(["gui", "--rig", str(bad)]) == 1
     assert "devices" in capsys.readouterr().err
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text("[rig]\nname = 'x'\n[bus]\ncurve = true\nserver_key = 'no/s.key_secret'\n"
+                       "server_public_key = 'no/s.key'\nauthorized_keys = 'no'\n"
+                       "client_key = 'no/c.key_secret'\n"
+                       "[devices.ocs]\nkind = 'switch'\naddress = 'TCPIP::h::1::SOCKET'\n"
+                       "driver = 'drivers.ocs:OpticalCircuitSwitch'\n")
+    assert main(["gui", "--rig", str(keyless), "--settings", str(tmp_path / "g.ini")]) == 1
+    assert "CURVE keys" in capsys.readouterr().err
