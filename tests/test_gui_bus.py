@@ -24,6 +24,7 @@ from hil import rigfile  # noqa: E402
 from hil.bus.client import ServiceClient  # noqa: E402
 from hil.bus.stateserver import StateServer  # noqa: E402
 from hil.emulator.rig import EmulatedRig, rig_spec  # noqa: E402
+from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
 from tests.test_gui import _answer_dialog, assert_not_blank, colour_at, near, pixels  # noqa: E402
 
@@ -265,6 +266,60 @@ def test_rack_shows_the_spare_in_use_after_a_swap_and_refusals_say_why(
         qtbot.waitUntil(lambda: "no spare left" in win.services.labels["agent"].toolTip(),
                         timeout=WAIT_MS)
     qtbot.waitUntil(lambda: label(win, "agent").endswith("agent: down"), timeout=WAIT_MS)
+
+
+def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bus, tmp_path):
+    """`ptb agent` on the lumion rig: a GPU fails, the rack shows the spare in use and the chip
+    the circuits to its port; then the operator swaps another GPU out through the GUI."""
+    from hil.client import Fabric
+    from hil.jobplan import dp_ring
+    emu, rig, path = lumion_bus
+    agent = _agent(path, tmp_path / "journal.db")
+    fabric = win = None
+    try:
+        fabric = Fabric(*rig.agent_endpoints(), timeout=10)
+        fabric.admit(dp_ring(8))
+        fabric.phase("dp")
+        settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
+        win, bus = rig_window(rig, settings, down_after_s=0.5)
+        qtbot.addWidget(win)
+        win.resize(1500, 950)
+        bus.start()
+        win.show()
+        qtbot.waitUntil(lambda: len(win.model.rack) == 10 and
+                        "chip" in win.portmap.views, timeout=WAIT_MS)
+        spare_port = {g.name: g.port for g in rig.gpus}
+        emu.rack.rack.faults.fail_gpu("gpu3")
+        qtbot.waitUntil(lambda: win.model.rack["spare0"].role == "in_use_spare", timeout=20000)
+        assert win.model.rack["spare0"].rank == 3 and win.model.rack["gpu3"].health == "failed"
+        assert win.rack.table.item(win.rack.row_of("spare0"), 1).text() == "in use (spare)"
+        # The chip now carries light from and to the spare's port.
+        port = spare_port["spare0"]
+        qtbot.waitUntil(lambda: port in win.model.switches["chip"].circuits, timeout=WAIT_MS)
+        qtbot.waitUntil(lambda: any(e.kind == "verified" for e in win.model.entries),
+                        timeout=WAIT_MS)
+        assert_not_blank(pixels(win, tmp_path / "failover.png"), min_colours=50,
+                         min_fraction=0.2)
+
+        panel = win.control
+        panel.gpu.setCurrentText("gpu5")
+        panel.spare.setCurrentText("(agent picks)")
+        result, asked = confirm_and_wait(qtbot, win, panel.ask_swap)
+        assert "Swap GPU gpu5 (rank 5" in asked
+        assert result.ok and "gpu5 -> spare1" in result.reason, result.reason
+        qtbot.waitUntil(lambda: win.model.rack["spare1"].role == "in_use_spare" and
+                        win.model.rack["spare1"].rank == 5, timeout=WAIT_MS)
+        # The same hardware state the agent reports on the bus.
+        with ServiceClient(rig.devices["chip"].request, timeout=5) as chip:
+            qtbot.waitUntil(lambda: win.model.switches["chip"].circuits == {
+                a: b for a, b in chip.call("read_circuits")["circuits"]}, timeout=WAIT_MS)
+    finally:
+        if win is not None:
+            win.close()
+            win.runner.backend.close()
+        if fabric is not None:
+            fabric.close()
+        _stop(agent)
 
 
 def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_path):
