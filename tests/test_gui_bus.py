@@ -14,7 +14,6 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import pytest  # noqa: E402
 from PySide6.QtCore import QSettings  # noqa: E402
-from PySide6.QtGui import QColor  # noqa: E402
 from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
 from gui.app import rig_window  # noqa: E402
