@@ -1,5 +1,5 @@
-"""Start the GUI: `python -m gui --demo-data` (synthetic data) or, once the bus client lands,
-`ptb gui --rig FILE`."""
+"""Start the GUI: `ptb gui --rig FILE` (on a rig's bus) or `python -m gui --demo-data`
+(synthetic data)."""
 from __future__ import annotations
 
 import argparse
@@ -27,16 +27,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rig = None
     if args.rig:
-        raise GuiUnavailable(
-            f"cannot open {args.rig}: this build has no bus client to read the rig's state from "
-            "yet; run with --demo-data to see the GUI on synthetic data")
+        from hil.rigfile import RigFileError, load
+        try:
+            rig = load(args.rig)
+        except RigFileError as e:
+            raise GuiUnavailable(str(e)) from None
     from PySide6.QtCore import QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
-    window, fabric = demo_window(args.seed, settings)
+    if rig is not None:
+        from hil.bus.security import KeyFileError
+        try:
+            window, fabric = rig_window(rig, settings)
+        except KeyFileError as e:
+            raise GuiUnavailable(f"{args.rig}: the bus's CURVE keys: {e}") from None
+    else:
+        window, fabric = demo_window(args.seed, settings)
     fabric.start()
     window.show()
     if args.quit_after is not None:
@@ -46,8 +56,32 @@ def run(args: argparse.Namespace) -> int:
             window.close()
         QTimer.singleShot(int(args.quit_after * 1000), finish)
     code = app.exec()
-    fabric.stop()
+    if rig is not None:
+        fabric.close()
+    else:
+        fabric.stop()
     return code
+
+
+def rig_window(rig, settings=None, **bus_options):
+    """The main window on `rig`'s bus (the adapter not started yet)."""
+    from gui.bus import BusFabric
+    from gui.calibration import CalibrationFileError, load_calibration
+    from gui.model import FabricModel
+    from gui.window import MainWindow
+
+    model = FabricModel()
+    fabric = BusFabric(model, rig, **bus_options)
+    window = MainWindow(model, fabric, settings=settings,
+                        title=f"photonic testbed — rig {rig.name} ({rig.path})")
+    if rig.chip is not None and rig.chip.calibration:
+        try:
+            window.calibration.set_data(load_calibration(rig.chip.calibration),
+                                        rig.chip.calibration)
+        except CalibrationFileError as e:
+            log.warning("the rig's calibration cannot be shown: %s", e)
+            window.calibration.source.setText(f"rig calibration not shown: {e}")
+    return window, fabric
 
 
 def demo_window(seed: int = 1, settings=None):

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gui import qtfix  # noqa: F401  (must run before heavy Qt use)
 from PySide6.QtCore import QObject, Qt, Signal
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ Messages (what an adapter translates the bus's mirror into):
         "rack"      value = [gpu, ...] (replaces the rack)
         "gpu"       value = gpu dict (merged by name)
         "journal"   value = [entry, ...] (appended)
+        "journal_reset"  value = [entry, ...] (replaces the journal: a new one started)
         "service"   name = service, value = {"state": ..., "detail": ...}
 
 A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
@@ -35,7 +36,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gui import qtfix  # noqa: F401  (must run before heavy Qt use)
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from gui.paths import Topology, TopologyError
@@ -264,6 +264,11 @@ class FabricModel(QObject):
             entries = [to_entry(e) for e in (value or [])]
             self.entries.extend(entries)
             self.entriesAdded.emit(entries)
+        elif op == "journal_reset":
+            entries = [to_entry(e) for e in (value or [])]
+            self.entries.clear()
+            self.entries.extend(entries)
+            self.entriesReset.emit()
         elif op == "service":
             self._set_service(name, value)
         else:

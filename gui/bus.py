@@ -1,0 +1,298 @@
+"""The GUI on a rig's bus: the services' mirrored state into `FabricModel`, commands out.
+
+`BusFabric(model, rig)` subscribes (hil.bus.mirror) to every device of the rig file and to the
+agent, on a thread of its own, and translates what arrives into the model's deltas, which the
+model queues to the Qt main thread:
+
+    device kind `switch`   -> a switch of kind "ocs" (circuits, ports)
+    device kind `chip`     -> a switch of kind "chip", its topology (the service's `describe`,
+                              asked once per service incarnation) and its cell states
+    device `agent`         -> the rack, the journal (events) and the alarms
+    every device           -> its connection state in the status bar
+
+It never waits on the network on the Qt thread. Mirrors resynchronise by themselves (snapshot +
+deltas, gap recovery), so a service that restarts, or comes up after the GUI, is picked up
+without the operator doing anything.
+
+As `Commands`, it sends the operator's commands from one worker thread, each through a
+`ServiceClient` (one per service, used only on that thread): a change carries the state version
+the GUI shows (`expect`, compare-and-set), so a command computed from a stale picture is
+refused (`StaleState`) rather than applied; every refusal comes back with the service's reason.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gui.commands import Command, CommandResult, Commands
+from gui.model import FabricModel
+from hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
+from hil.bus.mirror import StateSubscriber
+from hil.bus.security import ClientKeys
+from hil.rigfile import Rig
+
+log = logging.getLogger(__name__)
+
+AGENT = "agent"
+DOWN_AFTER_S = 3.0          # a service not reached this long after start shows as down
+
+
+def _circuits(wire: Any) -> dict[int, int]:
+    """[[in, out], ...] (the bus's circuits) -> {in: out}; malformed pairs are skipped."""
+    out = {}
+    for pair in wire or ():
+        if isinstance(pair, (list, tuple)) and len(pair) == 2:
+            out[int(pair[0])] = int(pair[1])
+    return out
+
+
+class BusFabric(Commands):
+    """State from the bus into a `FabricModel`, and operator commands onto the bus."""
+
+    def __init__(self, model: FabricModel, rig: Rig, *, timeout: float = 5.0,
+                 keys: ClientKeys | None = None, poll_s: float = 0.05,
+                 down_after_s: float = DOWN_AFTER_S):
+        self.model = model
+        self.rig = rig
+        self.timeout = timeout
+        self.keys = keys if keys is not None else rig.client_keys()
+        self.poll_s = poll_s
+        self.down_after_s = down_after_s
+        self.endpoints: dict[str, tuple[str, str]] = dict(rig.endpoints())
+        self.kinds: dict[str, str] = {n: d.kind for n, d in rig.devices.items()}
+        self.endpoints[AGENT] = rig.agent_endpoints()
+        self.kinds[AGENT] = AGENT
+        self._lock = threading.Lock()
+        self._states: dict[str, dict] = {}            # latest mirrored state per device
+        self._topology_asked: dict[str, str | None] = {}
+        self._last_event = -1
+        self._alarms: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        self._alive: dict[str, bool] = {n: False for n in self.endpoints}
+        self._marked_down: set[str] = set()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gui-bus")
+        self._clients: dict[str, ServiceClient] = {}  # only touched on the worker thread
+        self.error: BaseException | None = None
+
+    # ---- subscribing ----------------------------------------------------------------------
+    def start(self) -> "BusFabric":
+        for name, (request, _) in self.endpoints.items():
+            self._service(name, "connecting", f"waiting for {request}")
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="gui-bus-subscriber",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            sub = StateSubscriber(self.endpoints, on_state=self._on_state,
+                                  on_online=self._on_online, telemetry=False, keys=self.keys)
+        except Exception as e:      # bad keys, bad endpoint: say so in the status bar
+            self.error = e
+            log.error("cannot subscribe to the rig's bus: %s", e)
+            for name in self.endpoints:
+                self._service(name, "down", f"cannot subscribe: {e}")
+            return
+        try:
+            while not self._stop.is_set():
+                sub.poll(self.poll_s)
+                self._watch()
+        except Exception as e:
+            self.error = e
+            log.exception("the GUI's bus subscriber stopped")
+            for name in self.endpoints:
+                self._service(name, "down", f"subscriber stopped: {e}")
+        finally:
+            sub.close()
+
+    def _watch(self) -> None:
+        if time.monotonic() - self._started < self.down_after_s:
+            return
+        for name, alive in self._alive.items():
+            if not alive and name not in self._marked_down:
+                self._marked_down.add(name)
+                self._service(name, "down", f"no answer from {self.endpoints[name][0]} yet; "
+                                            "still trying")
+
+    def _on_online(self, device: str, alive: bool) -> None:
+        self._alive[device] = alive
+        if alive:
+            self._marked_down.discard(device)
+            self._service(device, "connected", f"{self.endpoints[device][0]}")
+        else:
+            self._marked_down.add(device)
+            self._service(device, "down", "heartbeats lost; reconnecting by itself")
+
+    def _service(self, name: str, state: str, detail: str) -> None:
+        self.model.post_delta({"op": "service", "name": name,
+                               "value": {"state": state, "detail": detail}})
+
+    def _on_state(self, device: str, state: dict, ops: list | None) -> None:
+        with self._lock:
+            self._states[device] = copy.deepcopy(state)
+        kind = self.kinds.get(device)
+        try:
+            if kind == "switch":
+                self._switch(device, "ocs", state, ops)
+            elif kind == "chip":
+                self._chip(device, state, ops)
+            elif kind == AGENT:
+                self._agent(state, ops)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            log.warning("%s: state the GUI cannot show: %s", device, e)
+            self.model.post_delta({"op": "service", "name": device, "value": {
+                "state": "connected", "detail": f"state not understood: {e}"}})
+
+    @staticmethod
+    def _touched(ops: list | None, *keys: str) -> bool:
+        return ops is None or any(op[1] and op[1][0] in keys for op in ops)
+
+    def _switch(self, device: str, kind: str, state: dict, ops: list | None) -> None:
+        if self._touched(ops, "circuits", "ports"):
+            self.model.post_delta({"op": "switch", "value": {
+                "name": device, "kind": kind, "ports": int(state["ports"]),
+                "circuits": _circuits(state.get("circuits"))}})
+
+    def _chip(self, device: str, state: dict, ops: list | None) -> None:
+        incarnation = state.get("version", "").split(":")[0] or None
+        if self._topology_asked.get(device, "?") != incarnation:
+            self._topology_asked[device] = incarnation
+            self._worker.submit(self._fetch_topology, device)
+        self._switch(device, "chip", state, ops)
+        if self._touched(ops, "cells"):
+            self.model.post_delta({"op": "cells", "name": device,
+                                   "value": copy.deepcopy(state.get("cells", {}))})
+
+    def _fetch_topology(self, device: str) -> None:
+        try:
+            described = self._client(device).call("describe")
+            # The service's describe wraps the driver's under "device".
+            topology = described.get("topology") or described["device"]["topology"]
+        except (BusError, KeyError, TypeError, AttributeError) as e:
+            log.warning("%s: no topology from describe: %s", device, e)
+            self._topology_asked[device] = None        # ask again with the next state
+            return
+        self.model.post_delta({"op": "topology", "name": device, "value": topology})
+
+    def _agent(self, state: dict, ops: list | None) -> None:
+        if self._touched(ops, "rack"):
+            self.model.post_delta({"op": "rack", "value": copy.deepcopy(state.get("rack", []))})
+        if self._touched(ops, "events"):
+            events = state.get("events", [])
+            seqs = [int(e["seq"]) for e in events]
+            if ops is None and seqs and max(seqs) < self._last_event:
+                # A new journal (the agent started afresh): show it from its beginning.
+                self._last_event = -1
+                self.model.post_delta({"op": "journal_reset", "value": copy.deepcopy(events)})
+            else:
+                new = [e for e in events if int(e["seq"]) > self._last_event]
+                if new:
+                    self.model.post_delta({"op": "journal", "value": copy.deepcopy(new)})
+            if seqs:
+                self._last_event = max(self._last_event, max(seqs))
+        if self._touched(ops, "alarms"):
+            alarms = [str(a) for a in state.get("alarms", [])]
+            if alarms != self._alarms:
+                self._alarms = alarms
+                detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
+                self._service(AGENT, "connected", detail)
+
+    def state(self, device: str) -> dict | None:
+        """A copy of the latest mirrored state of `device` (any thread)."""
+        with self._lock:
+            s = self._states.get(device)
+            return copy.deepcopy(s) if s is not None else None
+
+    # ---- commands -------------------------------------------------------------------------
+    def submit(self, command: Command, done: Callable[[CommandResult], None]) -> None:
+        try:
+            self._worker.submit(self._execute, command, done)
+        except RuntimeError:                # closed
+            done(CommandResult(command, False, "the GUI's bus connection is closed"))
+
+    def _client(self, device: str) -> ServiceClient:
+        client = self._clients.get(device)
+        if client is None:
+            client = self._clients[device] = ServiceClient(
+                self.endpoints[device][0], timeout=self.timeout, keys=self.keys)
+        return client
+
+    def _execute(self, command: Command, done: Callable[[CommandResult], None]) -> None:
+        try:
+            ok, reason, details = self._run_command(command)
+        except StaleState as e:
+            ok, reason, details = False, (f"{e.remote_message} — the GUI showed an older "
+                                          "state; look again and retry"), {}
+        except RemoteError as e:
+            ok, reason, details = False, f"{e.kind}: {e.remote_message}", {}
+        except BusError as e:
+            ok, reason, details = False, str(e), {}
+        except (ValueError, TypeError, KeyError) as e:
+            ok, reason, details = False, f"cannot send: {e}", {}
+        done(CommandResult(command, ok, reason, details))
+
+    def _run_command(self, c: Command) -> tuple[bool, str, dict]:
+        p = c.params
+        if c.action == "swap":
+            if p.get("spare"):
+                return (False, f"the agent chooses the spare itself; ask for the swap of "
+                               f"{p['gpu']} with '(agent picks)'", {})
+            result = self._client(AGENT).call("swap", gpu=str(p["gpu"]))
+            swaps = ", ".join(f"{a} -> {b}" for a, b in result.get("swaps", {}).items())
+            lat = result.get("latency_s")
+            return True, f"swapped {swaps or 'nothing'}" + (
+                f" in {lat * 1e3:.0f} ms" if isinstance(lat, (int, float)) else ""), result
+        device = str(p["switch"])
+        if self.kinds.get(device) not in ("switch", "chip"):
+            return False, f"{device} is not a switch of this rig", {}
+        state = self.state(device)
+        if state is None:
+            return False, f"{device}: no state from its service yet (is it up?)", {}
+        version = state.get("version")
+        if c.action == "set_heater":
+            if self.kinds[device] != "chip":
+                return False, f"{device} has no heaters (it is not a chip)", {}
+            ch, volts = int(p["channel"]), float(p["volts"])
+            result = self._client(device).call("set_heaters", volts=[volts], first=ch,
+                                               expect=version)
+            return True, f"{device}: heater {ch} set to {volts:.3f} V", result
+        circuits = _circuits(state.get("circuits"))
+        a = int(p["input"])
+        if c.action == "disconnect":
+            if a not in circuits:
+                return False, f"{device}: input {a} has no circuit to disconnect", {}
+            b = circuits.pop(a)
+            what = f"{device}: input {a} disconnected from output {b}"
+        else:
+            b = int(p["output"])
+            circuits[a] = b
+            what = f"{device}: input {a} connected to output {b}"
+        result = self._client(device).call(
+            "apply_circuits", circuits=[[x, y] for x, y in sorted(circuits.items())],
+            expect=version)
+        return True, what, result
+
+    # ---- closing --------------------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        try:
+            self._worker.submit(self._close_clients)
+        except RuntimeError:
+            return                          # closed already
+        self._worker.shutdown(wait=True)
+
+    def _close_clients(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
