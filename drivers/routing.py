@@ -370,3 +370,135 @@ def trace_states(topology: Topology, states: Mapping[str, str]) -> list[int]:
             end = nxt[("cell", cid, out)]
         perm.append(int(end[1]) - n - 1)
     return perm
+
+
+# ---- Recirculating meshes, waveguide by waveguide ---------------------------------------------
+
+@dataclass(frozen=True)
+class WaveguideRoute:
+    """Paths a recirculating mesh can make: each path is its cells in order, with the arm the
+    light enters and the arm it leaves; `states` sets each crossed cell (bar or cross)."""
+    paths: dict[tuple[int, int], tuple[tuple[str, int, int], ...]]
+    states: dict[str, str]
+    cells_crossed: int
+
+
+def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
+                     time_limit: float = 10.0) -> WaveguideRoute:
+    """Cell-disjoint paths joining each pair of edge ports that the mesh's waveguides can
+    make, crossing the fewest cells in all (`scipy.optimize.milp`, multicommodity flow).
+
+    `route_mesh` routes on the lattice graph, where a path may go straight through a square
+    node; on the chip light leaving a cell can only reach the cells its waveguide is joined to
+    at the node (`Topology.joins`). Here the vertices are the joins and each cell is four arcs
+    (either input arm to either output arm: bar or cross) in each direction, at most one of
+    them used, so every route found is physically realisable and fixes every crossed cell.
+    """
+    if not topology.recirculating:
+        raise RoutingError(f"{topology.name} is not a recirculating mesh")
+    if not topology.joins:
+        raise RoutingError(f"{topology.name} has no waveguide joins (an old description?)")
+    pairs = list(check_circuits(list(pairs), topology.ports, split=False).items())
+    if not pairs:
+        return WaveguideRoute({}, {}, 0)
+    where: dict[tuple, int] = {}
+    for j, (a, b) in enumerate(topology.joins):
+        where[tuple(a)] = where[tuple(b)] = j
+    port_join = {}
+    for p in range(1, topology.ports + 1):
+        if ("port", p) not in where:
+            raise RoutingError(f"port {p} of {topology.name} is joined to no waveguide")
+        port_join[p] = where[("port", p)]
+    tail, head, arc_cell, arc_arms = [], [], [], []
+    for k, c in enumerate(topology.cells):
+        for i in (0, 1):
+            for o in (2, 3):
+                ji, jo = where.get(("cell", c.id, i)), where.get(("cell", c.id, o))
+                if ji is None or jo is None:
+                    continue
+                tail += [ji, jo]
+                head += [jo, ji]
+                arc_cell += [k, k]
+                arc_arms += [(i, o), (o, i)]
+    tail, head, arc_cell = np.array(tail), np.array(head), np.array(arc_cell)
+    n_v, n_a, n_c, k = len(topology.joins), len(tail), len(topology.cells), len(pairs)
+    arcs = np.arange(n_a)
+    rows, cols, vals = [], [], []
+    rhs = np.zeros(k * n_v)
+    upper = np.ones((k, n_a))
+    for c, (a, b) in enumerate(pairs):
+        rows += [c * n_v + tail, c * n_v + head]
+        cols += [c * n_a + arcs, c * n_a + arcs]
+        vals += [np.ones(n_a), -np.ones(n_a)]
+        rhs[c * n_v + port_join[a]] += 1
+        rhs[c * n_v + port_join[b]] -= 1
+        upper[c, head == port_join[a]] = 0
+        upper[c, tail == port_join[b]] = 0
+        # a path touches no other request's port (its light would leave the chip there)
+        for q, (x, y) in enumerate(pairs):
+            if q != c:
+                for p in (x, y):
+                    upper[c, (head == port_join[p]) | (tail == port_join[p])] = 0
+    flow = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                            shape=(k * n_v, k * n_a))
+    cap = sparse.csr_array((np.ones(k * n_a), (np.tile(arc_cell, k), np.arange(k * n_a))),
+                           shape=(n_c, k * n_a))
+    tie = np.random.default_rng(n_c).random(n_c) / (2.0 * n_c * k + 1.0)
+    cost = 1.0 + np.tile(tie[arc_cell], k)
+    constraints = [optimize.LinearConstraint(flow, rhs, rhs),
+                   optimize.LinearConstraint(cap, 0, 1)]
+    bounds = optimize.Bounds(0, upper.ravel())
+    res = optimize.milp(cost, constraints=constraints, bounds=bounds)
+    if res.status == 0 and np.abs(res.x - np.round(res.x)).max() > 1e-6:
+        res = optimize.milp(cost, constraints=constraints, integrality=np.ones(k * n_a),
+                            bounds=bounds, options={"time_limit": time_limit,
+                                                    "mip_rel_gap": 0.5 / (n_c + 1)})
+    if res.status == 2 or res.x is None:
+        raise RoutingError(f"cannot route {pairs} on {topology.name}: no set of cell-disjoint "
+                           f"paths along its waveguides joins these ports")
+    if res.status != 0:
+        raise RoutingError(f"routing {len(pairs)} pairs on {topology.name} failed: {res.message}")
+    x = res.x.reshape(k, n_a) > 0.5
+    paths, states = {}, {}
+    for c, (a, b) in enumerate(pairs):
+        nxt = {int(tail[e]): int(e) for e in np.flatnonzero(x[c])}
+        v, goal, path = port_join[a], port_join[b], []
+        while v != goal:
+            e = nxt.pop(v)
+            cid = topology.cells[arc_cell[e]].id
+            i, o = arc_arms[e]
+            path.append((cid, i, o))
+            states[cid] = BAR if i % 2 == o % 2 else CROSS
+            v = int(head[e])
+        paths[(a, b)] = tuple(path)
+    return WaveguideRoute(paths, states, sum(len(p) for p in paths.values()))
+
+
+def trace_waveguides(topology: Topology, states: Mapping[str, str]) -> dict[int, int]:
+    """Follow the light from each port of a recirculating mesh through bar/cross cells: the
+    circuits {a: b} (a < b) it makes; light ending at a free waveguide end, in a loop, or at a
+    cell neither bar nor cross joins nothing."""
+    if not topology.recirculating:
+        raise RoutingError(f"{topology.name} is not a recirculating mesh")
+    other = {}
+    for a, b in topology.joins:
+        other[tuple(a)], other[tuple(b)] = tuple(b), tuple(a)
+    made = {}
+    for p in range(1, topology.ports + 1):
+        end = other.get(("port", p))
+        for _ in range(4 * len(topology.cells) + 2):
+            if end is None or end[0] == "port":
+                break
+            _, cid, arm = end
+            state = states.get(cid)
+            if state not in (BAR, CROSS):
+                end = None
+                break
+            side = 2 if arm < 2 else -2                  # to the other end of the cell
+            out = arm + side if state == BAR else (arm ^ 1) + side
+            end = other.get(("cell", cid, out))
+        else:
+            end = None
+        if end is not None and end[0] == "port" and p < int(end[1]):
+            made[p] = int(end[1])
+    return made
