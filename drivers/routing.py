@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize, sparse
+from scipy.sparse import csgraph
 
 from drivers.circuit_switch import check_circuits
 from drivers.topology import Topology, benes_stages, cell_id
@@ -385,14 +386,16 @@ class WaveguideRoute:
 
 def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
                      time_limit: float = 10.0) -> WaveguideRoute:
-    """Cell-disjoint paths joining each pair of edge ports that the mesh's waveguides can
-    make, crossing the fewest cells in all (`scipy.optimize.milp`, multicommodity flow).
+    """Paths joining each pair of edge ports that the mesh's waveguides can make, crossing
+    the fewest cells in all (`scipy.optimize.milp`, multicommodity flow).
 
     `route_mesh` routes on the lattice graph, where a path may go straight through a square
     node; on the chip light leaving a cell can only reach the cells its waveguide is joined to
     at the node (`Topology.joins`). Here the vertices are the joins and each cell is four arcs
-    (either input arm to either output arm: bar or cross) in each direction, at most one of
-    them used, so every route found is physically realisable and fixes every crossed cell.
+    (either input arm to either output arm: bar or cross) in each direction. Each waveguide
+    carries at most one path, and a binary state per cell lets two paths share a cell (one on
+    each waveguide) only when both need the same state, so every route found is physically
+    realisable and fixes every crossed cell.
     """
     if not topology.recirculating:
         raise RoutingError(f"{topology.name} is not a recirculating mesh")
@@ -422,6 +425,14 @@ def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
                 arc_arms += [(i, o), (o, i)]
     tail, head, arc_cell = np.array(tail), np.array(head), np.array(arc_cell)
     n_v, n_a, n_c, k = len(topology.joins), len(tail), len(topology.cells), len(pairs)
+    # Quick refusal: ports no walk along the waveguides joins (on a square mesh, light turns
+    # at every node, which splits the ports into classes that never meet).
+    _, part = csgraph.connected_components(
+        sparse.csr_array((np.ones(n_a), (tail, head)), shape=(n_v, n_v)), directed=False)
+    apart = [(a, b) for a, b in pairs if part[port_join[a]] != part[port_join[b]]]
+    if apart:
+        raise RoutingError(f"cannot route {apart} on {topology.name}: no waveguide path joins "
+                           f"these ports whatever the cell states")
     arcs = np.arange(n_a)
     rows, cols, vals = [], [], []
     rhs = np.zeros(k * n_v)
@@ -439,31 +450,59 @@ def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
             if q != c:
                 for p in (x, y):
                     upper[c, (head == port_join[p]) | (tail == port_join[p])] = 0
+    n_x = k * n_a
     flow = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                            shape=(k * n_v, k * n_a))
-    cap = sparse.csr_array((np.ones(k * n_a), (np.tile(arc_cell, k), np.arange(k * n_a))),
-                           shape=(n_c, k * n_a))
+                            shape=(k * n_v, n_x + n_c))
+    # Each waveguide (cell arm) carries at most one path.
+    arm_i = np.array([4 * c + i for c, (i, o) in zip(arc_cell, arc_arms)])
+    arm_o = np.array([4 * c + o for c, (i, o) in zip(arc_cell, arc_arms)])
+    arm_rows = np.concatenate([np.tile(arm_i, k), np.tile(arm_o, k)])
+    arm_cap = sparse.csr_array((np.ones(2 * n_x), (arm_rows, np.tile(np.arange(n_x), 2))),
+                               shape=(4 * n_c, n_x + n_c))
+    # A cell is bar or cross (s = 1): the paths through it all need that state.
+    bar = np.array([i % 2 == o % 2 for i, o in arc_arms])
+    b_rows = np.concatenate([np.tile(np.where(bar, arc_cell, arc_cell + n_c), k),
+                             np.arange(n_c), n_c + np.arange(n_c)])
+    b_cols = np.concatenate([np.arange(n_x), n_x + np.arange(n_c), n_x + np.arange(n_c)])
+    b_vals = np.concatenate([np.ones(n_x), np.full(n_c, 2.0), np.full(n_c, -2.0)])
+    state = sparse.csr_array((b_vals, (b_rows, b_cols)), shape=(2 * n_c, n_x + n_c))
     tie = np.random.default_rng(n_c).random(n_c) / (2.0 * n_c * k + 1.0)
-    cost = 1.0 + np.tile(tie[arc_cell], k)
+    cost = np.concatenate([1.0 + np.tile(tie[arc_cell], k), np.zeros(n_c)])
     constraints = [optimize.LinearConstraint(flow, rhs, rhs),
-                   optimize.LinearConstraint(cap, 0, 1)]
-    bounds = optimize.Bounds(0, upper.ravel())
-    res = optimize.milp(cost, constraints=constraints, bounds=bounds)
+                   optimize.LinearConstraint(arm_cap, 0, 1),
+                   optimize.LinearConstraint(state, -np.inf,
+                                             np.concatenate([np.full(n_c, 2.0),
+                                                             np.zeros(n_c)]))]
+    bounds = optimize.Bounds(0, np.concatenate([upper.ravel(), np.ones(n_c)]))
+    options = {"time_limit": time_limit, "mip_rel_gap": 0.5 / (2 * n_c + 1)}
+    # First the easy problem: every cell carries at most one path (no state variables; the
+    # relaxation is usually integral). Only when that fails may paths share cells.
+    cell_cap = sparse.csr_array((np.ones(n_x), (np.tile(arc_cell, k), np.arange(n_x))),
+                                shape=(n_c, n_x + n_c))
+    strict = [constraints[0], optimize.LinearConstraint(cell_cap, 0, 1)]
+    alone = optimize.Bounds(0, np.concatenate([upper.ravel(), np.zeros(n_c)]))
+    res = optimize.milp(cost, constraints=strict, bounds=alone)
     if res.status == 0 and np.abs(res.x - np.round(res.x)).max() > 1e-6:
-        res = optimize.milp(cost, constraints=constraints, integrality=np.ones(k * n_a),
-                            bounds=bounds, options={"time_limit": time_limit,
-                                                    "mip_rel_gap": 0.5 / (n_c + 1)})
-    if res.status == 2 or res.x is None:
-        raise RoutingError(f"cannot route {pairs} on {topology.name}: no set of cell-disjoint "
-                           f"paths along its waveguides joins these ports")
-    if res.status != 0:
+        res = optimize.milp(cost, constraints=strict, integrality=np.ones(n_x + n_c),
+                            bounds=alone, options=options)
+    if res.status != 0 or res.x is None:
+        res = optimize.milp(cost, constraints=constraints, integrality=np.ones(n_x + n_c),
+                            bounds=bounds, options=options)
+    if res.status == 2 or (res.x is None and res.status == 0):
+        raise RoutingError(f"cannot route {pairs} on {topology.name}: no set of paths along "
+                           f"its waveguides joins these ports (a cell carries two paths only "
+                           f"when both need the same state)")
+    if res.x is None:
         raise RoutingError(f"routing {len(pairs)} pairs on {topology.name} failed: {res.message}")
-    x = res.x.reshape(k, n_a) > 0.5
+    x = res.x[:n_x].reshape(k, n_a) > 0.5
     paths, states = {}, {}
     for c, (a, b) in enumerate(pairs):
         nxt = {int(tail[e]): int(e) for e in np.flatnonzero(x[c])}
         v, goal, path = port_join[a], port_join[b], []
         while v != goal:
+            if v not in nxt:
+                raise RoutingError(f"routing {len(pairs)} pairs on {topology.name}: the solver "
+                                   f"returned no consistent path for {(a, b)} ({res.message})")
             e = nxt.pop(v)
             cid = topology.cells[arc_cell[e]].id
             i, o = arc_arms[e]
