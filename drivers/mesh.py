@@ -1,8 +1,8 @@
 """The mesh driver: circuits on a programmable photonic chip, as heater voltages.
 
 `Mesh` joins a chip topology, a calibration (heater voltage <-> phase) and the heater DAC
-driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping or the
-Clements decomposition), turns cell phases into voltages and sends only the heaters that change,
+driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping, the
+Clements decomposition, or paths along the waveguides of a square or hexagonal mesh), turns cell phases into voltages and sends only the heaters that change,
 merged into as few serial lines as the DAC driver can.
 
 Calibration, per heater channel: phase = offset + pi * P / P_pi with P = V^2 / R. Until a chip is

@@ -238,8 +238,8 @@ def _joins(nodes, edges, port_nodes, stub_angle) -> tuple:
         ang = math.degrees(math.atan2(-(yb - ya), xb - xa)) % 360.0
         # At a, looking out along the cell, arm 0 is on the counter-clockwise side; at b arm 2
         # is on the clockwise side.
-        around.setdefault(a, []) .extend([(ang, 0, ("cell", f"e{k}", 1), k),
-                                          (ang, 1, ("cell", f"e{k}", 0), k)])
+        around.setdefault(a, []).extend([(ang, 0, ("cell", f"e{k}", 1), k),
+                                         (ang, 1, ("cell", f"e{k}", 0), k)])
         back = (ang + 180.0) % 360.0
         around.setdefault(b, []).extend([(back, 0, ("cell", f"e{k}", 2), k),
                                          (back, 1, ("cell", f"e{k}", 3), k)])
