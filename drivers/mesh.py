@@ -1,8 +1,8 @@
 """The mesh driver: circuits on a programmable photonic chip, as heater voltages.
 
 `Mesh` joins a chip topology, a calibration (heater voltage <-> phase) and the heater DAC
-driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping or the
-Clements decomposition), turns cell phases into voltages and sends only the heaters that change,
+driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping, the
+Clements decomposition, or paths along the waveguides of a square or hexagonal mesh), turns cell phases into voltages and sends only the heaters that change,
 merged into as few serial lines as the DAC driver can.
 
 Calibration, per heater channel: phase = offset + pi * P / P_pi with P = V^2 / R. Until a chip is
@@ -30,7 +30,8 @@ import numpy as np
 from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
     check_circuits
 from drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
-    circuits_to_permutation, clements_decompose, mzi, permutation_matrix, trace_states
+    circuits_to_permutation, clements_decompose, mzi, permutation_matrix, route_waveguides, \
+    trace_states, trace_waveguides
 from drivers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -161,14 +162,17 @@ def classify(theta: float) -> str:
 
 
 class Mesh(CircuitSwitch):
-    """A Benes or Clements chip driven through a heater DAC."""
+    """A Benes, Clements, square or hexagonal chip driven through a heater DAC.
+
+    On a recirculating (square, hexagonal) mesh the ports 1..P are not split: circuits are
+    pairs {a: b} with a < b (`check_circuits(split=False)`), routed along the mesh's waveguides
+    by `route_waveguides`; cells no path crosses are left bar."""
 
     def __init__(self, topology: Topology, dac, calibration: Calibration | str | os.PathLike |
                  None = None, *, name: str | None = None, own_dac: bool = True):
-        if topology.recirculating:
-            raise SwitchError(f"{topology.name}: Mesh drives feed-forward chips (benes, "
-                              "clements); route recirculating meshes with "
-                              "drivers.routing.route_mesh")
+        if topology.recirculating and not topology.joins:
+            raise SwitchError(f"{topology.name}: a recirculating mesh needs its waveguide "
+                              "joins (Topology.joins) to be driven")
         self.topology = topology
         self.dac = dac
         self.name = name or topology.name
@@ -199,6 +203,11 @@ class Mesh(CircuitSwitch):
     def cell_phases(self, circuits: Mapping[int, int]) -> dict[str, tuple[float, float]]:
         """{cell id: (theta, phi)} making these circuits (the rest of the inputs go to the
         outputs left over)."""
+        if self.topology.recirculating:
+            states = {c.id: BAR for c in self.topology.cells}
+            states.update(route_waveguides(self.topology, circuits.items()).states)
+            named = {BAR: math.pi, CROSS: 0.0}
+            return {cid: (named[s], 0.0) for cid, s in states.items()}
         perm = circuits_to_permutation(circuits, self.ports)
         if self.topology.kind == "benes":
             named = {BAR: math.pi, CROSS: 0.0}
@@ -216,7 +225,7 @@ class Mesh(CircuitSwitch):
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         t0 = time.perf_counter()
-        circuits = check_circuits(circuits, self.ports)
+        circuits = check_circuits(circuits, self.ports, split=not self.topology.recirculating)
         try:
             cells = self.cell_phases(circuits)
         except RoutingError as e:
@@ -254,7 +263,9 @@ class Mesh(CircuitSwitch):
         chip goes somewhere); a circuit that is no longer made is missing."""
         states = self.cell_states()
         n = self.ports
-        if self.topology.kind == "benes":
+        if self.topology.recirculating:
+            made = trace_waveguides(self.topology, {c: s["state"] for c, s in states.items()})
+        elif self.topology.kind == "benes":
             try:
                 perm = trace_states(self.topology, {c: s["state"] for c, s in states.items()})
             except RoutingError:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize, sparse
+from scipy.sparse import csgraph
 
 from drivers.circuit_switch import check_circuits
 from drivers.topology import Topology, benes_stages, cell_id
@@ -370,3 +371,173 @@ def trace_states(topology: Topology, states: Mapping[str, str]) -> list[int]:
             end = nxt[("cell", cid, out)]
         perm.append(int(end[1]) - n - 1)
     return perm
+
+
+# ---- Recirculating meshes, waveguide by waveguide ---------------------------------------------
+
+@dataclass(frozen=True)
+class WaveguideRoute:
+    """Paths a recirculating mesh can make: each path is its cells in order, with the arm the
+    light enters and the arm it leaves; `states` sets each crossed cell (bar or cross)."""
+    paths: dict[tuple[int, int], tuple[tuple[str, int, int], ...]]
+    states: dict[str, str]
+    cells_crossed: int
+
+
+def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
+                     time_limit: float = 10.0) -> WaveguideRoute:
+    """Paths joining each pair of edge ports that the mesh's waveguides can make, crossing
+    the fewest cells in all (`scipy.optimize.milp`, multicommodity flow).
+
+    `route_mesh` routes on the lattice graph, where a path may go straight through a square
+    node; on the chip light leaving a cell can only reach the cells its waveguide is joined to
+    at the node (`Topology.joins`). Here the vertices are the joins and each cell is four arcs
+    (either input arm to either output arm: bar or cross) in each direction. Each waveguide
+    carries at most one path, and a binary state per cell lets two paths share a cell (one on
+    each waveguide) only when both need the same state, so every route found is physically
+    realisable and fixes every crossed cell.
+    """
+    if not topology.recirculating:
+        raise RoutingError(f"{topology.name} is not a recirculating mesh")
+    if not topology.joins:
+        raise RoutingError(f"{topology.name} has no waveguide joins (an old description?)")
+    pairs = list(check_circuits(list(pairs), topology.ports, split=False).items())
+    if not pairs:
+        return WaveguideRoute({}, {}, 0)
+    where: dict[tuple, int] = {}
+    for j, (a, b) in enumerate(topology.joins):
+        where[tuple(a)] = where[tuple(b)] = j
+    port_join = {}
+    for p in range(1, topology.ports + 1):
+        if ("port", p) not in where:
+            raise RoutingError(f"port {p} of {topology.name} is joined to no waveguide")
+        port_join[p] = where[("port", p)]
+    tail, head, arc_cell, arc_arms = [], [], [], []
+    for k, c in enumerate(topology.cells):
+        for i in (0, 1):
+            for o in (2, 3):
+                ji, jo = where.get(("cell", c.id, i)), where.get(("cell", c.id, o))
+                if ji is None or jo is None:
+                    continue
+                tail += [ji, jo]
+                head += [jo, ji]
+                arc_cell += [k, k]
+                arc_arms += [(i, o), (o, i)]
+    tail, head, arc_cell = np.array(tail), np.array(head), np.array(arc_cell)
+    n_v, n_a, n_c, k = len(topology.joins), len(tail), len(topology.cells), len(pairs)
+    # Quick refusal: ports no walk along the waveguides joins (on a square mesh, light turns
+    # at every node, which splits the ports into classes that never meet).
+    _, part = csgraph.connected_components(
+        sparse.csr_array((np.ones(n_a), (tail, head)), shape=(n_v, n_v)), directed=False)
+    apart = [(a, b) for a, b in pairs if part[port_join[a]] != part[port_join[b]]]
+    if apart:
+        raise RoutingError(f"cannot route {apart} on {topology.name}: no waveguide path joins "
+                           f"these ports whatever the cell states")
+    arcs = np.arange(n_a)
+    rows, cols, vals = [], [], []
+    rhs = np.zeros(k * n_v)
+    upper = np.ones((k, n_a))
+    for c, (a, b) in enumerate(pairs):
+        rows += [c * n_v + tail, c * n_v + head]
+        cols += [c * n_a + arcs, c * n_a + arcs]
+        vals += [np.ones(n_a), -np.ones(n_a)]
+        rhs[c * n_v + port_join[a]] += 1
+        rhs[c * n_v + port_join[b]] -= 1
+        upper[c, head == port_join[a]] = 0
+        upper[c, tail == port_join[b]] = 0
+        # a path touches no other request's port (its light would leave the chip there)
+        for q, (x, y) in enumerate(pairs):
+            if q != c:
+                for p in (x, y):
+                    upper[c, (head == port_join[p]) | (tail == port_join[p])] = 0
+    n_x = k * n_a
+    flow = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                            shape=(k * n_v, n_x + n_c))
+    # Each waveguide (cell arm) carries at most one path.
+    arm_i = np.array([4 * c + i for c, (i, o) in zip(arc_cell, arc_arms)])
+    arm_o = np.array([4 * c + o for c, (i, o) in zip(arc_cell, arc_arms)])
+    arm_rows = np.concatenate([np.tile(arm_i, k), np.tile(arm_o, k)])
+    arm_cap = sparse.csr_array((np.ones(2 * n_x), (arm_rows, np.tile(np.arange(n_x), 2))),
+                               shape=(4 * n_c, n_x + n_c))
+    # A cell is bar or cross (s = 1): the paths through it all need that state.
+    bar = np.array([i % 2 == o % 2 for i, o in arc_arms])
+    b_rows = np.concatenate([np.tile(np.where(bar, arc_cell, arc_cell + n_c), k),
+                             np.arange(n_c), n_c + np.arange(n_c)])
+    b_cols = np.concatenate([np.arange(n_x), n_x + np.arange(n_c), n_x + np.arange(n_c)])
+    b_vals = np.concatenate([np.ones(n_x), np.full(n_c, 2.0), np.full(n_c, -2.0)])
+    state = sparse.csr_array((b_vals, (b_rows, b_cols)), shape=(2 * n_c, n_x + n_c))
+    tie = np.random.default_rng(n_c).random(n_c) / (2.0 * n_c * k + 1.0)
+    cost = np.concatenate([1.0 + np.tile(tie[arc_cell], k), np.zeros(n_c)])
+    constraints = [optimize.LinearConstraint(flow, rhs, rhs),
+                   optimize.LinearConstraint(arm_cap, 0, 1),
+                   optimize.LinearConstraint(state, -np.inf,
+                                             np.concatenate([np.full(n_c, 2.0),
+                                                             np.zeros(n_c)]))]
+    bounds = optimize.Bounds(0, np.concatenate([upper.ravel(), np.ones(n_c)]))
+    options = {"time_limit": time_limit, "mip_rel_gap": 0.5 / (2 * n_c + 1)}
+    # First the easy problem: every cell carries at most one path (no state variables; the
+    # relaxation is usually integral). Only when that fails may paths share cells.
+    cell_cap = sparse.csr_array((np.ones(n_x), (np.tile(arc_cell, k), np.arange(n_x))),
+                                shape=(n_c, n_x + n_c))
+    strict = [constraints[0], optimize.LinearConstraint(cell_cap, 0, 1)]
+    alone = optimize.Bounds(0, np.concatenate([upper.ravel(), np.zeros(n_c)]))
+    res = optimize.milp(cost, constraints=strict, bounds=alone)
+    if res.status == 0 and np.abs(res.x - np.round(res.x)).max() > 1e-6:
+        res = optimize.milp(cost, constraints=strict, integrality=np.ones(n_x + n_c),
+                            bounds=alone, options=options)
+    if res.status != 0 or res.x is None:
+        res = optimize.milp(cost, constraints=constraints, integrality=np.ones(n_x + n_c),
+                            bounds=bounds, options=options)
+    if res.status == 2 or (res.x is None and res.status == 0):
+        raise RoutingError(f"cannot route {pairs} on {topology.name}: no set of paths along "
+                           f"its waveguides joins these ports (a cell carries two paths only "
+                           f"when both need the same state)")
+    if res.x is None:
+        raise RoutingError(f"routing {len(pairs)} pairs on {topology.name} failed: {res.message}")
+    x = res.x[:n_x].reshape(k, n_a) > 0.5
+    paths, states = {}, {}
+    for c, (a, b) in enumerate(pairs):
+        nxt = {int(tail[e]): int(e) for e in np.flatnonzero(x[c])}
+        v, goal, path = port_join[a], port_join[b], []
+        while v != goal:
+            if v not in nxt:
+                raise RoutingError(f"routing {len(pairs)} pairs on {topology.name}: the solver "
+                                   f"returned no consistent path for {(a, b)} ({res.message})")
+            e = nxt.pop(v)
+            cid = topology.cells[arc_cell[e]].id
+            i, o = arc_arms[e]
+            path.append((cid, i, o))
+            states[cid] = BAR if i % 2 == o % 2 else CROSS
+            v = int(head[e])
+        paths[(a, b)] = tuple(path)
+    return WaveguideRoute(paths, states, sum(len(p) for p in paths.values()))
+
+
+def trace_waveguides(topology: Topology, states: Mapping[str, str]) -> dict[int, int]:
+    """Follow the light from each port of a recirculating mesh through bar/cross cells: the
+    circuits {a: b} (a < b) it makes; light ending at a free waveguide end, in a loop, or at a
+    cell neither bar nor cross joins nothing."""
+    if not topology.recirculating:
+        raise RoutingError(f"{topology.name} is not a recirculating mesh")
+    other = {}
+    for a, b in topology.joins:
+        other[tuple(a)], other[tuple(b)] = tuple(b), tuple(a)
+    made = {}
+    for p in range(1, topology.ports + 1):
+        end = other.get(("port", p))
+        for _ in range(4 * len(topology.cells) + 2):
+            if end is None or end[0] == "port":
+                break
+            _, cid, arm = end
+            state = states.get(cid)
+            if state not in (BAR, CROSS):
+                end = None
+                break
+            side = 2 if arm < 2 else -2                  # to the other end of the cell
+            out = arm + side if state == BAR else (arm ^ 1) + side
+            end = other.get(("cell", cid, out))
+        else:
+            end = None
+        if end is not None and end[0] == "port" and p < int(end[1]):
+            made[p] = int(end[1])
+    return made

@@ -47,6 +47,8 @@ class Topology:
     nodes: tuple[tuple[float, float], ...] = ()
     edges: tuple[tuple[int, int], ...] = ()      # edges[k] joins two nodes through cells[k]
     port_nodes: tuple[int, ...] = ()             # port p (1-based) enters at port_nodes[p - 1]
+    # Recirculating meshes only: the waveguides joining cell arms (and ports) at the nodes.
+    joins: tuple[tuple[tuple, tuple], ...] = ()
     _index: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -87,6 +89,7 @@ class Topology:
             d["nodes"] = [[float(x), float(y)] for x, y in self.nodes]
             d["edges"] = [list(e) for e in self.edges]
             d["port_nodes"] = list(self.port_nodes)
+            d["joins"] = [[list(a), list(b)] for a, b in self.joins]
         return d
 
     @classmethod
@@ -98,7 +101,8 @@ class Topology:
             return cls(str(d["kind"]), str(d["name"]), int(d["ports"]), cells, links,
                        tuple(tuple(n) for n in d.get("nodes", ())),
                        tuple(tuple(int(v) for v in e) for e in d.get("edges", ())),
-                       tuple(int(n) for n in d.get("port_nodes", ())))
+                       tuple(int(n) for n in d.get("port_nodes", ())),
+                       tuple((tuple(a), tuple(b)) for a, b in d.get("joins", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(f"not a chip topology description: {e!r}") from None
 
@@ -214,8 +218,54 @@ def _lattice(kind: str, rows: int, cols: int, name: str | None) -> Topology:
         for i in range(len(ends)):
             for j in range(i + 1, len(ends)):
                 links.append((ends[i], ends[j]))
+    # Stub directions (degrees, counter-clockwise from +x with y up) of the ring's ports.
+    stub_angle = [90.0] * cols + [0.0] * rows + [270.0] * cols + [180.0] * rows
+    joins = _joins(nodes, edges, port_nodes, stub_angle)
     return Topology(kind, name or f"{kind}{rows}x{cols}", len(port_nodes), tuple(cells),
-                    tuple(links), nodes, tuple(edges), port_nodes)
+                    tuple(links), nodes, tuple(edges), port_nodes, joins)
+
+
+def _joins(nodes, edges, port_nodes, stub_angle) -> tuple:
+    """The waveguides at the nodes of a recirculating mesh (docs/chip.md, "Recirculating
+    meshes"): a cell on edge (a, b) has its arms 0, 1 at node a and 2, 3 at node b (waveguide
+    0: arms 0 and 2, left of the way from a to b). Around each node, counter-clockwise (y up),
+    each cell offers two waveguide ends and each port stub one; neighbouring ends of different
+    cells (or a cell and a port, never two ports) are joined pairwise, choosing the pairing that
+    joins every port and leaves fewest ends free (at most one, terminated)."""
+    around: dict[int, list] = {}
+    for k, (a, b) in enumerate(edges):
+        (xa, ya), (xb, yb) = nodes[a], nodes[b]
+        ang = math.degrees(math.atan2(-(yb - ya), xb - xa)) % 360.0
+        # At a, looking out along the cell, arm 0 is on the counter-clockwise side; at b arm 2
+        # is on the clockwise side.
+        around.setdefault(a, []).extend([(ang, 0, ("cell", f"e{k}", 1), k),
+                                         (ang, 1, ("cell", f"e{k}", 0), k)])
+        back = (ang + 180.0) % 360.0
+        around.setdefault(b, []).extend([(back, 0, ("cell", f"e{k}", 2), k),
+                                         (back, 1, ("cell", f"e{k}", 3), k)])
+    for p, (nd, ang) in enumerate(zip(port_nodes, stub_angle), start=1):
+        around.setdefault(nd, []).append((ang, 0, ("port", p), None))
+    joins = []
+    for nd in sorted(around):
+        ends = sorted(around[nd], key=lambda e: (e[0], e[1]))
+        n = len(ends)
+        best = None
+        for start in range(n):
+            pairs, i = [], 0
+            while i < n:
+                e, f = ends[(start + i) % n], ends[(start + i + 1) % n]
+                if i + 1 < n and (e[3] is None or f[3] is None or e[3] != f[3]) and \
+                        not (e[3] is None and f[3] is None):
+                    pairs.append((e[2], f[2]))
+                    i += 2
+                else:
+                    i += 1
+            ports = sum(1 for a, b in pairs for x in (a, b) if x[0] == "port")
+            score = (ports, len(pairs))
+            if best is None or score > best[0]:
+                best = (score, pairs)
+        joins += best[1]
+    return tuple(joins)
 
 
 def square(rows: int = 9, cols: int | None = None, name: str | None = None) -> Topology:

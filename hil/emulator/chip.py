@@ -94,8 +94,9 @@ class EmulatedChip:
         except (KeyError, TypeError, ValueError) as e:
             raise ChipError(f"not a chip topology description (missing {e})") from None
         if kind not in ("benes", "clements"):
-            raise ChipError(f"the emulated chip models feed-forward meshes (benes, clements), "
-                            f"not {kind!r}")
+            raise ChipError(f"EmulatedChip models feed-forward meshes (benes, clements), not "
+                            f"{kind!r}; square and hexagonal meshes are "
+                            f"hil.emulator.mesh_chip.RecirculatingChip")
         self.kind, self.ports = kind, n
         self.cell_ids = tuple(str(c["id"]) for c in cells)
         index = {cid: k for k, cid in enumerate(self.cell_ids)}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from drivers.topology import build as build_topology
 from hil.emulator.bench_optics import OpticalBench
 from hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
+from hil.emulator.mesh_chip import make_chip
 from hil.emulator.control import ControlServer
 from hil.emulator.dac_board import EmulatedDACBoard
 
@@ -38,7 +39,7 @@ class RigSpec:
     meter_channels: int = 0       # ports of the N774x power meter (read OCS egress N+1..)
     laser: bool = False           # an N7776C laser feeding OCS ingress 1
     chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements
-    chip_ports: int = 0
+    chip_ports: int = 0           # N ports; nodes per side for square/hexagonal meshes
 
 
 RIGS = {
@@ -47,6 +48,9 @@ RIGS = {
                       "into the chip; 16-port power meter on the chip's output taps",
                       dac_modules=7, chip_kind="benes", chip_ports=16, ocs_ports=16,
                       meter_channels=16, laser=True),
+    "hexmesh": RigSpec("hexmesh", "recirculating hexagonal mesh of 4 x 4 nodes (18 cells, "
+                       "16 edge ports) on a chain of 3 Q8iv boards with monitor photodiodes",
+                       dac_modules=3, chip_kind="hexagonal", chip_ports=4),
     "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
                     "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
 }
@@ -193,7 +197,7 @@ class EmulatedRig:
         chip's inputs through the OCS (the input selector) and the power meter reads the chip's
         output taps; tests may also light inputs directly (`chip.inject(port, mw)`)."""
         topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
-        self.chip = EmulatedChip(topology, seed=self.seed, ideal=self.ideal_chip)
+        self.chip = make_chip(topology, seed=self.seed, ideal=self.ideal_chip)
         self._pd_cells = {cell["channels"][0]: cell["id"] for cell in topology["cells"]
                           if cell["channels"]}
         self._pd_cache = None
