@@ -8,7 +8,7 @@ import logging
 import sys
 
 SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys",
-               "ptb.gui")
+               "ptb.gui", "ptb.calibrate")
 
 
 class CommandFailed(Exception):
