@@ -73,16 +73,19 @@ class _Probe:
         st.set_volts({self.ch: heater_volts(p_mw, self.cal.r_ohm[self.ch])})
         return self._reading()
 
-    def four_step(self) -> float:
-        """Phase error (rad) of the prediction: the cell and its route solved together for each
-        step, so the route does not move while the cell's own heater changes."""
+    def four_step(self, turns: int = 0) -> tuple[float, float]:
+        """Phase error (rad) of the prediction, and the cell's own mean heater power (mW): the
+        cell and its route solved together for each step, so the route does not move while
+        the cell's own heater changes. `turns` adds whole periods to the cell's power."""
         route = {**self.route.cells, **self.route.away}
-        ys = []
+        ys, ps = [], []
         for k in range(4):
             theta = (k * math.pi / 2 - self.arm_shift) % TWO_PI
-            self.cal.station.set_volts(self.cal.settings({self.cell: theta, **route}))
+            self.cal.station.set_volts(self.cal.settings({self.cell: theta, **route},
+                                                         turns={self.cell: turns}))
+            ps.append(self.cal._powers()[self.ch])
             ys.append(self._reading())
-        return math.atan2(ys[3] - ys[1], ys[0] - ys[2])
+        return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(np.mean(ps))
 
     def _reading(self) -> float:
         pd = self.cal.station.monitors_ua()
@@ -148,6 +151,8 @@ def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
         for q in (q1, q2):
             st.set_volts({probe.ch: heater_volts(q, cal.r_ohm[probe.ch])})
             if compensated:
+                # the same start, so the same branch each time (the heated one stays heated)
+                st.set_volts({ch: v for ch, v in route_volts.items() if ch != skip})
                 st.set_volts(cal.settings({c: s for c, s in route.items()
                                            if cal.channel_of[c] != skip}, keep_near=True))
             ps.append(cal._powers())
@@ -197,12 +202,20 @@ def refine_offsets(cal: Calibrator, rounds: int = 2,
     for k, cell in enumerate(cells):
         if cell not in refined:
             total = 0.0
+            fit = cal.state["fits"][cell]
             for _ in range(rounds):
                 probe = _Probe(cal, cell, compensated=True)
-                err = probe.four_step()
-                cal.state["fits"][cell]["offset_apparent"] = \
-                    (cal.state["fits"][cell]["offset_apparent"] + err) % TWO_PI
-                cal.state["fits"][cell]["measurements"] += 4
+                err0, p0 = probe.four_step(0)
+                err1, p1 = probe.four_step(1)
+                # the error grows with the own power when the efficiency is off
+                d_beta = ((err1 - err0 + math.pi) % TWO_PI - math.pi) / (p1 - p0)
+                if abs(d_beta) < 0.05 * fit["rad_per_mw"]:
+                    fit["rad_per_mw"] += d_beta
+                else:
+                    d_beta = 0.0
+                err = err0 - d_beta * p0
+                fit["offset_apparent"] = (fit["offset_apparent"] + err) % TWO_PI
+                fit["measurements"] += 8
                 total += err
             refined[cell] = total
             cal.on_checkpoint(cal.state)

@@ -210,12 +210,13 @@ class Calibrator:
         offset = self.offsets()[cell]
         return offset + f.rad_per_mw * (powers[ch] + self.crosstalk[ch] @ powers)
 
-    def settings(self, states: dict[str, str | float],
-                 keep_near: bool = False) -> dict[int, float]:
+    def settings(self, states: dict[str, str | float], keep_near: bool = False,
+                 turns: dict[str, int] | None = None) -> dict[int, float]:
         """Heater volts that put calibrated cells in these states (bar, cross or a theta),
         every other heater keeping its power; crosstalk compensated once it is known."""
         if not states:
             return {}
+        extra_turns = turns or {}
         p_now = self._powers()
         chans = [self.channel_of[c] for c in states]
         want = np.array([STATE_PHASE[s] if isinstance(s, str) else float(s)
@@ -224,7 +225,8 @@ class Calibrator:
         beta = np.array([f.rad_per_mw for f in fits])
         if self.crosstalk is None:
             off = np.array([f.offset_apparent for f in fits])
-            p = np.mod(want - off, TWO_PI) / beta
+            p = (np.mod(want - off, TWO_PI)
+                 + TWO_PI * np.array([extra_turns.get(c, 0) for c in states])) / beta
         else:
             offsets = self.offsets()
             off = np.array([offsets[c] for c in states])
@@ -239,6 +241,8 @@ class Calibrator:
                 # whole period when a neighbour's heat moves the target across zero
                 turns = np.maximum(0.0, np.round((beta * p_now[idx] - delta) / TWO_PI))
                 delta = delta + TWO_PI * turns
+            if extra_turns:
+                delta = delta + TWO_PI * np.array([extra_turns.get(c, 0) for c in states])
             for _ in range(8):
                 p = np.linalg.solve(mix, delta / beta)
                 if (p >= 0).all():

@@ -126,7 +126,7 @@ def drift_check(station, calibration: Calibration, cells: list[str] | None = Non
     errors = {}
     for cell in cells:
         probe = _Probe(cal, cell, compensated=cal.crosstalk is not None)
-        errors[cell] = probe.four_step()
+        errors[cell] = probe.four_step()[0]
     station.set_volts({ch: 0.0 for ch in station.channels})
     return DriftReport(errors, threshold_rad)
 
