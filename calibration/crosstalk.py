@@ -191,7 +191,7 @@ def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
     return {"channel": probe.ch, "k": ks, "drift_rad": drift}
 
 
-def refine_offsets(cal: Calibrator, rounds: int = 2,
+def refine_offsets(cal: Calibrator, rounds: int = 1,
                    on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     """Four-step phase checks of every calibrated cell with compensated routes; the corrections
     go into each fit's apparent offset (so `cal.offsets()` includes them)."""

@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "calibrate")
 
 
 def _module(name: str):
