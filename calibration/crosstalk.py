@@ -78,11 +78,15 @@ class _Probe:
         cell and its route solved together for each step, so the route does not move while
         the cell's own heater changes. `turns` adds whole periods to the cell's power."""
         route = {**self.route.cells, **self.route.away}
+        st = self.cal.station
+        anchor = {self.cal.channel_of[c]: float(st.commanded()[self.cal.channel_of[c]])
+                  for c in route}
         ys, ps = [], []
         for k in range(4):
             theta = (k * math.pi / 2 - self.arm_shift) % TWO_PI
-            self.cal.station.set_volts(self.cal.settings({self.cell: theta, **route},
-                                                         turns={self.cell: turns}))
+            st.set_volts(anchor)          # the route stays on its branch at every step
+            st.set_volts(self.cal.settings({self.cell: theta, **route}, keep_near=set(route),
+                                           turns={self.cell: turns}))
             ps.append(self.cal._powers()[self.ch])
             ys.append(self._reading())
         return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(np.mean(ps))

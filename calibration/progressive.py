@@ -210,10 +210,12 @@ class Calibrator:
         offset = self.offsets()[cell]
         return offset + f.rad_per_mw * (powers[ch] + self.crosstalk[ch] @ powers)
 
-    def settings(self, states: dict[str, str | float], keep_near: bool = False,
+    def settings(self, states: dict[str, str | float], keep_near: bool | set = False,
                  turns: dict[str, int] | None = None) -> dict[int, float]:
         """Heater volts that put calibrated cells in these states (bar, cross or a theta),
-        every other heater keeping its power; crosstalk compensated once it is known."""
+        every other heater keeping its power; crosstalk compensated once it is known.
+        `keep_near` (True or a set of cells): those stay on the branch (mod 2 pi) nearest
+        their present power; `turns` adds whole periods to a cell's power."""
         if not states:
             return {}
         extra_turns = turns or {}
@@ -239,12 +241,17 @@ class Calibrator:
             if keep_near:
                 # the branch (mod 2 pi) nearest each heater's present power: no jumps of a
                 # whole period when a neighbour's heat moves the target across zero
-                turns = np.maximum(0.0, np.round((beta * p_now[idx] - delta) / TWO_PI))
+                # (a heater near zero power may be asked slightly below it: it stays at zero,
+                # a phase error of a few mrad, rather than jumping up a period)
+                anchored = np.array([keep_near is True or c in keep_near for c in states])
+                turns = np.round((beta * p_now[idx] - delta) / TWO_PI) * anchored
                 delta = delta + TWO_PI * turns
             if extra_turns:
                 delta = delta + TWO_PI * np.array([extra_turns.get(c, 0) for c in states])
             for _ in range(8):
                 p = np.linalg.solve(mix, delta / beta)
+                if keep_near:
+                    p = np.where(anchored & (p < 0) & (beta * p > -0.05), 0.0, p)
                 if (p >= 0).all():
                     break
                 delta = delta + TWO_PI * (p < 0)
