@@ -350,3 +350,33 @@ class Mesh(CircuitSwitch):
     def close(self) -> None:
         if self._own_dac:
             self.dac.close()
+
+
+def topology_named(name: str) -> Topology:
+    """A chip topology from its name ("benes16", "clements8") or a topology JSON file."""
+    import re
+    from drivers import topology as topo
+    if name.endswith(".json"):
+        try:
+            return Topology.from_dict(json.loads(pathlib.Path(name).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SwitchError(f"cannot read the topology file {name}: {e}") from None
+    m = re.fullmatch(r"(benes|clements|square|hexagonal)(\d+)", name)
+    if m is None:
+        raise SwitchError(f"a topology is named KIND+SIZE (benes16, clements8) or is a .json "
+                          f"file, not {name!r}")
+    return topo.build(m.group(1), int(m.group(2)))
+
+
+def open_chip(address: str, *, topology: str, calibration: str = "", **dac_options) -> Mesh:
+    """The chip as one device: a Mesh that owns the heater DAC at `address` (the bus's `chip`
+    kind constructs it from the rig file's [chip] section)."""
+    from drivers.heater_dac import HeaterDAC
+    topo = topology_named(topology)
+    dac = HeaterDAC(address, **dac_options)
+    dac.open()
+    try:
+        return Mesh(topo, dac, calibration or None, own_dac=True)
+    except Exception:
+        dac.close()
+        raise

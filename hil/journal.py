@@ -65,14 +65,19 @@ class Entry:
 class Journal:
     """Append-only event log plus the intended circuits per switch. Thread-safe."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, synchronous: str = "FULL"):
+        """`synchronous` FULL (default) syncs every commit to the disk; NORMAL (WAL) still
+        survives a kill -9 of the process (the commit is in the OS's hands) but may lose the
+        last commits on a power loss or OS crash, for a fsync less per event."""
+        if synchronous not in ("FULL", "NORMAL"):
+            raise JournalError(f"synchronous is FULL or NORMAL, not {synchronous!r}")
         self.path = os.fspath(path)
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                        timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:

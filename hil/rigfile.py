@@ -65,6 +65,16 @@ class BusConfig:
     authorized_keys: str = ""    # folder of client public certificates
     client_key: str = ""         # this host's client secret certificate
     heartbeat_s: float = 0.5
+    # The processes that are not device services: the agent (its state and its requests) and
+    # the GPU health monitor of the rack. "" = the default BASE + 2 * (devices + k).
+    agent_request: str = ""
+    agent_publish: str = ""
+    gpus_request: str = ""
+    gpus_publish: str = ""
+
+
+# The bus's non-device processes, in the order their default ports follow the devices'.
+PROCESSES = ("agent", "gpus")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,29 @@ class Rig:
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""
         return {d.name: (d.request, d.publish) for d in self.devices.values()}
+
+    def process_endpoints(self) -> dict[str, tuple[str, str]]:
+        """The agent's and the GPU health monitor's (request, publish) endpoints."""
+        out = {}
+        for k, name in enumerate(PROCESSES):
+            base = self.bus.base_port + 2 * (len(self.devices) + k)
+            out[name] = (getattr(self.bus, f"{name}_request")
+                         or f"tcp://{self.bus.host}:{base}",
+                         getattr(self.bus, f"{name}_publish")
+                         or f"tcp://{self.bus.host}:{base + 1}")
+        return out
+
+    def agent_endpoints(self) -> tuple[str, str]:
+        """Where the agent answers requests and publishes its state (device name `agent`)."""
+        return self.process_endpoints()["agent"]
+
+    def gpus_endpoints(self) -> tuple[str, str]:
+        """Where the rack's GPU health monitor publishes (device name `gpus`)."""
+        return self.process_endpoints()["gpus"]
+
+    def bind_endpoint(self, endpoint: str) -> str:
+        """What a process serving `endpoint` binds (the bus's `bind` address if set)."""
+        return self._bind(endpoint)
 
     def _bind(self, endpoint: str) -> str:
         if not self.bus.bind:
@@ -95,10 +128,18 @@ class Rig:
         specs = []
         for n in names:
             d = self.devices[n]
+            options = dict(d.options)
+            if d.kind == "chip":
+                if self.chip is None:
+                    raise RigFileError(f"device {n} is a chip but the rig has no [chip] table "
+                                       "(its topology and calibration)")
+                options.setdefault("topology", self.chip.topology)
+                if self.chip.calibration:
+                    options.setdefault("calibration", self.chip.calibration)
             specs.append(ServiceSpec(
                 name=d.name, kind=d.kind, address=d.address, driver=d.driver,
                 request=self._bind(d.request), publish=self._bind(d.publish),
-                options=dict(d.options), heartbeat=self.bus.heartbeat_s,
+                options=options, heartbeat=self.bus.heartbeat_s,
                 telemetry_hz=d.telemetry_hz,
                 curve_secret=self.bus.server_key if self.bus.curve else None,
                 curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
@@ -223,6 +264,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         "authorized_keys": (str, False, "the folder of authorised client certificates"),
         "client_key": (str, False, "this host's client secret certificate file"),
         "heartbeat_s": ((int, float), False, "seconds between heartbeats (> 0)"),
+        **{f"{p}_{s}": (str, False, f"the {p} process's {s} endpoint tcp://HOST:PORT")
+           for p in PROCESSES for s in ("request", "publish")},
     })
     bus = BusConfig(host=b.get("host", "127.0.0.1"), base_port=b.get("base_port", 5600),
                     bind=b.get("bind", ""), curve=b.get("curve", True),
@@ -230,7 +273,11 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                     server_public_key=path(b.get("server_public_key", "")),
                     authorized_keys=path(b.get("authorized_keys", "")),
                     client_key=path(b.get("client_key", "")),
-                    heartbeat_s=float(b.get("heartbeat_s", 0.5)))
+                    heartbeat_s=float(b.get("heartbeat_s", 0.5)),
+                    **{k: b[k] for k in b if k.split("_")[0] in PROCESSES})
+    for k in b:
+        if k.split("_")[0] in PROCESSES:
+            _check_endpoint(c, "bus", k, b[k])
     if not 1 <= bus.base_port <= 65000:
         c.fail("bus", "base_port", "a TCP port number 1..65000", bus.base_port)
     if bus.heartbeat_s <= 0:
@@ -359,6 +406,10 @@ def dumps(rig: Rig) -> str:
             f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
     if b.bind:
         out.append(f"bind = {_toml_value(b.bind)}")
+    for p in PROCESSES:
+        for side in ("request", "publish"):
+            if getattr(b, f"{p}_{side}"):
+                out.append(f"{p}_{side} = {_toml_value(getattr(b, f'{p}_{side}'))}")
     for key in ("server_key", "server_public_key", "authorized_keys", "client_key"):
         if getattr(b, key):
             out.append(f"{key} = {_toml_value(getattr(b, key))}")
@@ -390,7 +441,7 @@ def dumps(rig: Rig) -> str:
 
 # Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
 EMULATED_DEVICES = {
-    "dac": ("heaters", "heater_dac", ""),
+    "dac": ("heaters", "heater_dac", ""),         # a rig with a chip serves it as `chip`
     "ocs": ("ocs", "switch", "drivers.ocs:OpticalCircuitSwitch"),
     "powermeter": ("powermeter", "power_meter", ""),
     "laser": ("laser", "laser", ""),
@@ -409,22 +460,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def for_emulator(name: str, endpoints: dict[str, str], host: str = "127.0.0.1") -> Rig:
-    """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`."""
+def for_emulator(name: str, endpoints: dict[str, str], host: str = "127.0.0.1",
+                 gpus: tuple[GpuConfig, ...] = ()) -> Rig:
+    """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`.
+    A rig with a chip offers it as one `chip` device (the mesh driver owns the heater DAC);
+    `gpus` are the rack's GPUs (emulator's rack layout), with the agent's and the GPU health
+    monitor's endpoints on free ports."""
     devices = {}
+    topology = EMULATED_CHIPS.get(name)
     for key, address in endpoints.items():
         if key not in EMULATED_DEVICES:
             continue
         dev, kind, driver = EMULATED_DEVICES[key]
+        if key == "dac" and topology:
+            dev, kind = "chip", "chip"
         devices[dev] = DeviceConfig(dev, kind, address, driver,
                                     f"tcp://{host}:{free_port(host)}",
                                     f"tcp://{host}:{free_port(host)}")
     if not devices:
         raise RigFileError(f"the emulated rig {name} has no device the bus can serve")
-    topology = EMULATED_CHIPS.get(name)
-    chip = ChipConfig(topology, "", "heaters" if "heaters" in devices else "") if topology \
+    chip = ChipConfig(topology, "", "", "chip" if "chip" in devices else "") if topology \
         else None
-    return Rig(name, None, BusConfig(host=host, curve=False), devices, chip)
+    procs = {f"{p}_{side}": f"tcp://{host}:{free_port(host)}"
+             for p in PROCESSES for side in ("request", "publish")}
+    return Rig(name, None, BusConfig(host=host, curve=False, **procs), devices, chip,
+               tuple(gpus))
 
 
 def write(path: str | os.PathLike, rig: Rig) -> None:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys",
+               "ptb.agent",
                "ptb.gui", "ptb.calibrate")
 
 

@@ -1,21 +1,49 @@
-"""`ptb demo`: the main job on the built-in emulator.
+"""`ptb demo`: the stack's main job, end to end on the built-in emulator.
 
-For now: start the emulated heater DAC chain, drive it through our driver over its real
-pseudo-terminal, and print each step: identify, set heaters, read currents back, a refused
-over-voltage, the USB link pulled and restored, and the watchdog ramping outputs to 0 V.
+Starts, each as its own process, exactly what a lab runs: the emulated rig with its rack of
+GPUs (`ptb emulate`), the device services (`ptb serve`), the agent (`ptb agent`) and, when a
+display is there (or `--gui`), the GUI (`ptb gui --rig FILE`). Then it starts the training
+job through the emulator's control endpoint, lets it run, fails one GPU the way hardware fails
+(the GPU goes dark; the rack's health monitor says so on the bus) and prints the timeline:
+failure injected, detected by the agent, circuits applied, verified by light, restart ordered,
+job resumed, with each interval, and the job's throughput before, during and after. Every
+process is stopped at the end; the exit code is 0 when the job resumed on a healthy spare.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import time
 
-from drivers.heater_dac import BoardError, HeaterDAC
-from hil.emulator.rig import EmulatedRig, rig_spec
+from ptb.cli import CommandFailed
+
+# Which GPU fails and which job runs, per rig.
+# opus has no spare server: its DP ring shrinks to 7 ranks (the agent raises an alarm).
+RIG_JOBS = {"lumion": ("dp", "gpu3"), "opus": ("dp", "server5")}
+WINDOW_S = 2.0          # throughput windows before and after the failure
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run the stack's main job on the built-in emulator")
-    p.add_argument("--rig", default="lumion", help="emulated rig (default lumion)")
+    p = sub.add_parser("demo", help="run the stack's main job on the built-in emulator",
+                       description="Emulated rig, services, agent (and GUI), a training job, "
+                       "one GPU failure, and the timeline of the recovery.")
+    p.add_argument("--rig", default="lumion", choices=sorted(RIG_JOBS),
+                   help="emulated rig (default lumion)")
+    p.add_argument("--seconds", type=float, default=4.0, metavar="N",
+                   help="seconds the job runs before the failure (and at least as long after; "
+                   "default 4)")
+    p.add_argument("--gpu", help="the GPU to fail (default: lumion gpu3, opus server5)")
+    show = p.add_mutually_exclusive_group()
+    show.add_argument("--headless", action="store_true", help="never open the GUI")
+    show.add_argument("--gui", action="store_true",
+                      help="open the GUI even without a detected display")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
+    p.add_argument("--workdir", help="keep the rig file, journal and logs here")
     p.set_defaults(func=run)
 
 
@@ -23,45 +51,222 @@ def say(t0: float, text: str) -> None:
     print(f"[{time.monotonic() - t0:7.3f} s] {text}", flush=True)
 
 
-def run(args) -> int:
-    t0 = time.monotonic()
-    with EmulatedRig(rig_spec(args.rig), seed=args.seed) as rig:
-        port = rig.endpoints["dac"]
-        say(t0, f"emulated heater DAC chain listening on {port}")
-        with HeaterDAC(port) as dac:
-            info = dac.info
-            say(t0, f"identified {info.ident}, firmware {info.firmware}: "
-                    f"{len(info.modules)} modules, {info.channels} channels, "
-                    f"{info.vfull:g} V / {info.ifull:g} mA full scale")
-            volts = [round(0.1 * (c % 40), 2) for c in range(info.channels)]
-            lines = dac.set_voltages(volts)
-            say(t0, f"set {info.channels} heaters (0.0 .. 3.9 V) in {lines} serial line(s)")
-            currents = dac.currents()
-            ohms = [v / i * 1000 for v, i in zip(volts, currents) if i > 0]
-            say(t0, f"read back currents: heater resistance {min(ohms):.0f} .. "
-                    f"{max(ohms):.0f} ohm, total power {dac.total_power():.1f} mW")
-            lines = dac.set_voltages({3: 2.5, 4: 2.5})
-            say(t0, f"changed 2 heaters: {lines} line, {dac.bytes_sent} bytes sent so far")
-            dac.set_vmax(7, 2.0)
+def has_display() -> bool:
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) and \
+        os.environ.get("CI", "").lower() not in ("1", "true", "yes")
+
+
+class Processes:
+    """The demo's child processes: started with logs in the work dir, all stopped at close."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._logs: list = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        self._logs.append(log)
+        env = dict(os.environ)
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.Popen([sys.executable, "-m", "ptb", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+        self.procs.append((name, proc))
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if name != "gui" and proc.poll() is not None:
+                raise CommandFailed(f"{name} stopped (exit {proc.returncode}); its log:\n"
+                                    + self.tail(name))
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for _, proc in reversed(self.procs):
             try:
-                dac.set_voltage(7, 2.5)
-            except BoardError as e:
-                say(t0, f"refused as it must be: {e}")
-            rig.dac.unplug()
-            say(t0, "USB link pulled (pty closed)")
-            rig.dac.replug(power_cycle=True)
-            say(t0, "link back after a board power cycle (outputs reset to 0 V)")
-            dac.set_voltage(10, 1.0)
-            back = dac.voltages()
-            same = all(abs(a - b) < 1e-3 for a, b in zip(back, dac.commanded))
-            say(t0, f"driver reopened the port by itself ({dac.reconnects} reconnect), "
-                    f"restored limits and all {info.channels} voltages: "
-                    f"{'match' if same else 'MISMATCH'}")
-            dac.set_watchdog(100)
-            say(t0, "watchdog armed at 100 ms; host goes silent")
-            time.sleep(0.4)
-            live = sum(1 for v in rig.dac.outputs if v > 0)
-            say(t0, f"watchdog tripped: {live} outputs still above 0 V")
-            dac.set_watchdog(0)
-    say(t0, "emulator stopped")
-    return 0
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for log in self._logs:
+            log.close()
+
+
+def _wait(what: str, cond, procs: Processes, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise CommandFailed(f"{what} did not happen within {timeout:g} s")
+
+
+def run(args) -> int:
+    if args.seconds <= 0 or args.seconds > 600:
+        raise CommandFailed(f"--seconds must be in (0, 600], not {args.seconds:g}")
+    plan, default_gpu = RIG_JOBS[args.rig]
+    gpu = args.gpu or default_gpu
+    with contextlib.ExitStack() as stack:
+        if args.workdir:
+            workdir = pathlib.Path(args.workdir).resolve()
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="ptb-demo-")))
+        procs = Processes(workdir)
+        stack.callback(procs.close)
+        return _demo(args, plan, gpu, workdir, procs)
+    return 1
+
+
+def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
+    from hil import rigfile
+    from hil.bus.client import BusError, ServiceClient
+    from hil.emulator.control import ControlError, request
+
+    t0 = time.monotonic()
+    rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
+    journal = workdir / "journal.db"
+    procs.start("emulate", "emulate", "--rig", args.rig, "--seed", str(args.seed),
+                "--ideal-chip", "--write-rig", str(rig_path), "--endpoints", str(eps_path))
+    _wait("the emulator", lambda: rig_path.exists() and eps_path.exists(), procs)
+    rig = rigfile.load(rig_path)
+    control = json.loads(eps_path.read_text())["control"]
+    say(t0, f"emulated rig {args.rig}: {', '.join(rig.devices)} on their wires; "
+            f"{len(rig.gpus)} GPUs ({sum(g.spare for g in rig.gpus)} spares) on "
+            f"{', '.join(sorted({g.switch for g in rig.gpus}))}")
+    served = workdir / "services.json"
+    procs.start("serve", "serve", "--rig", str(rig_path), "--endpoints", str(served))
+    _wait("the device services", served.exists, procs)
+    say(t0, f"bus services up: {', '.join(json.loads(served.read_text()))}")
+    procs.start("agent", "agent", "--rig", str(rig_path), "--journal", str(journal))
+    agent = ServiceClient(rig.agent_endpoints()[0], timeout=2.0)
+
+    def agent_up():
+        try:
+            return agent.call("ping", timeout=0.5)
+        except BusError:
+            return None
+    try:
+        _wait("the agent", agent_up, procs)
+        say(t0, f"agent up, journal {journal.name}")
+        if args.gui or (not args.headless and has_display()):
+            procs.start("gui", "gui", "--rig", str(rig_path))
+            say(t0, "GUI opened (ptb gui --rig rig.toml)")
+        try:
+            got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
+        except ControlError as e:
+            raise CommandFailed(f"the job did not start: {e}") from None
+        say(t0, f"job {got['plan']} admitted: ranks on {', '.join(got['rank_map'].values())}")
+        time.sleep(args.seconds)
+        procs.check()
+        status = request(control, {"cmd": "job_status"})
+        if status["step"] == 0:
+            raise CommandFailed(f"the job made no step in {args.seconds:g} s "
+                                f"({status['state']}); agent log:\n{procs.tail('agent')}")
+        say(t0, f"job running: {status['step']} steps done")
+        t_fail = time.time()
+        request(control, {"cmd": "fail_gpu", "gpu": gpu, "mode": "hard"})
+        say(t0, f"failure injected: {gpu} goes dark (Xid 79, fallen off the bus)")
+
+        def resumed():
+            s = request(control, {"cmd": "job_status"})
+            r = [e for e in s["events"] if e["kind"] == "restarted" and e["t"] >= t_fail]
+            steps = [x for x in s["steps"] if r and x[3] > r[0]["t"]]
+            if s["state"] == "aborted":
+                raise CommandFailed("the job aborted: " + json.dumps(s["events"][-3:]))
+            return s if len(steps) >= 1 else None
+        _wait("the job's resumption", resumed, procs, timeout=30.0)
+        time.sleep(max(args.seconds, WINDOW_S))
+        status = request(control, {"cmd": "job_status"})
+        state = agent.call("snapshot")["state"]
+    finally:
+        agent.close()
+    return _report(t0, t_fail, gpu, status, state)
+
+
+def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> int:
+    events = [e for e in agent["events"] if e["ts"] >= t_fail]
+
+    def first(kind, after=t_fail):
+        return next((e for e in events if e["kind"] == kind and e["ts"] >= after), None)
+    detected = first("detected")
+    applied = first("applied", detected["ts"] if detected else t_fail)
+    verified = first("verified", detected["ts"] if detected else t_fail)
+    restart = first("restart", detected["ts"] if detected else t_fail)
+    job_ev = [e for e in status["events"] if e["t"] >= t_fail]
+    restarted = next((e for e in job_ev if e["kind"] == "restarted"), None)
+    step_after = next((s for s in status["steps"] if restarted and s[3] > restarted["t"]), None)
+    print()
+    print(f"timeline (from the failure; each line: time since the failure, since the line "
+          f"before)")
+    last = t_fail
+    rows = [("failure injected", t_fail, f"{gpu} dark")]
+    if detected:
+        rows.append(("detected by the agent", detected["ts"], detected["cause"]))
+    for e in events:
+        if e["kind"] == "decision" and e["details"].get("action") == "swap":
+            sw = ", ".join(f"{a} -> {b}" for a, b in e["details"].get("swaps", {}).items())
+            rows.append(("spare chosen", e["ts"], sw or "no spare"))
+            break
+    if applied:
+        d = applied["details"]
+        rows.append(("circuits applied", applied["ts"],
+                     f"{d.get('switch')}: +{len(d.get('added', []))} -"
+                     f"{len(d.get('removed', []))} circuits in "
+                     f"{1e3 * (applied['latency_s'] or 0):.1f} ms"))
+    if verified:
+        dbm = verified["details"].get("dbm", {})
+        rows.append(("verified by light", verified["ts"],
+                     f"{len(dbm)} receivers, min {min(dbm.values()):.1f} dBm" if dbm else ""))
+    if restart:
+        rows.append(("restart ordered", restart["ts"], restart["details"].get("rank_map")
+                     and "new rank map published"))
+    if restarted:
+        rows.append(("job restarted", restarted["t"],
+                     f"from checkpoint, {restarted['details'].get('lost_steps', 0)} steps redone"))
+    if step_after:
+        rows.append(("job resumed (first step)", step_after[3], f"step {step_after[0]}"))
+    for name, ts, what in rows:
+        print(f"  {name:<26} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
+              f"{what or ''}")
+        last = ts
+    for e in agent["alarms"]:
+        print(f"  alarm: {e}")
+
+    steps = status["steps"]
+
+    def rate(a, b):
+        n = sum(1 for s in steps if a <= s[3] < b)
+        return n / (b - a) if b > a else 0.0
+    resume = step_after[3] if step_after else t_fail
+    t_end = steps[-1][3] if steps else resume
+    print()
+    print("job throughput (steps/s)")
+    print(f"  before  {rate(t_fail - WINDOW_S, t_fail):7.1f}   ({WINDOW_S:g} s before the failure)")
+    print(f"  during  {rate(t_fail, resume):7.1f}   ({1e3 * (resume - t_fail):.0f} ms outage)")
+    print(f"  after   {rate(resume, t_end):7.1f}   ({t_end - resume:.1f} s after)")
+    rank_map = status["rank_map"]
+    phases = [e for e in agent["events"] if e["kind"] == "phase" and e["latency_s"] is not None]
+    if phases:
+        lat = sorted(1e3 * e["latency_s"] for e in phases)
+        print(f"phase switches in the last {len(agent['events'])} journal entries: "
+              f"{len(lat)}, median {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms")
+    ok = bool(step_after) and gpu not in rank_map.values()
+    print()
+    print(f"ranks now on {', '.join(rank_map.values())}; communications over a down link: "
+          f"{status['down_communications']}")
+    print("demo " + ("succeeded" if ok else "FAILED: the job did not resume without the "
+                     "failed GPU"))
+    return 0 if ok else 1

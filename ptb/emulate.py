@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 
@@ -10,13 +11,16 @@ import zmq
 from hil.emulator.rig import RIGS, EmulatedRig, rig_spec
 from ptb.cli import CommandFailed
 
+log = logging.getLogger(__name__)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("emulate", help="run an emulated rig (pty and loopback sockets)",
                        description="Start every instrument of an emulated rig, print where "
                        "each listens, and run until SIGINT or SIGTERM.")
     p.add_argument("--rig", default="lumion",
-                   help=f"rig name ({', '.join(sorted(RIGS))}); default lumion")
+                   help=f"rig name ({', '.join(sorted(RIGS))}) or a TOML file with an "
+                   "[emulator] table (docs/rigfile.md); default lumion")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
     p.add_argument("--endpoints", metavar="FILE", help="also write the endpoints as JSON here")
     p.add_argument("--port-base", type=int, metavar="PORT",
@@ -24,6 +28,12 @@ def add_parser(sub) -> None:
                    "control PORT+3 (default: ephemeral)")
     p.add_argument("--switching-ms", type=float, default=25.0,
                    help="OCS switching time in ms (default 25)")
+    p.add_argument("--ideal-chip", action="store_true",
+                   help="a chip without fabrication errors (its ideal calibration fits): "
+                   "what the demo runs until the chip is calibrated")
+    p.add_argument("--job", metavar="PLAN", choices=("dp", "dp-tp"),
+                   help="start the emulated training job (dp or dp-tp) once the agent "
+                   "answers; otherwise the control endpoint's job_start starts it")
     p.add_argument("--write-rig", metavar="FILE",
                    help="also write a rig file (TOML) pointing at the emulated instruments")
     p.set_defaults(func=run)
@@ -31,7 +41,8 @@ def add_parser(sub) -> None:
 
 def _start(spec, args) -> EmulatedRig:
     rig = EmulatedRig(spec, seed=args.seed, port_base=args.port_base,
-                      switching_s=args.switching_ms / 1000)
+                      switching_s=args.switching_ms / 1000,
+                      ideal_chip=getattr(args, "ideal_chip", False))
     try:
         rig.start()
     except (OSError, zmq.ZMQError) as e:
@@ -39,6 +50,19 @@ def _start(spec, args) -> EmulatedRig:
                 if args.port_base is not None else "")
         raise CommandFailed(f"cannot start the {spec.name} rig: {e}{hint}") from None
     return rig
+
+
+def _start_job(rack, plan: str, stop: threading.Event) -> None:
+    """Start the job as soon as the agent admits it (it may start after the emulator)."""
+    from hil.emulator.control import ControlError
+    while not stop.is_set():
+        try:
+            got = rack.start_job(plan, 1_000_000)
+            print(f"job {got['plan']} started on {got['rank_map']}", flush=True)
+            return
+        except ControlError as e:
+            log.info("job not started yet: %s", e)
+            stop.wait(0.5)
 
 
 def run(args) -> int:
@@ -55,11 +79,20 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     rig = _start(spec, args)
     with contextlib.closing(rig):
+        from hil import rigfile
+        from hil.rack_layout import LAYOUTS, layout
+        gpus = ()
+        if spec.name in LAYOUTS:
+            gpus = tuple(rigfile.GpuConfig(g, atts[0].switch, atts[0].tx, g in lay.spares)
+                         for lay in [layout(spec.name)] for g, atts in lay.gpus.items())
+        bus_rig = rigfile.for_emulator(spec.name, rig.endpoints, gpus=gpus)
+        if gpus:
+            rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints())
+            rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         if args.write_rig:
-            from hil import rigfile
-            rigfile.write(args.write_rig, rigfile.for_emulator(spec.name, rig.endpoints))
+            rigfile.write(args.write_rig, bus_rig)
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
         for name, where in rig.endpoints.items():
             if name == "dac" and rig.dac is not None:
@@ -69,6 +102,9 @@ def run(args) -> int:
             else:
                 print(f"  {name:<11} {where}")
         print("running; Ctrl-C to stop", flush=True)
+        if args.job and rig.rack is not None:
+            threading.Thread(target=_start_job, args=(rig.rack, args.job, stop),
+                             name="job-start", daemon=True).start()
         while not stop.wait(0.2):
             pass
     print("stopped; every port and pty freed")

@@ -80,7 +80,7 @@ def test_a_good_rig_file(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (('kind = "heater_dac"', 'kind = "heater_dax"'),
-     r"rig.toml:14: devices.heaters.kind: expected one of heater_dac, laser, power_meter, switch, "
+     r"rig.toml:14: devices.heaters.kind: expected one of chip, heater_dac, laser, power_meter, switch, "
      r"got 'heater_dax'"),
     (('port = 2\n', 'port = "2"\n'),
      r"rig.toml:38: gpus.port: expected the switch input port it attaches to"),
@@ -138,18 +138,28 @@ def test_emulate_writes_a_rig_that_serve_serves(tmp_path):
     try:
         _wait_for(rig_path, emulate)
         rig = rigfile.load(rig_path)
-        assert rig.bus.curve is False and rig.devices["heaters"].kind == "heater_dac"
+        # the lumion chip is one device: the mesh driver owns the heater DAC
+        assert rig.bus.curve is False and rig.devices["chip"].kind == "chip"
+        assert "heaters" not in rig.devices and rig.chip.switch == "chip"
+        assert len(rig.gpus) == 10 and sum(g.spare for g in rig.gpus) == 2
         serve = _ptb("serve", "--rig", str(rig_path), "--endpoints", str(ep_path))
         _wait_for(ep_path, serve)
-        request, _ = json.loads(ep_path.read_text())["heaters"]
-        assert request == rig.devices["heaters"].request
+        request, _ = json.loads(ep_path.read_text())["chip"]
+        assert request == rig.devices["chip"].request
         with ServiceClient(request, timeout=5) as c:
+            topo = c.call("describe")["topology"]
+            assert topo["kind"] == "benes" and topo["ports"] == 16 and len(topo["cells"]) == 56
+            c.call("apply_circuits", circuits=[[1, 18], [2, 17]])
+            snap = c.call("snapshot")["state"]
+            assert [1, 18] in snap["circuits"] and [2, 17] in snap["circuits"]
+            assert {s["state"] for s in snap["cells"].values()} <= {"bar", "cross"}
+            assert len(snap["volts"]) == 56
             c.call("set_heaters", volts=[3.0])
             assert c.call("read_heaters")["volts"][0] == pytest.approx(3.0, abs=2e-4)
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=15)
         assert serve.returncode == 0, out
-        assert "heaters" in out and "stopped" in out
+        assert "chip" in out and "stopped" in out
     finally:
         for proc in (serve, emulate):
             if proc is not None and proc.poll() is None:

@@ -43,7 +43,7 @@ OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 # Operations that change hardware: serialised by the one writer, and compare-and-set when the
 # request carries `expect`.
-CHANGING = frozenset({"apply_circuits", "set_heaters", "set_laser"})
+CHANGING = frozenset({"apply_circuits", "set_heaters", "set_laser", "swap", "admit"})
 
 # Message fields: name -> (accepted types, required). `None` in a type tuple allows null.
 _ANY = (object,)

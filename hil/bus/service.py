@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from drivers.circuit_switch import CircuitSwitch, check_circuits
+from drivers.mesh import classify as classify_phase
 from hil.bus import schema
 from hil.bus.mirror import StatePublisher
 from hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
@@ -154,6 +155,44 @@ def _set_laser(laser, args):
     return state, state
 
 
+def _chip_cells(mesh, volts) -> dict:
+    """Cell states from the commanded heater volts and the calibration (no device I/O)."""
+    chans = [ch for c in mesh.topology.cells for ch in c.channels]
+    phases = mesh.calibration.phases({ch: volts[ch] for ch in chans})
+    out = {}
+    for c in mesh.topology.cells:
+        theta = phases[c.channels[0]]
+        phi = phases[c.channels[1]] if len(c.channels) > 1 else 0.0
+        out[c.id] = {"state": classify_phase(theta), "theta": theta, "phi": phi}
+    return out
+
+
+def _chip_state(mesh) -> dict:
+    volts = list(mesh.dac.commanded)
+    return {"circuits": schema.circuits_to_wire(mesh.circuits()), "ports": mesh.ports,
+            "cells": _chip_cells(mesh, volts), "volts": volts}
+
+
+def _chip_apply(mesh, args):
+    result, changes = _apply_circuits(mesh, args)
+    volts = list(mesh.dac.commanded)
+    return result, {**changes, "cells": _chip_cells(mesh, volts), "volts": volts}
+
+
+def _chip_set_heaters(mesh, args):
+    lines = mesh.dac.set_voltages(_heater_volts(args))
+    volts = list(mesh.dac.commanded)
+    return {"lines": lines}, {"volts": volts, "cells": _chip_cells(mesh, volts),
+                              "circuits": schema.circuits_to_wire(mesh.circuits())}
+
+
+def _chip_describe(mesh) -> dict:
+    d = dict(mesh.describe())
+    d["kind"] = "chip"
+    d["heaters"] = _describe_heaters(mesh.dac)
+    return d
+
+
 KINDS: dict[str, DeviceKind] = {
     "heater_dac": DeviceKind(
         "heater_dac", "drivers.heater_dac:HeaterDAC",
@@ -175,6 +214,15 @@ KINDS: dict[str, DeviceKind] = {
         describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
         telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
         telemetry_hz=2.0),
+    # A chip: the mesh driver owns the heater DAC (one writer); topology and calibration
+    # come from the rig's [chip] section. Rigs without a chip keep `heater_dac`.
+    "chip": DeviceKind(
+        "chip", "drivers.mesh:open_chip",
+        ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
+             "set_heaters": _chip_set_heaters,
+             "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args)},
+        state=_chip_state, describe=_chip_describe,
+        telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
     "laser": DeviceKind(
         "laser", "drivers.laser:Laser",
         ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},

@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 
 from drivers.topology import build as build_topology
@@ -52,10 +53,62 @@ RIGS = {
 
 
 def rig_spec(name: str) -> RigSpec:
+    """A named rig, or a TOML file describing one (docs/rigfile.md, "Emulated rigs")."""
+    if name.endswith(".toml") or os.sep in name:
+        return rig_spec_from_file(name)
     try:
         return RIGS[name]
     except KeyError:
-        raise ValueError(f"unknown rig {name!r}; known rigs: {', '.join(sorted(RIGS))}") from None
+        raise ValueError(f"unknown rig {name!r}; known rigs: {', '.join(sorted(RIGS))}, "
+                         "or a .toml file") from None
+
+
+_SPEC_FIELDS = {"name": str, "description": str, "dac_modules": int, "ocs_ports": int,
+                "meter_channels": int, "laser": bool, "chip_kind": str, "chip_ports": int}
+
+
+def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
+    """Read an `[emulator]` table: `base = "lumion"` (optional) and any RigSpec field."""
+    path = pathlib.Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read the rig file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    table = data.get("emulator")
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: an emulated rig is described in an [emulator] table")
+    fields = {}
+    base = table.get("base")
+    if base is not None:
+        if base not in RIGS:
+            raise ValueError(f"{path}: emulator.base must be one of {', '.join(sorted(RIGS))}, "
+                             f"not {base!r}")
+        fields = {k: v for k, v in RIGS[base].__dict__.items()
+                  if k not in ("name", "description")}
+    for key, value in table.items():
+        if key == "base":
+            continue
+        want = _SPEC_FIELDS.get(key)
+        if want is None:
+            raise ValueError(f"{path}: emulator.{key} is not a rig field; known: base, "
+                             f"{', '.join(_SPEC_FIELDS)}")
+        if type(value) is not want:
+            raise ValueError(f"{path}: emulator.{key} must be {want.__name__}, "
+                             f"not {type(value).__name__} {value!r}")
+        if want is int and not 0 <= value <= 1024:
+            raise ValueError(f"{path}: emulator.{key} must be in 0..1024, not {value}")
+        fields[key] = value
+    fields.setdefault("name", path.stem)
+    fields.setdefault("description", f"emulated rig from {path.name}")
+    if fields.get("chip_kind") and not fields.get("dac_modules"):
+        raise ValueError(f"{path}: a chip needs heaters: set emulator.dac_modules")
+    if fields.get("chip_kind") and fields.get("ocs_ports") and \
+            fields.get("ocs_ports") != fields.get("chip_ports"):
+        raise ValueError(f"{path}: the OCS is the chip's input selector: emulator.ocs_ports "
+                         "must equal emulator.chip_ports")
+    return RigSpec(**fields)
 
 
 class EmulatedRig:
@@ -81,6 +134,7 @@ class EmulatedRig:
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
         self.endpoints: dict[str, str] = {}
+        self.rack = None                 # RackHost, once start_rack() ran
 
     def start(self) -> dict[str, str]:
         try:
@@ -150,6 +204,26 @@ class EmulatedRig:
         self._pd_cache = None
         self._pd_last = -1
 
+    def start_rack(self, gpus_endpoints: tuple[str, str],
+                   agent_endpoints: tuple[str, str] | None = None):
+        """The rack of GPUs on this rig's switch (hil.rack_layout), its link state from the
+        chip's or the OCS's physics; GPU health published at `gpus_endpoints`; faults, truth
+        and the job on the control endpoint. Returns the RackHost."""
+        from hil.emulator.rackhost import RackHost
+        from hil.rack_layout import layout
+        physics = {}
+        if self.chip is not None:
+            physics["chip"] = self.chip
+        if self.optics is not None and self.optics.physics is not None:
+            physics["ocs"] = self.optics.physics
+        lay = layout(self.spec.name)
+        self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
+                             gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)
+        self.rack.start()
+        if self.control is not None:
+            self.rack.register(self.control)
+        return self.rack
+
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""
         path = pathlib.Path(path)
@@ -158,6 +232,9 @@ class EmulatedRig:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        if self.rack is not None:
+            self.rack.close()
+            self.rack = None
         if self.control is not None:
             self.control.close()
             self.control = None

@@ -1,0 +1,337 @@
+"""The agent as a bus process (`ptb agent`): the `Agent` core wired to the rig's services.
+
+- Switches: one `BusSwitch` (a `CircuitSwitch` over a `ServiceClient`) per switch the rig's
+  GPUs are cabled to; every change is sent with `expect` = the version last seen
+  (compare-and-set); a `StaleState` (someone else changed the switch) re-reads and retries
+  once, since the agent's intent is the fabric's.
+- Light: `read_power(switch, port)` asks the rack's GPU monitor (`gpus`, `rx_power`) for the
+  received power the transceiver on that output port reports (DDM).
+- Health: a `StateSubscriber` on `gpus`; every GPU whose state changed goes to `on_health`.
+- The job (through `hil.client.Fabric`): requests `admit`, `phase` (answered once the
+  circuits are up: the answer is the grant), `job_failure`.
+- Its own state, published as device `agent` with `StateServer` (docs/agent.md "On the bus"):
+  rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`
+  (the job's restart orders). Operator op: `swap` `{"gpu": name}`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
+    check_circuits
+from hil.agent.agent import Agent, AgentError
+from hil.bus import schema
+from hil.bus.client import BusError, ServiceClient, StaleState
+from hil.bus.mirror import StateSubscriber
+from hil.bus.stateserver import StateServer
+from hil.jobplan import JobPlan, PlanError
+from hil.journal import Journal
+from hil.rack_layout import Attachment, RackLayout
+from hil.rigfile import Rig, RigFileError
+
+log = logging.getLogger(__name__)
+
+EVENTS_KEPT = 200
+DARK_DBM = -99.0
+
+
+class BusSwitch(CircuitSwitch):
+    """A switch service on the bus, as a CircuitSwitch."""
+
+    def __init__(self, name: str, client: ServiceClient):
+        self.name = name
+        self.client = client
+        snap = client.call("snapshot")
+        self._ports = int(snap["state"]["ports"])
+        self.version = snap["state"]["version"]
+
+    @property
+    def ports(self) -> int:
+        return self._ports
+
+    def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
+        circuits = check_circuits(circuits, self._ports)
+        wire = schema.circuits_to_wire(circuits)
+        t0 = time.perf_counter()
+        for attempt in (0, 1):
+            try:
+                got = self.client.call("apply_circuits", circuits=wire, expect=self.version)
+                break
+            except StaleState:
+                if attempt:
+                    raise SwitchError(f"{self.name} keeps changing under the agent") from None
+                log.warning("%s changed under the agent; re-reading", self.name)
+                self.client.call("read_circuits")
+                self.version = self.client.version
+            except BusError as e:
+                raise SwitchError(f"{self.name}: {e}") from e
+        self.version = self.client.version
+        return ApplyReport(dict(schema.circuits_from_wire(got["added"])),
+                           dict(schema.circuits_from_wire(got["removed"])),
+                           time.perf_counter() - t0)
+
+    def circuits(self) -> Circuits:
+        try:
+            got = self.client.call("read_circuits")
+        except BusError as e:
+            raise SwitchError(f"{self.name}: {e}") from e
+        self.version = self.client.version
+        return dict(schema.circuits_from_wire(got["circuits"]))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "BusSwitch", "endpoint": self.client.endpoint,
+                "ports": self._ports}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
+    """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p."""
+    if not rig.gpus:
+        raise RigFileError(f"rig {rig.name} lists no [[gpus]]: the agent has nothing to manage")
+    switches = {g.switch: int(ports[g.switch]) for g in rig.gpus}
+    gpus = {g.name: (Attachment(g.switch, g.port, switches[g.switch] + g.port),)
+            for g in rig.gpus}
+    return RackLayout(rig.name, switches, gpus, tuple(g.name for g in rig.gpus if g.spare))
+
+
+class AgentProcess:
+    """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`."""
+
+    def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
+                 verify_dbm: float = -12.0, quarantine_s: float = 60.0,
+                 journal_sync: str = "FULL"):
+        self.rig = rig
+        self.keys = rig.client_keys()
+        self.timeout = timeout
+        self.journal = Journal(journal_path, journal_sync)
+        self.clients: list[ServiceClient] = []
+        self.switches: dict[str, BusSwitch] = {}
+        self.server: StateServer | None = None
+        self.sub: StateSubscriber | None = None
+        self.agent: Agent | None = None
+        self._verify_dbm = verify_dbm
+        self._quarantine_s = quarantine_s
+        self._health_seen: dict[str, str] = {}
+        self._alarms: list[str] = []
+        self._restart = {"seq": 0, "rank_map": {}, "cause": ""}
+        self._events: list[dict] = []
+        self._last_seq = 0
+        self._gpus_client: ServiceClient | None = None
+        self._rx: dict[str, tuple[str | None, dict]] = {}
+
+    # --- set-up -----------------------------------------------------------------------------
+    def _client(self, endpoint: str) -> ServiceClient:
+        c = ServiceClient(endpoint, keys=self.keys, timeout=self.timeout)
+        self.clients.append(c)
+        return c
+
+    def start(self) -> tuple[str, str]:
+        endpoints = self.rig.endpoints()
+        names = sorted({g.switch for g in self.rig.gpus})
+        missing = [n for n in names if n not in endpoints]
+        if missing:
+            raise RigFileError(f"GPUs are cabled to {missing}, which the rig does not list")
+        for n in names:
+            try:
+                self.switches[n] = BusSwitch(n, self._client(endpoints[n][0]))
+            except BusError as e:
+                raise AgentError(f"switch service {n} does not answer: {e}") from None
+        layout = layout_from_rig(self.rig, {n: s.ports for n, s in self.switches.items()})
+        gpus_request, gpus_publish = self.rig.gpus_endpoints()
+        self._gpus_client = self._client(gpus_request)
+        self.agent = Agent(layout, self.switches, self.journal, self._read_power,
+                           verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
+                           on_restart=self._on_restart, on_alarm=self._on_alarm)
+        self._restart["seq"] = len(self.journal.entries(kinds=("restart",)))
+        for e in self.journal.entries()[-EVENTS_KEPT:]:
+            self._events.append({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                                 "latency_s": e.latency_s, "details": e.details})
+            self._last_seq = e.seq
+        request, publish = self.rig.agent_endpoints()
+        self.server = StateServer(
+            "agent", self._state(), request=self.rig.bind_endpoint(request),
+            publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
+            keys=None if not self.rig.bus.curve else _server_keys(self.rig),
+            handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
+                      "phase": self._phase, "job_failure": self._job_failure})
+        bound = self.server.bind()
+        self.sub = StateSubscriber({"gpus": (gpus_request, gpus_publish)}, keys=self.keys,
+                                   on_state=self._on_gpus, telemetry=False)
+        self.agent.start()              # reconcile; finish a swap a killed agent left
+        self._publish()
+        log.info("agent of rig %s on %s, publishing on %s", self.rig.name, *bound)
+        return bound
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for c in self.clients:
+            c.close()
+        self.clients.clear()
+        self.journal.close()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server.router, zmq.POLLIN)
+        poller.register(self.sub.sub, zmq.POLLIN)
+        while not stop.is_set():
+            poller.poll(50)
+            self.step()
+
+    def step(self) -> None:
+        """Handle whatever is waiting (requests, health), then publish what changed."""
+        self._rx.clear()              # received power is read afresh for each event
+        self.sub.poll(0)
+        self.server.poll(0)
+        self._publish()
+
+    # --- inputs -----------------------------------------------------------------------------
+    def _read_power(self, switch: str, port: int) -> float:
+        """Received power on an output port: one request reads every receiver of the switch,
+        kept while the switch is unchanged and the agent handles the same event (a
+        verification reads several ports)."""
+        sw = self.switches.get(switch)
+        cached = self._rx.get(switch)
+        if cached is None or sw is None or cached[0] != sw.version or str(port) not in cached[1]:
+            ports = sorted({a.rx for atts in self.agent.layout.gpus.values() for a in atts
+                            if a.switch == switch} | {int(port)})
+            try:
+                got = self._gpus_client.call("rx_power", switch=switch, ports=ports)
+            except BusError as e:
+                log.warning("no received power for %s:%d: %s", switch, port, e)
+                return DARK_DBM
+            cached = self._rx[switch] = (sw.version if sw else None, got["dbm"])
+        return float(cached[1][str(port)])
+
+    def _on_gpus(self, device: str, state: dict, ops: Any) -> None:
+        changed = []
+        for gpu, h in state.get("gpus", {}).items():
+            if self._health_seen.get(gpu, "ok") != h.get("state"):
+                self._health_seen[gpu] = h.get("state")
+                changed.append(h)
+        if changed:
+            try:
+                self.agent.on_health(*changed)
+            except (AgentError, SwitchError) as e:
+                self._on_alarm(f"failover failed: {e}", {})
+
+    def _admit(self, args: dict) -> dict:
+        try:
+            plan = JobPlan.from_dict(args["plan"])
+        except (KeyError, PlanError) as e:
+            raise AgentError(f"admit needs a job plan: {e}") from None
+        rank_map = args.get("rank_map")
+        got = self.agent.admit(plan, None if rank_map is None
+                               else {int(r): g for r, g in rank_map.items()})
+        return {"rank_map": {str(r): g for r, g in got.items()},
+                "restart_seq": self._restart["seq"]}
+
+    def _phase(self, args: dict) -> dict:
+        phase, rnd = args.get("phase"), args.get("round", 0)
+        if not isinstance(phase, str) or isinstance(rnd, bool) or not isinstance(rnd, int):
+            raise AgentError(f"phase takes a phase name and a round number, not {args!r}")
+        self.agent.on_phase(phase, rnd)
+        return {"granted": True, "phase": phase, "round": rnd}
+
+    def _job_failure(self, args: dict) -> dict:
+        out = self.agent.on_job_failure(str(args.get("reason", "")), args.get("gpus", ()),
+                                        [tuple(x) for x in args.get("links", ())])
+        return {"swapped": dict(out.swaps) if out is not None else {}}
+
+    def _swap(self, args: dict) -> dict:
+        gpu = args.get("gpu")
+        agent = self.agent
+        if gpu not in agent.layout.gpus:
+            raise AgentError(f"no GPU {gpu!r} in the rack; it has {', '.join(agent.layout.gpus)}")
+        if gpu not in agent.rank_map.values():
+            raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
+        with agent._lock:
+            agent.journal.record("detected", f"operator asked to swap {gpu} out")
+            agent._failed_at[gpu] = agent.clock()      # keep it out of the spares a while
+            out = agent._failover([gpu], "manual swap")
+        if out is None:
+            raise AgentError("no job admitted: nothing to swap")
+        return {"swaps": dict(out.swaps), "rank_map": {str(r): g for r, g in
+                                                       out.rank_map.items()},
+                "latency_s": out.latency_s}
+
+    def _describe(self, args: dict) -> dict:
+        a = self.agent
+        return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
+                "switches": {n: s.describe() for n, s in self.switches.items()},
+                "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None}
+
+    @property
+    def journal_path(self) -> str:
+        return getattr(self.journal, "path", "")
+
+    # --- outputs ----------------------------------------------------------------------------
+    def _on_restart(self, rank_map: dict, cause: str) -> None:
+        self._restart = {"seq": self._restart["seq"] + 1,
+                         "rank_map": {str(r): g for r, g in rank_map.items()}, "cause": cause}
+        self._publish()          # the job is waiting for this: send it now
+
+    def _on_alarm(self, text: str, details: dict) -> None:
+        self._alarms.append(text)
+        del self._alarms[:-50]
+
+    def _rack(self) -> list[dict]:
+        a = self.agent
+        owner = {g: r for r, g in a.rank_map.items()}
+        out = []
+        for g, atts in a.layout.gpus.items():
+            rank = owner.get(g)
+            spare = g in a.layout.spares
+            role = ("in_use_spare" if spare and rank is not None else
+                    "spare" if spare else "active")
+            out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
+                        "health": a._health.get(g, "ok"), "role": role, "rank": rank})
+        return out
+
+    def _state(self) -> dict:
+        a = self.agent
+        return {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
+                "phase": a.phase[0] if a.phase else None, "round": a.phase[1] if a.phase else 0,
+                "events": [dict(e) for e in self._events], "alarms": list(self._alarms),
+                "restart": dict(self._restart)}
+
+    def _publish(self) -> None:
+        """New journal entries are appended to `events` (the oldest dropped past 200), the
+        other keys sent when they differ: one delta."""
+        new = self.journal.entries(since=self._last_seq)
+        ops: list = []
+        if new:
+            self._last_seq = new[-1].seq
+            for e in new:
+                ev = {"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                      "latency_s": e.latency_s, "details": e.details}
+                ops.append(["set", ["events", len(self._events)], ev])
+                self._events.append(ev)
+                if len(self._events) > EVENTS_KEPT:
+                    ops.append(["del", ["events", 0]])
+                    self._events.pop(0)
+        if self.server is None:
+            return
+        state = self._state()
+        old = self.server.state.state
+        ops += [["set", [k], v] for k, v in state.items() if k != "events" and old.get(k) != v]
+        if ops:
+            self.server.change(ops)
+
+
+def _server_keys(rig: Rig):
+    from hil.bus.security import server_keys
+    return server_keys(rig.bus.server_key, rig.bus.authorized_keys)

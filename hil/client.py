@@ -1,0 +1,125 @@
+"""The job's side of the fabric: what a training loop calls at its phase boundaries.
+
+    from hil.client import Fabric
+    fabric = Fabric(*rig.agent_endpoints(), on_restart=restart_from_checkpoint)
+    rank_map = fabric.admit(plan)          # the agent precomputes every phase's circuits
+    for step in range(steps):
+        fabric.phase("tp")                 # returns once the TP circuits are up (verified)
+        ...tensor-parallel collectives...
+        fabric.phase("dp")
+        ...data-parallel all-reduce...
+
+`phase(name, round)` is a request to the agent (`ptb agent`): the agent applies the
+difference to every switch and answers; the answer is the grant. A failure the job sees
+(a collective timing out, a rank lost) goes to `failure(reason, gpus, links)`. Restart orders
+come from the agent's published state (`restart`: `{"seq", "rank_map", "cause"}`): each new
+one calls `on_restart(rank_map, cause)` on the subscriber's thread, and `wait_restart()` waits
+for one. Nothing here imports torch: a PyTorch loop passes its own callbacks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+
+from hil.bus.client import ServiceClient
+from hil.bus.mirror import StateSubscriber
+from hil.bus.security import ClientKeys
+
+log = logging.getLogger(__name__)
+
+
+class Fabric:
+    def __init__(self, request: str, publish: str, *, keys: ClientKeys | None = None,
+                 timeout: float = 5.0,
+                 on_restart: Callable[[dict[int, str], str], None] | None = None):
+        self.timeout = timeout
+        self.on_restart = on_restart
+        self._keys = keys
+        self._request = request
+        self._local = threading.local()
+        self._clients: list[ServiceClient] = []
+        self._cond = threading.Condition()
+        self._restart_seq: int | None = None      # the agent's restart seq when we joined
+        self._orders: list[tuple[dict[int, str], str]] = []
+        # A plain subscriber on our own thread: only the `restart` key matters here, so no
+        # copy of the agent's state (its events) is made per delta.
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sub = StateSubscriber({"agent": (request, publish)}, keys=keys,
+                                    on_state=self._on_state, telemetry=False,
+                                    context=self._ctx)
+        self._thread = threading.Thread(target=self._listen, name="fabric-orders", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._sub.poll(0.05)
+        except Exception:
+            log.exception("the fabric's subscriber stopped")
+
+    def _client(self) -> ServiceClient:
+        c = getattr(self._local, "client", None)     # one client per thread (bus rule)
+        if c is None:
+            c = self._local.client = ServiceClient(self._request, keys=self._keys,
+                                                   timeout=self.timeout)
+            self._clients.append(c)
+        return c
+
+    # --- requests ---------------------------------------------------------------------------
+    def admit(self, plan: Any, rank_map: Mapping[int, str] | None = None) -> dict[int, str]:
+        """Announce the job (a JobPlan or its dict); returns the rank map the agent chose."""
+        d = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+        args: dict[str, Any] = {"plan": d}
+        if rank_map is not None:
+            args["rank_map"] = {str(r): g for r, g in rank_map.items()}
+        got = self._client().call("admit", **args)
+        with self._cond:
+            self._restart_seq = int(got.get("restart_seq", 0))
+        return {int(r): g for r, g in got["rank_map"].items()}
+
+    def phase(self, name: str, round: int = 0, timeout: float | None = None) -> dict:
+        """Block until the agent says the circuits of (phase, round) are ready."""
+        return self._client().call("phase", phase=name, round=int(round), timeout=timeout)
+
+    def failure(self, reason: str, gpus: Any = (), links: Any = ()) -> dict:
+        return self._client().call("job_failure", reason=str(reason), gpus=list(gpus),
+                                   links=[list(x) for x in links])
+
+    # --- restart orders ---------------------------------------------------------------------
+    def _on_state(self, device: str, state: dict, ops: Any) -> None:
+        order = state.get("restart") or {}
+        seq = int(order.get("seq", 0))
+        with self._cond:
+            if self._restart_seq is None:
+                self._restart_seq = seq          # orders before we joined are not ours
+                return
+            if seq <= self._restart_seq:
+                return
+            self._restart_seq = seq
+            rank_map = {int(r): g for r, g in order.get("rank_map", {}).items()}
+            self._orders.append((rank_map, str(order.get("cause", ""))))
+            self._cond.notify_all()
+        log.info("restart order %d: %s", seq, rank_map)
+        if self.on_restart is not None:
+            self.on_restart(rank_map, str(order.get("cause", "")))
+
+    def wait_restart(self, timeout: float) -> tuple[dict[int, str], str] | None:
+        """The next restart order (rank map, cause), or None after `timeout` seconds."""
+        with self._cond:
+            if not self._orders:
+                self._cond.wait_for(lambda: bool(self._orders), timeout)
+            return self._orders.pop(0) if self._orders else None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sub.close()
+        self._ctx.term()
+        for c in self._clients:
+            c.close()
+        self._clients.clear()

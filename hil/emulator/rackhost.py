@@ -1,0 +1,213 @@
+"""The emulated rack inside the emulator process: GPUs on the rig's switch, their health on
+the bus, faults and truth on the control endpoint, and the training job.
+
+- The rack's GPUs sit on the chip's ports (`lumion`) or the OCS's rail ports (`opus`) as
+  `hil.rack_layout` says; a link's state comes from that switch's physics (`transfer`).
+- A GPU health monitor publishes on the bus as the state of the device `gpus` (a
+  `StateServer`): `{"gpus": {name: GpuHealth.to_dict()}}`, one delta whenever a GPU's state
+  changes: the same values an NVML monitor on a real host publishes. Its request socket answers
+  `rx_power` `{"switch": s, "ports": [p, ...]}` -> `{"dbm": {"p": dBm}}`: the received power
+  that each transceiver on those output ports reports (DDM, as real optics do): what the agent
+  reads to verify circuits.
+- The control endpoint gets the rack's handlers (`fail_gpu`, `fail_transceiver`, `cut_fibre`,
+  `rack_truth`, `health`, ...) and the job's (`job_start`, `job_status`, `job_stop`).
+- The job (`hil.emulator.job.TrainingJob`, wall clock) talks to the agent through
+  `hil.client.Fabric` only: each phase round waits for `fabric.phase(...)`, failures go to
+  `fabric.failure(...)`, restart orders come back from the agent's published state.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from hil.bus.client import BusError
+from hil.bus.stateserver import StateServer
+from hil.client import Fabric
+from hil.emulator.clock import WallClock
+from hil.emulator.control import ControlError, ControlServer
+from hil.emulator.job import JobEvent, TrainingJob
+from hil.emulator.rack import EmulatedRack, RackError, dbm
+from hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
+from hil.rack_layout import RackLayout
+
+log = logging.getLogger(__name__)
+
+HEALTH_PERIOD_S = 0.001       # how often the monitor looks at the GPUs
+JOB_EVENTS_KEPT = 500
+
+
+def plan_named(name: str, world: int) -> JobPlan:
+    """Built-in job plans: `dp` (one all-reduce ring) and `dp-tp` (TP pairs, then DP rings).
+    Step time is about 20 ms of compute + the transfers at 400 Gb/s."""
+    if name == "dp":
+        return dp_ring(world, bytes=5e8, compute_s=0.01)
+    if name == "dp-tp":
+        return dp_tp(world, tp=2, tp_bytes=2e8, dp_bytes=5e8, compute_s=0.005)
+    raise PlanError(f"no built-in job plan {name!r}; known: dp, dp-tp")
+
+
+class RackHost:
+    """The rack, its health monitor on the bus, and the job, for one emulated rig."""
+
+    def __init__(self, layout: RackLayout, physics: dict[str, Any], *,
+                 gpus_endpoints: tuple[str, str], agent_endpoints: tuple[str, str] | None = None,
+                 heartbeat: float = 0.5):
+        self.layout = layout
+        self.clock = WallClock()
+        self.rack = EmulatedRack(layout, physics, self.clock)
+        self.agent_endpoints = agent_endpoints
+        self._offset = time.time() - time.monotonic()     # monotonic -> Unix time
+        self.server = StateServer("gpus", {"gpus": {h.gpu: h.to_dict()
+                                                    for h in self.rack.health()}},
+                                  request=gpus_endpoints[0], publish=gpus_endpoints[1],
+                                  heartbeat=heartbeat, handlers={"rx_power": self._rx_power})
+        self.endpoints: tuple[str, str] | None = None
+        self.job: TrainingJob | None = None
+        self.fabric: Fabric | None = None
+        self.job_events: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()            # one job start at a time
+        self._events_lock = threading.Lock()
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self) -> tuple[str, str]:
+        self.endpoints = self.server.bind()
+        self._thread = threading.Thread(target=self._monitor, name="gpu-health", daemon=True)
+        self._thread.start()
+        log.info("GPU health of rack %s on %s", self.layout.name, self.endpoints[1])
+        return self.endpoints
+
+    def close(self) -> None:
+        self._stop_job()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        self.server.close()
+        self.rack.close()
+
+    def _monitor(self) -> None:
+        """Health monitor loop: publish every GPU whose state changed; answer rx_power."""
+        while not self._stop.is_set():
+            self.server.poll(HEALTH_PERIOD_S)
+            changed = self.rack.poll()
+            if changed:
+                self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+
+    def _rx_power(self, args: dict) -> dict:
+        switch = args.get("switch")
+        ports = args.get("ports")
+        if switch not in self.layout.switches or not isinstance(ports, list):
+            raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)} and "
+                            f"a list of output ports, not {switch!r}, {ports!r}")
+        for p in ports:
+            self.rack.faults._port(switch, int(p))       # a port the switch has
+        light = self.rack._light(switch)                 # the optics once for every port
+        return {"dbm": {str(p): dbm(sum(light.get(int(p), {}).values())) for p in ports}}
+
+    # --- control endpoint -------------------------------------------------------------------
+    def register(self, control: ControlServer) -> None:
+        for name, fn in self.rack.control_handlers().items():
+            # the optical bench already offers `truth` (of the instruments): the rack's links
+            # are `rack_truth`; both names answer for rigs whose bench has no truth of its own
+            wrapped = self._kwargs(fn)
+            control.register("rack_truth" if name == "truth" else name, wrapped)
+            if name == "truth" and "truth" not in control.handlers:
+                control.register("truth", wrapped)
+        control.register("job_start", self._job_start)
+        control.register("job_status", lambda req: self.job_status())
+        control.register("job_stop", lambda req: self._stop_job())
+
+    @staticmethod
+    def _kwargs(fn):
+        def handler(req: dict) -> Any:
+            args = {k: v for k, v in req.items() if k != "cmd"}
+            try:
+                return fn(**args)
+            except RackError as e:
+                raise ControlError(str(e)) from None
+        return handler
+
+    # --- the job ----------------------------------------------------------------------------
+    def _job_start(self, req: dict) -> dict:
+        return self.start_job(req.get("plan", "dp"), int(req.get("steps", 1000)),
+                              checkpoint_every=int(req.get("checkpoint_every", 10)),
+                              restart_s=float(req.get("restart_s", 0.2)))
+
+    def start_job(self, plan: str | dict, steps: int, *, checkpoint_every: int = 10,
+                  restart_s: float = 0.2) -> dict:
+        if self.agent_endpoints is None:
+            raise ControlError("this rack has no agent to run a job with")
+        with self._lock:
+            if self.job is not None and self.job.state in ("running", "failed", "restarting"):
+                raise ControlError(f"a job is already {self.job.state}")
+            self._stop_job()
+            try:
+                plan = (JobPlan.from_dict(plan) if isinstance(plan, dict)
+                        else plan_named(str(plan), len(self.layout.workers)))
+            except PlanError as e:
+                raise ControlError(str(e)) from None
+            fabric = Fabric(*self.agent_endpoints, timeout=5.0)
+            try:
+                rank_map = fabric.admit(plan)
+            except BusError as e:
+                fabric.close()
+                raise ControlError(f"the agent did not admit the job: {e}") from None
+            job = TrainingJob(plan, rank_map, self.rack, self.clock,
+                              checkpoint_every=checkpoint_every, restart_s=restart_s,
+                              grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
+            self.job_events = []
+            job.subscribe(self._on_event)
+            fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
+            self.job, self.fabric = job, fabric
+            job.start(steps)
+        return {"plan": plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
+                "steps": steps}
+
+    def _on_event(self, ev: JobEvent) -> None:
+        """The job's thread: phases go to the agent (and wait for the circuits), failures
+        are reported; everything but phases is kept for job_status."""
+        fabric, job = self.fabric, self.job
+        if ev.kind == "phase":
+            try:
+                fabric.phase(ev.phase, ev.round)
+            except BusError as e:
+                log.warning("phase %s/%d not granted: %s", ev.phase, ev.round, e)
+                return
+            job.grant(ev.phase, ev.round)
+            return
+        if ev.kind == "failure":
+            try:
+                fabric.failure(ev.details.get("reason", ""), ev.details.get("gpus", ()),
+                               ev.details.get("links", ()))
+            except BusError as e:
+                log.warning("failure not reported to the agent: %s", e)
+        with self._events_lock:
+            self.job_events.append({"kind": ev.kind, "t": ev.t + self._offset, "step": ev.step,
+                                    "details": dict(ev.details)})
+            del self.job_events[:-JOB_EVENTS_KEPT]
+
+    def job_status(self) -> dict:
+        job = self.job
+        if job is None:
+            return {"state": "none"}
+        with self._events_lock:
+            events = list(self.job_events)
+        return {"state": job.state, "step": job.step, "restarts": job.restarts,
+                "rank_map": {str(r): g for r, g in job.rank_map.items()},
+                "steps": [[r.step, r.world, r.t_start + self._offset, r.t_end + self._offset]
+                          for r in job.records[-2000:]],
+                "down_communications": sum(1 for c in job.communications if not c.all_up),
+                "events": events}
+
+    def _stop_job(self) -> dict:
+        job, fabric = self.job, self.fabric
+        if job is not None:
+            job.close()
+        if fabric is not None:
+            fabric.close()
+        self.fabric = None
+        return {"state": job.state if job is not None else "none"}

@@ -1,0 +1,80 @@
+"""Phase rails: from the job's phase event on the bus (`Fabric.phase`) to the grant, i.e. the
+circuits of that phase applied, over the bus, for a DP/TP job (`dp_tp(8)`: TP pairs, then DP
+rings): on lumion's chip and on opus's OCS. Zero device delays, then (`--realistic`) the OCS
+at 25 ms per move (measured: the emulated OCS holds *OPC? until it has settled) and the chip
+with its modelled delays (1 ms per serial line, 10 us heater settling) added."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from hil.client import Fabric
+from hil.jobplan import dp_tp
+from ptb.bench.stack import Stack, percentile
+
+NAME = "phase"
+HELP = "phase event -> phase circuits applied (grant), over the bus, chip and OCS"
+SERIAL_LINE_S = 1e-3
+HEATER_SETTLE_S = 10e-6
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--runs", type=int, default=200, help="phase switches per case "
+                   "(default %(default)s)")
+    p.add_argument("--realistic", action="store_true",
+                   help="also measure the OCS at 25 ms per move")
+
+
+def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full") -> list[float]:
+    stack = Stack(rig, switching_ms=switching_ms, journal_sync=sync)
+    fabric = None
+    try:
+        fabric = Fabric(*stack.rig.agent_endpoints(), timeout=10)
+        plan = dp_tp(8)
+        fabric.admit(plan)
+        seq = plan.sequence()
+        times = []
+        for _ in range(2):                       # warm-up: every circuit set seen once
+            for ph, rnd in seq:
+                fabric.phase(ph, rnd)
+        while len(times) < runs:
+            for ph, rnd in seq:
+                t = time.perf_counter()
+                fabric.phase(ph, rnd)
+                times.append(time.perf_counter() - t)
+        return times[:runs]
+    finally:
+        if fabric is not None:
+            fabric.close()
+        stack.close()
+
+
+def _row(case: str, xs: list[float], extra: float = 0.0) -> dict:
+    return {"case": case, "runs": len(xs),
+            "p50_ms": f"{1e3 * (statistics.median(xs) + extra):.3f}",
+            "p99_ms": f"{1e3 * (percentile(xs, 0.99) + extra):.3f}",
+            "max_ms": f"{1e3 * (max(xs) + extra):.3f}"}
+
+
+def run(args) -> dict:
+    chip = _measure("lumion", 0.0, args.runs)
+    ocs = _measure("opus", 0.0, args.runs)
+    chip_n = _measure("lumion", 0.0, args.runs, "normal")
+    ocs_n = _measure("opus", 0.0, args.runs, "normal")
+    rows = [_row("chip (lumion), zero delays", chip), _row("OCS (opus), zero delays", ocs),
+            _row("chip, zero delays, journal sync normal", chip_n),
+            _row("OCS, zero delays, journal sync normal", ocs_n),
+            _row("chip, realistic (+1 serial line, +10 us heaters)", chip,
+                 SERIAL_LINE_S + HEATER_SETTLE_S)]
+    samples = {"chip": chip, "ocs": ocs, "chip_normal": chip_n, "ocs_normal": ocs_n}
+    if args.realistic:
+        slow = _measure("opus", 25.0, args.runs)
+        rows.append(_row("OCS, realistic (25 ms per move, measured)", slow))
+        samples["ocs_25ms"] = slow
+    notes = []
+    for label, a, b in (("full", chip, ocs), ("normal", chip_n, ocs_n)):
+        p99 = max(percentile(a, 0.99), percentile(b, 0.99))
+        notes.append(f"journal {label}: goal phase switch p99 <= 2 ms with zero device delays "
+                     f"{'met' if p99 <= 0.002 else 'NOT met'} ({1e3 * p99:.3f} ms)")
+    return {"rows": rows, "notes": notes,
+            "samples_ms": {k: [round(1e3 * x, 4) for x in v] for k, v in samples.items()}}

@@ -1,0 +1,237 @@
+"""The agent as a bus process: `ptb agent` against emulated switches, GPU health on the bus,
+the job side through hil.client.Fabric; and `ptb demo` end to end."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hil import rigfile
+from hil.bus.client import RemoteError, ServiceClient
+from hil.bus.service import DeviceService
+from hil.client import Fabric
+from hil.emulator.rig import EmulatedRig, rig_spec
+from hil.jobplan import dp_ring
+from hil.journal import Journal
+from hil.rack_layout import layout
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _ptb(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _until(cond, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def _stop(proc):
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.communicate()[0]
+    return proc.communicate()[0] if proc is not None else ""
+
+
+@pytest.fixture
+def opus_bus(tmp_path):
+    """The opus rig: emulated OCS + rack in this process, the OCS service on a thread."""
+    rig = EmulatedRig(rig_spec("opus"), switching_s=0.0)
+    rig.start()
+    lay = layout("opus")
+    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
+                 for g, a in lay.gpus.items())
+    bus = rigfile.for_emulator("opus", rig.endpoints, gpus=gpus)
+    rig.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
+    path = tmp_path / "rig.toml"
+    rigfile.write(path, bus)
+    service = DeviceService(bus.service_specs(["ocs"])[0])
+    service.bind()
+    stop = threading.Event()
+    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        yield rig, rigfile.load(path), path
+    finally:
+        stop.set()
+        t.join(5)
+        service.close()
+        rig.close()
+
+
+def _agent(path, journal):
+    proc = _ptb("agent", "--rig", str(path), "--journal", str(journal))
+    rig = rigfile.load(path)
+    with ServiceClient(rig.agent_endpoints()[0], timeout=20) as c:
+        try:
+            c.call("ping")
+        except Exception:
+            raise AssertionError(f"agent did not answer:\n{_stop(proc)}")
+    return proc
+
+
+def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bus, tmp_path):
+    emu, rig, path = opus_bus
+    journal = tmp_path / "journal.db"
+    physics = emu.optics.physics
+    agent = _agent(path, journal)
+    fabric = None
+    try:
+        fabric = Fabric(*rig.agent_endpoints(), timeout=10)
+        rank_map = fabric.admit(dp_ring(8))
+        assert fabric.phase("dp")["granted"]
+        ring = [(rank_map[r], rank_map[(r + 1) % 8]) for r in range(8)]
+        assert all(t is not None and t.up for t in emu.rack.rack.link_map(ring).values())
+        with ServiceClient(rig.agent_endpoints()[0], timeout=5) as c:
+            with pytest.raises(RemoteError, match="no GPU 'gpu99'"):
+                c.call("swap", gpu="gpu99")
+            state = c.call("snapshot")["state"]
+        assert [g["role"] for g in state["rack"]] == ["active"] * 8
+        assert state["rank_map"] == {str(r): g for r, g in rank_map.items()}
+
+        physics.switching_s = 1.5               # a slow move: the kill lands inside it
+        emu.rack.rack.faults.fail_gpu("server5")
+        with Journal(journal) as j:
+            swap = _until(lambda: [e for e in j.entries(kinds=("decision",))
+                                   if e.details.get("action") == "swap"], what="swap decision")
+        swap_seq = swap[0].seq
+        time.sleep(0.3)
+        agent.kill()                            # SIGKILL mid-apply
+        agent.communicate(timeout=10)
+        _until(lambda: not physics._dark_until or
+               max(physics._dark_until.values()) < time.monotonic(), what="OCS settled")
+        moves = physics.moves
+        with Journal(journal) as j:
+            assert not j.entries(since=swap_seq, kinds=("rank_map",))   # never announced
+
+        agent = _agent(path, journal)
+        order = fabric.wait_restart(timeout=20)
+        assert order is not None, "no restart order after the agent came back"
+        new_map, cause = order
+        assert "server5" not in new_map.values() and len(new_map) == 7
+        assert cause.startswith("resume")
+        assert physics.moves == moves                     # no extra switch moves
+        ring = [(new_map[r], new_map[(r + 1) % 7]) for r in range(7)]
+        assert all(t is not None and t.up for t in emu.rack.rack.link_map(ring).values())
+        with Journal(journal) as j:
+            rec = [e for e in j.entries(kinds=("reconcile",)) if "moves" in e.details]
+            assert rec[-1].details["moves"] == {"ocs": 0}
+    finally:
+        if fabric is not None:
+            fabric.close()
+        _stop(agent)
+
+
+def test_demo_end_to_end_one_gpu_failure(tmp_path):
+    """`ptb demo --headless`: emulator, services, agent as processes; gpu6 fails; the job
+    resumes on a spare, never communicating over a down link."""
+    proc = _ptb("demo", "--headless", "--seconds", "1", "--gpu", "gpu6",
+                "--workdir", str(tmp_path))
+    try:
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    for line in ("failure injected", "detected by the agent", "circuits applied",
+                 "verified by light", "job resumed", "demo succeeded"):
+        assert line in out, out
+    assert "gpu6 -> spare0" in out
+    assert "communications over a down link: 0" in out
+    assert "gpu6" not in out.split("ranks now on")[1].split(";")[0]
+
+
+@pytest.fixture
+def lumion_bus(tmp_path):
+    """The lumion rig (ideal chip): instruments + rack in this process, the chip service (the
+    mesh owning the DAC) on a thread."""
+    rig = EmulatedRig(rig_spec("lumion"), ideal_chip=True)
+    rig.start()
+    lay = layout("lumion")
+    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
+                 for g, a in lay.gpus.items())
+    bus = rigfile.for_emulator("lumion", rig.endpoints, gpus=gpus)
+    rig.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
+    path = tmp_path / "rig.toml"
+    rigfile.write(path, bus)
+    service = DeviceService(bus.service_specs(["chip"])[0])
+    service.bind()
+    stop = threading.Event()
+    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        yield rig, rigfile.load(path), path
+    finally:
+        stop.set()
+        t.join(5)
+        service.close()
+        rig.close()
+
+
+def _ring_up(rack, rank_map):
+    n = len(rank_map)
+    ring = [(rank_map[r], rank_map[(r + 1) % n]) for r in range(n)]
+    return all(t is not None and t.up for t in rack.link_map(ring).values())
+
+
+def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_bus, tmp_path):
+    emu, rig, path = lumion_bus
+    rack = emu.rack.rack
+    agent = _agent(path, tmp_path / "journal.db")
+    fabric = None
+    try:
+        fabric = Fabric(*rig.agent_endpoints(), timeout=10)
+        rank_map = fabric.admit(dp_ring(8))
+        fabric.phase("dp")
+        assert _ring_up(rack, rank_map)          # the chip's physics carries the ring
+
+        rack.faults.fail_gpu("gpu1")             # two at once: one health delta, one swap
+        rack.faults.fail_gpu("gpu6")
+        got = fabric.wait_restart(timeout=20)
+        assert got is not None
+        new_map, _ = got
+        if {"gpu1", "gpu6"} & set(new_map.values()):      # the two came as two events
+            got = fabric.wait_restart(timeout=20)
+            assert got is not None
+            new_map, _ = got
+        assert sorted(g for g in new_map.values() if g.startswith("spare")) == \
+            ["spare0", "spare1"]
+        assert {new_map[1], new_map[6]} == {"spare0", "spare1"}
+        assert _ring_up(rack, new_map)
+
+        rack.faults.fail_gpu("gpu3")             # no spare left: the DP ring shrinks
+        got = fabric.wait_restart(timeout=20)
+        assert got is not None
+        small, _ = got
+        assert len(small) == 7 and "gpu3" not in small.values()
+        assert _ring_up(rack, small)
+        with ServiceClient(rig.agent_endpoints()[0], timeout=5) as c:
+            state = _until(lambda: (s := c.call("snapshot")["state"])["alarms"] and s,
+                           what="alarm published")
+        assert any("no healthy spare for gpu3" in a for a in state["alarms"])
+        roles = {g["name"]: (g["role"], g["health"]) for g in state["rack"]}
+        assert roles["spare0"] == ("in_use_spare", "ok")
+        assert roles["gpu3"] == ("active", "failed")
+    finally:
+        if fabric is not None:
+            fabric.close()
+        _stop(agent)
