@@ -213,3 +213,20 @@ def test_cli_refuses_bad_arguments(tmp_path):
     proc = _ptb("calibrate", "--rig", "nosuchrig", "--out", str(tmp_path / "c.json"))
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "unknown rig" in err
+
+
+def test_cli_reads_a_rig_file(tmp_path):
+    from hil import rigfile
+    from hil.emulator.rig import EmulatedRig, rig_spec
+    with EmulatedRig(rig_spec("lumion"), seed=3, workdir=tmp_path, switching_s=0.0) as rig:
+        path = tmp_path / "rig.toml"
+        rigfile.write(path, rigfile.for_emulator("lumion", rig.endpoints))
+        proc = _ptb("calibrate", "--rig", str(path), "--out", str(tmp_path / "c.json"),
+                    "--cells", "s1r0", "--no-crosstalk")
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    cal = Calibration.load(tmp_path / "c.json")
+    assert cal.rig == "lumion" and {h.cell for h in cal.heaters.values()} >= {"s1r0", "s0r0"}
+    truth = rig.chip.truth()
+    ch = benes(16).cell("s1r0").channels[0]
+    assert abs(wrapped(cal.heaters[ch].offset_rad - truth.offset_rad[ch])) < 0.3  # no xt comp.
