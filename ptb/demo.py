@@ -229,7 +229,8 @@ def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> in
     if verified:
         dbm = verified["details"].get("dbm", {})
         rows.append(("verified by light", verified["ts"],
-                     f"{len(dbm)} receivers, min {min(dbm.values()):.1f} dBm" if dbm else ""))
+                     f"{len(dbm)} receivers, min {min(dbm.values()):.1f} dBm" if dbm
+                     else "no new circuit to a spare to read"))
     if restart:
         rows.append(("restart ordered", restart["ts"], restart["details"].get("rank_map")
                      and "new rank map published"))

@@ -8,6 +8,7 @@ import threading
 
 import zmq
 
+from hil.emulator.rack import RackError
 from hil.emulator.rig import RIGS, EmulatedRig, rig_spec
 from ptb.cli import CommandFailed
 
@@ -87,8 +88,12 @@ def run(args) -> int:
                          for lay in [layout(spec.name)] for g, atts in lay.gpus.items())
         bus_rig = rigfile.for_emulator(spec.name, rig.endpoints, gpus=gpus)
         if gpus:
-            rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints())
-            rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
+            try:
+                rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints())
+                rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
+            except RackError as e:
+                log.warning("no rack of GPUs: %s", e)
+                bus_rig = rigfile.for_emulator(spec.name, rig.endpoints)
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         if args.write_rig:

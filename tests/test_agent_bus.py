@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from hil import rigfile
 from hil.bus.client import RemoteError, ServiceClient
@@ -51,29 +52,59 @@ def _stop(proc):
     return proc.communicate()[0] if proc is not None else ""
 
 
+def _on_the_bus(emu, name: str, device: str, path):
+    """Rig file, rack and the switch's service for an emulated rig. Endpoints are free ports
+    picked before binding (as `ptb emulate --write-rig` does): another process on the machine
+    may take one first, so a failed bind picks new ones (at most 3 tries)."""
+    lay = layout(name)
+    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
+                 for g, a in lay.gpus.items())
+    for attempt in range(3):
+        bus = rigfile.for_emulator(name, emu.endpoints, gpus=gpus)
+        service = DeviceService(bus.service_specs([device])[0])
+        try:
+            if emu.rack is None:
+                emu.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
+            service.bind()
+        except zmq.ZMQError:
+            service.close()
+            if emu.rack is not None:
+                emu.rack.close()
+                emu.rack = None
+            if attempt == 2:
+                raise
+            continue
+        rigfile.write(path, bus)
+        return service
+
+
+def _serve(service):
+    stop = threading.Event()
+    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    t.start()
+
+    def close():
+        stop.set()
+        t.join(5)
+        service.close()
+    return close
+
+
 @pytest.fixture
 def opus_bus(tmp_path):
     """The opus rig: emulated OCS + rack in this process, the OCS service on a thread."""
     rig = EmulatedRig(rig_spec("opus"), switching_s=0.0)
     rig.start()
-    lay = layout("opus")
-    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
-                 for g, a in lay.gpus.items())
-    bus = rigfile.for_emulator("opus", rig.endpoints, gpus=gpus)
-    rig.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
     path = tmp_path / "rig.toml"
-    rigfile.write(path, bus)
-    service = DeviceService(bus.service_specs(["ocs"])[0])
-    service.bind()
-    stop = threading.Event()
-    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
-    t.start()
+    try:
+        close = _serve(_on_the_bus(rig, "opus", "ocs", path))
+    except BaseException:
+        rig.close()
+        raise
     try:
         yield rig, rigfile.load(path), path
     finally:
-        stop.set()
-        t.join(5)
-        service.close()
+        close()
         rig.close()
 
 
@@ -143,7 +174,7 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
 def test_demo_end_to_end_one_gpu_failure(tmp_path):
     """`ptb demo --headless`: emulator, services, agent as processes; gpu6 fails; the job
     resumes on a spare, never communicating over a down link."""
-    proc = _ptb("demo", "--headless", "--seconds", "1", "--gpu", "gpu6",
+    proc = _ptb("demo", "--headless", "--seconds", "0.5", "--gpu", "gpu6",
                 "--workdir", str(tmp_path))
     try:
         out = proc.communicate(timeout=90)[0]
@@ -166,24 +197,16 @@ def lumion_bus(tmp_path):
     mesh owning the DAC) on a thread."""
     rig = EmulatedRig(rig_spec("lumion"), ideal_chip=True)
     rig.start()
-    lay = layout("lumion")
-    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
-                 for g, a in lay.gpus.items())
-    bus = rigfile.for_emulator("lumion", rig.endpoints, gpus=gpus)
-    rig.start_rack(bus.gpus_endpoints(), bus.agent_endpoints())
     path = tmp_path / "rig.toml"
-    rigfile.write(path, bus)
-    service = DeviceService(bus.service_specs(["chip"])[0])
-    service.bind()
-    stop = threading.Event()
-    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
-    t.start()
+    try:
+        close = _serve(_on_the_bus(rig, "lumion", "chip", path))
+    except BaseException:
+        rig.close()
+        raise
     try:
         yield rig, rigfile.load(path), path
     finally:
-        stop.set()
-        t.join(5)
-        service.close()
+        close()
         rig.close()
 
 
@@ -235,3 +258,21 @@ def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_b
         if fabric is not None:
             fabric.close()
         _stop(agent)
+
+
+def test_received_powers_in_one_transfer_equal_the_sum_per_transmitter():
+    """What the GPU monitor's rx_power reports (one transfer with every live TX lit) is the
+    per-transmitter sum the rack's link model uses, faults included."""
+    from hil.emulator.rack import EmulatedRack
+    with EmulatedRig(rig_spec("lumion"), ideal_chip=True) as emu:
+        rack = EmulatedRack(layout("lumion"), {"chip": emu.chip})
+        rack.faults.fail_gpu("gpu2")
+        rack.faults.cut_fibre("chip", 20)
+        rack.faults.fail_transceiver("gpu5", side="tx")
+        ports = list(range(17, 33))
+        once = rack.port_powers_dbm("chip", ports)
+        for p in ports:
+            assert once[p] == pytest.approx(rack.port_power_dbm("chip", p), abs=1e-9)
+        assert once[20] < -90
+        with pytest.raises(ValueError):
+            rack.port_powers_dbm("chip", [40])

@@ -147,7 +147,7 @@ def test_emulate_writes_a_rig_that_serve_serves(tmp_path):
         request, _ = json.loads(ep_path.read_text())["chip"]
         assert request == rig.devices["chip"].request
         with ServiceClient(request, timeout=5) as c:
-            topo = c.call("describe")["topology"]
+            topo = c.call("describe")["device"]["topology"]
             assert topo["kind"] == "benes" and topo["ports"] == 16 and len(topo["cells"]) == 56
             c.call("apply_circuits", circuits=[[1, 18], [2, 17]])
             snap = c.call("snapshot")["state"]

@@ -285,6 +285,22 @@ class EmulatedRack:
                         out.setdefault(port, {})[gpu] = out.get(port, {}).get(gpu, 0.0) + p
         return out
 
+    def port_powers_dbm(self, switch: str, ports: list[int]) -> dict[int, float]:
+        """Total light at the far end of several output fibres, with one `transfer`: the
+        transmitters are mutually incoherent, so the power transfer is linear and lighting
+        them all at once gives the sum of their contributions (what a receiver reads)."""
+        for p in ports:
+            self.faults._port(switch, p)
+        cut = self.faults.fibres
+        inputs: dict[int, float] = {}
+        for gpu, atts in self.layout.gpus.items():
+            for a in atts:
+                if a.switch == switch and not self._dead(gpu, switch, "tx") \
+                        and (switch, a.tx) not in cut:
+                    inputs[a.tx] = inputs.get(a.tx, 0.0) + mw(self.launch_dbm)
+        out = self.physics[switch].transfer(inputs) if inputs else {}
+        return {p: DARK_DBM if (switch, p) in cut else dbm(out.get(p, 0.0)) for p in ports}
+
     def port_power_dbm(self, switch: str, port: int) -> float:
         """Total light at the far end of an output port's fibre (what a tap there reads)."""
         self.faults._port(switch, port)

@@ -28,7 +28,7 @@ from hil.client import Fabric
 from hil.emulator.clock import WallClock
 from hil.emulator.control import ControlError, ControlServer
 from hil.emulator.job import JobEvent, TrainingJob
-from hil.emulator.rack import EmulatedRack, RackError, dbm
+from hil.emulator.rack import EmulatedRack, RackError
 from hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from hil.rack_layout import RackLayout
 
@@ -103,10 +103,8 @@ class RackHost:
         if switch not in self.layout.switches or not isinstance(ports, list):
             raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)} and "
                             f"a list of output ports, not {switch!r}, {ports!r}")
-        for p in ports:
-            self.rack.faults._port(switch, int(p))       # a port the switch has
-        light = self.rack._light(switch)                 # the optics once for every port
-        return {"dbm": {str(p): dbm(sum(light.get(int(p), {}).values())) for p in ports}}
+        got = self.rack.port_powers_dbm(switch, [int(p) for p in ports])
+        return {"dbm": {str(p): v for p, v in got.items()}}
 
     # --- control endpoint -------------------------------------------------------------------
     def register(self, control: ControlServer) -> None:

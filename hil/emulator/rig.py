@@ -217,6 +217,10 @@ class EmulatedRig:
         if self.optics is not None and self.optics.physics is not None:
             physics["ocs"] = self.optics.physics
         lay = layout(self.spec.name)
+        missing = sorted(set(lay.switches) - set(physics))
+        if missing:
+            from hil.emulator.rack import RackError
+            raise RackError(f"rig {self.spec.name} has no {', '.join(missing)} for its rack")
         self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
                              gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)
         self.rack.start()
