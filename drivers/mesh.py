@@ -8,11 +8,16 @@ merged into as few serial lines as the DAC driver can.
 Calibration, per heater channel: phase = offset + pi * P / P_pi with P = V^2 / R. Until a chip is
 calibrated, `Calibration.ideal()` assumes P_pi = 22.5 mW, R = 1 kOhm and zero offset for every
 heater, and no crosstalk: right for an ideal chip only (that is what calibration is for).
-A calibration file is JSON:
+A calibration file is JSON (docs/calibration.md describes every key; version 1 files, without
+the provenance and the per-cell record, still load):
 
-    {"version": 1, "chip": "benes16",
-     "channels": [{"channel": 0, "offset_rad": 0.0, "p_pi_mw": 22.5, "r_ohm": 1000.0}, ...],
-     "crosstalk": [[...], ...]}          # optional: k[i][j], channels in the order listed
+    {"version": 2, "chip": "benes16", "chip_id": "...", "rig": "lumion", "date": "ISO 8601",
+     "method": "monitors" | "outputs",
+     "channels": [{"channel": 0, "cell": "s0r0", "offset_rad": 0.0, "offset_std": 0.001,
+                   "p_pi_mw": 22.5, "p_pi_std_mw": 0.01, "r_ohm": 1000.0}, ...],
+     "crosstalk": [[...], ...],          # optional: k[i][j], channels in the order listed
+     "crosstalk_std": [[...], ...],      # optional, same shape
+     "cells": {"s0r0": {...}, ...}}      # optional: the measured fringes, fits, extinction
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,7 +44,8 @@ log = logging.getLogger(__name__)
 NOMINAL_P_PI_MW = 22.5
 NOMINAL_R_OHM = 1000.0
 STATE_TOLERANCE_RAD = 0.05       # a cell read back within this of pi / 0 is bar / cross
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class CalibrationError(ValueError):
@@ -51,6 +57,9 @@ class HeaterCalibration:
     offset_rad: float = 0.0
     p_pi_mw: float = NOMINAL_P_PI_MW
     r_ohm: float = NOMINAL_R_OHM
+    offset_std: float = 0.0
+    p_pi_std_mw: float = 0.0
+    cell: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,12 @@ class Calibration:
     crosstalk: np.ndarray | None = None        # k[i][j] in sorted channel order
     chip: str = ""
     source: str = "ideal"
+    chip_id: str = ""                          # the chip's identity (serial), "" if unknown
+    rig: str = ""
+    date: str = ""                             # ISO 8601, UTC
+    method: str = ""                           # "monitors" or "outputs"
+    crosstalk_std: np.ndarray | None = None
+    cells: dict = field(default_factory=dict)  # per-cell record: fringes, fits, extinction
 
     @classmethod
     def ideal(cls, channels, chip: str = "") -> "Calibration":
@@ -78,39 +93,83 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: dict, source: str = "dict") -> "Calibration":
         try:
-            if d.get("version") != CALIBRATION_VERSION:
-                raise CalibrationError(f"calibration version {d.get('version')!r} is not "
-                                       f"{CALIBRATION_VERSION}")
+            if not isinstance(d, dict):
+                raise CalibrationError(f"calibration {source} is not a JSON object")
+            if d.get("version") not in READABLE_VERSIONS:
+                raise CalibrationError(f"calibration version {d.get('version')!r} is not one of "
+                                       f"{READABLE_VERSIONS}")
             heaters = {}
             for h in d["channels"]:
                 cal = HeaterCalibration(float(h["offset_rad"]), float(h["p_pi_mw"]),
-                                        float(h["r_ohm"]))
+                                        float(h["r_ohm"]), float(h.get("offset_std", 0.0)),
+                                        float(h.get("p_pi_std_mw", 0.0)), str(h.get("cell", "")))
                 if not (cal.p_pi_mw > 0 and cal.r_ohm > 0):
                     raise CalibrationError(f"channel {h['channel']}: P_pi and R must be > 0")
+                if not all(math.isfinite(x) for x in (cal.offset_rad, cal.p_pi_mw, cal.r_ohm)):
+                    raise CalibrationError(f"channel {h['channel']}: values must be finite")
+                if int(h["channel"]) in heaters:
+                    raise CalibrationError(f"channel {h['channel']} is listed twice")
                 heaters[int(h["channel"])] = cal
+            if not heaters:
+                raise CalibrationError(f"calibration {source} lists no heater channels")
+            n = len(heaters)
             k = d.get("crosstalk")
             k = None if k is None else np.asarray(k, dtype=float)
-            if k is not None and k.shape != (len(heaters), len(heaters)):
-                raise CalibrationError(f"crosstalk is {k.shape}, not {len(heaters)} square")
+            if k is not None and k.shape != (n, n):
+                raise CalibrationError(f"crosstalk is {k.shape}, not {n} square")
+            ks = d.get("crosstalk_std")
+            ks = None if ks is None else np.asarray(ks, dtype=float)
+            if ks is not None and ks.shape != (n, n):
+                raise CalibrationError(f"crosstalk_std is {ks.shape}, not {n} square")
+            cells = d.get("cells", {})
+            if not isinstance(cells, dict):
+                raise CalibrationError("cells must be an object keyed by cell id")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CalibrationError):
                 raise
             raise CalibrationError(f"calibration {source} is malformed: {e!r}") from None
-        return cls(heaters, k, str(d.get("chip", "")), source)
+        return cls(heaters, k, str(d.get("chip", "")), source, str(d.get("chip_id", "")),
+                   str(d.get("rig", "")), str(d.get("date", "")), str(d.get("method", "")),
+                   ks, cells)
 
     def to_dict(self) -> dict:
-        d = {"version": CALIBRATION_VERSION, "chip": self.chip,
-             "channels": [{"channel": ch, "offset_rad": h.offset_rad, "p_pi_mw": h.p_pi_mw,
-                           "r_ohm": h.r_ohm} for ch, h in sorted(self.heaters.items())]}
+        d = {"version": CALIBRATION_VERSION, "chip": self.chip, "chip_id": self.chip_id,
+             "rig": self.rig, "date": self.date, "method": self.method,
+             "channels": [{"channel": ch, "cell": h.cell, "offset_rad": h.offset_rad,
+                           "offset_std": h.offset_std, "p_pi_mw": h.p_pi_mw,
+                           "p_pi_std_mw": h.p_pi_std_mw, "r_ohm": h.r_ohm}
+                          for ch, h in sorted(self.heaters.items())]}
         if self.crosstalk is not None:
             d["crosstalk"] = self.crosstalk.tolist()
+        if self.crosstalk_std is not None:
+            d["crosstalk_std"] = self.crosstalk_std.tolist()
+        if self.cells:
+            d["cells"] = self.cells
         return d
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the file atomically: a temp file beside it, flushed, then renamed over it."""
         path = pathlib.Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+
+    def check_chip(self, chip: str, chip_id: str = "") -> None:
+        """Refuse a calibration made for another chip (by topology name, and by chip id when
+        both sides know it)."""
+        if self.chip and chip and self.chip != chip:
+            raise CalibrationError(f"calibration {self.source} is for chip {self.chip!r}, "
+                                   f"not {chip!r}")
+        if self.chip_id and chip_id and self.chip_id != chip_id:
+            raise CalibrationError(f"calibration {self.source} is for chip id {self.chip_id!r}, "
+                                   f"not {chip_id!r}")
+
+    def without_crosstalk(self) -> "Calibration":
+        """The same heaters with no crosstalk compensation (for comparisons)."""
+        return replace(self, crosstalk=None, crosstalk_std=None)
 
     def _arrays(self, channels):
         try:
@@ -169,7 +228,8 @@ class Mesh(CircuitSwitch):
     by `route_waveguides`; cells no path crosses are left bar."""
 
     def __init__(self, topology: Topology, dac, calibration: Calibration | str | os.PathLike |
-                 None = None, *, name: str | None = None, own_dac: bool = True):
+                 None = None, *, name: str | None = None, own_dac: bool = True,
+                 chip_id: str = ""):
         if topology.recirculating and not topology.joins:
             raise SwitchError(f"{topology.name}: a recirculating mesh needs its waveguide "
                               "joins (Topology.joins) to be driven")
@@ -182,6 +242,7 @@ class Mesh(CircuitSwitch):
             calibration = Calibration.ideal(channels, topology.name)
         elif not isinstance(calibration, Calibration):
             calibration = Calibration.load(calibration)
+        calibration.check_chip(topology.name, chip_id)
         missing = set(channels) - set(calibration.heaters)
         if missing:
             raise CalibrationError(f"calibration {calibration.source} lacks heater channels "

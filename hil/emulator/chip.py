@@ -68,7 +68,7 @@ class EmulatedChip:
     def __init__(self, topology: Mapping, *, seed: int = 0, ideal: bool = False,
                  resistances: Sequence[float] | None = None, monitors: bool = True,
                  ideal_loss_db: float = 0.0, noise: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, crosstalk_scale: float = 1.0):
         self.topology = dict(topology)
         self.ideal = ideal
         self.monitors = monitors
@@ -76,7 +76,11 @@ class EmulatedChip:
         self._clock = clock
         self._lock = threading.Lock()
         self._build_graph(self.topology)
+        if not 0.0 <= crosstalk_scale <= 10.0:
+            raise ChipError(f"crosstalk_scale must be in 0..10, not {crosstalk_scale!r}")
         self.truth_ = self._draw_truth(seed, ideal, resistances, ideal_loss_db)
+        if crosstalk_scale != 1.0:     # a chip with stronger (or weaker) thermal crosstalk
+            self.truth_ = replace(self.truth_, crosstalk=self.truth_.crosstalk * crosstalk_scale)
         self._rng = np.random.default_rng([seed, 0xC41B])
         h = len(self.channels)
         self._p_target = np.zeros(h)

@@ -120,7 +120,8 @@ class EmulatedRig:
 
     def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None,
                  port_base: int | None = None, switching_s: float = 0.025,
-                 ideal_chip: bool = False):
+                 ideal_chip: bool = False, crosstalk_scale: float = 1.0,
+                 chip_monitors: bool = True):
         self.spec = spec
         self.seed = seed
         # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2,
@@ -131,6 +132,8 @@ class EmulatedRig:
         self.control: ControlServer | None = None
         self.ideal_chip = ideal_chip     # no fabrication errors, nominal heaters (for tests)
         self.chip: EmulatedChip | None = None
+        self.crosstalk_scale = crosstalk_scale   # scales the chip's thermal crosstalk
+        self.chip_monitors = chip_monitors       # False: no cell photodiodes (outputs only)
         self._own_dir = workdir is None
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
@@ -197,7 +200,8 @@ class EmulatedRig:
         chip's inputs through the OCS (the input selector) and the power meter reads the chip's
         output taps; tests may also light inputs directly (`chip.inject(port, mw)`)."""
         topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
-        self.chip = make_chip(topology, seed=self.seed, ideal=self.ideal_chip)
+        self.chip = make_chip(topology, seed=self.seed, ideal=self.ideal_chip,
+                              crosstalk_scale=self.crosstalk_scale, monitors=self.chip_monitors)
         self._pd_cells = {cell["channels"][0]: cell["id"] for cell in topology["cells"]
                           if cell["channels"]}
         self._pd_cache = None

@@ -1,0 +1,228 @@
+"""Thermal crosstalk between heaters, measured on calibrated cells, and a refinement of the
+offsets once the crosstalk is known.
+
+Coupling k_ij: with cell i lit as for its sweep, its phase is read at quadrature (the fringe
+phase set to pi/2 and 3 pi/2 by its own heater): with y = s (m + a cos(phi)), the two readings
+give sin(shift) = (y2 - y1) / (y2 + y1) * m / a whatever the light s reaching the cell. Then
+neighbour j is heated by exactly one period of its own (2 P_pi_j, so its own cell's state does
+not change, even when j lies on the lit route) and the shift of i's phase divided by
+beta_i * 2 P_pi_j is k_ij. Neighbours are the heaters within `radius` cells (x, y of the
+topology), nearest and next-nearest at least.
+
+Refinement: with the matrix known, each cell is lit again with its route set by the compensated
+solve and its phase is measured by four-step phase shifting (fringe phases 0, pi/2, pi, 3 pi/2
+as predicted: the error is atan2(y3 - y1, y0 - y2), independent of the light level); the
+correction is added to the cell's offset.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from calibration.progressive import TWO_PI, Calibrator, CalibrationRunError
+from calibration.station import heater_volts
+
+log = logging.getLogger(__name__)
+
+
+def neighbours(cal: Calibrator, radius: float) -> dict[int, list[int]]:
+    """Heater channel -> the channels within `radius` cells of it."""
+    pos = {}
+    for c in cal.station.topology.cells:
+        pos[c.channels[0]] = (c.x, c.y)
+    out = {}
+    for i, (xi, yi) in pos.items():
+        out[i] = [j for j, (xj, yj) in pos.items()
+                  if j != i and math.hypot(xi - xj, yi - yj) <= radius + 1e-9]
+    return out
+
+
+class _Probe:
+    """Cell `cell` lit along its route, read at chosen fringe phases of its own heater."""
+
+    def __init__(self, cal: Calibrator, cell: str, compensated: bool):
+        self.cal, self.cell = cal, cell
+        st = cal.station
+        self.route = cal.graph.route(cell)
+        self.fit = cal.fit(cell)
+        self.ch = self.fit.channel
+        st.set_volts({c: 0.0 for c in cal.channels})
+        st.set_volts(cal.settings({**self.route.cells, **self.route.away}))
+        st.light(self.route.port)
+        self.compensated = compensated
+        self.arm_shift = math.pi if self.route.arm == 1 else 0.0
+
+    def power_for(self, fringe_phase: float) -> float:
+        """Own heater power giving this fringe phase (as predicted now)."""
+        cal, f = self.cal, self.fit
+        if not self.compensated:
+            # same background as the sweep: the apparent offset holds
+            off = f.offset_apparent + self.arm_shift
+            return ((fringe_phase - off) % TWO_PI) / f.rad_per_mw
+        p = cal._powers()
+        p[self.ch] = 0.0
+        theta0 = cal.phase_of(self.cell, p)
+        return ((fringe_phase - theta0 - self.arm_shift) % TWO_PI) / \
+            (f.rad_per_mw * (1.0 + cal.crosstalk[self.ch, self.ch]))
+
+    def read(self, p_mw: float) -> float:
+        st = self.cal.station
+        st.set_volts({self.ch: heater_volts(p_mw, self.cal.r_ohm[self.ch])})
+        return self._reading()
+
+    def four_step(self, turns: int = 0) -> tuple[float, float]:
+        """Phase error (rad) of the prediction, and the cell's own mean heater power (mW): the
+        cell and its route solved together for each step, so the route does not move while
+        the cell's own heater changes. `turns` adds whole periods to the cell's power."""
+        route = {**self.route.cells, **self.route.away}
+        st = self.cal.station
+        anchor = {self.cal.channel_of[c]: float(st.commanded()[self.cal.channel_of[c]])
+                  for c in route}
+        ys, ps = [], []
+        for k in range(4):
+            theta = (k * math.pi / 2 - self.arm_shift) % TWO_PI
+            st.set_volts(anchor)          # the route stays on its branch at every step
+            st.set_volts(self.cal.settings({self.cell: theta, **route}, keep_near=set(route),
+                                           turns={self.cell: turns}))
+            ps.append(self.cal._powers()[self.ch])
+            ys.append(self._reading())
+        return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(np.mean(ps))
+
+    def _reading(self) -> float:
+        pd = self.cal.station.monitors_ua()
+        y = pd[self.cell]
+        if self.route.reference is not None:
+            y /= max(pd[self.route.reference], 1e-12)
+        return y
+
+
+def measure_crosstalk(cal: Calibrator, radius: float = 2.5, passes: int = 2,
+                      on_progress: Callable[[str, int, int], None] | None = None) -> np.ndarray:
+    """Measure k_ij for every calibrated pair within `radius`; resumable per probe cell (in
+    cal.state). The first pass leaves the route as set from the sweeps; the next ones set it
+    with the crosstalk compensated, and keep it so while a neighbour is heated (re-solving the
+    route's heaters, whose own small change is subtracted), which removes the first pass's
+    error from light leaking off a route that the heated neighbour detunes."""
+    fits = cal.fits()
+    n = 1 + max(cal.channels)
+    near = neighbours(cal, radius)
+    cells = [c for c in cal.order() if c in fits]
+    for npass in range(passes):
+        key = "crosstalk" if npass == 0 else f"crosstalk{npass + 1}"
+        done = cal.state.setdefault(key, {})
+        if npass > 0:
+            cal.crosstalk = crosstalk_matrix(cal.state[_pass_key(npass - 1)], n)
+        for k, cell in enumerate(cells):
+            if cell not in done:
+                done[cell] = _probe_neighbours(cal, cell, near, fits, compensated=npass > 0)
+                cal.on_checkpoint(cal.state)
+            if on_progress:
+                on_progress(cell, npass * len(cells) + k + 1, passes * len(cells))
+        cal.crosstalk = crosstalk_matrix(done, n)
+    return cal.crosstalk
+
+
+def _pass_key(npass: int) -> str:
+    return "crosstalk" if npass == 0 else f"crosstalk{npass + 1}"
+
+
+def crosstalk_matrix(rows: dict, n: int) -> np.ndarray:
+    k = np.zeros((n, n))
+    for row in rows.values():
+        i = int(row["channel"])
+        for j, v in row["k"].items():
+            k[i, int(j)] = v
+    return k
+
+
+def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
+                      fits: dict, compensated: bool) -> dict:
+    st = cal.station
+    probe = _Probe(cal, cell, compensated=compensated)
+    f = probe.fit
+    q1, q2 = probe.power_for(math.pi / 2), probe.power_for(3 * math.pi / 2)
+    route = {**probe.route.cells, **probe.route.away}
+    route_volts = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
+
+    def shift(skip: int | None) -> tuple[float, np.ndarray]:
+        nonlocal q1, q2
+        """The probe's quadrature phase; when compensated, the route is solved again at each
+        of the two points (the probe's own heat would detune it differently otherwise)."""
+        ys, ps = [], []
+        for q in (q1, q2):
+            st.set_volts({probe.ch: heater_volts(q, cal.r_ohm[probe.ch])})
+            if compensated:
+                # the same start, so the same branch each time (the heated one stays heated)
+                st.set_volts({ch: v for ch, v in route_volts.items() if ch != skip})
+                st.set_volts(cal.settings({c: s for c, s in route.items()
+                                           if cal.channel_of[c] != skip}, keep_near=True))
+            ps.append(cal._powers())
+            ys.append(probe._reading())
+        ratio = (ys[1] - ys[0]) / (ys[1] + ys[0]) * f.mean / max(f.amplitude, 1e-30)
+        return math.asin(min(1.0, max(-1.0, ratio))), (ps[0] + ps[1]) / 2.0
+
+    base, p_base = shift(None)
+    # centre the two points on quadrature, where the reading is linear in the phase
+    period = TWO_PI / f.rad_per_mw
+    q1, q2 = ((q - base / f.rad_per_mw) % period for q in (q1, q2))
+    base, p_base = shift(None)
+    by_channel = {ff.channel: ff for ff in fits.values()}
+    powers = cal._powers()
+    ks: dict[str, float] = {}
+    for j in near[probe.ch]:
+        fj = by_channel.get(j)
+        if fj is None:
+            continue                         # not calibrated (a partial run): cannot do 2 pi
+        dp = 2.0 * fj.p_pi_mw
+        st.set_volts({j: heater_volts(powers[j] + dp, cal.r_ohm[j])})
+        sh, p_shift = shift(j)
+        extra = 0.0
+        if compensated:
+            moved = p_shift - p_base
+            moved[j] = moved[probe.ch] = 0.0
+            extra = float(cal.crosstalk[probe.ch] @ moved)
+        st.set_volts({j: heater_volts(powers[j], cal.r_ohm[j])})
+        if compensated:
+            st.set_volts(route_volts)
+        ks[str(j)] = (sh - base) / (f.rad_per_mw * dp) - extra / dp
+    end, _ = shift(None)
+    drift = abs(end - base)
+    if drift > 0.01:
+        log.warning("%s: phase drifted %.3f rad while measuring its crosstalk", cell, drift)
+    return {"channel": probe.ch, "k": ks, "drift_rad": drift}
+
+
+def refine_offsets(cal: Calibrator, rounds: int = 1,
+                   on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
+    """Four-step phase checks of every calibrated cell with compensated routes; the corrections
+    go into each fit's apparent offset (so `cal.offsets()` includes them)."""
+    if cal.crosstalk is None:
+        raise CalibrationRunError("refine the offsets after measuring the crosstalk")
+    refined = cal.state.setdefault("refined", {})
+    cells = [c for c in cal.order() if c in cal.state["fits"]]
+    for k, cell in enumerate(cells):
+        if cell not in refined:
+            total = 0.0
+            fit = cal.state["fits"][cell]
+            for _ in range(rounds):
+                probe = _Probe(cal, cell, compensated=True)
+                err0, p0 = probe.four_step(0)
+                err1, p1 = probe.four_step(1)
+                # the error grows with the own power when the efficiency is off
+                d_beta = ((err1 - err0 + math.pi) % TWO_PI - math.pi) / (p1 - p0)
+                if abs(d_beta) < 0.05 * fit["rad_per_mw"]:
+                    fit["rad_per_mw"] += d_beta
+                else:
+                    d_beta = 0.0
+                err = err0 - d_beta * p0
+                fit["offset_apparent"] = (fit["offset_apparent"] + err) % TWO_PI
+                fit["measurements"] += 8
+                total += err
+            refined[cell] = total
+            cal.on_checkpoint(cal.state)
+        if on_progress:
+            on_progress(cell, k + 1, len(cells))
+    return dict(refined)

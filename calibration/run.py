@@ -1,0 +1,113 @@
+"""A whole calibration run: resistances, progressive sweeps, crosstalk, refinement, the file.
+
+`calibrate(station, ...)` runs every phase, reporting progress through `on_progress(phase,
+cell, done, total)` and handing its resumable state to `on_checkpoint(state)` after every cell
+(the command line saves it atomically; a rerun passes it back as `state` and continues). It
+returns a `drivers.mesh.Calibration` ready to save and to give to `Mesh`.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from calibration.crosstalk import measure_crosstalk, refine_offsets
+from calibration.progressive import Calibrator, CellFit
+from calibration.station import Station
+from drivers.mesh import Calibration, HeaterCalibration
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+SPLITTER_LIMIT_DB = 35.0       # a fringe whose extinction is below this is splitter-limited
+EXTINCTION_CAP_DB = 60.0       # beyond the detector's floor: written as this
+
+
+def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = "",
+              chip_id: str = "", state: dict | None = None, crosstalk: bool = True,
+              refine: bool = True, radius: float = 2.5,
+              on_progress: Callable[[str, str, int, int], None] | None = None,
+              on_checkpoint: Callable[[dict], None] | None = None) -> Calibration:
+    progress = on_progress or (lambda *a: None)
+    if state is not None and state.get("version") != STATE_VERSION:
+        raise ValueError("the saved progress is from another version of the calibration; "
+                         "delete it to start over")
+    if state is not None and state.get("chip") != station.topology.name:
+        raise ValueError(f"the saved progress is for chip {state.get('chip')!r}, not "
+                         f"{station.topology.name!r}")
+    state = state if state is not None else {"version": STATE_VERSION,
+                                             "chip": station.topology.name}
+    cal = Calibrator(station, state=state,
+                     on_progress=lambda c, k, n: progress("sweep", c, k, n),
+                     on_checkpoint=on_checkpoint)
+    cal.calibrate_cells(cells)
+    if crosstalk:
+        measure_crosstalk(cal, radius=radius,
+                          on_progress=lambda c, k, n: progress("crosstalk", c, k, n))
+        if refine:
+            refine_offsets(cal, on_progress=lambda c, k, n: progress("refine", c, k, n))
+    station.set_volts({ch: 0.0 for ch in station.channels})
+    return build_calibration(cal, rig=rig, chip_id=chip_id)
+
+
+def splitter_estimate(fit: CellFit) -> dict:
+    """What the fringe's visibility says about the cell's couplers: the bar extinction the
+    splitters allow, the coupler imbalance |r1 - r2| behind it, and whether it limits."""
+    lo, hi = fit.mean - fit.amplitude, fit.mean + fit.amplitude
+    if lo <= 0 or hi <= 0:
+        ext = EXTINCTION_CAP_DB
+    else:
+        ext = min(EXTINCTION_CAP_DB, 10.0 * math.log10(hi / lo))
+    v = min(1.0, max(0.0, fit.visibility))
+    imbalance = math.sqrt(max(0.0, (1.0 - v) / (1.0 + v)))
+    return {"extinction_db": round(ext, 3), "visibility": v,
+            "coupler_imbalance": imbalance, "splitter_limited": ext < SPLITTER_LIMIT_DB}
+
+
+def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "") -> Calibration:
+    topo = cal.station.topology
+    fits = cal.fits()
+    offsets = cal.offsets()
+    r = cal.r_ohm
+    heaters, record = {}, {}
+    for c in topo.cells:
+        ch = c.channels[0]
+        f = fits.get(c.id)
+        if f is None:
+            continue
+        p_pi_std = math.pi * f.rad_per_mw_std / f.rad_per_mw ** 2
+        heaters[ch] = HeaterCalibration(offsets[c.id], f.p_pi_mw, r[ch], f.offset_std,
+                                        p_pi_std, c.id)
+        dense_p = np.linspace(0.0, max(f.sweep_p_mw), 121)
+        model = f.mean + f.amplitude * np.cos(f.offset_apparent + math.pi * (f.arm == 1)
+                                              + f.rad_per_mw * dense_p)
+        record[c.id] = {"channels": list(c.channels), "sweep_v": f.sweep_v,
+                        "sweep_p_mw": f.sweep_p_mw, "power": f.readings,
+                        "fit_v": np.sqrt(dense_p * r[ch] / 1000.0).tolist(),
+                        "fit_power": model.tolist(), "detector": f.detector,
+                        "residual_rms": f.residual_rms, "measurements": f.measurements,
+                        "p_pi_mw": f.p_pi_mw, "offset_rad": offsets[c.id],
+                        **splitter_estimate(f)}
+    chans = sorted(heaters)
+    k = k_std = None
+    if cal.crosstalk is not None:
+        k = cal.crosstalk[np.ix_(chans, chans)]
+        k_std = _crosstalk_spread(cal, chans)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Calibration(heaters, k, topo.name, "calibration run", chip_id or topo.name, rig,
+                       date, "monitors", k_std, record)
+
+
+def _crosstalk_spread(cal: Calibrator, chans: list[int]) -> np.ndarray:
+    """Per pair: half the difference between the last two passes (0 with one pass)."""
+    from calibration.crosstalk import crosstalk_matrix
+    keys = [k for k in ("crosstalk", "crosstalk2", "crosstalk3") if cal.state.get(k)]
+    n = 1 + max(cal.channels)
+    if len(keys) < 2:
+        return np.zeros((len(chans), len(chans)))
+    a = crosstalk_matrix(cal.state[keys[-1]], n)
+    b = crosstalk_matrix(cal.state[keys[-2]], n)
+    return (np.abs(a - b) / 2.0)[np.ix_(chans, chans)]

@@ -1,0 +1,278 @@
+"""`ptb calibrate`: calibrate a chip on a rig and write its calibration file.
+
+The rig is a rig file (hil/rigfile.py: its heater DAC, OCS input selector, power meter and
+laser), an endpoints JSON from `ptb emulate --endpoints`, or, for convenience, the name of an
+emulated rig, which is then started in this process. Progress is saved after every cell (temp
+file + rename) beside the output; Ctrl-C stops, and the same command continues from there.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import re
+import sys
+import time
+
+from ptb.cli import CommandFailed
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate", help="calibrate a chip (heater offsets, efficiencies, crosstalk)",
+        description="Calibrate the chip of a rig cell by cell through its instruments and write "
+        "the calibration file (docs/calibration.md). --rig takes a rig file (TOML), or the "
+        "name of an emulated rig (e.g. lumion), which is then started inside this process for "
+        "convenience; --endpoints takes the JSON written by `ptb emulate --endpoints`. "
+        "Interrupt with Ctrl-C: progress is kept and the same command continues.")
+    p.add_argument("--rig", metavar="NAME_OR_FILE",
+                   help="rig file, or an emulated rig's name (started in-process)")
+    p.add_argument("--endpoints", metavar="FILE", help="endpoints JSON of `ptb emulate`")
+    p.add_argument("--topology", default="benes16",
+                   help="chip topology with --endpoints (default benes16)")
+    p.add_argument("--out", required=True, metavar="FILE", help="calibration file to write")
+    p.add_argument("--report", metavar="DIR", help="also write PNG figures and a summary here")
+    p.add_argument("--cells", nargs="+", metavar="CELL",
+                   help="calibrate only these cells (and the cells their light needs)")
+    p.add_argument("--progress", metavar="FILE",
+                   help="where progress is kept (default: OUT.progress.json)")
+    p.add_argument("--fresh", action="store_true", help="ignore saved progress, start over")
+    p.add_argument("--no-crosstalk", action="store_true",
+                   help="skip the crosstalk measurement (and the refinement that needs it)")
+    p.add_argument("--averaging-s", type=float, default=0.0,
+                   help="power meter averaging time per reading, s (default 0)")
+    p.add_argument("--laser-mw", type=float, default=1.0, help="laser power, mW (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of an in-process emulated rig")
+    p.add_argument("--timeout-s", type=float, default=2.0,
+                   help="how long an instrument may stay silent (default 2 s)")
+    p.set_defaults(func=run)
+
+
+# ---- finding the instruments ----------------------------------------------------------------
+
+def topology_by_name(name: str):
+    from drivers.topology import Topology, TopologyError, build
+    path = pathlib.Path(name)
+    if path.suffix == ".json":
+        try:
+            return Topology.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, TopologyError) as e:
+            raise CommandFailed(f"cannot read the topology {path}: {e}") from None
+    m = re.fullmatch(r"([a-z]+)(\d+)", name)
+    if not m:
+        raise CommandFailed(f"topology {name!r} is neither a name like benes16 nor a JSON file")
+    try:
+        return build(m.group(1), int(m.group(2)))
+    except (TopologyError, ValueError) as e:
+        raise CommandFailed(f"topology {name!r}: {e}") from None
+
+
+def endpoints_from_rigfile(path: str) -> tuple[dict[str, str], str, str]:
+    """(endpoints like `ptb emulate` writes, topology name, rig name) from a rig file."""
+    from hil import rigfile
+    try:
+        rig = rigfile.load(path)
+    except rigfile.RigFileError as e:
+        raise CommandFailed(str(e)) from None
+    ep: dict[str, str] = {}
+    heaters = rig.chip.heaters if rig.chip and rig.chip.heaters else ""
+    for name, dev in rig.devices.items():
+        if dev.kind in ("heater_dac", "chip") and (not heaters or name == heaters):
+            ep.setdefault("dac", dev.address)
+        elif dev.kind == "switch" and dev.driver.endswith("OpticalCircuitSwitch"):
+            ep.setdefault("ocs", dev.address)
+        elif dev.kind == "power_meter":
+            ep.setdefault("powermeter", dev.address)
+        elif dev.kind == "laser":
+            ep.setdefault("laser", dev.address)
+    if rig.chip is None:
+        raise CommandFailed(f"rig file {path} names no chip to calibrate")
+    return ep, rig.chip.topology, rig.name
+
+
+class Instruments(contextlib.ExitStack):
+    """The drivers opened on a rig's endpoints (closed on exit)."""
+
+    def open(self, ep: dict[str, str], topology, args):
+        from calibration.station import Station
+        from drivers.heater_dac import DACError, HeaterDAC
+        from drivers.laser import Laser
+        from drivers.ocs import OpticalCircuitSwitch
+        from drivers.power_meter import PowerMeter
+        from drivers.scpi import InstrumentError
+        missing = [k for k in ("dac", "ocs", "laser") if k not in ep]
+        if missing:
+            raise CommandFailed(f"the rig lacks {', '.join(missing)}: calibration needs the "
+                                "heater DAC, the OCS input selector and the laser")
+        where = "heater DAC"
+        try:
+            dac = HeaterDAC(ep["dac"], timeout=args.timeout_s,
+                            reconnect_timeout=args.timeout_s)
+            dac.open()
+            self.callback(dac.close)
+            where = "OCS"
+            ocs = OpticalCircuitSwitch(ep["ocs"], timeout_s=args.timeout_s,
+                     reconnect_s=args.timeout_s)
+            self.callback(ocs.close)
+            meter = None
+            if "powermeter" in ep:
+                where = "power meter"
+                meter = PowerMeter(ep["powermeter"], ports=topology.ports,
+                                   timeout_s=args.timeout_s, reconnect_s=args.timeout_s)
+                self.callback(meter.close)
+                for port in range(1, topology.ports + 1):
+                    meter.set_averaging_time(port, args.averaging_s)
+            where = "laser"
+            laser = Laser(ep["laser"], timeout_s=args.timeout_s,
+                     reconnect_s=args.timeout_s)
+            self.callback(laser.close)
+            laser.set_power_mw(args.laser_mw)
+            laser.on()
+        except (DACError, InstrumentError, OSError) as e:
+            raise CommandFailed(f"the {where} at {ep.get(_KEY[where])} does not answer: "
+                                f"{e}") from None
+        if dac.channels < topology.channels:
+            raise CommandFailed(f"{topology.name} needs {topology.channels} heater channels; "
+                                f"the DAC has {dac.channels}")
+        return Station(topology, dac, ocs, meter)
+
+
+_KEY = {"heater DAC": "dac", "OCS": "ocs", "power meter": "powermeter", "laser": "laser"}
+
+
+# ---- progress ---------------------------------------------------------------------------------
+
+class Progress:
+    """A bar with an ETA on a terminal, plain lines (every 10 %) otherwise."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.phase = None
+        self.t0 = time.monotonic()
+        self.last_tenth = -1
+
+    def __call__(self, phase: str, cell: str, done: int, total: int) -> None:
+        if phase != self.phase:
+            if self.tty and self.phase is not None:
+                self.stream.write("\n")
+            self.phase, self.t0, self.last_tenth = phase, time.monotonic(), -1
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / done * (total - done) if done else 0.0
+        if self.tty:
+            width = 30
+            fill = int(width * done / total)
+            self.stream.write(f"\r{phase:<9} [{'#' * fill}{'.' * (width - fill)}] "
+                              f"{done}/{total} {cell:<6} ETA {eta:5.0f} s")
+            if done == total:
+                self.stream.write("\n")
+                self.phase = None
+            self.stream.flush()
+        else:
+            tenth = 10 * done // total
+            if tenth != self.last_tenth:
+                self.last_tenth = tenth
+                print(f"{phase}: {done}/{total} cells ({cell}), ETA {eta:.0f} s",
+                      file=self.stream, flush=True)
+
+
+def _save_json(path: pathlib.Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def run(args) -> int:
+    if bool(args.rig) == bool(args.endpoints):
+        raise CommandFailed("give the rig: either --rig NAME_OR_FILE or --endpoints FILE")
+    if not 0 <= args.averaging_s <= 10:
+        raise CommandFailed(f"--averaging-s must be in 0..10 s, not {args.averaging_s:g}")
+    if not 0 < args.laser_mw <= 100:
+        raise CommandFailed(f"--laser-mw must be in (0, 100], not {args.laser_mw:g}")
+    out = pathlib.Path(args.out)
+    if not out.parent.is_dir():
+        raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
+    progress_path = pathlib.Path(args.progress or f"{out}.progress.json")
+    with contextlib.ExitStack() as stack:
+        rig_name, chip_id = "", ""
+        if args.endpoints:
+            try:
+                ep = json.loads(pathlib.Path(args.endpoints).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise CommandFailed(f"cannot read endpoints {args.endpoints}: {e}") from None
+            topology = topology_by_name(args.topology)
+        elif pathlib.Path(args.rig).exists():
+            ep, topo_name, rig_name = endpoints_from_rigfile(args.rig)
+            topology = topology_by_name(topo_name)
+        else:
+            ep, topo_name, rig_name = _start_emulated(stack, args)
+            topology = topology_by_name(topo_name)
+        chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
+        station = stack.enter_context(Instruments()).open(ep, topology, args)
+        return _calibrate(station, args, out, progress_path, rig_name, chip_id)
+
+
+def _start_emulated(stack, args):
+    from hil.emulator.rig import EmulatedRig, rig_spec
+    from hil.rigfile import EMULATED_CHIPS
+    try:
+        spec = rig_spec(args.rig)
+    except ValueError as e:
+        raise CommandFailed(f"--rig {args.rig!r} is not a file; {e}") from None
+    if args.rig not in EMULATED_CHIPS:
+        raise CommandFailed(f"the emulated rig {args.rig} has no chip to calibrate")
+    rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0)
+    try:
+        rig.start()
+    except OSError as e:
+        raise CommandFailed(f"cannot start the emulated rig {args.rig}: {e}") from None
+    stack.callback(rig.close)
+    print(f"started the emulated rig {args.rig} (seed {args.seed}) in this process",
+          file=sys.stderr)
+    return rig.endpoints, EMULATED_CHIPS[args.rig], args.rig
+
+
+def _calibrate(station, args, out, progress_path, rig_name, chip_id) -> int:
+    from calibration.progressive import CalibrationRunError
+    from calibration.run import calibrate
+    from calibration.station import StationError
+    from drivers.heater_dac import DACError
+    from drivers.scpi import InstrumentError
+    state = None
+    if progress_path.exists() and not args.fresh:
+        try:
+            state = json.loads(progress_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CommandFailed(f"cannot read the saved progress {progress_path}: {e} "
+                                "(use --fresh to start over)") from None
+        print(f"continuing from {progress_path} ({len(state.get('fits', {}))} cells swept)",
+              file=sys.stderr)
+    t0 = time.monotonic()
+    try:
+        cal = calibrate(station, cells=args.cells, rig=rig_name, chip_id=chip_id, state=state,
+                        crosstalk=not args.no_crosstalk, on_progress=Progress(),
+                        on_checkpoint=lambda s: _save_json(progress_path, s))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: progress is saved in {progress_path}; run the same command "
+              "again to continue", file=sys.stderr)
+        return 130
+    except (DACError, InstrumentError, OSError) as e:
+        raise CommandFailed(f"an instrument stopped answering: {e}; progress is saved in "
+                            f"{progress_path}") from None
+    except (CalibrationRunError, StationError, ValueError) as e:
+        raise CommandFailed(str(e)) from None
+    cal.save(out)
+    progress_path.unlink(missing_ok=True)
+    print(f"calibration of {len(cal.heaters)} heaters written to {out} in "
+          f"{time.monotonic() - t0:.1f} s ({station.counters.pd_reads} photodiode reads)")
+    if args.report:
+        from calibration.report import write_report
+        summary = write_report(cal, args.report)
+        print(summary)
+    return 0

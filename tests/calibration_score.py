@@ -1,0 +1,105 @@
+"""Scoring a calibration against the emulated chip's hidden truth (tests only).
+
+The oracle is the chip's own `oracle_voltages`: the settings from the true offsets, P_pi, R and
+crosstalk; splitter errors bound what it reaches, and a calibration is scored relative to it.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from drivers.heater_dac import HeaterDAC
+from drivers.laser import Laser
+from drivers.ocs import OpticalCircuitSwitch
+from drivers.power_meter import PowerMeter
+from drivers.routing import benes_cell_states
+from drivers.topology import benes
+from hil.emulator.chip import cell_matrix
+from hil.emulator.rig import EmulatedRig, rig_spec
+
+N = 16
+
+
+@contextmanager
+def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0):
+    """The lumion rig (zero delays) and a calibration Station on its wires."""
+    from calibration.station import Station
+    with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
+                     crosstalk_scale=crosstalk_scale) as rig:
+        ep = rig.endpoints
+        dac = HeaterDAC(ep["dac"])
+        dac.open()
+        selector = OpticalCircuitSwitch(ep["ocs"])
+        meter = PowerMeter(ep["powermeter"], ports=N)
+        for port in range(1, N + 1):
+            meter.set_averaging_time(port, 0.0)
+        laser = Laser(ep["laser"])
+        laser.set_power_mw(1.0)
+        laser.on()
+        try:
+            yield rig, Station(benes(N), dac, selector, meter)
+        finally:
+            for d in (dac, selector, meter, laser):
+                d.close()
+
+
+def _db(x):
+    return 10.0 * np.log10(np.maximum(x, 1e-30))
+
+
+def cell_extinctions(rig, dac, volts: dict[int, float], state: str) -> np.ndarray:
+    """Per cell, the worse of its two inputs' extinction (dB) in `state` with these volts."""
+    dac.set_voltages(volts)
+    chip = rig.chip
+    t = chip.truth()
+    ph = chip.phases()
+    m = cell_matrix(ph, np.zeros_like(ph), t.couplers[:, 0], t.couplers[:, 1], 0.0)
+    p = np.abs(m) ** 2
+    if state == "bar":
+        e = np.minimum(p[:, 0, 0] / p[:, 1, 0], p[:, 1, 1] / p[:, 0, 1])
+    else:
+        e = np.minimum(p[:, 1, 0] / p[:, 0, 0], p[:, 0, 1] / p[:, 1, 1])
+    return _db(e)
+
+
+def extinction_scores(rig, dac, calibration) -> dict:
+    chans = sorted(calibration.heaters)
+    out = {}
+    for state, theta in (("bar", math.pi), ("cross", 0.0)):
+        ours = cell_extinctions(rig, dac, calibration.voltages({c: theta for c in chans}), state)
+        oracle = cell_extinctions(rig, dac, rig.chip.oracle_voltages(
+            {c: state for c in rig.chip.cell_ids}), state)
+        out[state] = (ours, oracle)
+    return out
+
+
+def extinction_ok(ours: np.ndarray, oracle: np.ndarray) -> np.ndarray:
+    return (ours >= oracle - 1.0) | ((oracle >= 40.0) & (ours >= 40.0))
+
+
+def permutation_scores(rig, dac, calibration, perms: int, seed: int = 11) -> dict:
+    """For random permutations: per input, intended-output power (dB) and worst crosstalk into
+    another output (dB, relative to the input), ours and the oracle's."""
+    from drivers.mesh import Mesh
+    mesh = Mesh(benes(N), dac, calibration, own_dac=False)
+    rng = np.random.default_rng(seed)
+    res = {"ours_main": [], "oracle_main": [], "ours_xt": [], "oracle_xt": []}
+    for _ in range(perms):
+        perm = rng.permutation(N)
+        circuits = {i + 1: N + 1 + int(perm[i]) for i in range(N)}
+        for who in ("ours", "oracle"):
+            if who == "ours":
+                mesh.apply(circuits)
+            else:
+                states = benes_cell_states(perm)
+                dac.set_voltages(rig.chip.oracle_voltages(states))
+            power = np.abs(rig.chip.fields()) ** 2          # (outputs, inputs)
+            main = power[perm, np.arange(N)]
+            other = power.copy()
+            other[perm, np.arange(N)] = 0.0
+            res[f"{who}_main"].append(_db(main))
+            res[f"{who}_xt"].append(_db(other.max(axis=0)))
+        mesh._active = None
+    return {k: np.array(v) for k, v in res.items()}
