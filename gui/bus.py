@@ -94,7 +94,8 @@ class BusFabric(Commands):
     def _run(self) -> None:
         try:
             sub = StateSubscriber(self.endpoints, on_state=self._on_state,
-                                  on_online=self._on_online, telemetry=False, keys=self.keys)
+                                  on_online=self._on_online, on_telemetry=self._on_telemetry,
+                                  keys=self.keys)
         except Exception as e:      # bad keys, bad endpoint: say so in the status bar
             self.error = e
             log.error("cannot subscribe to the rig's bus: %s", e)
@@ -150,6 +151,15 @@ class BusFabric(Commands):
             log.warning("%s: state the GUI cannot show: %s", device, e)
             self.model.post_delta({"op": "service", "name": device, "value": {
                 "state": "connected", "detail": f"state not understood: {e}"}})
+
+    def _on_telemetry(self, device: str, msg: dict) -> None:
+        """An OCS's port power monitors colour its matrix (after its first state)."""
+        power = msg.get("values", {}).get("power_dbm")
+        with self._lock:
+            known = device in self._states
+        if self.kinds.get(device) != "switch" or not known or not isinstance(power, dict):
+            return
+        self.model.post_delta({"op": "switch", "value": {"name": device, "power_dbm": power}})
 
     @staticmethod
     def _touched(ops: list | None, *keys: str) -> bool:

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
 from gui.app import rig_window  # noqa: E402
 from gui.commands import Command  # noqa: E402
-from gui.portmap import EMPTY, NO_POWER, circuit_colour  # noqa: E402
+from gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
 from hil import rigfile  # noqa: E402
 from hil.bus.client import ServiceClient  # noqa: E402
 from hil.bus.stateserver import StateServer  # noqa: E402
@@ -151,10 +151,16 @@ def test_port_map_follows_circuits_set_by_a_bus_client(qtbot, window, lumion, tm
     qtbot.waitUntil(lambda: win.model.switches["ocs"].circuits == {3: 21, 5: 17},
                     timeout=WAIT_MS)
     qtbot.waitUntil(lambda: not list(view.flashes.items()), timeout=WAIT_MS)
+    # the switch's own port power monitors arrive as telemetry and colour its circuits
+    qtbot.waitUntil(lambda: {17, 21} <= set(win.model.switches["ocs"].power_dbm),
+                    timeout=WAIT_MS)
+    power = win.model.switches["ocs"].power_dbm
+    assert power[21] <= -50 and power[17] <= -50            # the laser is off: dark
     rgb = pixels(view, tmp_path / "ocs.png")
     assert_not_blank(rgb)
-    assert near(colour_at(rgb, view.cell_rect(3, 21).center()), NO_POWER, 12)
-    assert near(colour_at(rgb, view.cell_rect(5, 17).center()), NO_POWER, 12)
+    assert near(colour_at(rgb, view.cell_rect(3, 21).center()), power_colour(power[21]), 12)
+    assert near(colour_at(rgb, view.cell_rect(5, 17).center()), power_colour(power[17]), 12)
+    assert not near(power_colour(power[21]), NO_POWER, 12)
     assert near(colour_at(rgb, view.cell_rect(3, 22).center()), EMPTY, 12)
 
     cv = win.portmap.views["chip"]

@@ -193,6 +193,14 @@ def _chip_describe(mesh) -> dict:
     return d
 
 
+def _switch_telemetry(switch) -> dict:
+    """The switch's own port power monitors where it has them (an OCS's `:PMON:POW?`), dBm."""
+    if not callable(getattr(switch, "port_power", None)):
+        return {}
+    power = switch.port_power(range(1, 2 * switch.ports + 1))
+    return {"power_dbm": {str(p): float(v) for p, v in power.items()}}
+
+
 KINDS: dict[str, DeviceKind] = {
     "heater_dac": DeviceKind(
         "heater_dac", "drivers.heater_dac:HeaterDAC",
@@ -206,7 +214,8 @@ KINDS: dict[str, DeviceKind] = {
         ops={"apply_circuits": _apply_circuits, "read_circuits": _read_circuits},
         state=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits()),
                           "ports": sw.ports},
-        describe=lambda sw: sw.describe()),
+        describe=lambda sw: sw.describe(),
+        telemetry=_switch_telemetry, telemetry_hz=2.0),
     # A power meter driver offers read_power(channels or None) -> {channel: mW}.
     "power_meter": DeviceKind(
         "power_meter", "drivers.power_meter:PowerMeter",
@@ -530,6 +539,8 @@ class DeviceService:
         except Exception as e:
             log.debug("%s: telemetry read failed: %s", self.name, e)
             return
+        if not values:
+            return                          # this driver has nothing to report
         self._telemetry_seq += 1
         self.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(), values))
 
