@@ -12,6 +12,7 @@ process is stopped at the end; the exit code is 0 when the job resumed on a heal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,6 +27,9 @@ from ptb.cli import CommandFailed
 # opus has no spare server: its DP ring shrinks to 7 ranks (the agent raises an alarm).
 RIG_JOBS = {"lumion": ("dp", "gpu3"), "opus": ("dp", "server5")}
 WINDOW_S = 2.0          # throughput windows before and after the failure
+
+
+CALIBRATION_TIMEOUT_S = 300
 
 
 def add_parser(sub) -> None:
@@ -43,6 +47,9 @@ def add_parser(sub) -> None:
     show.add_argument("--gui", action="store_true",
                       help="open the GUI even without a detected display")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
+    p.add_argument("--ideal-chip", action="store_true",
+                   help="a chip without fabrication errors, used uncalibrated (default: the "
+                   "seeded, imperfect chip, calibrated first with ptb calibrate)")
     p.add_argument("--workdir", help="keep the rig file, journal and logs here")
     p.set_defaults(func=run)
 
@@ -138,10 +145,15 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     t0 = time.monotonic()
     rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
     journal = workdir / "journal.db"
+    for stale in (rig_path, eps_path, workdir / "services.json"):
+        stale.unlink(missing_ok=True)       # a reused --workdir: wait for this run's files
     procs.start("emulate", "emulate", "--rig", args.rig, "--seed", str(args.seed),
-                "--ideal-chip", "--write-rig", str(rig_path), "--endpoints", str(eps_path))
+                *(["--ideal-chip"] if args.ideal_chip else []),
+                "--write-rig", str(rig_path), "--endpoints", str(eps_path))
     _wait("the emulator", lambda: rig_path.exists() and eps_path.exists(), procs)
     rig = rigfile.load(rig_path)
+    if rig.chip is not None and not args.ideal_chip:
+        rig = _calibrate(t0, rig, rig_path, workdir, procs)
     control = json.loads(eps_path.read_text())["control"]
     say(t0, f"emulated rig {args.rig}: {', '.join(rig.devices)} on their wires; "
             f"{len(rig.gpus)} GPUs ({sum(g.spare for g in rig.gpus)} spares) on "
@@ -194,6 +206,30 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     finally:
         agent.close()
     return _report(t0, t_fail, gpu, status, state)
+
+
+def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
+               procs: Processes):
+    """Calibrate the seeded chip through the rig's instruments (ptb calibrate), then name the
+    calibration file in the rig file, so the chip service drives the chip with it."""
+    from hil import rigfile
+    out = workdir / "calibration.json"
+    say(t0, "calibrating the chip (ptb calibrate: fringes, crosstalk, refinement)")
+    proc = procs.start("calibrate", "calibrate", "--rig", str(rig_path), "--out", str(out))
+    try:
+        proc.wait(CALIBRATION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CommandFailed(f"calibration took over {CALIBRATION_TIMEOUT_S} s; its log:\n"
+                            + procs.tail("calibrate")) from None
+    if proc.returncode != 0:
+        raise CommandFailed("calibration failed; its log:\n" + procs.tail("calibrate"))
+    procs.procs = [(name, p) for name, p in procs.procs if p is not proc]   # done, not dead
+    summary = [line for line in procs.tail("calibrate", 40).splitlines()
+               if line.startswith("calibration of")]
+    say(t0, summary[-1] if summary else f"calibration written to {out.name}")
+    rig = dataclasses.replace(rig, chip=dataclasses.replace(rig.chip, calibration=str(out)))
+    rigfile.write(rig_path, rig)
+    return rigfile.load(rig_path)
 
 
 def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> int:

@@ -172,18 +172,20 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
 
 
 def test_demo_end_to_end_one_gpu_failure(tmp_path):
-    """`ptb demo --headless`: emulator, services, agent as processes; gpu6 fails; the job
-    resumes on a spare, never communicating over a down link."""
+    """`ptb demo --headless`: emulator, the seeded chip calibrated, services, agent as
+    processes; gpu6 fails; the job resumes on a spare, never communicating over a down link."""
     proc = _ptb("demo", "--headless", "--seconds", "0.5", "--gpu", "gpu6",
                 "--workdir", str(tmp_path))
     try:
-        out = proc.communicate(timeout=90)[0]
+        out = proc.communicate(timeout=400)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, out
-    for line in ("failure injected", "detected by the agent", "circuits applied",
+    assert (tmp_path / "calibration.json").exists()
+    for line in ("calibration of 56 heaters", "failure injected", "detected by the agent",
+                 "circuits applied",
                  "verified by light", "job resumed", "demo succeeded"):
         assert line in out, out
     assert "gpu6 -> spare0" in out
