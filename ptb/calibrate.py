@@ -34,7 +34,15 @@ def add_parser(sub) -> None:
     p.add_argument("--endpoints", metavar="FILE", help="endpoints JSON of `ptb emulate`")
     p.add_argument("--topology", default="benes16",
                    help="chip topology with --endpoints (default benes16)")
-    p.add_argument("--out", required=True, metavar="FILE", help="calibration file to write")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", metavar="FILE", help="calibration file to write")
+    what.add_argument("--drift-check", metavar="FILE",
+                      help="instead of calibrating: measure a few cells against this "
+                      "calibration file and say whether to recalibrate (exit 0: keep it, "
+                      "exit 3: recalibrate)")
+    p.add_argument("--drift-threshold-rad", type=float, default=0.05,
+                   help="phase error above which --drift-check advises recalibrating "
+                   "(default 0.05 rad)")
     p.add_argument("--report", metavar="DIR", help="also write PNG figures and a summary here")
     p.add_argument("--cells", nargs="+", metavar="CELL",
                    help="calibrate only these cells (and the cells their light needs)")
@@ -195,9 +203,11 @@ def run(args) -> int:
         raise CommandFailed(f"--averaging-s must be in 0..10 s, not {args.averaging_s:g}")
     if not 0 < args.laser_mw <= 100:
         raise CommandFailed(f"--laser-mw must be in (0, 100], not {args.laser_mw:g}")
-    out = pathlib.Path(args.out)
-    if not out.parent.is_dir():
+    out = pathlib.Path(args.out or args.drift_check)
+    if args.out and not out.parent.is_dir():
         raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
+    if not 0 < args.drift_threshold_rad < 3.2:
+        raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
     progress_path = pathlib.Path(args.progress or f"{out}.progress.json")
     with contextlib.ExitStack() as stack:
         rig_name, chip_id = "", ""
@@ -214,8 +224,39 @@ def run(args) -> int:
             ep, topo_name, rig_name = _start_emulated(stack, args)
             topology = topology_by_name(topo_name)
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
+        if args.drift_check:
+            calibration = _load_calibration(out, topology, chip_id)
+            station = stack.enter_context(Instruments()).open(ep, topology, args)
+            return _drift(station, calibration, args)
         station = stack.enter_context(Instruments()).open(ep, topology, args)
         return _calibrate(station, args, out, progress_path, rig_name, chip_id)
+
+
+def _load_calibration(path: pathlib.Path, topology, chip_id: str):
+    from drivers.mesh import Calibration, CalibrationError
+    try:
+        calibration = Calibration.load(path)
+        calibration.check_chip(topology.name, chip_id)
+    except (CalibrationError, OSError) as e:
+        raise CommandFailed(f"cannot use {path} for the drift check: {e}") from None
+    return calibration
+
+
+def _drift(station, calibration, args) -> int:
+    from calibration.report import drift_check
+    from drivers.heater_dac import DACError
+    from drivers.scpi import InstrumentError
+    try:
+        report = drift_check(station, calibration, cells=args.cells,
+                             threshold_rad=args.drift_threshold_rad, seed=args.seed)
+    except (DACError, InstrumentError, OSError) as e:
+        raise CommandFailed(f"an instrument stopped answering: {e}") from None
+    for cell, err in sorted(report.cells.items()):
+        print(f"  {cell}: phase error {err:+.4f} rad")
+    verdict = "recalibrate" if report.recalibrate else "calibration still good"
+    print(f"drift check: worst {report.worst:.4f} rad over {len(report.cells)} cells "
+          f"(threshold {report.threshold_rad:g} rad): {verdict}")
+    return 3 if report.recalibrate else 0
 
 
 def _start_emulated(stack, args):

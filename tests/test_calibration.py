@@ -235,3 +235,22 @@ def test_cli_reads_a_rig_file(tmp_path):
     truth = rig.chip.truth()
     ch = benes(16).cell("s1r0").channels[0]
     assert abs(wrapped(cal.heaters[ch].offset_rad - truth.offset_rad[ch])) < 0.3  # no xt comp.
+
+
+def test_cli_drift_check_keeps_a_good_file_and_flags_another_chip(seed0, tmp_path):
+    """`ptb calibrate --drift-check FILE`: exit 0 on the chip the file was made for, exit 3
+    (recalibrate) on a chip whose truth differs (another seed: every offset has moved)."""
+    _, _, cal = seed0
+    path = tmp_path / "cal.json"
+    replace(cal, chip_id="lumion/benes16").save(path)      # the id `ptb calibrate` gives it
+    same = _ptb("calibrate", "--rig", "lumion", "--seed", "0", "--drift-check", str(path))
+    out = "".join(same.communicate(timeout=120))
+    assert same.returncode == 0, out
+    assert "calibration still good" in out
+    other = _ptb("calibrate", "--rig", "lumion", "--seed", "5", "--drift-check", str(path))
+    out = "".join(other.communicate(timeout=120))
+    assert other.returncode == 3, out
+    assert "recalibrate" in out
+    missing = _ptb("calibrate", "--rig", "lumion", "--drift-check", str(tmp_path / "nope.json"))
+    out = "".join(missing.communicate(timeout=120))
+    assert missing.returncode == 1 and "cannot use" in out, out
