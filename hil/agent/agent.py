@@ -253,7 +253,7 @@ class Agent:
                 raise AgentError(f"job {self.plan.name!r} has no phase {phase!r} round {round}")
             t0 = self.clock()
             cause = f"phase {phase} round {round}"
-            self.phase = key
+            previous, self.phase = self.phase, key
             targets = self._targets[key]
             applied = self._apply(targets, cause, record=False)
             if self.verify_phases:
@@ -270,6 +270,8 @@ class Agent:
                     if callable(fn) and c != targets[s]:
                         fn(c)
                         staged.append(s)
+            if key == previous and not applied and not staged:
+                return      # the same phase again, nothing moved: no new journal entry
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
                                 applied=applied, prestaged=staged)
 
