@@ -92,16 +92,9 @@ class EmulatedChip:
 
     # ---- building ------------------------------------------------------------------------
 
-    def _build_graph(self, d: Mapping) -> None:
-        try:
-            kind, n, cells, links = d["kind"], int(d["ports"]), d["cells"], d["links"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ChipError(f"not a chip topology description (missing {e})") from None
-        if kind not in ("benes", "clements"):
-            raise ChipError(f"EmulatedChip models feed-forward meshes (benes, clements), not "
-                            f"{kind!r}; square and hexagonal meshes are "
-                            f"hil.emulator.mesh_chip.RecirculatingChip")
-        self.kind, self.ports = kind, n
+    def _read_cells(self, cells, max_heaters: int) -> dict[str, int]:
+        """Cell ids, drawing positions and the heater channels of each cell (internal phase
+        first, then external); returns cell id -> index."""
         self.cell_ids = tuple(str(c["id"]) for c in cells)
         index = {cid: k for k, cid in enumerate(self.cell_ids)}
         if len(index) != len(cells):
@@ -111,8 +104,9 @@ class EmulatedChip:
         channels, cell_of, role = [], [], []
         for k, c in enumerate(cells):
             chs = [int(ch) for ch in c["channels"]]
-            if not 1 <= len(chs) <= 2:
-                raise ChipError(f"cell {c['id']} has {len(chs)} heater channels (1 or 2)")
+            if not 1 <= len(chs) <= max_heaters:
+                raise ChipError(f"cell {c['id']} has {len(chs)} heater channels "
+                                f"(1{' or 2' if max_heaters == 2 else ''} on a {self.kind} chip)")
             for j, ch in enumerate(chs):
                 channels.append(ch)
                 cell_of.append(k)
@@ -123,6 +117,19 @@ class EmulatedChip:
         self._chan_index = {ch: i for i, ch in enumerate(channels)}
         self._heater_cell = np.array(cell_of)
         self._heater_role = np.array(role)
+        return index
+
+    def _build_graph(self, d: Mapping) -> None:
+        try:
+            kind, n, cells, links = d["kind"], int(d["ports"]), d["cells"], d["links"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ChipError(f"not a chip topology description (missing {e})") from None
+        if kind not in ("benes", "clements"):
+            raise ChipError(f"EmulatedChip models feed-forward meshes (benes, clements), not "
+                            f"{kind!r}; square and hexagonal meshes are "
+                            f"hil.emulator.mesh_chip.RecirculatingChip")
+        self.kind, self.ports = kind, n
+        index = self._read_cells(cells, max_heaters=2)
         c = len(cells)
         # Signal numbering: input port p -> p - 1; cell k output arm 2 -> n + 2k, arm 3 -> n+2k+1.
         src = np.full((c, 2), -1)

@@ -35,27 +35,7 @@ class RecirculatingChip(EmulatedChip):
         if kind not in ("square", "hexagonal"):
             raise ChipError(f"a recirculating mesh is square or hexagonal, not {kind!r}")
         self.kind, self.ports = kind, n
-        self.cell_ids = tuple(str(c["id"]) for c in cells)
-        index = {cid: k for k, cid in enumerate(self.cell_ids)}
-        if len(index) != len(cells):
-            raise ChipError("a cell id appears twice")
-        self._x = np.array([float(c["x"]) for c in cells])
-        self._y = np.array([float(c["y"]) for c in cells])
-        channels, cell_of, role = [], [], []
-        for k, c in enumerate(cells):
-            chs = [int(ch) for ch in c["channels"]]
-            if len(chs) != 1:
-                raise ChipError(f"cell {c['id']} of a recirculating mesh has one heater, "
-                                f"not {len(chs)}")
-            channels.append(chs[0])
-            cell_of.append(k)
-            role.append(0)
-        if len(set(channels)) != len(channels):
-            raise ChipError("a heater channel drives two phase shifters")
-        self.channels = tuple(channels)
-        self._chan_index = {ch: i for i, ch in enumerate(channels)}
-        self._heater_cell = np.array(cell_of)
-        self._heater_role = np.array(role)
+        index = self._read_cells(cells, max_heaters=1)
         c = len(cells)
 
         def arm(end) -> int:       # 4 k + arm, or -p for port p
