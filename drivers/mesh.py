@@ -27,7 +27,7 @@ import math
 import os
 import pathlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -306,10 +306,11 @@ class Mesh(CircuitSwitch):
 
     # ---- read back ----------------------------------------------------------------------------
 
-    def cell_states(self) -> dict[str, dict]:
-        """The chip-service state: {cell id: {"state", "theta", "phi"}} from the board's
-        voltages and the calibration."""
-        volts = self.dac.voltages()
+    def cell_states(self, volts: Sequence[float] | None = None) -> dict[str, dict]:
+        """The chip-service state: {cell id: {"state", "theta", "phi"}} from heater voltages
+        (read back from the board unless given) and the calibration."""
+        if volts is None:
+            volts = self.dac.voltages()
         phases = self.calibration.phases({ch: volts[ch] for ch in self._channels})
         out = {}
         for c in self.topology.cells:

@@ -27,7 +27,6 @@ from typing import Any
 import zmq
 
 from drivers.circuit_switch import CircuitSwitch, check_circuits
-from drivers.mesh import classify as classify_phase
 from hil.bus import schema
 from hil.bus.mirror import StatePublisher
 from hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
@@ -155,34 +154,22 @@ def _set_laser(laser, args):
     return state, state
 
 
-def _chip_cells(mesh, volts) -> dict:
-    """Cell states from the commanded heater volts and the calibration (no device I/O)."""
-    chans = [ch for c in mesh.topology.cells for ch in c.channels]
-    phases = mesh.calibration.phases({ch: volts[ch] for ch in chans})
-    out = {}
-    for c in mesh.topology.cells:
-        theta = phases[c.channels[0]]
-        phi = phases[c.channels[1]] if len(c.channels) > 1 else 0.0
-        out[c.id] = {"state": classify_phase(theta), "theta": theta, "phi": phi}
-    return out
-
-
 def _chip_state(mesh) -> dict:
     volts = list(mesh.dac.commanded)
     return {"circuits": schema.circuits_to_wire(mesh.circuits()), "ports": mesh.ports,
-            "cells": _chip_cells(mesh, volts), "volts": volts}
+            "cells": mesh.cell_states(volts), "volts": volts}
 
 
 def _chip_apply(mesh, args):
     result, changes = _apply_circuits(mesh, args)
     volts = list(mesh.dac.commanded)
-    return result, {**changes, "cells": _chip_cells(mesh, volts), "volts": volts}
+    return result, {**changes, "cells": mesh.cell_states(volts), "volts": volts}
 
 
 def _chip_set_heaters(mesh, args):
     lines = mesh.dac.set_voltages(_heater_volts(args))
     volts = list(mesh.dac.commanded)
-    return {"lines": lines}, {"volts": volts, "cells": _chip_cells(mesh, volts),
+    return {"lines": lines}, {"volts": volts, "cells": mesh.cell_states(volts),
                               "circuits": schema.circuits_to_wire(mesh.circuits())}
 
 
