@@ -2,6 +2,8 @@
 the job side through hil.client.Fabric; and `ptb demo` end to end."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import pathlib
 import signal
@@ -90,14 +92,15 @@ def _serve(service):
     return close
 
 
-@pytest.fixture
-def opus_bus(tmp_path):
-    """The opus rig: emulated OCS + rack in this process, the OCS service on a thread."""
-    rig = EmulatedRig(rig_spec("opus"), switching_s=0.0)
+@contextlib.contextmanager
+def _rig_on_bus(tmp_path, name, device, **options):
+    """An emulated rig (instruments + rack in this process) with its switch `device` served on
+    a thread; yields (rig, rig file, its path)."""
+    rig = EmulatedRig(rig_spec(name), **options)
     rig.start()
     path = tmp_path / "rig.toml"
     try:
-        close = _serve(_on_the_bus(rig, "opus", "ocs", path))
+        close = _serve(_on_the_bus(rig, name, device, path))
     except BaseException:
         rig.close()
         raise
@@ -106,6 +109,13 @@ def opus_bus(tmp_path):
     finally:
         close()
         rig.close()
+
+
+@pytest.fixture
+def opus_bus(tmp_path):
+    """The opus rig: emulated OCS + rack in this process, the OCS service on a thread."""
+    with _rig_on_bus(tmp_path, "opus", "ocs", switching_s=0.0) as bus:
+        yield bus
 
 
 def _agent(path, journal):
@@ -197,19 +207,8 @@ def test_demo_end_to_end_one_gpu_failure(tmp_path):
 def lumion_bus(tmp_path):
     """The lumion rig (ideal chip): instruments + rack in this process, the chip service (the
     mesh owning the DAC) on a thread."""
-    rig = EmulatedRig(rig_spec("lumion"), ideal_chip=True)
-    rig.start()
-    path = tmp_path / "rig.toml"
-    try:
-        close = _serve(_on_the_bus(rig, "lumion", "chip", path))
-    except BaseException:
-        rig.close()
-        raise
-    try:
-        yield rig, rigfile.load(path), path
-    finally:
-        close()
-        rig.close()
+    with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as bus:
+        yield bus
 
 
 def _ring_up(rack, rank_map):

@@ -353,10 +353,9 @@ class DeviceService:
         return request, self.pub.endpoint
 
     def close(self) -> None:
-        for sock in (self.router,):
-            if sock is not None:
-                sock.close(linger=0)
-        self.router = None
+        if self.router is not None:
+            self.router.close(linger=0)
+            self.router = None
         if self.pub is not None:
             self.pub.close()
             self.pub = None
