@@ -115,6 +115,29 @@ def test_a_few_changed_heaters_travel_alone():
     assert mirror.state == owner.state
 
 
+def test_a_few_changed_cells_travel_alone_and_the_owner_keeps_its_own_copy():
+    sent = []
+    cells = {f"c{i}": {"state": "bar", "theta": 3.14} for i in range(8)}
+    owner = StatePublisher("chip", {"cells": cells}, sent.append)
+    mirror = Mirror("chip")
+    mirror.load(owner.snapshot())
+    new = {k: dict(v) for k, v in cells.items() if k != "c7"}
+    new["c2"]["state"] = "cross"
+    owner.update({"cells": new})
+    assert sent[-1]["ops"] == [["set", ["cells", "c2"], {"state": "cross", "theta": 3.14}],
+                               ["del", ["cells", "c7"]]]
+    new["c2"]["theta"] = 0.0                     # the caller's object is not the state
+    assert owner.state["cells"]["c2"]["theta"] == 3.14
+    owner.update({"cells": {"x": {}}})          # most members changed: the whole object
+    assert sent[-1]["ops"] == [["set", ["cells"], {"x": {}}]]
+    owner.update({"pairs": {1: 2}})             # keys JSON would turn into strings: whole
+    owner.update({"pairs": {1: 2, 3: 4, 5: 6}})
+    assert sent[-1]["ops"] == [["set", ["pairs"], {1: 2, 3: 4, 5: 6}]]
+    for msg in sent[:-2]:
+        mirror.feed(msg)
+    assert mirror.state == {"cells": {"x": {}}}
+
+
 def test_late_subscriber_buffers_deltas_until_its_snapshot():
     sent = []
     owner = StatePublisher("sw", {"circuits": []}, sent.append)

@@ -70,6 +70,25 @@ def apply_ops(state: dict, ops: list) -> None:
             raise MirrorError(f"path {path!r} does not exist in the state ({e!r})") from None
 
 
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def clone(value):
+    """A copy of a JSON-like value (dicts, lists, tuples, strings, numbers): what
+    `copy.deepcopy` gives, several times faster for the states the bus carries (a chip's 56
+    cells: 40 us instead of 600 us); anything else goes to `copy.deepcopy`."""
+    t = type(value)
+    if t in _ATOMS:
+        return value
+    if t is dict:
+        return {k: clone(v) for k, v in value.items()}
+    if t is list:
+        return [clone(v) for v in value]
+    if t is tuple:
+        return tuple(clone(v) for v in value)
+    return copy.deepcopy(value)
+
+
 class StatePublisher:
     """The owner's side: the state, its sequence number, and the messages to publish."""
 
@@ -78,12 +97,12 @@ class StatePublisher:
         self.device = device
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.seq = 0
-        self.state = copy.deepcopy(state)
+        self.state = clone(state)
         self._publish = publish
 
     def snapshot(self) -> dict:
         return schema.make("snapshot", device=self.device, incarnation=self.incarnation,
-                           seq=self.seq, state=copy.deepcopy(self.state))
+                           seq=self.seq, state=clone(self.state))
 
     def change(self, ops: list) -> dict | None:
         """Apply and publish one delta; nothing is sent for an empty change."""
@@ -97,11 +116,12 @@ class StatePublisher:
         return msg
 
     def set(self, path: list, value) -> dict | None:
-        return self.change([["set", list(path), copy.deepcopy(value)]])
+        return self.change([["set", list(path), clone(value)]])
 
     def update(self, values: Mapping) -> dict | None:
         """Set several top-level keys in one delta, only those whose value differs. A list of
-        the same length with few changed items (a heater vector) goes as those items alone."""
+        the same length with few changed items (a heater vector) goes as those items alone, and
+        so does an object with few changed members (a chip's cells)."""
         ops = []
         for k, v in values.items():
             old = self.state.get(k, _MISSING)
@@ -110,9 +130,17 @@ class StatePublisher:
             if isinstance(old, list) and isinstance(v, list) and len(old) == len(v):
                 changed = [i for i, (a, b) in enumerate(zip(old, v)) if a != b]
                 if len(changed) * 2 < len(v):
-                    ops += [["set", [k, i], copy.deepcopy(v[i])] for i in changed]
+                    ops += [["set", [k, i], clone(v[i])] for i in changed]
                     continue
-            ops.append(["set", [k], copy.deepcopy(v)])
+            elif isinstance(old, dict) and isinstance(v, dict) and v and \
+                    all(type(m) is str for m in v):
+                changed = [m for m, x in v.items() if old.get(m, _MISSING) != x]
+                gone = [m for m in old if m not in v]
+                if (len(changed) + len(gone)) * 2 < len(v):
+                    ops += [["set", [k, m], clone(v[m])] for m in changed]
+                    ops += [["del", [k, m]] for m in gone]
+                    continue
+            ops.append(["set", [k], clone(v)])
         return self.change(ops)
 
 
@@ -137,7 +165,7 @@ class Mirror:
 
     def load(self, snap: Mapping) -> bool:
         """Take a snapshot, then the buffered deltas after it. True when in sync."""
-        self.state = copy.deepcopy(snap["state"])
+        self.state = clone(snap["state"])
         self.seq = snap["seq"]
         self.incarnation = snap["incarnation"]
         self.needs_snapshot = False
@@ -413,7 +441,7 @@ class SubscriberThread:
     def states(self) -> dict[str, dict]:
         """A copy of every mirror's latest state (safe from any thread)."""
         with self._lock:
-            return copy.deepcopy(self._states)
+            return clone(self._states)
 
     def _run(self) -> None:
         devices, kwargs = self._args
@@ -421,7 +449,7 @@ class SubscriberThread:
 
         def on_state(device, state, ops):
             with self._lock:
-                self._states[device] = copy.deepcopy(state)
+                self._states[device] = clone(state)
             if user_on_state:
                 user_on_state(device, state, ops)
         try:
