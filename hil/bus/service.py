@@ -14,6 +14,7 @@ telemetry. Every service also answers `ping`, `describe` and `snapshot`.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import logging
 import math
@@ -63,7 +64,9 @@ class UnencodableResult(Exception):
 
 # ---- device kinds -----------------------------------------------------------------------------
 
-Op = Callable[[Any, dict], tuple[Any, dict]]     # (driver, args) -> (result, state changes)
+# (driver, args) -> (result, state changes); a change's value may be a function of nothing,
+# called once the reply has gone (work the caller does not wait for)
+Op = Callable[[Any, dict], tuple[Any, dict]]
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,9 @@ def _chip_state(mesh) -> dict:
 def _chip_apply(mesh, args):
     result, changes = _apply_circuits(mesh, args)
     volts = list(mesh.dac.commanded)
-    return result, {**changes, "cells": mesh.cell_states(volts), "volts": volts}
+    # the cells' states are worked out after the reply has gone (DeviceService.publish)
+    return result, {**changes, "cells": functools.partial(mesh.cell_states, volts),
+                    "volts": volts}
 
 
 def _chip_set_heaters(mesh, args):
@@ -320,6 +325,7 @@ class DeviceService:
         self._queue: collections.deque = collections.deque()
         self._seen_empty = time.monotonic()     # when the request socket was last seen empty
         self._telemetry_seq = 0
+        self._unpublished: dict = {}            # state changes made, to publish after the reply
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -373,7 +379,15 @@ class DeviceService:
 
     @property
     def version(self) -> str:
-        return self.mirror.state["version"]
+        return self._unpublished.get("version") or self.mirror.state["version"]
+
+    def publish(self) -> None:
+        """Send the state changes of the requests answered so far as one delta. The loop calls
+        it right after each reply: the caller waiting on the device hears first, the
+        subscribers a moment later (the version in the reply is already the new one)."""
+        if self._unpublished:
+            updates, self._unpublished = self._unpublished, {}
+            self.mirror.update({k: v() if callable(v) else v for k, v in updates.items()})
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -405,6 +419,7 @@ class DeviceService:
             if self._queue:
                 envelope, frame, arrived = self._queue.popleft()
                 self._reply(envelope, self.handle(frame, arrived))
+                self.publish()
 
     def _drain(self) -> None:
         """Take waiting requests off the socket, stamped with the last moment the socket was
@@ -447,6 +462,7 @@ class DeviceService:
     def handle(self, frame: bytes, arrived: float | None = None) -> dict:
         """One request frame -> the reply or error message (never raises)."""
         self.requests += 1
+        self.publish()                      # what an earlier request changed, if not yet sent
         rid = None
         try:
             msg = schema.decode(frame)
@@ -493,10 +509,9 @@ class DeviceService:
             if changing:
                 # The hardware may have changed even if the call failed half way: a new version.
                 self.changes += 1
-        updates = dict(changes)
+        self._unpublished.update(changes)
         if changing:
-            updates["version"] = f"{self.mirror.incarnation}:{self.changes}"
-        self.mirror.update(updates)
+            self._unpublished["version"] = f"{self.mirror.incarnation}:{self.changes}"
         return result
 
     def _heartbeat(self) -> None:
