@@ -26,8 +26,11 @@ CODE_FULL = 65535
 ERROR_LINE = re.compile(r"^[A-Za-z]{1,3}(\d+):(\d+)$")
 MODULE_LINE = re.compile(r"^\s*([^:\s]+)\s*:\s*(\d+)\s*$")
 VALUE_LINE = re.compile(r"^([+-]?\d+(?:\.\d*)?)\s*(V|mA|mW|uA)?$")
-# A gap of this many unchanged channels costs more bytes as a new line than resent in place.
-MERGE_GAP = 2
+# A line costs its prefix, newline and the board's OK (about 12 bytes) and the board's turnaround
+# (about 1 ms, a dozen bytes' time at 115200 baud): up to 5 unchanged channels (20 bytes) between
+# two changed ones are cheaper resent in place than as a second line.
+MERGE_GAP = 5
+LINE_LIMIT = 256        # bytes before the newline the firmware accepts (E14 beyond)
 
 
 class DACError(Exception):
@@ -378,10 +381,12 @@ class HeaterDAC:
         return [round(self._parse_value(s, "V") / info.vfull * CODE_FULL) for s in lines]
 
     def _runs(self, changed: Iterable[int]) -> list[tuple[int, int]]:
-        """Group changed channels into [first, last] runs, bridging small gaps."""
+        """Group changed channels into [first, last] runs, bridging small gaps, each short
+        enough for one `vhex` line."""
         runs: list[list[int]] = []
         for ch in sorted(changed):
-            if runs and ch - runs[-1][1] <= MERGE_GAP + 1:
+            if runs and ch - runs[-1][1] <= MERGE_GAP + 1 and \
+                    len(f"vhex{runs[-1][0]}=") + 4 * (ch - runs[-1][0] + 1) <= LINE_LIMIT:
                 runs[-1][1] = ch
             else:
                 runs.append([ch, ch])

@@ -96,9 +96,9 @@ def test_unchanged_values_send_nothing():
 
 def test_far_apart_channels_make_separate_lines():
     dac, port = scripted(ONE_MODULE_OPEN + [(b"vhex0=1555\n", b"OK\n"),
-                                            (b"vhex6=1555\n", b"OK\n")])
+                                            (b"vhex7=1555\n", b"OK\n")])
     dac.open()
-    assert dac.set_voltages({0: 1.0, 6: 1.0}) == 2
+    assert dac.set_voltages({0: 1.0, 7: 1.0}) == 2       # 6 channels apart: two lines
 
 
 def test_a_refusal_raises_with_code_and_channel_and_is_not_remembered():
