@@ -1,9 +1,16 @@
 """The agent's journal: every decision and every applied configuration, durably, in SQLite.
 
-One row per event, written in its own transaction before the agent acts on it (write-ahead),
-in WAL mode with full sync, so a `kill -9` of the agent loses nothing that was reported as
-written. The journal also holds the *intended* circuits of every switch: after a restart the
-agent reads them back and repairs only what differs on the hardware.
+One row per event, in WAL mode with full sync, so a `kill -9` of the agent loses nothing that
+was reported as written. The journal also holds the *intended* circuits of every switch: after
+a restart the agent reads them back and repairs only what differs on the hardware.
+
+Write-ahead without a disk sync per row: an entry may be recorded `defer=True` (a detection, a
+decision, an applied change, a verification): it is written at once but made durable together
+with the next entry that must be, in one transaction, one sync: the intended circuits before a
+switch moves (`set_intended`), the restart order before the job hears it, an alarm, or any
+read of the journal (`entries`, `intended`, `flush`, `close`). Nothing acts on a deferred entry
+before that commit, so a `kill -9` in between loses only entries whose effect never left the
+process.
 """
 from __future__ import annotations
 
@@ -72,7 +79,7 @@ class Journal:
         if synchronous not in ("FULL", "NORMAL"):
             raise JournalError(f"synchronous is FULL or NORMAL, not {synchronous!r}")
         self.path = os.fspath(path)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                        timeout=5.0)
@@ -90,6 +97,8 @@ class Journal:
 
     def close(self) -> None:
         with self._lock:
+            if self._db.in_transaction:
+                self._db.execute("COMMIT")
             self._db.close()
 
     def __enter__(self) -> "Journal":
@@ -98,23 +107,41 @@ class Journal:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def flush(self) -> None:
+        """Make the deferred entries durable (one transaction, one sync)."""
+        with self._lock:
+            if self._db.in_transaction:
+                self._db.execute("COMMIT")
+
+    def _begin(self) -> None:
+        if not self._db.in_transaction:
+            self._db.execute("BEGIN IMMEDIATE")
+
     def record(self, kind: str, cause: str = "", latency_s: float | None = None,
-               ts: float | None = None, **details: Any) -> int:
-        """Append one event; returns its sequence number once it is on disk."""
+               ts: float | None = None, *, defer: bool = False, **details: Any) -> int:
+        """Append one event; returns its sequence number once it is on disk (with `defer`,
+        once it is written: on disk with the next entry that is not deferred)."""
         if kind not in KINDS:
             raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
         text = json.dumps(details, sort_keys=True, default=str)
         with self._lock:
-            cur = self._db.execute(
-                "INSERT INTO events (ts, kind, cause, latency_s, details) VALUES (?,?,?,?,?)",
-                (time.time() if ts is None else ts, kind, cause, latency_s, text))
+            self._begin()
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO events (ts, kind, cause, latency_s, details) VALUES (?,?,?,?,?)",
+                    (time.time() if ts is None else ts, kind, cause, latency_s, text))
+            finally:
+                if not defer:
+                    self._db.execute("COMMIT")
             return cur.lastrowid
 
     def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str) -> int:
-        """Record what a switch should hold, with the event that explains it, atomically."""
+        """Record what a switch should hold, with the event that explains it, atomically and
+        durably (with the deferred entries before it)."""
         pairs = sorted((int(a), int(b)) for a, b in circuits)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._begin()
+            self._db.execute("SAVEPOINT intended")
             try:
                 cur = self._db.execute(
                     "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
@@ -123,14 +150,18 @@ class Journal:
                 seq = cur.lastrowid
                 self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
                                  (switch, json.dumps(pairs), seq))
-                self._db.execute("COMMIT")
+                self._db.execute("RELEASE intended")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("ROLLBACK TO intended")
+                self._db.execute("RELEASE intended")
                 raise
+            finally:
+                self._db.execute("COMMIT")
             return seq
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
         with self._lock:
+            self.flush()
             rows = self._db.execute("SELECT switch, circuits FROM intended").fetchall()
         return {name: [tuple(p) for p in json.loads(text)] for name, text in rows}
 
@@ -146,6 +177,7 @@ class Journal:
             query += " LIMIT ?"
             args.append(int(limit))
         with self._lock:
+            self.flush()
             rows = self._db.execute(query, args).fetchall()
         return [Entry(seq, ts, kind, cause, lat, json.loads(det))
                 for seq, ts, kind, cause, lat, det in rows]

@@ -53,6 +53,57 @@ def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
         assert decisions[0].details["circuits"] == [[1, 2], [3, 7]]
 
 
+DEFERRING = """
+import sys
+from hil.journal import Journal
+j = Journal(sys.argv[1])
+for k in range(100000):
+    j.record("detected", cause="test", k=k, defer=True)
+    j.record("decision", cause="test", k=k, defer=True)
+    print(j.set_intended("chip", [(1, 17 + k % 16)], cause="test"), flush=True)
+    j.record("applied", cause="test", k=k, defer=True)
+"""
+
+
+def test_deferred_entries_are_durable_with_the_next_durable_one(tmp_path):
+    path = tmp_path / "journal.db"
+    with Journal(path) as j, Journal(path) as other:
+        first = j.record("detected", cause="gpu3", defer=True)
+        j.record("decision", cause="swap", defer=True)
+        assert other.entries() == []                   # written, not yet committed
+        assert [e.seq for e in j.entries()] == [first, first + 1]    # a read commits
+        assert len(other.entries()) == 2
+        j.record("applied", cause="swap", defer=True)
+        j.set_intended("chip", [(1, 17)], cause="swap")
+        assert [e.kind for e in other.entries(since=first + 1)] == ["applied", "decision"]
+        j.record("verified", cause="swap", defer=True)
+        j.record("restart", cause="swap")
+        assert [e.kind for e in other.entries(since=first + 3)] == ["verified", "restart"]
+        j.record("phase", cause="tp", defer=True)
+    with Journal(path) as j:                           # close committed the last one
+        assert j.entries()[-1].kind == "phase"
+    # kill -9: everything before an acknowledged durable write is there, in order
+    proc = subprocess.Popen([sys.executable, "-c", DEFERRING, str(tmp_path / "k.db")],
+                            stdout=subprocess.PIPE, text=True)
+    acknowledged = []
+    deadline = time.monotonic() + 20
+    while len(acknowledged) < 100 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        acknowledged.append(int(line))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    assert len(acknowledged) >= 100
+    with Journal(tmp_path / "k.db") as j:
+        kinds = {e.seq: e.kind for e in j.entries()}
+        assert j.intended()["chip"]
+    for seq in acknowledged:
+        assert [kinds.get(seq - 2), kinds.get(seq - 1), kinds.get(seq)] == \
+            ["detected", "decision", "decision"]
+
+
 def test_filters_and_lines(tmp_path):
     with Journal(tmp_path / "j.db") as j:
         j.record("failure", cause="xid 79", gpu=3)

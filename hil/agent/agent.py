@@ -10,6 +10,10 @@ Switches are `CircuitSwitch` objects; light is read through `read_power(switch, 
 (a power meter on the output fibres). Every decision is written to the journal *before* it is
 applied (the intended circuits of each switch included), so an agent killed mid-swap and
 started again repairs only what differs and finishes the swap without extra switch moves.
+The journal is synced twice per failover, not once per entry: detection, decision and intended
+circuits together before any switch moves; what was applied and verified together with the rank
+map and restart order before the job hears it (`Journal.record(defer=True)`). A phase switch
+syncs its intended circuits before moving; its outcome entry follows after the grant.
 """
 from __future__ import annotations
 
@@ -120,7 +124,8 @@ class Agent:
             self._current[s] = dict(c)
             if record:
                 self.journal.record("applied", cause, took[s]["seconds"], switch=s,
-                                    added=took[s]["added"], removed=took[s]["removed"])
+                                    added=took[s]["added"], removed=took[s]["removed"],
+                                    defer=True)
         return took
 
     def _verify(self, points: list[tuple[str, int, int]], cause: str, since: float
@@ -134,7 +139,7 @@ class Agent:
                 bad.append((s, i, o, p))
         kind = "verify_failed" if bad else "verified"
         self.journal.record(kind, cause, self.clock() - since, dbm=seen,
-                            dark=[[s, i, o] for s, i, o, _ in bad])
+                            dark=[[s, i, o] for s, i, o, _ in bad], defer=True)
         return bad
 
     def _alarm(self, text: str, **details: Any) -> None:
@@ -273,7 +278,7 @@ class Agent:
             if key == previous and not applied and not staged:
                 return      # the same phase again, nothing moved: no new journal entry
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
-                                applied=applied, prestaged=staged)
+                                applied=applied, prestaged=staged, defer=True)
 
     def on_job_event(self, event: Any) -> None:
         """A job event (an object or dict with kind, phase, round, details) from the job."""
@@ -309,7 +314,7 @@ class Agent:
                     self._failed_at[h.gpu] = self.clock()
                     if old != "failed":
                         self.journal.record("detected", f"GPU {h.gpu} failed",
-                                            reasons=list(h.reasons))
+                                            reasons=list(h.reasons), defer=True)
                         failed.append(h.gpu)
                 elif h.state == "degraded" and old != "degraded":
                     self.journal.record("note", f"GPU {h.gpu} degraded", reasons=list(h.reasons))
@@ -320,7 +325,7 @@ class Agent:
         on a link it needed (found by reading the power at the link's receiver)."""
         with self._lock:
             self.journal.record("failure", reason or "job failure", gpus=list(gpus),
-                                links=[list(x) for x in links])
+                                links=[list(x) for x in links], defer=True)
             suspects = [g for g in gpus if g in self.rank_map.values()]
             for src, dst in links:
                 for att in self.layout.gpus.get(dst, ()):
@@ -333,7 +338,8 @@ class Agent:
             suspects = [g for g in dict.fromkeys(suspects) if g in self.rank_map.values()]
             for g in suspects:
                 if self._health.get(g) != "failed":
-                    self.journal.record("detected", f"GPU {g} lost by the job", reason=reason)
+                    self.journal.record("detected", f"GPU {g} lost by the job", reason=reason,
+                                        defer=True)
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
             return self._failover(suspects, "job failure") if suspects else None
@@ -412,7 +418,7 @@ class Agent:
             key = self.phase if self.phase in targets_all else next(iter(targets_all))
             self.journal.record("decision", cause, self.clock() - t0, action="swap",
                                 failed=failed, swaps=swaps, rank_map=new_map, phase=list(key),
-                                degraded=degraded)
+                                degraded=degraded, defer=True)
             steps["decided"] = self.clock() - t0
             self._apply(targets_all[key], cause)
             steps["applied"] = self.clock() - t0
@@ -438,8 +444,9 @@ class Agent:
                            tuple(rejected), self.clock() - t0, steps)
 
     def _announce(self, rank_map: RankMap, cause: str, restart: bool = True) -> None:
-        self.journal.record("rank_map", cause, rank_map=rank_map)
+        self.journal.record("rank_map", cause, rank_map=rank_map, defer=restart)
+        if restart:
+            self.journal.record("restart", cause, rank_map=rank_map)   # durable: all before it
         self.on_rank_map(dict(rank_map))
         if restart:
-            self.journal.record("restart", cause, rank_map=rank_map)
             self.on_restart(dict(rank_map), cause)
