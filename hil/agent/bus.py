@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_KEPT = 200
 DARK_DBM = -99.0
+PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
 
 
 class BusSwitch(CircuitSwitch):
@@ -126,6 +127,7 @@ class AgentProcess:
         self._last_seq = 0
         self._gpus_client: ServiceClient | None = None
         self._rx: dict[str, tuple[str | None, dict]] = {}
+        self._published = 0.0
 
     # --- set-up -----------------------------------------------------------------------------
     def _client(self, endpoint: str) -> ServiceClient:
@@ -192,10 +194,15 @@ class AgentProcess:
             self.step()
 
     def step(self) -> None:
-        """Handle whatever is waiting (requests, health), then publish what changed."""
+        """Handle whatever is waiting (requests, health), then publish what changed: once no
+        request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
+        phase request is not queued behind the journal's sync and the GUI's update."""
         self._rx.clear()              # received power is read afresh for each event
         self.sub.poll(0)
         self.server.poll(0)
+        if time.monotonic() - self._published < PUBLISH_EVERY_S and \
+                (self.server.router.poll(0) or self.sub.sub.poll(0)):
+            return
         self._publish()
 
     # --- inputs -----------------------------------------------------------------------------
@@ -301,17 +308,21 @@ class AgentProcess:
                         "health": a._health.get(g, "ok"), "role": role, "rank": rank})
         return out
 
-    def _state(self) -> dict:
+    def _state(self, events: bool = True) -> dict:
         a = self.agent
-        return {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
-                "phase": a.phase[0] if a.phase else None, "round": a.phase[1] if a.phase else 0,
-                "events": [dict(e) for e in self._events], "alarms": list(self._alarms),
-                "restart": dict(self._restart)}
+        state = {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
+                 "phase": a.phase[0] if a.phase else None,
+                 "round": a.phase[1] if a.phase else 0,
+                 "alarms": list(self._alarms), "restart": dict(self._restart)}
+        if events:
+            state["events"] = [dict(e) for e in self._events]
+        return state
 
     def _publish(self) -> None:
         """New journal entries are appended to `events` (the oldest dropped past 200), the
         other keys sent when they differ: one delta."""
-        new = self.journal.entries(since=self._last_seq)
+        self._published = time.monotonic()
+        new = self.journal.entries(since=self._last_seq)     # syncs the deferred entries
         ops: list = []
         if new:
             self._last_seq = new[-1].seq
@@ -325,9 +336,9 @@ class AgentProcess:
                     self._events.pop(0)
         if self.server is None:
             return
-        state = self._state()
+        state = self._state(events=False)
         old = self.server.state.state
-        ops += [["set", [k], v] for k, v in state.items() if k != "events" and old.get(k) != v]
+        ops += [["set", [k], v] for k, v in state.items() if old.get(k) != v]
         if ops:
             self.server.change(ops)
 
