@@ -18,9 +18,12 @@ the bus, faults and truth on the control endpoint, and the training job.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
+
+import zmq
 
 from hil.bus.client import BusError
 from hil.bus.stateserver import StateServer
@@ -34,7 +37,8 @@ from hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 
-HEALTH_PERIOD_S = 0.001       # how often the monitor looks at the GPUs
+HEALTH_PERIOD_S = 0.01        # how often the monitor looks at the GPUs (flapping ones change
+                               # by themselves); a fault injected wakes it at once
 JOB_EVENTS_KEPT = 500
 
 
@@ -71,6 +75,8 @@ class RackHost:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()            # one job start at a time
         self._events_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()   # a fault was injected: look now
+        os.set_blocking(self._wake_w, False)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> tuple[str, str]:
@@ -88,14 +94,32 @@ class RackHost:
             self._thread = None
         self.server.close()
         self.rack.close()
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def _monitor(self) -> None:
         """Health monitor loop: publish every GPU whose state changed; answer rx_power."""
+        poller = zmq.Poller()
+        poller.register(self.server.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            self.server.poll(HEALTH_PERIOD_S)
+            ready = dict(poller.poll(HEALTH_PERIOD_S * 1e3))
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            self.server.poll(0)
             changed = self.rack.poll()
             if changed:
                 self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+
+    def _wake(self) -> None:
+        if self._wake_w < 0:
+            return
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):      # already full of wake-ups, or closed
+            pass
 
     def _rx_power(self, args: dict) -> dict:
         switch = args.get("switch")
@@ -119,14 +143,15 @@ class RackHost:
         control.register("job_status", lambda req: self.job_status())
         control.register("job_stop", lambda req: self._stop_job())
 
-    @staticmethod
-    def _kwargs(fn):
+    def _kwargs(self, fn):
         def handler(req: dict) -> Any:
             args = {k: v for k, v in req.items() if k != "cmd"}
             try:
                 return fn(**args)
             except RackError as e:
                 raise ControlError(str(e)) from None
+            finally:
+                self._wake()        # the monitor reports what changed without waiting
         return handler
 
     # --- the job ----------------------------------------------------------------------------
