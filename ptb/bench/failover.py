@@ -2,18 +2,22 @@
 
 The stack runs as processes (emulator with its rack, services, agent). Each run fails the GPU
 holding rank 3 through the emulator's control endpoint (the rack's health monitor publishes
-it on the bus within its 1 ms poll), and reads the agent's journal: detected, decided (spare
-chosen), applied, verified. The failed GPU is healed after each run and becomes a spare again
-(quarantine 0), so every run is a full swap. Zero device delays: the chip's heaters settle at
-once and the emulated serial line is a pty. `--realistic` adds the modelled device delays to
-the measured path: 10 us heater settling and 1 ms per serial line sent to the DAC chain
-(a lumion swap sends one line: the driver merges the changed heaters).
+it on the bus at once), and reads the agent's journal: detected, decided (spare chosen),
+applied, verified. Two origins: the fault's injection (a request to the emulator's control
+endpoint) and the failure event on the bus (the `gpus` delta saying the GPU failed, as a
+subscriber in this process receives it): the issue's goal is counted from the bus event.
+The failed GPU is healed after each run and becomes a spare again (quarantine 0), so every run
+is a full swap. Zero device delays: the chip's heaters settle at once and the emulated serial
+line is a pty. The "realistic" row adds the modelled device delays to the measured path: 10 us
+heater settling and 1 ms per serial line sent to the DAC chain (a lumion swap sends one line:
+the driver merges the changed heaters).
 """
 from __future__ import annotations
 
 import statistics
 import time
 
+from hil.bus.mirror import SubscriberThread
 from hil.client import Fabric
 from hil.emulator.control import request
 from hil.jobplan import dp_ring
@@ -33,13 +37,25 @@ def add_arguments(p) -> None:
 
 def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
     stack = Stack("lumion", journal_sync=journal_sync)
-    fabric = None
+    fabric = sub = None
+    seen: dict[str, float] = {}         # GPU -> when this process heard it failed on the bus
+
+    def on_gpus(device, state, ops):
+        now = time.time()
+        for gpu, h in state.get("gpus", {}).items():
+            if h.get("state") == "failed":
+                seen.setdefault(gpu, now)
+            else:
+                seen.pop(gpu, None)
     try:
+        sub = SubscriberThread({"gpus": stack.rig.gpus_endpoints()}, on_state=on_gpus,
+                               telemetry=False).start()
         fabric = Fabric(*stack.rig.agent_endpoints(), timeout=10)
         rank_map = fabric.admit(dp_ring(8))
         fabric.phase("dp")
         parts: dict[str, list[float]] = {k: [] for k in ("detect", "decide", "apply",
-                                                        "verify", "total")}
+                                                        "verify", "total", "bus event",
+                                                        "from bus event")}
         with Journal(stack.journal) as j:
             last = j.entries()[-1].seq
             for _ in range(runs):
@@ -65,11 +81,17 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                 parts["apply"].append(t["applied"] - dec)
                 parts["verify"].append(t["verified"] - t["applied"])
                 parts["total"].append(t["verified"] - t_fail)
+                t_bus = wait_for(lambda: seen.get(victim))
+                parts["bus event"].append(t_bus - t_fail)
+                parts["from bus event"].append(t["verified"] - t_bus)
                 request(stack.control, {"cmd": "heal_gpu", "gpu": victim})
+                wait_for(lambda: victim not in seen)
                 time.sleep(0.03)          # the healed GPU is seen before the next run
     finally:
         if fabric is not None:
             fabric.close()
+        if sub is not None:
+            sub.close()
         stack.close()
     return parts
 
@@ -85,13 +107,17 @@ def run(args) -> dict:
                          "p50_ms": f"{1e3 * statistics.median(xs):.2f}",
                          "p99_ms": f"{1e3 * percentile(xs, 0.99):.2f}",
                          "max_ms": f"{1e3 * max(xs):.2f}"})
-        p99 = percentile(parts["total"], 0.99)
-        rows.append({"journal": sync, "stage": "total, realistic (+1 line, +10 us heaters)",
+        p99 = percentile(parts["from bus event"], 0.99)
+        p50 = statistics.median(parts["from bus event"])
+        rows.append({"journal": sync,
+                     "stage": "from bus event, realistic (+1 line, +10 us heaters)",
                      "runs": len(parts["total"]),
-                     "p50_ms": f"{1e3 * (statistics.median(parts['total']) + modelled):.2f}",
+                     "p50_ms": f"{1e3 * (p50 + modelled):.2f}",
                      "p99_ms": f"{1e3 * (p99 + modelled):.2f}", "max_ms": ""})
-        notes.append(f"journal {sync}: goal p99 <= 10 ms with zero device delays "
-                     f"{'met' if p99 <= 0.010 else 'NOT met'} ({1e3 * p99:.2f} ms)")
+        notes.append(f"journal {sync}: goal p99 <= 10 ms from the failure event on the bus to "
+                     f"verified, zero device delays: {'met' if p99 <= 0.010 else 'NOT met'} "
+                     f"({1e3 * p99:.2f} ms; from the injection: "
+                     f"{1e3 * percentile(parts['total'], 0.99):.2f} ms)")
     notes.append(f"LUMION reports about {LUMION_S:g} s from failure to the job running again;"
                  f" here the spare's circuits are verified within the p99 above; the rest of "
                  f"a restart is the job's checkpoint reload")
