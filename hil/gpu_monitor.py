@@ -131,6 +131,11 @@ class GpuMonitor:
         if host is not None and not gpus:
             raise GpuMonitorError(f"no [[gpus]] of rig {rig.name} has host = {host!r}; hosts: "
                                   + ", ".join(sorted({g.host or '(none)' for g in rig.gpus})))
+        hosts = sorted({g.host for g in gpus if g.nvml is not None or g.iface})
+        if host is None and len(hosts) > 1:
+            raise GpuMonitorError(f"the [[gpus]] of rig {rig.name} sit on hosts "
+                                  f"{', '.join(h or '(none)' for h in hosts)}: say which one "
+                                  "this is (--host NAME); each host runs its own monitor")
         self.health = nvml
         self.names = map_nvml(gpus, nvml.uuids) if nvml is not None else {}
         if nvml is not None:

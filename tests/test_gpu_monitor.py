@@ -423,6 +423,14 @@ def test_a_monitor_refuses_rigs_that_do_not_fit_this_host():
             GpuMonitor(bare, nvml=health)
         with pytest.raises(GpuMonitorError, match="nothing to monitor"):
             GpuMonitor(bare, nvml=None)
+        two_hosts = rigfile.parse(RIG.replace('host = "node0"\nnvml = 2',
+                                              'host = "node1"\nnvml = 2'))
+        with pytest.raises(GpuMonitorError, match=r"sit on hosts node0, node1: say which one "
+                                                  r"this is \(--host NAME\)"):
+            GpuMonitor(two_hosts, nvml=health)
+        mon = GpuMonitor(two_hosts, nvml=health, host="node1", switch_ports={"ocs": 8})
+        assert mon.names == {"GPU-2": "spare0"} and list(mon.transceivers) == [("ocs", 3)]
+        mon.close()
     finally:
         health.close()
 
