@@ -34,7 +34,7 @@ ETHTOOL_TIMEOUT_S = 1.0
 
 _RX_LINE = re.compile(
     r"^\s*(?P<label>Receiver signal average optical power|Rcvr signal avg optical power"
-    r"|Receiver signal OMA)\s*(?:\(\s*(?:Channel|Chan|Lane)\s*(?P<lane>\d+)\s*\))?\s*:"
+    r"|Receiver signal OMA)\s*(?:\(\s*(?:Channel|Chan|Lane)\s*(?P<lane>\d{1,3})\s*\))?\s*:"
     r"\s*(?P<value>.*?)\s*$", re.IGNORECASE)
 _MW = re.compile(r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*mW\b")
 _DBM = re.compile(r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|inf(?:inity)?|nan))\s*dBm\b",

@@ -100,6 +100,13 @@ def test_mixed_or_repeated_lanes_are_errors():
         parse_ethtool_module(line * 2)
     with pytest.raises(DdmError, match="both per-lane and whole-module"):
         parse_ethtool_module(line + sample("sfp_sff8472.txt"))
+    huge = "\tRcvr signal avg optical power (Channel " + "9" * 5000 + ") : 0.5 mW\n"
+    with pytest.raises(DdmError, match="no received-power line"):
+        parse_ethtool_module(huge)
+    # channels numbered from 0 (some ethtool builds): lane 1 is the first printed
+    zero = (line.replace("Channel 1", "Channel 0")
+            + line.replace("0.5000 mW / -3.01", "0.2500 mW / -6.02"))
+    assert [round(parse_ethtool_module(zero).dbm(k), 2) for k in (1, 2)] == [-3.01, -6.02]
 
 
 @settings(max_examples=200, deadline=None)
@@ -435,7 +442,7 @@ def test_a_monitor_refuses_rigs_that_do_not_fit_this_host():
         health.close()
 
 
-# ---- ptb gpus -------------------------------------------------------------------------------------
+# ---- ptb gpus ------------------------------------------------------------------------------------
 
 def test_ptb_gpus_without_nvml_says_so(tmp_path, capsys):
     try:
@@ -501,7 +508,7 @@ def test_ptb_gpus_no_nvml_serves_ddm_through_ethtool(tmp_path, switch_service):
     assert "0 GPU(s), 3 transceiver(s)" in out and "stopped" in out
 
 
-# ---- the agent, unchanged, on this monitor --------------------------------------------------------
+# ---- the agent, unchanged, on this monitor -------------------------------------------------------
 
 def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
     """`AgentProcess` (as `ptb agent` runs it) against a switch service and this monitor:
