@@ -13,7 +13,8 @@ agent runs unchanged on a real host:
   received power that the transceiver on each output port reports through DDM (`hil.ddm`,
   `ethtool -m` on the GPU's `iface`). A port whose transceiver cannot be read is reported dark
   (DARK_DBM) and named with the reason under `"errors"` (the agent then sees no light).
-- request `clear_gpu` `{"gpu": name}`: forget a GPU's fatal Xids (after the GPU was reset).
+- request `clear_gpu` `{"gpu": name}`: forget a GPU's fatal Xids (after the GPU was reset);
+  `describe`: which NVML GPU and which transceiver each monitored rig GPU is.
 
 What a real host needs beyond the raw NVML counters, and the emulator does not:
 
@@ -176,7 +177,8 @@ class GpuMonitor:
             request=rig.bind_endpoint(request or default_request),
             publish=rig.bind_endpoint(publish or default_publish),
             keys=_server_keys(rig) if rig.bus.curve else None, heartbeat=rig.bus.heartbeat_s,
-            handlers={"rx_power": self._rx_power, "clear_gpu": self._clear_gpu})
+            handlers={"rx_power": self._rx_power, "clear_gpu": self._clear_gpu,
+                      "describe": self._describe})
         self.endpoints: tuple[str, str] | None = None
         self._next_poll = self.clock() + poll_s
         self._nvml_errors = 0
@@ -277,6 +279,16 @@ class GpuMonitor:
         log.info("GPU %s: Xids %s cleared by request", name, cleared or "(none)")
         self._next_poll = self.clock()          # re-read and publish at the next step
         return {"gpu": name, "cleared_xids": cleared}
+
+    def _describe(self, args: dict) -> dict:
+        """Which NVML GPU and which transceiver each monitored rig GPU is."""
+        uuid_of = {name: uuid for uuid, name in self.names.items()}
+        out: dict[str, dict] = {name: {"nvml": uuid} for name, uuid in uuid_of.items()}
+        for t in self.transceivers.values():
+            out.setdefault(t.gpu, {"nvml": None}).update(
+                {"switch": t.switch, "port": t.port, "iface": t.iface, "lane": t.lane})
+        return {"kind": "gpu_monitor", "rig": self.rig.name, "nvml": self.health is not None,
+                "gpus": out}
 
     def switch_ports(self, switch: str) -> int:
         """N of a switch (inputs 1..N, outputs N+1..2N): given, or asked from its service."""

@@ -366,6 +366,9 @@ def test_rx_power_from_the_transceivers(monitor):
     with ServiceClient(request, timeout=5.0) as client:
         got = client.call("rx_power", switch="ocs", ports=[9, 10, 11])
         assert got == {"dbm": {"9": -3.4, "10": -6.2, "11": DARK_DBM}}   # spare0's lane 3 dark
+        described = client.call("describe")["gpus"]
+        assert described["gpu1"] == {"nvml": UUID, "switch": "ocs", "port": 2, "iface": "ens2",
+                                     "lane": 2}
         got = client.call("rx_power", switch="ocs", ports=[9, 12])
         assert got["dbm"] == {"9": -3.4, "12": DARK_DBM}
         assert "no transceiver of this monitor on output 12" in got["errors"]["12"]
