@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 # 13/31/43 are usually application faults and are reported, not fatal.
 FATAL_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 TEMPERATURE_DEGRADED_C = 87
+LOST_REASON = "GPU is lost (fallen off the bus)"
 
 
 class GpuHealthUnavailable(Exception):
@@ -48,7 +49,7 @@ def classify(gpu: str, *, temperature_c: float | None, ecc_uncorrected: int, pci
     """The health verdict from raw counters: failed beats degraded beats ok."""
     failed, degraded = [], []
     if lost:
-        failed.append("GPU is lost (fallen off the bus)")
+        failed.append(LOST_REASON)
     fatal = [x for x in xids if x in FATAL_XIDS]
     if fatal:
         failed.append("fatal Xid " + ",".join(map(str, fatal)))

@@ -19,6 +19,9 @@ from hil.bus.security import ClientKeys, client_keys
 from hil.bus.service import KINDS, ServiceSpec
 
 ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
+NVML_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+# A Linux interface name: at most 15 bytes, no slash or blank, not "." or "..".
+IFACE = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.:@-]{1,15}$")
 
 
 class RigFileError(ValueError):
@@ -52,6 +55,11 @@ class GpuConfig:
     port: int
     spare: bool = False
     host: str = ""
+    # Which GPU of its host NVML calls it: an index (0, 1, ...) or a UUID ("GPU-8f3c...");
+    # None when nothing monitors this GPU's health on its host (docs/gpu-monitor.md).
+    nvml: int | str | None = None
+    iface: str = ""              # the Linux interface of its transceiver on this switch (DDM)
+    lane: int | None = None      # that transceiver's lane (1-based) on this port; None = all
 
 
 @dataclass(frozen=True)
@@ -360,6 +368,12 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             "port": (int, True, "the switch input port it attaches to (>= 1)"),
             "spare": (bool, False, "true for a spare"),
             "host": (str, False, "the host it sits in"),
+            "nvml": ((int, str), False, "the GPU's NVML index (0, 1, ...) or UUID "
+                     "(\"GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx\", as `nvidia-smi -L` prints)"),
+            "iface": (str, False, "the Linux network interface of its transceiver (e.g. "
+                      "\"ens1f0\"), whose DDM `ethtool -m` reads"),
+            "lane": (int, False, "the transceiver lane (>= 1) on this port; without it every "
+                     "lane's power is summed"),
         }, index=i)
         if g["switch"] not in devices:
             c.fail("gpus", "switch", f"a device name ({', '.join(devices)})", g["switch"], i)
@@ -372,9 +386,52 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         if any(x.name == g["name"] for x in gpus):
             c.fail("gpus", "name", "a name no other GPU has", g["name"], i)
         seen_ports[key] = g["name"]
+        _check_gpu_monitoring(c, g, i, gpus)
         gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
-                              g.get("host", "")))
+                              g.get("host", ""), g.get("nvml"), g.get("iface", ""),
+                              g.get("lane")))
     return Rig(rig["name"], None, bus, devices, chip, tuple(gpus))
+
+
+def _check_gpu_monitoring(c: _Checker, g: dict, i: int, before: list[GpuConfig]) -> None:
+    """A [[gpus]] table's `nvml`, `iface` and `lane` keys (what the host's GPU monitor reads):
+    well formed, and no two GPUs of one host on the same NVML GPU or transceiver lane."""
+    host = g.get("host", "")
+    nvml = g.get("nvml")
+    if isinstance(nvml, int):
+        if nvml < 0:
+            c.fail("gpus", "nvml", "an NVML index >= 0 or a UUID", nvml, i)
+    elif isinstance(nvml, str):
+        if NVML_UUID.match(nvml) is None:
+            c.fail("gpus", "nvml", "an NVML index (0, 1, ...) or a GPU UUID "
+                   "\"GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx\" (`nvidia-smi -L` lists them)",
+                   nvml, i)
+        nvml = nvml.lower()
+    if nvml is not None:
+        for other in before:
+            theirs = other.nvml.lower() if isinstance(other.nvml, str) else other.nvml
+            same_host = isinstance(nvml, str) or other.host == host
+            if theirs == nvml and same_host:
+                c.fail("gpus", "nvml", f"an NVML GPU no other rig GPU of host {host or '(any)'} "
+                       f"is mapped to ({other.name} has it)", g["nvml"], i)
+    iface = g.get("iface")
+    if iface is not None and IFACE.match(iface) is None:
+        c.fail("gpus", "iface", "a Linux interface name (1..15 characters of letters, digits "
+               "and _ . : @ -)", iface, i)
+    lane = g.get("lane")
+    if lane is not None:
+        if iface is None:
+            c.fail("gpus", "lane", "an `iface` too: a lane is a lane of that interface's "
+                   "transceiver", lane, i)
+        if lane < 1:
+            c.fail("gpus", "lane", "a lane number >= 1", lane, i)
+    if iface is not None:
+        for other in before:
+            if other.iface == iface and other.host == host and (
+                    lane is None or other.lane is None or other.lane == lane):
+                c.fail("gpus", "iface", f"a transceiver lane of its own ({other.name} reads "
+                       f"{iface}" + (f" lane {other.lane}" if other.lane else "") + ")",
+                       iface, i)
 
 
 def load(path: str | os.PathLike) -> Rig:
@@ -434,6 +491,12 @@ def dumps(rig: Rig) -> str:
                 f"spare = {_toml_value(g.spare)}"]
         if g.host:
             out.append(f"host = {_toml_value(g.host)}")
+        if g.nvml is not None:
+            out.append(f"nvml = {_toml_value(g.nvml)}")
+        if g.iface:
+            out.append(f"iface = {_toml_value(g.iface)}")
+        if g.lane is not None:
+            out.append(f"lane = {g.lane}")
     return "\n".join(out) + "\n"
 
 

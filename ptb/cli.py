@@ -9,7 +9,7 @@ import sys
 
 SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys",
                "ptb.agent",
-               "ptb.gui", "ptb.calibrate")
+               "ptb.gui", "ptb.calibrate", "ptb.gpus")
 
 
 class CommandFailed(Exception):
