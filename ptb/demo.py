@@ -245,8 +245,8 @@ def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> in
     restarted = next((e for e in job_ev if e["kind"] == "restarted"), None)
     step_after = next((s for s in status["steps"] if restarted and s[3] > restarted["t"]), None)
     print()
-    print(f"timeline (from the failure; each line: time since the failure, since the line "
-          f"before)")
+    print("timeline (from the failure; each line: time since the failure, since the line "
+          "before)")
     last = t_fail
     rows = [("failure injected", t_fail, f"{gpu} dark")]
     if detected:

@@ -300,6 +300,33 @@ class Publisher:
         self.sock.close(linger=0)
 
 
+def bind_sockets(ctx: zmq.Context, keys: ServerKeys | None, request: str,
+                 publish: str) -> tuple[zmq.Socket, Publisher]:
+    """The ROUTER socket that takes requests and the publisher, bound (CURVE with `keys`):
+    what a device service and any other state owner on the bus (`StateServer`) open."""
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        router.linger = 0
+        router.ipv6 = "[" in request         # an IPv6 literal, tcp://[::1]:port
+        router.maxmsgsize = HARD_FRAME_LIMIT
+        router.router_mandatory = False
+        make_server(router, keys)
+        router.bind(request)
+        return router, Publisher(ctx, publish, keys)
+    except Exception:
+        router.close(linger=0)
+        raise
+
+
+def close_sockets(router: zmq.Socket | None, pub: Publisher | None, auth: Any = None) -> None:
+    if router is not None:
+        router.close(linger=0)
+    if pub is not None:
+        pub.close()
+    if auth is not None:
+        auth.stop()
+
+
 class DeviceService:
     """One device on the bus. `bind()`, then `serve(stop)` until `stop` is set; `close()`."""
 
@@ -338,14 +365,8 @@ class DeviceService:
                 self.auth = start_authenticator(self.ctx, self.keys)
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.linger = 0
-            self.router.ipv6 = "[" in spec.request
-            self.router.maxmsgsize = HARD_FRAME_LIMIT
-            self.router.router_mandatory = False
-            make_server(self.router, self.keys)
-            self.router.bind(spec.request)
-            self.pub = Publisher(self.ctx, spec.publish, self.keys)
+            self.router, self.pub = bind_sockets(self.ctx, self.keys, spec.request,
+                                                 spec.publish)
             incarnation = uuid.uuid4().hex[:12]
             state = {"kind": spec.kind, "online": True, "version": f"{incarnation}:0",
                      **self.kind.state(self.driver)}
@@ -359,15 +380,8 @@ class DeviceService:
         return request, self.pub.endpoint
 
     def close(self) -> None:
-        if self.router is not None:
-            self.router.close(linger=0)
-            self.router = None
-        if self.pub is not None:
-            self.pub.close()
-            self.pub = None
-        if self.auth is not None:
-            self.auth.stop()
-            self.auth = None
+        close_sockets(self.router, self.pub, self.auth)
+        self.router = self.pub = self.auth = None
         if self.driver is not None and callable(getattr(self.driver, "close", None)):
             try:
                 self.driver.close()

@@ -22,8 +22,8 @@ import zmq
 
 from hil.bus import schema
 from hil.bus.mirror import StatePublisher
-from hil.bus.security import ServerKeys, make_server, start_authenticator
-from hil.bus.service import HARD_FRAME_LIMIT, Publisher, UnknownOperation
+from hil.bus.security import ServerKeys, start_authenticator
+from hil.bus.service import Publisher, UnknownOperation, bind_sockets, close_sockets
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,7 @@ class StateServer:
         try:
             if self.keys is not None:
                 self.auth = start_authenticator(self.ctx, self.keys)
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.linger = 0
-            self.router.ipv6 = "[" in self._endpoints[0]
-            self.router.maxmsgsize = HARD_FRAME_LIMIT
-            make_server(self.router, self.keys)
-            self.router.bind(self._endpoints[0])
-            self.pub = Publisher(self.ctx, self._endpoints[1], self.keys)
+            self.router, self.pub = bind_sockets(self.ctx, self.keys, *self._endpoints)
             self.state = StatePublisher(self.name, self._initial, self.pub.send)
         except Exception:
             self.close()
@@ -123,15 +117,8 @@ class StateServer:
         return [*frames[:-1], frame]
 
     def close(self) -> None:
-        if self.router is not None:
-            self.router.close(linger=0)
-            self.router = None
-        if self.pub is not None:
-            self.pub.close()
-            self.pub = None
-        if self.auth is not None:
-            self.auth.stop()
-            self.auth = None
+        close_sockets(self.router, self.pub, self.auth)
+        self.router = self.pub = self.auth = None
         if not self.ctx.closed:
             self.ctx.term()
 
