@@ -26,11 +26,14 @@ CODE_FULL = 65535
 ERROR_LINE = re.compile(r"^[A-Za-z]{1,3}(\d+):(\d+)$")
 MODULE_LINE = re.compile(r"^\s*([^:\s]+)\s*:\s*(\d+)\s*$")
 VALUE_LINE = re.compile(r"^([+-]?\d+(?:\.\d*)?)\s*(V|mA|mW|uA)?$")
-# A line costs its prefix, newline and the board's OK (about 12 bytes) and the board's turnaround
-# (about 1 ms, a dozen bytes' time at 115200 baud): up to 5 unchanged channels (20 bytes) between
-# two changed ones are cheaper resent in place than as a second line.
-MERGE_GAP = 5
+# A gap of this many unchanged channels costs more bytes as a new line than resent in place
+# (the lines of one change go back to back, so a line costs its bytes, not a turnaround).
+MERGE_GAP = 2
 LINE_LIMIT = 256        # bytes before the newline the firmware accepts (E14 beyond)
+# Set lines sent back to back before their replies are read (the protocol allows several lines
+# in one write; every line gets exactly one reply): a swap's scattered heaters cost one
+# turnaround, not one per line. Bounded by one line buffer, whatever the board's USB FIFO.
+PIPELINE_BYTES = 256
 
 
 class DACError(Exception):
@@ -403,26 +406,48 @@ class HeaterDAC:
         want = list(self._codes)
         for ch in changed:
             want[ch] = targets[ch]
-        lines = 0
         if self.info.compact:
-            for first, last in self._runs(changed):
-                digits = "".join(f"{want[c]:04X}" for c in range(first, last + 1))
-                self._send_codes(f"vhex{first}={digits}", first, last, want)
-                lines += 1
+            batch = [(f"vhex{first}=" + "".join(f"{want[c]:04X}" for c in range(first, last + 1)),
+                      first, last) for first, last in self._runs(changed)]
         else:
+            batch = []
             for module in self.info.modules:
                 span = range(module.first_channel, module.first_channel + module.channels)
                 if any(c in span for c in changed):
                     values = ",".join(f"{self._volts(want[c]):.4f}" for c in span)
-                    self._send_codes(f"vvec{module.first_channel}={values}",
-                                     span.start, span.stop - 1, want)
-                    lines += 1
-        return lines
+                    batch.append((f"vvec{module.first_channel}={values}", span.start,
+                                  span.stop - 1))
+        self._send_sets(batch, want)
+        return len(batch)
 
-    def _send_codes(self, line: str, first: int, last: int, want: list[int]) -> None:
-        self._command(line)
-        self._codes[first:last + 1] = want[first:last + 1]
-        self._commanded[first:last + 1] = want[first:last + 1]
+    def _send_sets(self, batch: list[tuple[str, int, int]], want: list[int]) -> None:
+        """Send set lines, several per write (at most PIPELINE_BYTES in flight), and read their
+        replies in order; each line the board takes updates what this driver knows of the
+        outputs. The first refusal is raised once every reply of its write has been read, so
+        the link stays in step; nothing after that write is sent."""
+        i = 0
+        while i < len(batch):
+            window = [batch[i]]
+            size = len(batch[i][0]) + 1
+            i += 1
+            while i < len(batch) and size + len(batch[i][0]) + 1 <= PIPELINE_BYTES:
+                window.append(batch[i])
+                size += len(batch[i][0]) + 1
+                i += 1
+            data = "".join(line + "\n" for line, _, _ in window).encode("ascii")
+            self._ser.write(data)
+            self.bytes_sent += len(data)
+            refused: BoardError | None = None
+            for line, first, last in window:
+                try:
+                    self._reply_lines(line, None)
+                except BoardError as e:
+                    refused = refused or e
+                    continue
+                self._codes[first:last + 1] = want[first:last + 1]
+                self._commanded[first:last + 1] = want[first:last + 1]
+            if refused is not None:
+                raise refused
 
     # ---- public API -----------------------------------------------------------------------------
 

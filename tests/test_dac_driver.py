@@ -54,22 +54,21 @@ def test_only_changed_channels_travel(dac_board):
         assert dac.bytes_sent - before == len(b"vhex10=2001\n") * 2
 
 
-def test_nearby_changes_share_a_line_and_long_ones_split_below_the_line_limit(tmp_path):
+def test_long_runs_split_below_the_line_limit_and_scattered_lines_go_together(tmp_path):
     from drivers.heater_dac import LINE_LIMIT
     from hil.emulator.dac_board import EmulatedDACBoard
     board = EmulatedDACBoard(tmp_path / "dac", modules=16, seed=3)     # 128 channels
     board.start()
     try:
         with HeaterDAC(str(board.link)) as dac:
-            values = [0.0] * 128
-            values[34] = values[38] = values[51] = 1.0      # gaps of 3 and 12 channels
-            before = dac.bytes_sent
-            assert dac.set_voltages(values) == 2
-            assert dac.bytes_sent - before == len(b"vhex34=") + 4 * 5 + 1 + len(b"vhex51=2001\n")
-            lines = dac.set_voltages([0.5] * 128)           # every channel: 512 hex digits
-            assert lines == 3
+            assert dac.set_voltages([0.5] * 128) == 3       # 512 hex digits: three lines
             assert board.outputs == pytest.approx(dac.commanded, abs=2e-4)
-            assert dac.bytes_sent - before < 3 * (LINE_LIMIT + 1) + 16
+            values = list(dac.commanded)
+            for ch in (3, 20, 40, 77, 100, 127):
+                values[ch] = 1.0
+            assert dac.set_voltages(values) == 6
+            assert board.outputs == pytest.approx(dac.commanded, abs=2e-4)
+            assert dac.bytes_sent < 10 * (LINE_LIMIT + 1)
     finally:
         board.close()
 

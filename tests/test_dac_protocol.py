@@ -95,10 +95,23 @@ def test_unchanged_values_send_nothing():
 
 
 def test_far_apart_channels_make_separate_lines():
-    dac, port = scripted(ONE_MODULE_OPEN + [(b"vhex0=1555\n", b"OK\n"),
-                                            (b"vhex7=1555\n", b"OK\n")])
+    dac, port = scripted(ONE_MODULE_OPEN + [(b"vhex0=1555\nvhex6=1555\n", b"OK\nOK\n")])
     dac.open()
-    assert dac.set_voltages({0: 1.0, 7: 1.0}) == 2       # 6 channels apart: two lines
+    assert dac.set_voltages({0: 1.0, 6: 1.0}) == 2          # two lines, in one write
+    assert dac.commanded[0] == dac.commanded[6] == 1.0
+
+
+def test_a_refused_line_among_several_leaves_the_others_known_and_the_link_in_step():
+    dac, port = scripted(ONE_MODULE_OPEN + [
+        (b"vhex0=D555\nvhex6=1555\n", b"E01:00\nOK\n"),
+        (b"v5?\n", b"+0.0000 V\n"),
+    ])
+    dac.open()
+    with pytest.raises(OverVoltage) as e:
+        dac.set_voltages({0: 10.0, 6: 1.0})
+    assert e.value.channel == 0
+    assert dac.commanded[6] == 1.0 and dac.commanded[0] == 0.0
+    assert dac.voltage(5) == 0.0            # the next reply read is the next command's
 
 
 def test_a_refusal_raises_with_code_and_channel_and_is_not_remembered():

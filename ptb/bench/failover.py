@@ -9,8 +9,9 @@ subscriber in this process receives it): the issue's goal is counted from the bu
 The failed GPU is healed after each run and becomes a spare again (quarantine 0), so every run
 is a full swap. Zero device delays: the chip's heaters settle at once and the emulated serial
 line is a pty. The "realistic" row adds the modelled device delays to the measured path: 10 us
-heater settling and 1 ms per serial line sent to the DAC chain (a lumion swap sends one line:
-the driver merges the changed heaters).
+heater settling and 1 ms of serial turnaround (a swap changes heaters scattered over the chain:
+the driver sends their lines back to back in one write and reads the replies after, so one
+turnaround, not one per line).
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def run(args) -> dict:
         p99 = percentile(parts["from bus event"], 0.99)
         p50 = statistics.median(parts["from bus event"])
         rows.append({"journal": sync,
-                     "stage": "from bus event, realistic (+1 line, +10 us heaters)",
+                     "stage": "from bus event, realistic (+1 ms serial, +10 us heaters)",
                      "runs": len(parts["total"]),
                      "p50_ms": f"{1e3 * (p50 + modelled):.2f}",
                      "p99_ms": f"{1e3 * (p99 + modelled):.2f}", "max_ms": ""})

@@ -2,7 +2,8 @@
 circuits of that phase applied, over the bus, for a DP/TP job (`dp_tp(8)`: TP pairs, then DP
 rings): on lumion's chip and on opus's OCS. Zero device delays, then (`--realistic`) the OCS
 at 25 ms per move (measured: the emulated OCS holds *OPC? until it has settled) and the chip
-with its modelled delays (1 ms per serial line, 10 us heater settling) added."""
+with its modelled delays (1 ms of serial turnaround: the changed heaters' lines go back to
+back in one write; 10 us heater settling) added."""
 from __future__ import annotations
 
 import statistics
@@ -64,7 +65,7 @@ def run(args) -> dict:
     rows = [_row("chip (lumion), zero delays", chip), _row("OCS (opus), zero delays", ocs),
             _row("chip, zero delays, journal sync normal", chip_n),
             _row("OCS, zero delays, journal sync normal", ocs_n),
-            _row("chip, realistic (+1 serial line, +10 us heaters)", chip,
+            _row("chip, realistic (+1 ms serial, +10 us heaters)", chip,
                  SERIAL_LINE_S + HEATER_SETTLE_S)]
     samples = {"chip": chip, "ocs": ocs, "chip_normal": chip_n, "ocs_normal": ocs_n}
     if args.realistic:
