@@ -318,7 +318,11 @@ class HeaterDAC:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DACTimeout(f"no answer to {command!r} within {self.timeout} s")
-            self._ser.timeout = remaining
+            # Changing a port's timeout reconfigures the tty (two system calls): only when the
+            # one set would overrun the deadline, or is far shorter than what is left.
+            current = self._ser.timeout
+            if current is None or current > remaining or current < remaining / 2:
+                self._ser.timeout = remaining
             chunk = self._ser.read(max(1, self._ser.in_waiting))
             self.bytes_received += len(chunk)
             self._rx += chunk
