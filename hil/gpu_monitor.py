@@ -3,7 +3,8 @@
 It publishes exactly what the emulator's monitor publishes (hil/emulator/rackhost.py), so the
 agent runs unchanged on a real host:
 
-- device `gpus` on the rig's gpus endpoints, with `StateServer`: state `{"gpus": {name:
+- device `gpus` on the rig's gpus endpoints (or, for a rig with one monitor per host in
+  [monitors], device `gpus-HOST` on that host's), with `StateServer`: state `{"gpus": {name:
   GpuHealth.to_dict()}}`, one delta whenever a GPU's state (or its reasons) changes. Names are
   the rig's [[gpus]] names; each says which NVML GPU it is with `nvml = INDEX` or
   `nvml = "GPU-uuid"`. Health comes from `hil.gpu_health.NvmlHealth`: Xid events (waited for
@@ -42,7 +43,7 @@ from hil.bus.client import BusError, ServiceClient
 from hil.bus.stateserver import StateServer
 from hil.ddm import DARK_DBM, DdmError, DdmReader
 from hil.gpu_health import FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth, classify
-from hil.rigfile import GpuConfig, Rig
+from hil.rigfile import GpuConfig, Rig, monitor_device
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,17 @@ class GpuMonitor:
             raise GpuMonitorError(f"the [[gpus]] of rig {rig.name} sit on hosts "
                                   f"{', '.join(h or '(none)' for h in hosts)}: say which one "
                                   "this is (--host NAME); each host runs its own monitor")
+        if rig.monitors:
+            if host not in rig.monitors:
+                raise GpuMonitorError(
+                    f"rig {rig.name} runs one GPU monitor per host ([monitors]: "
+                    f"{', '.join(rig.monitors)}): say which one this is (--host NAME)"
+                    + ("" if host is None else f", not {host!r}"))
+            self.device = monitor_device(host)
+            default_request, default_publish = rig.monitors[host]
+        else:
+            self.device = "gpus"
+            default_request, default_publish = rig.gpus_endpoints()
         self.health = nvml
         self.names = map_nvml(gpus, nvml.uuids) if nvml is not None else {}
         if nvml is not None:
@@ -165,7 +177,6 @@ class GpuMonitor:
         self.xid_hold_s, self.window_s = xid_hold_s, window_s
         self.clock = clock
         self._tracks = {name: _Track() for name in self.names.values()}
-        default_request, default_publish = rig.gpus_endpoints()
         try:
             first = self._check() if nvml is not None else []
         except Exception as e:
@@ -173,7 +184,7 @@ class GpuMonitor:
                 raise
             raise GpuMonitorError(f"cannot read the GPUs through NVML: {e}") from None
         self.server = StateServer(
-            "gpus", {"gpus": {h.gpu: h.to_dict() for h in first}},
+            self.device, {"gpus": {h.gpu: h.to_dict() for h in first}},
             request=rig.bind_endpoint(request or default_request),
             publish=rig.bind_endpoint(publish or default_publish),
             keys=_server_keys(rig) if rig.bus.curve else None, heartbeat=rig.bus.heartbeat_s,

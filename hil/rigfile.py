@@ -8,6 +8,7 @@ docs/rigfile.md describes every key.
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import pathlib
@@ -93,6 +94,9 @@ class Rig:
     devices: dict[str, DeviceConfig]
     chip: ChipConfig | None = None
     gpus: tuple[GpuConfig, ...] = ()
+    # host -> (request, publish) of that host's GPU monitor ([monitors.HOST]); empty: one
+    # monitor (the bus's gpus endpoints) for every GPU, as the emulated rack has
+    monitors: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""
@@ -116,6 +120,23 @@ class Rig:
     def gpus_endpoints(self) -> tuple[str, str]:
         """Where the rack's GPU health monitor publishes (device name `gpus`)."""
         return self.process_endpoints()["gpus"]
+
+    def gpu_monitors(self) -> dict[str, tuple[str, str]]:
+        """Device name -> (request, publish) of every GPU health monitor: `gpus-HOST` per host
+        of [monitors], or the one `gpus` of the whole rack."""
+        if self.monitors:
+            return {monitor_device(h): eps for h, eps in self.monitors.items()}
+        return {"gpus": self.gpus_endpoints()}
+
+    def monitor_of(self, gpu: str) -> str:
+        """The device name of the monitor that reports `gpu`'s health and light."""
+        if not self.monitors:
+            return "gpus"
+        host = next((g.host for g in self.gpus if g.name == gpu), None)
+        if host not in self.monitors:
+            raise RigFileError(f"GPU {gpu!r} is on no host of [monitors] "
+                               f"({', '.join(self.monitors)})")
+        return monitor_device(host)
 
     def bind_endpoint(self, endpoint: str) -> str:
         """What a process serving `endpoint` binds (the bus's `bind` address if set)."""
@@ -254,6 +275,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         "devices": (dict, True, "a [devices.NAME] table per device"),
         "chip": (dict, False, "a [chip] table"),
         "gpus": (list, False, "an array of [[gpus]] tables"),
+        "monitors": (dict, False, "a [monitors.HOST] table per host that runs a GPU monitor"),
     })
     base = base or pathlib.Path.cwd()
 
@@ -390,7 +412,36 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
                               g.get("host", ""), g.get("nvml"), g.get("iface", ""),
                               g.get("lane")))
-    return Rig(rig["name"], None, bus, devices, chip, tuple(gpus))
+    monitors: dict[str, tuple[str, str]] = {}
+    for host, m in top.get("monitors", {}).items():
+        table = f"monitors.{host}"
+        m = c.table(m, table, {
+            "request": (str, True, "the endpoint tcp://HOST:PORT where the host's GPU monitor "
+                        "answers requests"),
+            "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
+        })
+        monitors[host] = (_check_endpoint(c, table, "request", m["request"]),
+                          _check_endpoint(c, table, "publish", m["publish"]))
+    if monitors:
+        for i, g in enumerate(gpus):
+            if g.host not in monitors:
+                c.fail("gpus", "host", f"one of the hosts of [monitors] "
+                       f"({', '.join(monitors)}): every GPU's health comes from its host's "
+                       "monitor", g.host or None, i)
+        for host in monitors:
+            if not any(g.host == host for g in gpus):
+                c.fail(f"monitors.{host}", None,
+                       f"a host some [[gpus]] sits on (host = {host!r})")
+    if not bus.curve:
+        remote = [ep for eps in monitors.values() for ep in eps if not _is_loopback(ep)]
+        if remote:
+            c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
+    return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors)
+
+
+def monitor_device(host: str) -> str:
+    """The bus device name of a host's GPU monitor."""
+    return f"gpus-{host}"
 
 
 def _check_gpu_monitoring(c: _Checker, g: dict, i: int, before: list[GpuConfig]) -> None:
@@ -441,7 +492,11 @@ def load(path: str | os.PathLike) -> Rig:
     except (OSError, UnicodeDecodeError) as e:
         raise RigFileError(f"cannot read the rig file {path}: {e}") from None
     rig = parse(text, str(path), path.parent.resolve())
-    return Rig(rig.name, path, rig.bus, rig.devices, rig.chip, rig.gpus)
+    return dataclasses.replace(rig, path=path)
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def _toml_value(v) -> str:
@@ -497,6 +552,9 @@ def dumps(rig: Rig) -> str:
             out.append(f"iface = {_toml_value(g.iface)}")
         if g.lane is not None:
             out.append(f"lane = {g.lane}")
+    for host, (request, publish) in rig.monitors.items():
+        out += ["", f"[monitors.{_toml_key(host)}]", f"request = {_toml_value(request)}",
+                f"publish = {_toml_value(publish)}"]
     return "\n".join(out) + "\n"
 
 

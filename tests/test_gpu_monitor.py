@@ -3,6 +3,7 @@ transceiver keys, and the monitor on the bus (fake NVML, recorded ethtool output
 seen as the agent sees it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -24,7 +25,7 @@ from hil.bus.stateserver import StateServer
 from hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, run_ethtool
 from hil.gpu_health import GpuHealth, GpuHealthUnavailable, NvmlHealth
 from hil.gpu_monitor import GpuMonitor, GpuMonitorError, map_nvml
-from hil.rigfile import RigFileError
+from hil.rigfile import GpuConfig, RigFileError
 from tests.test_gpu_health import fake_nvml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -513,29 +514,35 @@ def test_ptb_gpus_no_nvml_serves_ddm_through_ethtool(tmp_path, switch_service):
 
 # ---- the agent, unchanged, on this monitor -------------------------------------------------------
 
-def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
-    """`AgentProcess` (as `ptb agent` runs it) against a switch service and this monitor:
-    Xid 79 on a ranked GPU -> the agent swaps the spare in, verifies the circuits with
-    rx_power read from the transceivers' DDM, and orders the job's restart."""
+def _ep():
+    return f"tcp://127.0.0.1:{rigfile.free_port()}"
+
+
+def _agent_rig(text: str) -> str:
+    """RIG with free loopback endpoints, an in-memory switch and the spare hearing on lane 1."""
+    return (text.replace('driver = "drivers.ocs:OpticalCircuitSwitch"',
+                         'driver = "tests.bus_doubles:MemorySwitch"\noptions = { ports = 8 }')
+            .replace('gpus_request = "tcp://127.0.0.1:0"',
+                     f'gpus_request = "{_ep()}"\nagent_request = "{_ep()}"')
+            .replace('gpus_publish = "tcp://127.0.0.1:0"',
+                     f'gpus_publish = "{_ep()}"\nagent_publish = "{_ep()}"')
+            .replace('\nrequest = "tcp://127.0.0.1:0"', f'\nrequest = "{_ep()}"')
+            .replace('\npublish = "tcp://127.0.0.1:0"', f'\npublish = "{_ep()}"')
+            .replace('lane = 3', 'lane = 1'))
+
+
+def _swap_on_monitors(tmp_path, rig, hosts: dict):
+    """`AgentProcess` (as `ptb agent` runs it) against a switch service and one monitor per
+    entry of `hosts` ({host name or None: fake NVML Host}): Xid 79 on gpu0 -> the agent swaps
+    the spare in, verifies the circuits with rx_power read from the transceivers' DDM, and
+    orders the job's restart. Returns the agent's state after the swap."""
     from hil.agent.bus import AgentProcess
     from hil.bus.service import DeviceService
     from hil.client import Fabric
     from hil.jobplan import dp_ring
 
-    def ep():
-        return f"tcp://127.0.0.1:{rigfile.free_port()}"
-    text = (RIG.replace('driver = "drivers.ocs:OpticalCircuitSwitch"',
-                        'driver = "tests.bus_doubles:MemorySwitch"\noptions = { ports = 8 }')
-            .replace('gpus_request = "tcp://127.0.0.1:0"',
-                     f'gpus_request = "{ep()}"\nagent_request = "{ep()}"')
-            .replace('gpus_publish = "tcp://127.0.0.1:0"',
-                     f'gpus_publish = "{ep()}"\nagent_publish = "{ep()}"')
-            .replace('\nrequest = "tcp://127.0.0.1:0"', f'\nrequest = "{ep()}"')
-            .replace('\npublish = "tcp://127.0.0.1:0"', f'\npublish = "{ep()}"')
-            .replace('lane = 3', 'lane = 1'))             # the spare hears on lane 1
-    rig = rigfile.parse(text)
     stop = threading.Event()
-    threads = []
+    threads, monitors, healths = [], [], []
 
     def spawn(fn):
         t = threading.Thread(target=fn, args=(stop,), daemon=True)
@@ -543,16 +550,18 @@ def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
         threads.append(t)
 
     service = DeviceService(rig.service_specs(["ocs"])[0])
-    host = Host()
-    health = NvmlHealth(host.nvml)
-    mon = GpuMonitor(rig, nvml=health, ddm=DdmReader(recorded_ethtool(set())), poll_s=0.05)
+    for name, host in hosts.items():
+        healths.append(NvmlHealth(host.nvml))
+        monitors.append(GpuMonitor(rig, nvml=healths[-1], host=name, poll_s=0.05,
+                                   ddm=DdmReader(recorded_ethtool(set()))))
     agent = AgentProcess(rig, str(tmp_path / "journal.db"))
     fabric = None
     try:
         service.bind()
         spawn(service.serve)
-        mon.start()
-        spawn(mon.run)
+        for mon in monitors:
+            mon.start()
+            spawn(mon.run)
         agent.start()
         spawn(agent.run)
         fabric = Fabric(*rig.agent_endpoints(), timeout=10)
@@ -560,7 +569,7 @@ def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
         assert sorted(rank_map.values()) == ["gpu0", "gpu1"]
         assert fabric.phase("dp")["granted"]
 
-        host.xids.append((0, 79))
+        next(iter(hosts.values())).xids.append((0, 79))       # gpu0 is NVML GPU 0
         order = fabric.wait_restart(timeout=20)
         assert order is not None, "no restart order"
         new_map, cause = order
@@ -570,6 +579,7 @@ def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
         rack = {g["name"]: g for g in state["rack"]}
         assert rack["gpu0"]["health"] == "failed" and rack["spare0"]["role"] == "in_use_spare"
         assert not state["alarms"]                    # the circuits verified by light
+        return state
     finally:
         if fabric is not None:
             fabric.close()
@@ -577,7 +587,58 @@ def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
         for t in threads:
             t.join(timeout=5)
         agent.close()
-        mon.close()
-        mon.ddm.close()
-        health.close()
+        for mon in monitors:
+            mon.close()
+            mon.ddm.close()
+        for h in healths:
+            h.close()
         service.close()
+
+
+def test_the_agent_swaps_a_spare_in_on_this_monitors_health_and_light(tmp_path):
+    rig = rigfile.parse(_agent_rig(RIG))
+    _swap_on_monitors(tmp_path, rig, {None: Host()})
+
+
+MONITORS = '[monitors.node0]\nrequest = "{}"\npublish = "{}"\n\n' \
+           '[monitors."node1.lab"]\nrequest = "{}"\npublish = "{}"\n'
+
+
+def test_one_monitor_per_host_and_the_agent_reads_each(tmp_path):
+    """The spare sits on another host: its health and its light come from that host's monitor
+    (device gpus-node1.lab), gpu0's and gpu1's from node0's; the agent hears both."""
+    text = _agent_rig(RIG).replace('host = "node0"\nnvml = 2', 'host = "node1.lab"\nnvml = 0')
+    rig = rigfile.parse(text + "\n" + MONITORS.format(_ep(), _ep(), _ep(), _ep()))
+    assert rig.gpu_monitors().keys() == {"gpus-node0", "gpus-node1.lab"}
+    assert rig.monitor_of("spare0") == "gpus-node1.lab"
+    assert rigfile.parse(rigfile.dumps(rig)) == rig
+    with pytest.raises(GpuMonitorError, match=r"node0, node1.lab: say which one this is"):
+        GpuMonitor(rig, nvml=None, ddm=DdmReader(recorded_ethtool(set())))
+    with pytest.raises(GpuMonitorError, match=r"\[monitors\]: node0, node1.lab\): say which "
+                                              r"one this is \(--host NAME\), not 'node7'"):
+        GpuMonitor(dataclasses.replace(rig, gpus=rig.gpus + (GpuConfig("x", "ocs", 7,
+                                                                       host="node7"),)),
+                   nvml=None, host="node7", ddm=DdmReader(recorded_ethtool(set())))
+    state = _swap_on_monitors(tmp_path, rig, {"node0": Host(), "node1.lab": Host()})
+    verified = [e for e in state["events"] if e["kind"] == "verified"][-1]
+    assert set(verified["details"]["dbm"]) == {"ocs:10", "ocs:11"}    # gpu1 and the spare
+
+
+@pytest.mark.parametrize("edit, message", [
+    (('[monitors."node1.lab"]', '[monitors.node2]\nrequest = "tcp://127.0.0.1:5"\n'
+      'publish = "tcp://127.0.0.1:6"\n\n[monitors."node1.lab"]'),
+     r"monitors.node2: expected a host some \[\[gpus\]\] sits on \(host = 'node2'\)"),
+    (('publish = "tcp://127.0.0.1:1"', 'publish = "udp://x"'),
+     r"monitors.node0.publish: expected an endpoint tcp://HOST:PORT"),
+    (('host = "node1.lab"', 'host = "node3"'),
+     r"gpus.host: expected one of the hosts of \[monitors\] \(node0, node1.lab\).* got 'node3'"),
+    (('publish = "tcp://127.0.0.1:1"', 'publish = "tcp://10.0.0.1:1"'),
+     r"bus.curve: expected true: endpoints off loopback need CURVE"),
+])
+def test_bad_monitor_tables_are_refused_clearly(edit, message):
+    text = RIG.replace('host = "node0"\nnvml = 2', 'host = "node1.lab"\nnvml = 0') + "\n" + \
+        MONITORS.format("tcp://127.0.0.1:2", "tcp://127.0.0.1:1", "tcp://127.0.0.1:4",
+                        "tcp://127.0.0.1:3")
+    assert edit[0] in text
+    with pytest.raises(RigFileError, match=message):
+        rigfile.parse(text.replace(edit[0], edit[1], 1))

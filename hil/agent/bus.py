@@ -4,9 +4,12 @@
   GPUs are cabled to; every change is sent with `expect` = the version last seen
   (compare-and-set); a `StaleState` (someone else changed the switch) re-reads and retries
   once, since the agent's intent is the fabric's.
-- Light: `read_power(switch, port)` asks the rack's GPU monitor (`gpus`, `rx_power`) for the
-  received power the transceiver on that output port reports (DDM).
-- Health: a `StateSubscriber` on `gpus`; every GPU whose state changed goes to `on_health`.
+- Light: `read_power(switch, port)` asks the GPU monitor of the GPU on that output port
+  (`rx_power`) for the received power its transceiver reports (DDM): the rack's one monitor
+  `gpus`, or with one monitor per host ([monitors] in the rig) that host's `gpus-HOST`; the
+  requests to several monitors go out together.
+- Health: a `StateSubscriber` on every GPU monitor; every GPU whose state changed goes to
+  `on_health`.
 - The job (through `hil.client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `StateServer` (docs/agent.md "On the bus"):
@@ -125,7 +128,7 @@ class AgentProcess:
         self._restart = {"seq": 0, "rank_map": {}, "cause": ""}
         self._events: list[dict] = []
         self._last_seq = 0
-        self._gpus_client: ServiceClient | None = None
+        self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
         self._rx: dict[str, tuple[str | None, dict]] = {}
         self._published = 0.0
 
@@ -147,8 +150,8 @@ class AgentProcess:
             except BusError as e:
                 raise AgentError(f"switch service {n} does not answer: {e}") from None
         layout = layout_from_rig(self.rig, {n: s.ports for n, s in self.switches.items()})
-        gpus_request, gpus_publish = self.rig.gpus_endpoints()
-        self._gpus_client = self._client(gpus_request)
+        monitors = self.rig.gpu_monitors()
+        self._monitors = {name: self._client(eps[0]) for name, eps in monitors.items()}
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
                            on_restart=self._on_restart, on_alarm=self._on_alarm)
@@ -165,8 +168,8 @@ class AgentProcess:
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure})
         bound = self.server.bind()
-        self.sub = StateSubscriber({"gpus": (gpus_request, gpus_publish)}, keys=self.keys,
-                                   on_state=self._on_gpus, telemetry=False)
+        self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
+                                   telemetry=False)
         self.agent.start()              # reconcile; finish a swap a killed agent left
         self._publish()
         log.info("agent of rig %s on %s, publishing on %s", self.rig.name, *bound)
@@ -207,21 +210,35 @@ class AgentProcess:
 
     # --- inputs -----------------------------------------------------------------------------
     def _read_power(self, switch: str, port: int) -> float:
-        """Received power on an output port: one request reads every receiver of the switch,
-        kept while the switch is unchanged and the agent handles the same event (a
-        verification reads several ports)."""
+        """Received power on an output port: one request per GPU monitor reads every receiver
+        of the switch it knows, kept while the switch is unchanged and the agent handles the
+        same event (a verification reads several ports)."""
         sw = self.switches.get(switch)
         cached = self._rx.get(switch)
         if cached is None or sw is None or cached[0] != sw.version or str(port) not in cached[1]:
-            ports = sorted({a.rx for atts in self.agent.layout.gpus.values() for a in atts
-                            if a.switch == switch} | {int(port)})
-            try:
-                got = self._gpus_client.call("rx_power", switch=switch, ports=ports)
-            except BusError as e:
-                log.warning("no received power for %s:%d: %s", switch, port, e)
-                return DARK_DBM
-            cached = self._rx[switch] = (sw.version if sw else None, got["dbm"])
-        return float(cached[1][str(port)])
+            layout = self.agent.layout
+            asks: dict[str, set[int]] = {}
+            for g, atts in layout.gpus.items():
+                for a in atts:
+                    if a.switch == switch:
+                        asks.setdefault(self.rig.monitor_of(g), set()).add(a.rx)
+            owner = layout.owner(switch, int(port))
+            asks.setdefault(self.rig.monitor_of(owner) if owner else next(iter(self._monitors)),
+                            set()).add(int(port))
+            deadline = time.monotonic() + self.timeout
+            sent = {m: self._monitors[m].send("rx_power", {"switch": switch,
+                                                            "ports": sorted(ports)})
+                    for m, ports in asks.items()}
+            dbm: dict[str, float] = {}
+            for m, rid in sent.items():
+                try:
+                    dbm.update(self._monitors[m].receive(rid, deadline)["dbm"])
+                except BusError as e:
+                    # its ports stay dark; a late answer is skipped by its request id
+                    log.warning("no received power from %s for %s %s: %s", m, switch,
+                                sorted(asks[m]), e)
+            cached = self._rx[switch] = (sw.version if sw else None, dbm)
+        return float(cached[1].get(str(port), DARK_DBM))
 
     def _on_gpus(self, device: str, state: dict, ops: Any) -> None:
         changed = []
