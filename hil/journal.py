@@ -135,19 +135,25 @@ class Journal:
                     self._db.execute("COMMIT")
             return cur.lastrowid
 
-    def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str) -> int:
-        """Record what a switch should hold, with the event that explains it, atomically and
-        durably (with the deferred entries before it)."""
+    def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str, *,
+                     event: bool = True) -> int:
+        """Record what a switch should hold, with a `decision` event that explains it (unless
+        `event` is false: the caller journals the change in its own entry, as a phase switch
+        does), atomically and durably (with the deferred entries before it). Returns the
+        event's sequence number (the last one written without an event)."""
         pairs = sorted((int(a), int(b)) for a, b in circuits)
         with self._lock:
             self._begin()
             self._db.execute("SAVEPOINT intended")
             try:
-                cur = self._db.execute(
-                    "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                    (time.time(), "decision", cause,
-                     json.dumps({"switch": switch, "circuits": pairs})))
-                seq = cur.lastrowid
+                if event:
+                    seq = self._db.execute(
+                        "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
+                        (time.time(), "decision", cause,
+                         json.dumps({"switch": switch, "circuits": pairs}))).lastrowid
+                else:
+                    seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
+                                           ).fetchone()[0]
                 self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
                                  (switch, json.dumps(pairs), seq))
                 self._db.execute("RELEASE intended")

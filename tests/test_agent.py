@@ -201,6 +201,27 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
     journal.close()
 
 
+def test_agent_killed_just_after_a_phase_switch_knows_the_phase_and_moves_nothing(tmp_path):
+    w = make_world(tmp_path, opus(), dp_tp(8, compute_s=0.01))
+    first, second = list(w.agent._targets)[:2]
+    assert w.agent.phase == first
+    w.switch.after_apply.append(lambda circuits: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):                 # moved, then died before its phase entry
+        w.agent.on_phase(*second)
+    moves, state = w.switch.moves, w.switch.circuits()
+    w.journal.close()
+    journal = Journal(tmp_path / "j.db")
+    assert [e.details["phase"] for e in journal.entries(kinds=("phase",))] == []
+    w.switch.after_apply.clear()
+    agent = Agent(opus(), {"ocs": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now)
+    agent.start()
+    assert agent.phase == second                # from the intended circuits
+    assert w.switch.moves == moves and w.switch.circuits() == state
+    agent.on_phase(*second)                     # the job asks again: nothing to move
+    assert w.switch.moves == moves
+    journal.close()
+
+
 def test_reconcile_repairs_only_the_difference(tmp_path):
     w = make_world(tmp_path, lumion(), dp_ring(8))
     good = w.switch.circuits()

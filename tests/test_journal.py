@@ -51,6 +51,8 @@ def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
         decisions = j.entries(kinds=("decision",))
         assert [d.details["switch"] for d in decisions] == ["chip", "ocs", "chip"]
         assert decisions[0].details["circuits"] == [[1, 2], [3, 7]]
+        j.set_intended("ocs", [(2, 34)], cause="phase dp", event=False)   # a phase switch
+        assert j.intended()["ocs"] == [(2, 34)] and len(j.entries()) == 3
 
 
 DEFERRING = """

@@ -105,11 +105,11 @@ class Agent:
     def _apply(self, targets: Targets, cause: str, record: bool = True
                ) -> dict[str, dict[str, Any]]:
         """Journal then apply every switch whose circuits differ; {switch: what changed}.
-        With record=False the caller journals the outcome in its own entry (phase rails:
-        one write fewer per phase on the critical path)."""
+        With record=False the caller journals the change and its outcome in its own entry
+        (phase rails: one entry per phase switch, not a decision and an applied per switch)."""
         todo = {s: c for s, c in targets.items() if self._current.get(s) != c}
         for s, c in todo.items():               # write-ahead: intended state first
-            self.journal.set_intended(s, _pairs(c), cause)
+            self.journal.set_intended(s, _pairs(c), cause, event=record)
         took = {}
         for s, c in todo.items():
             t0 = self.clock()
@@ -203,6 +203,16 @@ class Agent:
                 self.phase = tuple(swap.details["phase"])
             self._targets = policies.phase_circuits(self.plan, self.layout, self.rank_map,
                                                     self.matchings)
+            # The phase whose circuits the switches were last told to hold (a phase entry is
+            # written after its grant, so a kill just after a switch may have lost it).
+            intended = {n: dict(c) for n, c in self.journal.intended().items()}
+
+            def held(key) -> bool:
+                targets = self._targets.get(key)
+                return bool(targets) and all(intended.get(n) == dict(c)
+                                             for n, c in targets.items())
+            if not held(self.phase):
+                self.phase = next((k for k in self._targets if held(k)), self.phase)
             if swap is None or swap.seq < announced:
                 return None
             # A swap was decided but not announced: make it so, verify, announce.
