@@ -50,7 +50,10 @@ class _Probe:
         self.fit = cal.fit(cell)
         self.ch = self.fit.channel
         st.set_volts({c: 0.0 for c in cal.channels})
-        st.set_volts(cal.settings({**self.route.cells, **self.route.away}))
+        route = {**self.route.cells, **self.route.away}
+        # compensated: the route is re-solved while other heaters change, so it keeps a
+        # margin above zero power (no jumps of a period)
+        st.set_volts(cal.settings_with_margin(route) if compensated else cal.settings(route))
         st.light(self.route.port)
         self.compensated = compensated
         self.arm_shift = math.pi if self.route.arm == 1 else 0.0

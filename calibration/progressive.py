@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 TWO_PI = 2.0 * math.pi
 BAR, CROSS = "bar", "cross"
 STATE_PHASE = {BAR: math.pi, CROSS: 0.0}
+ROUTE_MARGIN_RAD = 0.8        # phase above zero power kept by heaters re-solved under load
 
 
 class CalibrationRunError(RuntimeError):
@@ -257,6 +258,28 @@ class Calibrator:
                 delta = delta + TWO_PI * (p < 0)
         r = self.r_ohm
         return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p)}
+
+    def settings_with_margin(self, states: dict[str, str | float],
+                             margin_rad: float = ROUTE_MARGIN_RAD) -> dict[int, float]:
+        """As `settings` (crosstalk compensated), but every heater ends at least `margin_rad`
+        of phase above zero power (a whole period higher where it would not): a neighbour's
+        heat can then lower its power without pushing it below zero, so re-solving it while
+        neighbours change keeps it on the same branch instead of jumping by a period (a
+        jump moves tens of mW and heats every cell around)."""
+        if self.crosstalk is None or not states:
+            return self.settings(states)
+        turns: dict[str, int] = {}
+        volts = self.settings(states)
+        r = self.r_ohm
+        for _ in range(3):
+            low = {c: turns.get(c, 0) + 1 for c in states
+                   if self.fit(c).rad_per_mw * 1000.0 * volts[self.channel_of[c]] ** 2
+                   / r[self.channel_of[c]] < margin_rad}
+            if not low:
+                break
+            turns.update(low)
+            volts = self.settings(states, turns=turns)
+        return volts
 
     # ---- the run -------------------------------------------------------------------------
 
