@@ -143,55 +143,86 @@ def crosstalk_matrix(rows: dict, n: int) -> np.ndarray:
 
 def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
                       fits: dict, compensated: bool) -> dict:
+    """One row of the matrix: probe `cell`'s phase shift while each neighbour in turn is
+    heated by one period of its own. When compensated, the probe's route is solved again at
+    every reading (a route cell that is the heated neighbour is solved one period higher, so
+    its state holds exactly), and every heater's actual change of power is recorded: the
+    row then comes from the linear system  shift_j = sum_m k_im dP_m^(j)  over the heated
+    neighbours j, which accounts for the route's own moves with the row being measured
+    rather than with an earlier estimate."""
     st = cal.station
     probe = _Probe(cal, cell, compensated=compensated)
     f = probe.fit
     q1, q2 = probe.power_for(math.pi / 2), probe.power_for(3 * math.pi / 2)
     route = {**probe.route.cells, **probe.route.away}
     route_volts = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
+    cell_of = {cal.channel_of[c]: c for c in route}
 
-    def shift(skip: int | None) -> tuple[float, np.ndarray]:
-        nonlocal q1, q2
-        """The probe's quadrature phase; when compensated, the route is solved again at each
-        of the two points (the probe's own heat would detune it differently otherwise)."""
+    def read_at(qs, heated: int | None = None) -> tuple[list[float], np.ndarray]:
+        """The probe's readings at own powers `qs` and the mean heater powers; when
+        compensated, the route is solved again at each point (the probe's own heat would
+        detune it differently otherwise)."""
         ys, ps = [], []
-        for q in (q1, q2):
+        turns = {cell_of[heated]: 1} if heated in cell_of else None
+        for q in qs:
             st.set_volts({probe.ch: heater_volts(q, cal.r_ohm[probe.ch])})
             if compensated:
-                # the same start, so the same branch each time (the heated one stays heated)
-                st.set_volts({ch: v for ch, v in route_volts.items() if ch != skip})
-                st.set_volts(cal.settings({c: s for c, s in route.items()
-                                           if cal.channel_of[c] != skip}, keep_near=True))
+                # the same start, so the same branch each time (the heated one a period up)
+                st.set_volts(route_volts)
+                st.set_volts(cal.settings(route, keep_near=True, turns=turns))
             ps.append(cal._powers())
             ys.append(probe._reading())
-        ratio = (ys[1] - ys[0]) / (ys[1] + ys[0]) * f.mean / max(f.amplitude, 1e-30)
-        return math.asin(min(1.0, max(-1.0, ratio))), (ps[0] + ps[1]) / 2.0
+        return ys, np.mean(ps, axis=0)
 
-    base, p_base = shift(None)
-    # centre the two points on quadrature, where the reading is linear in the phase
+    m_over_a = f.mean / max(f.amplitude, 1e-30)        # the sweep's, until measured here
+
+    def shift(heated: int | None = None) -> tuple[float, np.ndarray]:
+        """The probe's phase from fringe phases pi/2 and 3 pi/2 (0 at quadrature)."""
+        ys, p = read_at((q1, q2), heated)
+        ratio = (ys[1] - ys[0]) / (ys[1] + ys[0]) * m_over_a
+        return math.asin(min(1.0, max(-1.0, ratio))), p
+
+    base, p_base = shift()
+    # centre the two points on quadrature, where the reading is linear in the phase, and
+    # measure the fringe's contrast in place (four steps): the route, its leaks and the
+    # reference seen now, not during the sweep, set the scale of every shift
     period = TWO_PI / f.rad_per_mw
     q1, q2 = ((q - base / f.rad_per_mw) % period for q in (q1, q2))
-    base, p_base = shift(None)
+    q0, q3 = (q1 - period / 4) % period, (q1 + period / 4) % period
+    (y0, y1, y2, y3), _ = read_at((q0, q1, q3, q2))
+    contrast = math.hypot(y0 - y2, y3 - y1) / 2.0
+    if contrast > 0:
+        m_over_a = (y0 + y1 + y2 + y3) / 4.0 / contrast
+    base, p_base = shift()
     by_channel = {ff.channel: ff for ff in fits.values()}
     powers = cal._powers()
-    ks: dict[str, float] = {}
-    for j in near[probe.ch]:
-        fj = by_channel.get(j)
-        if fj is None:
-            continue                         # not calibrated (a partial run): cannot do 2 pi
-        dp = 2.0 * fj.p_pi_mw
-        st.set_volts({j: heater_volts(powers[j] + dp, cal.r_ohm[j])})
+    heated = [j for j in near[probe.ch] if j in by_channel]   # others: no 2 pi known
+    cols = {m: n for n, m in enumerate(near[probe.ch])}
+    shifts = np.zeros(len(heated))
+    moves = np.zeros((len(heated), len(cols)))
+    for row, j in enumerate(heated):
+        dp = 2.0 * by_channel[j].p_pi_mw
+        if not (compensated and j in cell_of):
+            st.set_volts({j: heater_volts(powers[j] + dp, cal.r_ohm[j])})
         sh, p_shift = shift(j)
-        extra = 0.0
-        if compensated:
-            moved = p_shift - p_base
-            moved[j] = moved[probe.ch] = 0.0
-            extra = float(cal.crosstalk[probe.ch] @ moved)
+        moved = p_shift - p_base
+        moved[probe.ch] = 0.0
+        if not compensated:
+            moved[:] = 0.0                   # the route is not solved again: only j moved
+            moved[j] = p_shift[j] - p_base[j]
+        shifts[row] = (sh - base) / f.rad_per_mw
+        moves[row] = [moved[m] for m in cols]
         st.set_volts({j: heater_volts(powers[j], cal.r_ohm[j])})
         if compensated:
             st.set_volts(route_volts)
-        ks[str(j)] = (sh - base) / (f.rad_per_mw * dp) - extra / dp
-    end, _ = shift(None)
+    ks: dict[str, float] = {}
+    if heated:
+        # unknowns: the row's couplings to every neighbour; a neighbour that could not be
+        # heated (not calibrated) is taken as not coupled
+        keep = [cols[j] for j in heated]
+        solved = np.linalg.solve(moves[:, keep], shifts)
+        ks = {str(j): float(v) for j, v in zip(heated, solved)}
+    end, _ = shift()
     drift = abs(end - base)
     if drift > 0.01:
         log.warning("%s: phase drifted %.3f rad while measuring its crosstalk", cell, drift)

@@ -247,15 +247,23 @@ class Calibrator:
                 anchored = np.array([keep_near is True or c in keep_near for c in states])
                 turns = np.round((beta * p_now[idx] - delta) / TWO_PI) * anchored
                 delta = delta + TWO_PI * turns
+
+            def solve(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                for _ in range(8):
+                    p = np.linalg.solve(mix, delta / beta)
+                    if keep_near:
+                        p = np.where(anchored & (p < 0) & (beta * p > -0.05), 0.0, p)
+                    if (p >= 0).all():
+                        break
+                    delta = delta + TWO_PI * (p < 0)
+                return p, delta
+
+            p, delta = solve(delta)
             if extra_turns:
-                delta = delta + TWO_PI * np.array([extra_turns.get(c, 0) for c in states])
-            for _ in range(8):
-                p = np.linalg.solve(mix, delta / beta)
-                if keep_near:
-                    p = np.where(anchored & (p < 0) & (beta * p > -0.05), 0.0, p)
-                if (p >= 0).all():
-                    break
-                delta = delta + TWO_PI * (p < 0)
+                # whole periods above the solution found (the lowest non-negative one, or
+                # the anchored branch), not above the target taken mod 2 pi
+                p, delta = solve(delta + TWO_PI * np.array([extra_turns.get(c, 0)
+                                                             for c in states]))
         r = self.r_ohm
         return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p)}
 
