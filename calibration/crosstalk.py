@@ -27,6 +27,8 @@ from calibration.station import heater_volts
 
 log = logging.getLogger(__name__)
 
+BASE_REPEATS = 4      # baseline readings (pairs) before and after a row's neighbours, last pass
+
 
 def neighbours(cal: Calibrator, radius: float) -> dict[int, list[int]]:
     """Heater channel -> the channels within `radius` cells of it."""
@@ -120,7 +122,10 @@ def measure_crosstalk(cal: Calibrator, radius: float = 2.5, passes: int = 2,
             cal.crosstalk = crosstalk_matrix(cal.state[_pass_key(npass - 1)], n)
         for k, cell in enumerate(cells):
             if cell not in done:
-                done[cell] = _probe_neighbours(cal, cell, near, fits, compensated=npass > 0)
+                # the last pass gives the matrix: its baseline is averaged (see BASE_REPEATS)
+                done[cell] = _probe_neighbours(cal, cell, near, fits, compensated=npass > 0,
+                                               repeats=BASE_REPEATS if npass == passes - 1
+                                               else 1)
                 cal.on_checkpoint(cal.state)
             if on_progress:
                 on_progress(cell, npass * len(cells) + k + 1, passes * len(cells))
@@ -142,7 +147,7 @@ def crosstalk_matrix(rows: dict, n: int) -> np.ndarray:
 
 
 def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
-                      fits: dict, compensated: bool) -> dict:
+                      fits: dict, compensated: bool, repeats: int = 1) -> dict:
     """One row of the matrix: probe `cell`'s phase shift while each neighbour in turn is
     heated by one period of its own. When compensated, the probe's route is solved again at
     every reading (a route cell that is the heated neighbour is solved one period higher, so
@@ -193,7 +198,12 @@ def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
     contrast = math.hypot(y0 - y2, y3 - y1) / 2.0
     if contrast > 0:
         m_over_a = (y0 + y1 + y2 + y3) / 4.0 / contrast
-    base, p_base = shift()
+    # the baseline is shared by every neighbour's shift: its noise would move the whole row
+    # together (an error that adds up under a heavy load), so it is read `repeats` times
+    # before the neighbours and as many after (the mean also cancels a linear drift)
+    first = [shift() for _ in range(repeats)]
+    base = float(np.mean([b for b, _ in first]))
+    p_base = np.mean([p for _, p in first], axis=0)
     by_channel = {ff.channel: ff for ff in fits.values()}
     powers = cal._powers()
     heated = [j for j in near[probe.ch] if j in by_channel]   # others: no 2 pi known
@@ -210,22 +220,24 @@ def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
         if not compensated:
             moved[:] = 0.0                   # the route is not solved again: only j moved
             moved[j] = p_shift[j] - p_base[j]
-        shifts[row] = (sh - base) / f.rad_per_mw
+        shifts[row] = sh
         moves[row] = [moved[m] for m in cols]
         st.set_volts({j: heater_volts(powers[j], cal.r_ohm[j])})
         if compensated:
             st.set_volts(route_volts)
-    ks: dict[str, float] = {}
-    if heated:
-        # unknowns: the row's couplings to every neighbour; a neighbour that could not be
-        # heated (not calibrated) is taken as not coupled
-        keep = [cols[j] for j in heated]
-        solved = np.linalg.solve(moves[:, keep], shifts)
-        ks = {str(j): float(v) for j, v in zip(heated, solved)}
-    end, _ = shift()
+    last = [shift() for _ in range(repeats)]
+    end = float(np.mean([b for b, _ in last]))
     drift = abs(end - base)
     if drift > 0.01:
         log.warning("%s: phase drifted %.3f rad while measuring its crosstalk", cell, drift)
+    ks: dict[str, float] = {}
+    if heated:
+        # shifts from the mean baseline of before and after; unknowns: the row's couplings
+        # to every neighbour (one that could not be heated, not calibrated, is taken as not
+        # coupled)
+        keep = [cols[j] for j in heated]
+        solved = np.linalg.solve(moves[:, keep], (shifts - (base + end) / 2.0) / f.rad_per_mw)
+        ks = {str(j): float(v) for j, v in zip(heated, solved)}
     return {"channel": probe.ch, "k": ks, "drift_rad": drift}
 
 
@@ -236,6 +248,13 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
     if cal.crosstalk is None:
         raise CalibrationRunError("refine the offsets after measuring the crosstalk")
     refined = cal.state.setdefault("refined", {})
+    # a crosstalk row measures beta_i k_ij: when the refinement corrects beta_i, the row is
+    # scaled by old / new beta so that the product (what was measured) holds. The matrix is
+    # rebuilt from the raw rows by `measure_crosstalk`, so the scales of cells refined before
+    # a resume are applied again here.
+    row_scale = cal.state.setdefault("row_scale", {})
+    for ch, scale in row_scale.items():
+        cal.crosstalk[int(ch)] *= scale
     cells = [c for c in cal.order() if c in cal.state["fits"]]
     for k, cell in enumerate(cells):
         if cell not in refined:
@@ -248,7 +267,11 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
                 # the error grows with the own power when the efficiency is off
                 d_beta = ((err1 - err0 + math.pi) % TWO_PI - math.pi) / (p1 - p0)
                 if abs(d_beta) < 0.05 * fit["rad_per_mw"]:
+                    scale = fit["rad_per_mw"] / (fit["rad_per_mw"] + d_beta)
                     fit["rad_per_mw"] += d_beta
+                    cal.crosstalk[fit["channel"]] *= scale
+                    key = str(fit["channel"])
+                    row_scale[key] = row_scale.get(key, 1.0) * scale
                 else:
                     d_beta = 0.0
                 err = err0 - d_beta * p0
