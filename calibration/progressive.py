@@ -38,6 +38,9 @@ TWO_PI = 2.0 * math.pi
 BAR, CROSS = "bar", "cross"
 STATE_PHASE = {BAR: math.pi, CROSS: 0.0}
 ROUTE_MARGIN_RAD = 0.8        # phase above zero power kept by heaters re-solved under load
+# fine points of the adaptive sweep around the fringe's extremes (two rounds): 20 readings in
+# all; the refinements fix the offset and efficiency after it
+SWEEP_FINE_OFFSETS_RAD = (-0.1, 0.1)
 
 
 class CalibrationRunError(RuntimeError):
@@ -362,7 +365,8 @@ class Calibrator:
             return 1000.0 * v * v / r, y
 
         try:
-            fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw)
+            fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw,
+                                        fine_offsets_rad=SWEEP_FINE_OFFSETS_RAD)
         except FitError as e:
             raise CalibrationRunError(f"cell {cell} (heater {ch}, lit from input {route.port}): "
                                       f"{e}") from None

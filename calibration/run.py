@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from calibration.crosstalk import measure_crosstalk, refine_offsets
+from calibration.crosstalk import measure_crosstalk, refine_offsets, refine_under_load
 from calibration.progressive import Calibrator, CellFit
 from calibration.station import Station
 from drivers.mesh import Calibration, HeaterCalibration
@@ -49,6 +49,7 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
                           on_progress=lambda c, k, n: progress("crosstalk", c, k, n))
         if refine:
             refine_offsets(cal, on_progress=lambda c, k, n: progress("refine", c, k, n))
+            refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
     station.set_volts({ch: 0.0 for ch in station.channels})
     return build_calibration(cal, rig=rig, chip_id=chip_id)
 
