@@ -79,9 +79,10 @@ class _Probe:
         return self._reading()
 
     def four_step(self, turns: int = 0) -> tuple[float, float]:
-        """Phase error (rad) of the prediction, and the cell's own mean heater power (mW): the
-        cell and its route solved together for each step, so the route does not move while
-        the cell's own heater changes. `turns` adds whole periods to the cell's power."""
+        """Phase error (rad) of the prediction, and the cell's own heater power it belongs to
+        (mW; `mean_powers` holds every heater's): the cell and its route solved together for
+        each step, so the route does not move while the cell's own heater changes. `turns`
+        adds whole periods to the cell's power."""
         route = {**self.route.cells, **self.route.away}
         st = self.cal.station
         anchor = {self.cal.channel_of[c]: float(st.commanded()[self.cal.channel_of[c]])
@@ -95,7 +96,10 @@ class _Probe:
             powers = self.cal._powers()
             ps.append(powers)
             ys.append(self._reading())
-        self.mean_powers = np.mean(ps, axis=0)
+        # to first order the estimate is the mean of the errors at the two quadrature steps
+        # (1 and 3): when the error changes with the own power (an efficiency still off),
+        # it belongs to their mean power, not to the mean of all four
+        self.mean_powers = (ps[1] + ps[3]) / 2.0
         return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(self.mean_powers[self.ch])
 
     def _reading(self) -> float:
