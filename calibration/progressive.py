@@ -38,8 +38,10 @@ TWO_PI = 2.0 * math.pi
 BAR, CROSS = "bar", "cross"
 STATE_PHASE = {BAR: math.pi, CROSS: 0.0}
 ROUTE_MARGIN_RAD = 0.8        # phase above zero power kept by heaters re-solved under load
-# fine points of the adaptive sweep around the fringe's extremes (two rounds): 20 readings in
-# all; the refinements fix the offset and efficiency after it
+# the adaptive sweep: 12 coarse points, then one round of 2 points either side of the fringe's
+# maximum and minimum (16 readings); the refinements fix the offset and efficiency after it,
+# and the extinctions are measured at the settings
+SWEEP_FINE_ROUNDS = 1
 SWEEP_FINE_OFFSETS_RAD = (-0.1, 0.1)
 
 
@@ -78,15 +80,19 @@ class Graph:
     def state_for(in_arm: int, out_arm: int) -> str:
         return BAR if (in_arm, out_arm) in ((0, 2), (1, 3)) else CROSS
 
-    def route(self, cell: str) -> Route:
-        """A path of light from a chip input to one input arm of `cell`."""
-        sources = [self.source[(cell, arm)] for arm in (0, 1)]
-        # prefer the arm fed from a bottom output arm (its photodiode is the reference),
-        # then one fed straight from a chip input
+    def route(self, cell: str, arm: int | None = None) -> Route:
+        """A path of light from a chip input to one input arm of `cell` (`arm`, or the one
+        preferred: fed from a bottom output arm, whose photodiode is the reference, then one
+        fed straight from a chip input)."""
+        sources = [self.source[(cell, a)] for a in (0, 1)]
+
         def rank(arm):
             s = sources[arm]
             return (0 if s[0] == "cell" and int(s[2]) == 3 else 1 if s[0] == "port" else 2, arm)
-        arm = min((0, 1), key=rank)
+        if arm is None:
+            arm = min((0, 1), key=rank)
+        elif arm not in (0, 1):
+            raise ValueError(f"a cell's input arm is 0 or 1, not {arm!r}")
         cells: dict[str, str] = {}
         src = sources[arm]
         reference = src[1] if src[0] == "cell" and int(src[2]) == 3 else None
@@ -300,6 +306,20 @@ class Calibrator:
             self.state["r_ohm"] = {str(k): v for k, v in
                                    self.station.measure_resistances().items()}
             self.on_checkpoint(self.state)
+        if "dark_ua" not in self.state:
+            # each photodiode's dark current, subtracted from its readings: near a fringe's
+            # minimum it is a sizeable part of what the photodiode reads (about 1 nA against
+            # some 5 uA at the maximum: a floor near 37 dB of extinction)
+            dark = {}
+            if self.station.selector is not None and self.station.monitors:
+                dark = self.station.dark_currents_ua()
+            self.state["dark_ua"] = dark
+            self.on_checkpoint(self.state)
+
+    def monitors(self) -> dict[str, float]:
+        """Every cell's photocurrent (uA) less its dark current."""
+        dark = self.state.get("dark_ua", {})
+        return {cid: ua - dark.get(cid, 0.0) for cid, ua in self.station.monitors_ua().items()}
 
     def order(self, cells: list[str] | None = None) -> list[str]:
         """Cells in calibration order (stage by stage); a subset keeps what it needs first."""
@@ -354,7 +374,7 @@ class Calibrator:
             v = heater_volts(min(max(p_mw, 0.0), self.p_max_mw * 1.2), r)
             st.set_volts({ch: v})
             v = float(st.commanded()[ch])
-            pd = st.monitors_ua()
+            pd = self.monitors()
             y = pd[cell]
             if route.reference is not None:
                 ref = pd[route.reference]
@@ -366,6 +386,7 @@ class Calibrator:
 
         try:
             fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw,
+                                        fine_rounds=SWEEP_FINE_ROUNDS,
                                         fine_offsets_rad=SWEEP_FINE_OFFSETS_RAD)
         except FitError as e:
             raise CalibrationRunError(f"cell {cell} (heater {ch}, lit from input {route.port}): "
