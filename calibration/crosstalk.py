@@ -295,6 +295,7 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
 
 LOAD_STATES = ("bar", "cross")   # every other cell in one of these while a cell is checked
 K_PRIOR = 2e-4                   # expected error of a measured coupling (noise), 1 / mW
+K_SCALE_PRIOR = 0.02             # and its part in proportion (a row's common scale error)
 OFFSET_PRIOR_RAD = 0.02          # expected error of an apparent offset
 PHASE_NOISE_RAD = 1.5e-3         # of one four-step phase measurement
 
@@ -367,7 +368,9 @@ def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
         errors.append(err)
         sigmas.append(PHASE_NOISE_RAD)
     g = np.array(rows)
-    prior = np.concatenate([[OFFSET_PRIOR_RAD ** 2], np.full(len(cols), (beta * K_PRIOR) ** 2)])
+    k_row = np.abs(cal.crosstalk[ch, cols])
+    prior = np.concatenate([[OFFSET_PRIOR_RAD ** 2],
+                            beta ** 2 * (K_PRIOR ** 2 + (K_SCALE_PRIOR * k_row) ** 2)])
     cov = (g * prior) @ g.T + np.diag(np.square(sigmas))
     x = prior * (g.T @ np.linalg.solve(cov, np.asarray(errors)))
     return {"channel": ch, "errors": [float(e) for e in errors[-len(loads):]],
