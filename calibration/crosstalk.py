@@ -309,10 +309,11 @@ def refine_under_load(cal: Calibrator, loads: tuple[str, ...] = LOAD_STATES,
     crosstalk load the chip sees); its phase error e is measured by four-step phase shifting.
     The model  e = dA + sum_j dc_j (P_j - bg_j)  (dA: the apparent offset's error, dc_j:
     the error of beta_i k_ij, bg: the sweep's powers) is then solved for the smallest
-    correction, weighted by the expected errors (K_PRIOR, OFFSET_PRIOR_RAD), that also keeps
-    the refinement's own measurement (route load, error 0 after it) right. The noise of the
-    crosstalk measurement adds up over twenty neighbours under a full load; this removes
-    what of it the loads measured. Resumable per cell; 4 readings per cell and load."""
+    correction, weighted by the expected errors (K_PRIOR, K_SCALE_PRIOR, OFFSET_PRIOR_RAD),
+    that also keeps the refinement's own measurement (route load, error 0 after it) right.
+    The noise of the crosstalk measurement adds up over twenty neighbours under a full load;
+    this removes what of it the loads measured. Resumable per cell; 4 readings per cell and
+    load."""
     if cal.crosstalk is None:
         raise CalibrationRunError("check under load after measuring the crosstalk")
     done = cal.state.setdefault("loaded", {})

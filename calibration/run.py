@@ -22,7 +22,7 @@ from drivers.mesh import Calibration, HeaterCalibration
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2           # 2: crosstalk rows solved with the route's moves, load checks, extinctions
+STATE_VERSION = 2           # 2: rows solved with the route's moves, load checks, extinctions
 SPLITTER_LIMIT_DB = 35.0       # a fringe whose extinction is below this is splitter-limited
 EXTINCTION_CAP_DB = 60.0       # beyond the detector's floor: written as this
 
