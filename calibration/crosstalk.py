@@ -27,6 +27,8 @@ from calibration.station import heater_volts
 
 log = logging.getLogger(__name__)
 
+BASE_REPEATS = 4      # baseline readings (pairs) before and after a row's neighbours, last pass
+
 
 def neighbours(cal: Calibrator, radius: float) -> dict[int, list[int]]:
     """Heater channel -> the channels within `radius` cells of it."""
@@ -43,14 +45,17 @@ def neighbours(cal: Calibrator, radius: float) -> dict[int, list[int]]:
 class _Probe:
     """Cell `cell` lit along its route, read at chosen fringe phases of its own heater."""
 
-    def __init__(self, cal: Calibrator, cell: str, compensated: bool):
+    def __init__(self, cal: Calibrator, cell: str, compensated: bool, arm: int | None = None):
         self.cal, self.cell = cal, cell
         st = cal.station
-        self.route = cal.graph.route(cell)
+        self.route = cal.graph.route(cell, arm)
         self.fit = cal.fit(cell)
         self.ch = self.fit.channel
         st.set_volts({c: 0.0 for c in cal.channels})
-        st.set_volts(cal.settings({**self.route.cells, **self.route.away}))
+        route = {**self.route.cells, **self.route.away}
+        # compensated: the route is re-solved while other heaters change, so it keeps a
+        # margin above zero power (no jumps of a period)
+        st.set_volts(cal.settings_with_margin(route) if compensated else cal.settings(route))
         st.light(self.route.port)
         self.compensated = compensated
         self.arm_shift = math.pi if self.route.arm == 1 else 0.0
@@ -74,9 +79,10 @@ class _Probe:
         return self._reading()
 
     def four_step(self, turns: int = 0) -> tuple[float, float]:
-        """Phase error (rad) of the prediction, and the cell's own mean heater power (mW): the
-        cell and its route solved together for each step, so the route does not move while
-        the cell's own heater changes. `turns` adds whole periods to the cell's power."""
+        """Phase error (rad) of the prediction, and the cell's own heater power it belongs to
+        (mW; `mean_powers` holds every heater's): the cell and its route solved together for
+        each step, so the route does not move while the cell's own heater changes. `turns`
+        adds whole periods to the cell's power."""
         route = {**self.route.cells, **self.route.away}
         st = self.cal.station
         anchor = {self.cal.channel_of[c]: float(st.commanded()[self.cal.channel_of[c]])
@@ -87,12 +93,17 @@ class _Probe:
             st.set_volts(anchor)          # the route stays on its branch at every step
             st.set_volts(self.cal.settings({self.cell: theta, **route}, keep_near=set(route),
                                            turns={self.cell: turns}))
-            ps.append(self.cal._powers()[self.ch])
+            powers = self.cal._powers()
+            ps.append(powers)
             ys.append(self._reading())
-        return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(np.mean(ps))
+        # to first order the estimate is the mean of the errors at the two quadrature steps
+        # (1 and 3): when the error changes with the own power (an efficiency still off),
+        # it belongs to their mean power, not to the mean of all four
+        self.mean_powers = (ps[1] + ps[3]) / 2.0
+        return math.atan2(ys[3] - ys[1], ys[0] - ys[2]), float(self.mean_powers[self.ch])
 
     def _reading(self) -> float:
-        pd = self.cal.station.monitors_ua()
+        pd = self.cal.monitors()
         y = pd[self.cell]
         if self.route.reference is not None:
             y /= max(pd[self.route.reference], 1e-12)
@@ -117,7 +128,10 @@ def measure_crosstalk(cal: Calibrator, radius: float = 2.5, passes: int = 2,
             cal.crosstalk = crosstalk_matrix(cal.state[_pass_key(npass - 1)], n)
         for k, cell in enumerate(cells):
             if cell not in done:
-                done[cell] = _probe_neighbours(cal, cell, near, fits, compensated=npass > 0)
+                # the last pass gives the matrix: its baseline is averaged (see BASE_REPEATS)
+                done[cell] = _probe_neighbours(cal, cell, near, fits, compensated=npass > 0,
+                                               repeats=BASE_REPEATS if npass == passes - 1
+                                               else 1)
                 cal.on_checkpoint(cal.state)
             if on_progress:
                 on_progress(cell, npass * len(cells) + k + 1, passes * len(cells))
@@ -139,59 +153,97 @@ def crosstalk_matrix(rows: dict, n: int) -> np.ndarray:
 
 
 def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
-                      fits: dict, compensated: bool) -> dict:
+                      fits: dict, compensated: bool, repeats: int = 1) -> dict:
+    """One row of the matrix: probe `cell`'s phase shift while each neighbour in turn is
+    heated by one period of its own. When compensated, the probe's route is solved again at
+    every reading (a route cell that is the heated neighbour is solved one period higher, so
+    its state holds exactly), and every heater's actual change of power is recorded: the
+    row then comes from the linear system  shift_j = sum_m k_im dP_m^(j)  over the heated
+    neighbours j, which accounts for the route's own moves with the row being measured
+    rather than with an earlier estimate."""
     st = cal.station
     probe = _Probe(cal, cell, compensated=compensated)
     f = probe.fit
     q1, q2 = probe.power_for(math.pi / 2), probe.power_for(3 * math.pi / 2)
     route = {**probe.route.cells, **probe.route.away}
     route_volts = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
+    cell_of = {cal.channel_of[c]: c for c in route}
 
-    def shift(skip: int | None) -> tuple[float, np.ndarray]:
-        nonlocal q1, q2
-        """The probe's quadrature phase; when compensated, the route is solved again at each
-        of the two points (the probe's own heat would detune it differently otherwise)."""
+    def read_at(qs, heated: int | None = None) -> tuple[list[float], np.ndarray]:
+        """The probe's readings at own powers `qs` and the mean heater powers; when
+        compensated, the route is solved again at each point (the probe's own heat would
+        detune it differently otherwise)."""
         ys, ps = [], []
-        for q in (q1, q2):
+        turns = {cell_of[heated]: 1} if heated in cell_of else None
+        for q in qs:
             st.set_volts({probe.ch: heater_volts(q, cal.r_ohm[probe.ch])})
             if compensated:
-                # the same start, so the same branch each time (the heated one stays heated)
-                st.set_volts({ch: v for ch, v in route_volts.items() if ch != skip})
-                st.set_volts(cal.settings({c: s for c, s in route.items()
-                                           if cal.channel_of[c] != skip}, keep_near=True))
+                # the same start, so the same branch each time (the heated one a period up)
+                st.set_volts(route_volts)
+                st.set_volts(cal.settings(route, keep_near=True, turns=turns))
             ps.append(cal._powers())
             ys.append(probe._reading())
-        ratio = (ys[1] - ys[0]) / (ys[1] + ys[0]) * f.mean / max(f.amplitude, 1e-30)
-        return math.asin(min(1.0, max(-1.0, ratio))), (ps[0] + ps[1]) / 2.0
+        return ys, np.mean(ps, axis=0)
 
-    base, p_base = shift(None)
-    # centre the two points on quadrature, where the reading is linear in the phase
+    m_over_a = f.mean / max(f.amplitude, 1e-30)        # the sweep's, until measured here
+
+    def shift(heated: int | None = None) -> tuple[float, np.ndarray]:
+        """The probe's phase from fringe phases pi/2 and 3 pi/2 (0 at quadrature)."""
+        ys, p = read_at((q1, q2), heated)
+        ratio = (ys[1] - ys[0]) / (ys[1] + ys[0]) * m_over_a
+        return math.asin(min(1.0, max(-1.0, ratio))), p
+
+    base, p_base = shift()
+    # centre the two points on quadrature, where the reading is linear in the phase, and
+    # measure the fringe's contrast in place (four steps): the route, its leaks and the
+    # reference seen now, not during the sweep, set the scale of every shift
     period = TWO_PI / f.rad_per_mw
     q1, q2 = ((q - base / f.rad_per_mw) % period for q in (q1, q2))
-    base, p_base = shift(None)
+    q0, q3 = (q1 - period / 4) % period, (q1 + period / 4) % period
+    (y0, y1, y2, y3), _ = read_at((q0, q1, q3, q2))
+    contrast = math.hypot(y0 - y2, y3 - y1) / 2.0
+    if contrast > 0:
+        m_over_a = (y0 + y1 + y2 + y3) / 4.0 / contrast
+    # the baseline is shared by every neighbour's shift: its noise would move the whole row
+    # together (an error that adds up under a heavy load), so it is read `repeats` times
+    # before the neighbours and as many after (the mean also cancels a linear drift)
+    first = [shift() for _ in range(repeats)]
+    base = float(np.mean([b for b, _ in first]))
+    p_base = np.mean([p for _, p in first], axis=0)
     by_channel = {ff.channel: ff for ff in fits.values()}
     powers = cal._powers()
-    ks: dict[str, float] = {}
-    for j in near[probe.ch]:
-        fj = by_channel.get(j)
-        if fj is None:
-            continue                         # not calibrated (a partial run): cannot do 2 pi
-        dp = 2.0 * fj.p_pi_mw
-        st.set_volts({j: heater_volts(powers[j] + dp, cal.r_ohm[j])})
+    heated = [j for j in near[probe.ch] if j in by_channel]   # others: no 2 pi known
+    cols = {m: n for n, m in enumerate(near[probe.ch])}
+    shifts = np.zeros(len(heated))
+    moves = np.zeros((len(heated), len(cols)))
+    for row, j in enumerate(heated):
+        dp = 2.0 * by_channel[j].p_pi_mw
+        if not (compensated and j in cell_of):
+            st.set_volts({j: heater_volts(powers[j] + dp, cal.r_ohm[j])})
         sh, p_shift = shift(j)
-        extra = 0.0
-        if compensated:
-            moved = p_shift - p_base
-            moved[j] = moved[probe.ch] = 0.0
-            extra = float(cal.crosstalk[probe.ch] @ moved)
+        moved = p_shift - p_base
+        moved[probe.ch] = 0.0
+        if not compensated:
+            moved[:] = 0.0                   # the route is not solved again: only j moved
+            moved[j] = p_shift[j] - p_base[j]
+        shifts[row] = sh
+        moves[row] = [moved[m] for m in cols]
         st.set_volts({j: heater_volts(powers[j], cal.r_ohm[j])})
         if compensated:
             st.set_volts(route_volts)
-        ks[str(j)] = (sh - base) / (f.rad_per_mw * dp) - extra / dp
-    end, _ = shift(None)
+    last = [shift() for _ in range(repeats)]
+    end = float(np.mean([b for b, _ in last]))
     drift = abs(end - base)
     if drift > 0.01:
         log.warning("%s: phase drifted %.3f rad while measuring its crosstalk", cell, drift)
+    ks: dict[str, float] = {}
+    if heated:
+        # shifts from the mean baseline of before and after; unknowns: the row's couplings
+        # to every neighbour (one that could not be heated, not calibrated, is taken as not
+        # coupled)
+        keep = [cols[j] for j in heated]
+        solved = np.linalg.solve(moves[:, keep], (shifts - (base + end) / 2.0) / f.rad_per_mw)
+        ks = {str(j): float(v) for j, v in zip(heated, solved)}
     return {"channel": probe.ch, "k": ks, "drift_rad": drift}
 
 
@@ -202,6 +254,13 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
     if cal.crosstalk is None:
         raise CalibrationRunError("refine the offsets after measuring the crosstalk")
     refined = cal.state.setdefault("refined", {})
+    # a crosstalk row measures beta_i k_ij: when the refinement corrects beta_i, the row is
+    # scaled by old / new beta so that the product (what was measured) holds. The matrix is
+    # rebuilt from the raw rows by `measure_crosstalk`, so the scales of cells refined before
+    # a resume are applied again here.
+    row_scale = cal.state.setdefault("row_scale", {})
+    for ch, scale in row_scale.items():
+        cal.crosstalk[int(ch)] *= scale
     cells = [c for c in cal.order() if c in cal.state["fits"]]
     for k, cell in enumerate(cells):
         if cell not in refined:
@@ -214,7 +273,11 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
                 # the error grows with the own power when the efficiency is off
                 d_beta = ((err1 - err0 + math.pi) % TWO_PI - math.pi) / (p1 - p0)
                 if abs(d_beta) < 0.05 * fit["rad_per_mw"]:
+                    scale = fit["rad_per_mw"] / (fit["rad_per_mw"] + d_beta)
                     fit["rad_per_mw"] += d_beta
+                    cal.crosstalk[fit["channel"]] *= scale
+                    key = str(fit["channel"])
+                    row_scale[key] = row_scale.get(key, 1.0) * scale
                 else:
                     d_beta = 0.0
                 err = err0 - d_beta * p0
@@ -222,7 +285,150 @@ def refine_offsets(cal: Calibrator, rounds: int = 1,
                 fit["measurements"] += 8
                 total += err
             refined[cell] = total
+            # the load of the measurement just made, at which the model is now right
+            cal.state.setdefault("refine_load", {})[cell] = probe.mean_powers.tolist()
             cal.on_checkpoint(cal.state)
         if on_progress:
             on_progress(cell, k + 1, len(cells))
     return dict(refined)
+
+
+LOAD_STATES = ("bar", "cross")   # every other cell in one of these while a cell is checked
+K_PRIOR = 2e-4                   # expected error of a measured coupling (noise), 1 / mW
+K_SCALE_PRIOR = 0.02             # and its part in proportion (a row's common scale error)
+OFFSET_PRIOR_RAD = 0.02          # expected error of an apparent offset
+PHASE_NOISE_RAD = 1.5e-3         # of one four-step phase measurement
+
+
+def refine_under_load(cal: Calibrator, loads: tuple[str, ...] = LOAD_STATES,
+                      on_progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Check every cell under heavy loads and correct its crosstalk row and offset.
+
+    Cell i is lit along its route (compensated, as in the refinement) while every other cell
+    is set to one state of `loads` (all bar, then all cross: every heater on, the largest
+    crosstalk load the chip sees); its phase error e is measured by four-step phase shifting.
+    The model  e = dA + sum_j dc_j (P_j - bg_j)  (dA: the apparent offset's error, dc_j:
+    the error of beta_i k_ij, bg: the sweep's powers) is then solved for the smallest
+    correction, weighted by the expected errors (K_PRIOR, K_SCALE_PRIOR, OFFSET_PRIOR_RAD),
+    that also keeps the refinement's own measurement (route load, error 0 after it) right.
+    The noise of the crosstalk measurement adds up over twenty neighbours under a full load;
+    this removes what of it the loads measured. Resumable per cell; 4 readings per cell and
+    load."""
+    if cal.crosstalk is None:
+        raise CalibrationRunError("check under load after measuring the crosstalk")
+    done = cal.state.setdefault("loaded", {})
+    for entry in done.values():                  # re-applied to the rebuilt matrix
+        _apply_row(cal, entry)
+    near = neighbours(cal, 2.5)
+    fits = cal.state["fits"]
+    cells = [c for c in cal.order() if c in fits]
+    for k, cell in enumerate(cells):
+        if cell not in done:
+            done[cell] = _check_under_load(cal, cell, cells, near, loads)
+            _apply_row(cal, done[cell])
+            fits[cell]["offset_apparent"] = (fits[cell]["offset_apparent"]
+                                             + done[cell]["d_offset"]) % TWO_PI
+            fits[cell]["measurements"] += 4 * len(loads)
+            cal.on_checkpoint(cal.state)
+        if on_progress:
+            on_progress(cell, k + 1, len(cells))
+    return done
+
+
+def _apply_row(cal: Calibrator, entry: dict) -> None:
+    i = int(entry["channel"])
+    for j, v in entry["dk"].items():
+        cal.crosstalk[i, int(j)] += v
+
+
+def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
+                      near: dict[int, list[int]], loads: tuple[str, ...]) -> dict:
+    st = cal.station
+    fit = cal.fit(cell)
+    ch = fit.channel
+    beta = fit.rad_per_mw
+    bg = np.asarray(fit.background_mw)
+    cols = [j for j in near[ch] if j < len(bg)]
+    rows, errors, sigmas = [], [], []
+    ref = cal.state.get("refine_load", {}).get(cell)
+    if ref is not None:
+        # the refinement left the model right at its own load
+        rows.append(np.concatenate([[1.0], np.asarray(ref)[cols] - bg[cols]]))
+        errors.append(0.0)
+        sigmas.append(PHASE_NOISE_RAD)
+    for load in loads:
+        probe = _Probe(cal, cell, compensated=True)
+        route = {**probe.route.cells, **probe.route.away}
+        others = {c: load for c in cells if c != cell and c not in route}
+        anchor = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
+        st.set_volts(cal.settings({**others, **route, cell: 0.0}, keep_near=set(route)))
+        st.set_volts(anchor)
+        err, _ = probe.four_step(0)
+        p = probe.mean_powers
+        rows.append(np.concatenate([[1.0], p[cols] - bg[cols]]))
+        errors.append(err)
+        sigmas.append(PHASE_NOISE_RAD)
+    g = np.array(rows)
+    k_row = np.abs(cal.crosstalk[ch, cols])
+    prior = np.concatenate([[OFFSET_PRIOR_RAD ** 2],
+                            beta ** 2 * (K_PRIOR ** 2 + (K_SCALE_PRIOR * k_row) ** 2)])
+    cov = (g * prior) @ g.T + np.diag(np.square(sigmas))
+    x = prior * (g.T @ np.linalg.solve(cov, np.asarray(errors)))
+    return {"channel": ch, "errors": [float(e) for e in errors[-len(loads):]],
+            "d_offset": float(x[0]),
+            "dk": {str(j): float(v / beta) for j, v in zip(cols, x[1:])}}
+
+
+EXTINCTION_PROBE_RAD = 0.1       # the two readings either side of the bar / cross setting
+EXTINCTION_CAP_DB = 60.0
+
+
+def measure_extinctions(cal: Calibrator,
+                        on_progress: Callable[[str, int, int], None] | None = None
+                        ) -> dict[str, dict[str, float]]:
+    """Each cell's bar and cross extinction as its couplers allow, from its own photodiode.
+
+    The photodiode is on the bottom output arm. With light on the top input arm it follows
+    m + a cos(theta), whose minimum (theta = pi, bar) is the light the cell leaks across in
+    the bar state, about (r1 - r2)^2 for couplers r1, r2; with light on the bottom input arm
+    it follows m - a cos(theta), whose minimum (theta = 0, cross) is the cross state's leak,
+    about (r1 + r2 - 1)^2. For each, three readings with the crosstalk compensated, at the
+    maximum and 0.1 rad either side of the minimum, determine m, a and the small error of
+    the setting (y is linear in m, a cos theta0 and a sin theta0): the extinction is
+    (m + a) / (m - a), the photodiode's dark current subtracted. Resumable per cell;
+    6 readings per cell."""
+    if cal.crosstalk is None:
+        raise CalibrationRunError("measure the extinctions after the crosstalk")
+    done = cal.state.setdefault("extinction", {})
+    fits = cal.state["fits"]
+    cells = [c for c in cal.order() if c in fits]
+    for k, cell in enumerate(cells):
+        if cell not in done:
+            done[cell] = {"bar_db": _extinction(cal, cell, arm=0, minimum=math.pi),
+                          "cross_db": _extinction(cal, cell, arm=1, minimum=0.0)}
+            fits[cell]["measurements"] += 6
+            cal.on_checkpoint(cal.state)
+        if on_progress:
+            on_progress(cell, k + 1, len(cells))
+    return dict(done)
+
+
+def _extinction(cal: Calibrator, cell: str, arm: int, minimum: float) -> float:
+    probe = _Probe(cal, cell, compensated=True, arm=arm)
+    route = {**probe.route.cells, **probe.route.away}
+    st = cal.station
+    anchor = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
+    thetas = (minimum + math.pi, minimum - EXTINCTION_PROBE_RAD, minimum + EXTINCTION_PROBE_RAD)
+    ys = []
+    for theta in thetas:
+        st.set_volts(anchor)
+        st.set_volts(cal.settings({cell: theta % TWO_PI, **route}, keep_near=set(route)))
+        ys.append(probe._reading())
+    design = np.array([[1.0, math.cos(t), math.sin(t)] for t in thetas])
+    m, u, v = np.linalg.solve(design, np.asarray(ys))
+    a = math.hypot(u, v)
+    lo, hi = m - a, m + a
+    if hi <= 0:
+        raise CalibrationRunError(f"{cell}: no light on its photodiode from input arm {arm}")
+    return EXTINCTION_CAP_DB if lo <= 0 else min(EXTINCTION_CAP_DB,
+                                                  round(10.0 * math.log10(hi / lo), 3))

@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 TWO_PI = 2.0 * math.pi
 BAR, CROSS = "bar", "cross"
 STATE_PHASE = {BAR: math.pi, CROSS: 0.0}
+ROUTE_MARGIN_RAD = 0.8        # phase above zero power kept by heaters re-solved under load
+# the adaptive sweep: 12 coarse points, then one round of 2 points either side of the fringe's
+# maximum and minimum (16 readings); the refinements fix the offset and efficiency after it,
+# and the extinctions are measured at the settings
+SWEEP_FINE_ROUNDS = 1
+SWEEP_FINE_OFFSETS_RAD = (-0.1, 0.1)
 
 
 class CalibrationRunError(RuntimeError):
@@ -74,15 +80,19 @@ class Graph:
     def state_for(in_arm: int, out_arm: int) -> str:
         return BAR if (in_arm, out_arm) in ((0, 2), (1, 3)) else CROSS
 
-    def route(self, cell: str) -> Route:
-        """A path of light from a chip input to one input arm of `cell`."""
-        sources = [self.source[(cell, arm)] for arm in (0, 1)]
-        # prefer the arm fed from a bottom output arm (its photodiode is the reference),
-        # then one fed straight from a chip input
+    def route(self, cell: str, arm: int | None = None) -> Route:
+        """A path of light from a chip input to one input arm of `cell` (`arm`, or the one
+        preferred: fed from a bottom output arm, whose photodiode is the reference, then one
+        fed straight from a chip input)."""
+        sources = [self.source[(cell, a)] for a in (0, 1)]
+
         def rank(arm):
             s = sources[arm]
             return (0 if s[0] == "cell" and int(s[2]) == 3 else 1 if s[0] == "port" else 2, arm)
-        arm = min((0, 1), key=rank)
+        if arm is None:
+            arm = min((0, 1), key=rank)
+        elif arm not in (0, 1):
+            raise ValueError(f"a cell's input arm is 0 or 1, not {arm!r}")
         cells: dict[str, str] = {}
         src = sources[arm]
         reference = src[1] if src[0] == "cell" and int(src[2]) == 3 else None
@@ -246,17 +256,47 @@ class Calibrator:
                 anchored = np.array([keep_near is True or c in keep_near for c in states])
                 turns = np.round((beta * p_now[idx] - delta) / TWO_PI) * anchored
                 delta = delta + TWO_PI * turns
+
+            def solve(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                for _ in range(8):
+                    p = np.linalg.solve(mix, delta / beta)
+                    if keep_near:
+                        p = np.where(anchored & (p < 0) & (beta * p > -0.05), 0.0, p)
+                    if (p >= 0).all():
+                        break
+                    delta = delta + TWO_PI * (p < 0)
+                return p, delta
+
+            p, delta = solve(delta)
             if extra_turns:
-                delta = delta + TWO_PI * np.array([extra_turns.get(c, 0) for c in states])
-            for _ in range(8):
-                p = np.linalg.solve(mix, delta / beta)
-                if keep_near:
-                    p = np.where(anchored & (p < 0) & (beta * p > -0.05), 0.0, p)
-                if (p >= 0).all():
-                    break
-                delta = delta + TWO_PI * (p < 0)
+                # whole periods above the solution found (the lowest non-negative one, or
+                # the anchored branch), not above the target taken mod 2 pi
+                p, delta = solve(delta + TWO_PI * np.array([extra_turns.get(c, 0)
+                                                             for c in states]))
         r = self.r_ohm
         return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p)}
+
+    def settings_with_margin(self, states: dict[str, str | float],
+                             margin_rad: float = ROUTE_MARGIN_RAD) -> dict[int, float]:
+        """As `settings` (crosstalk compensated), but every heater ends at least `margin_rad`
+        of phase above zero power (a whole period higher where it would not): a neighbour's
+        heat can then lower its power without pushing it below zero, so re-solving it while
+        neighbours change keeps it on the same branch instead of jumping by a period (a
+        jump moves tens of mW and heats every cell around)."""
+        if self.crosstalk is None or not states:
+            return self.settings(states)
+        turns: dict[str, int] = {}
+        volts = self.settings(states)
+        r = self.r_ohm
+        for _ in range(3):
+            low = {c: turns.get(c, 0) + 1 for c in states
+                   if self.fit(c).rad_per_mw * 1000.0 * volts[self.channel_of[c]] ** 2
+                   / r[self.channel_of[c]] < margin_rad}
+            if not low:
+                break
+            turns.update(low)
+            volts = self.settings(states, turns=turns)
+        return volts
 
     # ---- the run -------------------------------------------------------------------------
 
@@ -266,6 +306,20 @@ class Calibrator:
             self.state["r_ohm"] = {str(k): v for k, v in
                                    self.station.measure_resistances().items()}
             self.on_checkpoint(self.state)
+        if "dark_ua" not in self.state:
+            # each photodiode's dark current, subtracted from its readings: near a fringe's
+            # minimum it is a sizeable part of what the photodiode reads (about 1 nA against
+            # some 5 uA at the maximum: a floor near 37 dB of extinction)
+            dark = {}
+            if self.station.selector is not None and self.station.monitors:
+                dark = self.station.dark_currents_ua()
+            self.state["dark_ua"] = dark
+            self.on_checkpoint(self.state)
+
+    def monitors(self) -> dict[str, float]:
+        """Every cell's photocurrent (uA) less its dark current."""
+        dark = self.state.get("dark_ua", {})
+        return {cid: ua - dark.get(cid, 0.0) for cid, ua in self.station.monitors_ua().items()}
 
     def order(self, cells: list[str] | None = None) -> list[str]:
         """Cells in calibration order (stage by stage); a subset keeps what it needs first."""
@@ -320,7 +374,7 @@ class Calibrator:
             v = heater_volts(min(max(p_mw, 0.0), self.p_max_mw * 1.2), r)
             st.set_volts({ch: v})
             v = float(st.commanded()[ch])
-            pd = st.monitors_ua()
+            pd = self.monitors()
             y = pd[cell]
             if route.reference is not None:
                 ref = pd[route.reference]
@@ -331,7 +385,9 @@ class Calibrator:
             return 1000.0 * v * v / r, y
 
         try:
-            fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw)
+            fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw,
+                                        fine_rounds=SWEEP_FINE_ROUNDS,
+                                        fine_offsets_rad=SWEEP_FINE_OFFSETS_RAD)
         except FitError as e:
             raise CalibrationRunError(f"cell {cell} (heater {ch}, lit from input {route.port}): "
                                       f"{e}") from None

@@ -29,6 +29,13 @@ def summary(cal: Calibration) -> str:
     if len(ext):
         lines.append(f"bar extinction at the monitors: median {np.median(ext):.1f} dB, "
                      f"worst {ext.min():.1f} dB ({min(cells, key=lambda c: cells[c]['extinction_db'])})")
+        cross = {cid: c["cross_extinction_db"] for cid, c in cells.items()
+                 if "cross_extinction_db" in c}
+        if cross:
+            worst = min(cross, key=cross.get)
+            lines.append(f"cross extinction at the monitors: median "
+                         f"{np.median(list(cross.values())):.1f} dB, worst {cross[worst]:.1f} dB "
+                         f"({worst})")
         lines.append(f"splitter-limited cells (< 35 dB whatever the phase): "
                      f"{', '.join(limited) if limited else 'none'}")
         meas = [c.get("measurements", 0) for c in cells.values()]
@@ -75,9 +82,17 @@ def write_report(cal: Calibration, folder: str | os.PathLike) -> str:
         fig, ax = plt.subplots(figsize=(10, 3))
         ext = [cells[c]["extinction_db"] for c in ids]
         colours = ["tab:red" if cells[c].get("splitter_limited") else "tab:blue" for c in ids]
-        ax.bar(range(len(ids)), ext, color=colours)
+        cross = [cells[c].get("cross_extinction_db") for c in ids]
+        if all(x is not None for x in cross):
+            x = np.arange(len(ids))
+            ax.bar(x - 0.2, ext, width=0.4, color=colours, label="bar")
+            ax.bar(x + 0.2, cross, width=0.4, color=colours, alpha=0.5, label="cross")
+            ax.legend(fontsize=7)
+            ax.set_ylabel("extinction (dB)")
+        else:
+            ax.bar(range(len(ids)), ext, color=colours)
+            ax.set_ylabel("bar extinction (dB)")
         ax.set_xticks(range(len(ids)), ids, rotation=90, fontsize=6)
-        ax.set_ylabel("bar extinction (dB)")
         ax.set_title("extinction per cell (red: limited by the splitters)")
         fig.tight_layout()
         fig.savefig(out / "extinction.png", dpi=90)

@@ -14,14 +14,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from calibration.crosstalk import measure_crosstalk, refine_offsets
+from calibration.crosstalk import measure_crosstalk, measure_extinctions, \
+    refine_offsets, refine_under_load
 from calibration.progressive import Calibrator, CellFit
 from calibration.station import Station
 from drivers.mesh import Calibration, HeaterCalibration
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2           # 2: rows solved with the route's moves, load checks, extinctions
 SPLITTER_LIMIT_DB = 35.0       # a fringe whose extinction is below this is splitter-limited
 EXTINCTION_CAP_DB = 60.0       # beyond the detector's floor: written as this
 
@@ -49,6 +50,8 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
                           on_progress=lambda c, k, n: progress("crosstalk", c, k, n))
         if refine:
             refine_offsets(cal, on_progress=lambda c, k, n: progress("refine", c, k, n))
+            refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
+            measure_extinctions(cal, on_progress=lambda c, k, n: progress("extinction", c, k, n))
     station.set_volts({ch: 0.0 for ch in station.channels})
     return build_calibration(cal, rig=rig, chip_id=chip_id)
 
@@ -65,6 +68,17 @@ def splitter_estimate(fit: CellFit) -> dict:
     imbalance = math.sqrt(max(0.0, (1.0 - v) / (1.0 + v)))
     return {"extinction_db": round(ext, 3), "visibility": v,
             "coupler_imbalance": imbalance, "splitter_limited": ext < SPLITTER_LIMIT_DB}
+
+
+def measured_extinction(bar_db: float, cross_db: float) -> dict:
+    """The record's fields from the measured bar and cross extinctions (dB): the coupler
+    errors behind them, |r1 - r2| ~ sqrt(bar leak) and |r1 + r2 - 1| ~ sqrt(cross leak),
+    and whether either limits the cell."""
+    return {"extinction_db": bar_db, "cross_extinction_db": cross_db,
+            "coupler_imbalance": math.sqrt(10.0 ** (-bar_db / 10.0)),
+            "coupler_sum_error": math.sqrt(10.0 ** (-cross_db / 10.0)),
+            "splitter_limited": min(bar_db, cross_db) < SPLITTER_LIMIT_DB,
+            "extinction_from": "settings"}
 
 
 def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "") -> Calibration:
@@ -91,6 +105,9 @@ def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "") -> Cali
                         "residual_rms": f.residual_rms, "measurements": f.measurements,
                         "p_pi_mw": f.p_pi_mw, "offset_rad": offsets[c.id],
                         **splitter_estimate(f)}
+        measured = cal.state.get("extinction", {}).get(c.id)
+        if measured is not None:
+            record[c.id].update(measured_extinction(measured["bar_db"], measured["cross_db"]))
     chans = sorted(heaters)
     k = k_std = None
     if cal.crosstalk is not None:

@@ -72,6 +72,24 @@ class Station:
         self.counters.selector_switches += 1
         self._lit = chip_input
 
+    def dark(self) -> None:
+        """Take the laser off the chip (the selector disconnects its ingress)."""
+        if self.selector is None:
+            raise StationError("this station has no input selector: cannot darken the chip")
+        self.selector.disconnect(self.laser_ingress)
+        self.counters.selector_switches += 1
+        self._lit = None
+
+    def dark_currents_ua(self, reads: int = 4) -> dict[str, float]:
+        """Every monitor photodiode's dark current (uA): the mean of `reads` readings with
+        the laser off the chip; the light it was on is brought back by the next `light`."""
+        self.dark()
+        sums: dict[str, float] = {}
+        for _ in range(reads):
+            for cid, ua in self.monitors_ua().items():
+                sums[cid] = sums.get(cid, 0.0) + ua
+        return {cid: v / reads for cid, v in sums.items()}
+
     # ---- heaters -------------------------------------------------------------------------
 
     def set_volts(self, volts: Mapping[int, float]) -> None:

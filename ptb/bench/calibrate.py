@@ -105,7 +105,7 @@ def run(args) -> dict:
         fringe = np.mean([cell["measurements"] for cell in cal.cells.values()])
         per_cell_total = c.pd_reads / len(cal.cells)
         lab = station.lab_time_s(1e-3, 10e-3, 0.0)
-        rows.append({"method": "adaptive + crosstalk + refine", "wall_s": f"{wall:.1f}",
+        rows.append({"method": "adaptive + crosstalk + refinements", "wall_s": f"{wall:.1f}",
                      "fringe_meas_per_cell": f"{fringe:.1f}",
                      "all_meas_per_cell": f"{per_cell_total:.0f}",
                      "serial_cmds": c.serial_commands, "lab_time_s": f"{lab:.0f}"})
