@@ -139,6 +139,7 @@ class HeaterDAC:
         self._watchdog_ms: int | None = None
         self._power_budget_mw: float | None = None
         self._board_reset = False
+        self._out_of_step = False            # a reply may still be on its way (a timeout)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.reconnects = 0
@@ -183,6 +184,7 @@ class HeaterDAC:
         self._rx.clear()
         self._drain()
         self._board_reset = False
+        self._out_of_step = False
         previous = self.info
         info = self._identify()
         if previous is not None and (previous.ident, previous.channels) != (info.ident,
@@ -266,19 +268,39 @@ class HeaterDAC:
         self._write_codes(dict(enumerate(self._commanded)))
 
     def _call(self, fn, *args):
-        """Run one operation; reopen and retry once if the link dropped under it."""
+        """Run one operation; reopen and retry once if the link dropped under it. After a
+        timeout the link is first brought back in step (`_resync`)."""
         self._require_info()
         try:
             if self._ser is None:
                 raise serial.SerialException("port closed after an earlier failure")
+            if self._out_of_step:
+                self._resync()
             result = fn(*args)
         except (OSError, serial.SerialException) as e:
             self._reconnect(e)
             result = fn(*args)
+        except DACTimeout:
+            self._out_of_step = True
+            raise
         if self._board_reset:
             log.warning("heater DAC on %s reported a power-up: restoring outputs", self.port)
             self._restore()
         return result
+
+    def _resync(self) -> None:
+        """After a timeout, replies to lines sent before may still come: ask `nchan?` and drop
+        every line until its answer, then read back what the board holds (`vhex?`/`vall?`),
+        since the lines whose replies were lost may or may not have been applied."""
+        want = str(self.info.channels)
+        self._drain()
+        self._write("nchan?")
+        deadline = time.monotonic() + self.timeout
+        while (line := self._readline(deadline, "nchan?")) != want:
+            self._note_unsolicited(line)        # a power-up notice is not lost
+        self._codes = self._read_codes()
+        self._out_of_step = False
+        log.info("heater DAC on %s: back in step after a timeout", self.port)
 
     # ---- line I/O ------------------------------------------------------------------------
 

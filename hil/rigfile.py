@@ -353,6 +353,12 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                        ep)
             used[ep] = f"devices.{d.name}.{key}"
 
+    for key in b:
+        if key.split("_")[0] in PROCESSES and not b[key].endswith(":0"):
+            if b[key] in used:
+                c.fail("bus", key, f"an endpoint of its own ({used[b[key]]} has it)", b[key])
+            used[b[key]] = f"bus.{key}"
+
     if bus.curve:
         for key in ("server_key", "server_public_key", "authorized_keys", "client_key"):
             if not getattr(bus, key):
@@ -420,8 +426,12 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                         "answers requests"),
             "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
         })
-        monitors[host] = (_check_endpoint(c, table, "request", m["request"]),
-                          _check_endpoint(c, table, "publish", m["publish"]))
+        for key in ("request", "publish"):
+            ep = _check_endpoint(c, table, key, m[key])
+            if ep in used and not ep.endswith(":0"):
+                c.fail(table, key, f"an endpoint of its own ({used[ep]} has it)", ep)
+            used[ep] = f"{table}.{key}"
+        monitors[host] = (m["request"], m["publish"])
     if monitors:
         for i, g in enumerate(gpus):
             if g.host not in monitors:

@@ -341,3 +341,52 @@ def test_a_hung_service_is_killed_and_restarted():
             time.sleep(0.05)
         assert s.manager.pid("wedged") not in (first, None)
         assert c.call("read_circuits") == {"circuits": []}     # a fresh service answers
+
+
+def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
+    """A silent service does not hide the answer of another, and one that binds late (a
+    restart) is asked again on a fresh socket and answers within the timeout."""
+    from hil.bus.client import call_many
+    from hil.bus.stateserver import StateServer
+    from hil.rigfile import free_port
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)              # takes requests, never answers
+    silent_ep = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    late_ep = f"tcp://127.0.0.1:{free_port()}"
+    stop = threading.Event()
+    servers = []
+
+    def serve(name, endpoint, delay):
+        time.sleep(delay)
+        server = StateServer(name, {"x": 1}, request=endpoint)
+        server.bind()
+        servers.append(server)
+        while not stop.is_set():
+            server.poll(0.01)
+    prompt = StateServer("prompt", {"x": 2})
+    prompt_ep = prompt.bind()[0]
+    threads = [threading.Thread(target=serve, args=("late", late_ep, 0.4), daemon=True)]
+    threads[0].start()
+
+    def loop():
+        while not stop.is_set():
+            prompt.poll(0.01)
+    threads.append(threading.Thread(target=loop, daemon=True))
+    threads[1].start()
+    clients = [ServiceClient(ep, timeout=2.0) for ep in (silent_ep, prompt_ep, late_ep)]
+    try:
+        got = call_many([(c, "ping", {}) for c in clients], timeout=2.0)
+        assert isinstance(got[0], ServiceUnavailable) and "within 2 s" in str(got[0])
+        assert got[1]["device"] == "prompt" and got[2]["device"] == "late"
+        with pytest.raises(ValueError, match="read-only"):
+            call_many([(clients[1], "apply_circuits", {})], timeout=1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        for c in clients:
+            c.close()
+        for s in servers + [prompt]:
+            s.close()
+        silent.close(linger=0)

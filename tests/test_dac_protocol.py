@@ -213,3 +213,37 @@ def test_stock_qontrol_board_gets_one_vvec_line_per_module():
     assert not info.compact and info.channels == 16
     assert dac.set_voltages({9: 1.5}) == 1
     assert port.exchanges == []
+
+
+class LateSerial(ScriptedSerial):
+    """Answers the first write's lines only after the driver gave up on them."""
+
+    def __init__(self, exchanges):
+        super().__init__(exchanges)
+        self.held = bytearray()
+        self.late = b""
+
+    def write(self, data):
+        n = super().write(data)
+        if self.held is not None and data.startswith(b"vhex0="):
+            self.held, self.rx = None, bytearray()      # this write's replies come late
+            self.late = b"OK\nE01:06\n"
+        elif data == b"nchan?\n":
+            self.rx = bytearray(self.late) + self.rx      # the late replies, then the answer
+        return n
+
+
+def test_after_a_timeout_late_replies_are_dropped_and_the_outputs_read_back():
+    port = LateSerial(ONE_MODULE_OPEN + [
+        (b"vhex0=1555\nvhex6=D555\n", b"(late)"),
+        (b"nchan?\n", b"8\n"),
+        (b"vhex?\n", b"1555" + b"0000" * 7 + b"\n"),      # the first line was applied
+        (b"vhex3=1555\n", b"OK\n"),
+    ])
+    dac = HeaterDAC("scripted", timeout=0.05, open_serial=lambda name, t: port)
+    dac.open()
+    with pytest.raises(DACTimeout):
+        dac.set_voltages({0: 1.0, 6: 10.0})
+    # the next command finds the link in step: the stale OK and E01 are not its replies
+    assert dac.set_voltages({0: 1.0, 3: 1.0}) == 1          # channel 0 is known to be set
+    assert dac.commanded[0] == dac.commanded[3] == 1.0 and not port.exchanges

@@ -634,6 +634,11 @@ def test_one_monitor_per_host_and_the_agent_reads_each(tmp_path):
      r"gpus.host: expected one of the hosts of \[monitors\] \(node0, node1.lab\).* got 'node3'"),
     (('publish = "tcp://127.0.0.1:1"', 'publish = "tcp://10.0.0.1:1"'),
      r"bus.curve: expected true: endpoints off loopback need CURVE"),
+    (('publish = "tcp://127.0.0.1:3"', 'publish = "tcp://127.0.0.1:1"'),
+     r'monitors."?node1.lab"?.publish: expected an endpoint of its own '
+     r"\(monitors.node0.publish has it\)"),
+    (('gpus_request = "tcp://127.0.0.1:0"', 'gpus_request = "tcp://127.0.0.1:2"'),
+     r"monitors.node0.request: expected an endpoint of its own \(bus.gpus_request has it\)"),
 ])
 def test_bad_monitor_tables_are_refused_clearly(edit, message):
     text = RIG.replace('host = "node0"\nnvml = 2', 'host = "node1.lab"\nnvml = 0') + "\n" + \

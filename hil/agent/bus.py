@@ -7,7 +7,7 @@
 - Light: `read_power(switch, port)` asks the GPU monitor of the GPU on that output port
   (`rx_power`) for the received power its transceiver reports (DDM): the rack's one monitor
   `gpus`, or with one monitor per host ([monitors] in the rig) that host's `gpus-HOST`; the
-  requests to several monitors go out together.
+  requests to several monitors go out together (`call_many`).
 - Health: a `StateSubscriber` on every GPU monitor; every GPU whose state changed goes to
   `on_health`.
 - The job (through `hil.client.Fabric`): requests `admit`, `phase` (answered once the
@@ -30,7 +30,7 @@ from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchE
     check_circuits
 from hil.agent.agent import Agent, AgentError
 from hil.bus import schema
-from hil.bus.client import BusError, ServiceClient, StaleState
+from hil.bus.client import BusError, ServiceClient, StaleState, call_many
 from hil.bus.mirror import StateSubscriber
 from hil.bus.stateserver import StateServer
 from hil.jobplan import JobPlan, PlanError
@@ -225,18 +225,19 @@ class AgentProcess:
             owner = layout.owner(switch, int(port))
             asks.setdefault(self.rig.monitor_of(owner) if owner else next(iter(self._monitors)),
                             set()).add(int(port))
-            deadline = time.monotonic() + self.timeout
-            sent = {m: self._monitors[m].send("rx_power", {"switch": switch,
-                                                            "ports": sorted(ports)})
-                    for m, ports in asks.items()}
+            monitors = list(asks)
+            answers = call_many([(self._monitors[m], "rx_power",
+                                  {"switch": switch, "ports": sorted(asks[m])})
+                                 for m in monitors], self.timeout)
             dbm: dict[str, float] = {}
-            for m, rid in sent.items():
-                try:
-                    dbm.update(self._monitors[m].receive(rid, deadline)["dbm"])
-                except BusError as e:
-                    # its ports stay dark; a late answer is skipped by its request id
+            for m, got in zip(monitors, answers):
+                if isinstance(got, BusError):
+                    # its ports read dark for this event, asked again at the next
                     log.warning("no received power from %s for %s %s: %s", m, switch,
-                                sorted(asks[m]), e)
+                                sorted(asks[m]), got)
+                    dbm.update({str(p): DARK_DBM for p in asks[m]})
+                else:
+                    dbm.update(got["dbm"])
             cached = self._rx[switch] = (sw.version if sw else None, dbm)
         return float(cached[1].get(str(port), DARK_DBM))
 

@@ -401,7 +401,15 @@ class DeviceService:
         subscribers a moment later (the version in the reply is already the new one)."""
         if self._unpublished:
             updates, self._unpublished = self._unpublished, {}
-            self.mirror.update({k: v() if callable(v) else v for k, v in updates.items()})
+            for k, v in list(updates.items()):
+                if callable(v):
+                    try:
+                        updates[k] = v()
+                    except Exception as e:       # the rest (and the version) still goes out
+                        log.error("%s: state %r could not be worked out: %s: %s", self.name,
+                                  k, type(e).__name__, e)
+                        del updates[k]
+            self.mirror.update(updates)
 
     # ---- the loop ------------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class RackHost:
         self._events_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()   # a fault was injected: look now
         os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()       # no write to the pipe while it is closed
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> tuple[str, str]:
@@ -89,15 +90,19 @@ class RackHost:
     def close(self) -> None:
         self._stop_job()
         self._stop.set()
+        stopped = True
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+            stopped = not self._thread.is_alive()
             self._thread = None
         self.server.close()
         self.rack.close()
-        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+        if stopped:         # else the monitor may still poll the pipe: leave it to the OS
+            with self._wake_lock:
+                fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
 
     def _monitor(self) -> None:
         """Health monitor loop: publish every GPU whose state changed; answer rx_power."""
@@ -114,12 +119,13 @@ class RackHost:
                 self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
 
     def _wake(self) -> None:
-        if self._wake_w < 0:
-            return
-        try:
-            os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):      # already full of wake-ups, or closed
-            pass
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"!")
+            except BlockingIOError:             # already full of wake-ups
+                pass
 
     def _rx_power(self, args: dict) -> dict:
         switch = args.get("switch")
