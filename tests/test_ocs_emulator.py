@@ -242,6 +242,7 @@ def test_two_clients_are_served_concurrently_with_their_own_error_queues(rig):
         assert b.query(":SYST:ERR?") == '0,"No error"'
         assert a.query(":SYST:ERR?").startswith("-113,")
         a.write(":OXC:SWIT:CONN:ADD (@7),(@50)")
+        assert a.query("*OPC?") == "1"         # a's session has done it (sessions run apart)
         assert b.query(":OXC:SWIT:CONN:PORT? 7") == "50"
     finally:
         a.close()
