@@ -115,9 +115,13 @@ def drift_check(station, calibration: Calibration, cells: list[str] | None = Non
                 count: int = 6, threshold_rad: float = 0.05, seed: int = 0) -> DriftReport:
     """Measure a few cells' phases (four-step, with the calibration's compensated routes) and
     compare with what the calibration predicts: recalibrate when the worst is above
-    `threshold_rad`. Costs about 4 readings per cell."""
+    `threshold_rad`. Costs about 4 readings per cell (photodiodes, or the power meter on the
+    outputs when the chip has no photodiodes)."""
     from calibration.crosstalk import _Probe
     cal = calibrator_from(station, calibration)
+    if not station.has_monitors():
+        from calibration.outputs import use_outputs
+        use_outputs(cal)             # a chip without photodiodes: read from its outputs
     ids = [c.id for c in station.topology.cells]
     if cells is None:
         rng = np.random.default_rng(seed)
