@@ -302,44 +302,26 @@ def use_outputs(cal: Calibrator) -> Calibrator:
     return cal
 
 
-def needed_cells(graph: OutputGraph, cells: list[str] | None) -> list[str]:
-    """Cells to calibrate for `cells` (all when None): those and the cells their final plans
-    use, in bootstrap order."""
-    order = graph.bootstrap_order()
-    if cells is None:
-        return order
-    unknown = [c for c in cells if c not in graph.stage_of]
-    if unknown:
-        raise CalibrationRunError(f"no cell {unknown[0]!r} on {graph.topology.name}")
-    saved = graph.mode, graph.known
-    graph.mode, graph.known = "final", set(graph.stage_of)
-    need, todo = set(), list(cells)
-    try:
-        while todo:
-            c = todo.pop()
-            if c in need:
-                continue
-            need.add(c)
-            r = graph.route(c)
-            todo.extend(set(r.cells) | set(r.away))
-    finally:
-        graph.mode, graph.known = saved
-        graph.forget()
-    return [c for c in order if c in need]
-
-
 def sweep_from_outputs(cal: Calibrator, cells: list[str] | None = None) -> None:
-    """Both sweeps of every needed cell (resumable: `cal.state` records where it stands)."""
+    """The bootstrap sweep of every cell, then the final sweep of `cells` (all when None):
+    a cell's final route runs through cells before and after it, which between them are
+    usually the whole chip, so every cell is bootstrapped whatever `cells` asks. Resumable:
+    `cal.state` records where it stands."""
     graph: OutputGraph = cal.graph
+    order = graph.bootstrap_order()
+    if cells is not None:
+        unknown = [c for c in cells if c not in graph.stage_of]
+        if unknown:
+            raise CalibrationRunError(f"no cell {unknown[0]!r} on {graph.topology.name}")
+    final = order if cells is None else [c for c in order if c in set(cells)]
     cal.prepare()
-    todo = needed_cells(graph, cells)
-    total = 2 * len(todo)
+    total = len(order) + len(final)
     state = cal.state
     state.setdefault("outputs_pass", "bootstrap")
     final_done = state.setdefault("outputs_final", [])
     if state["outputs_pass"] == "bootstrap":
         graph.mode = "bootstrap"
-        for k, cell in enumerate(todo):
+        for k, cell in enumerate(order):
             if cell not in state["fits"]:
                 graph.known = set(state["fits"])
                 graph.forget()
@@ -351,12 +333,12 @@ def sweep_from_outputs(cal: Calibrator, cells: list[str] | None = None) -> None:
     graph.mode = "final"
     graph.known = set(state["fits"])
     graph.forget()
-    for k, cell in enumerate(todo):
+    for k, cell in enumerate(final):
         if cell not in final_done:
             state["fits"][cell] = _sweep(cal, cell)
             final_done.append(cell)
             cal.on_checkpoint(state)
-        cal.on_progress(cell, len(todo) + k + 1, total)
+        cal.on_progress(cell, len(order) + k + 1, total)
 
 
 def _sweep(cal: Calibrator, cell: str) -> dict:

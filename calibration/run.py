@@ -72,7 +72,13 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
         if refine:
             refine_offsets(cal, on_progress=lambda c, k, n: progress("refine", c, k, n))
     station.set_volts({ch: 0.0 for ch in station.channels})
-    return build_calibration(cal, rig=rig, chip_id=chip_id, method=method)
+    result = build_calibration(cal, rig=rig, chip_id=chip_id, method=method)
+    if method == "outputs":
+        # which cells had their final sweep ("bootstrap": only the first one; --cells)
+        final = set(cal.state.get("outputs_final", []))
+        for cell, rec in result.cells.items():
+            rec["sweep"] = "final" if cell in final else "bootstrap"
+    return result
 
 
 def splitter_estimate(fit: CellFit) -> dict:
