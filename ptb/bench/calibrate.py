@@ -43,6 +43,8 @@ class _Rig:
         self.dac.open()
         self.ocs = OpticalCircuitSwitch(ep["ocs"])
         self.meter = PowerMeter(ep["powermeter"], ports=N)
+        for port in range(1, N + 1):        # no averaging here: the lab time counts 10 ms
+            self.meter.set_averaging_time(port, 0.0)
         self.laser = Laser(ep["laser"])
         self.laser.set_power_mw(1.0)
         self.laser.on()
