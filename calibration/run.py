@@ -3,7 +3,9 @@
 `calibrate(station, ...)` runs every phase, reporting progress through `on_progress(phase,
 cell, done, total)` and handing its resumable state to `on_checkpoint(state)` after every cell
 (the command line saves it atomically; a rerun passes it back as `state` and continues). It
-returns a `drivers.mesh.Calibration` ready to save and to give to `Mesh`.
+returns a `drivers.mesh.Calibration` ready to save and to give to `Mesh`. `method` chooses the
+detector: the cells' monitor photodiodes, or the power meter on the chip's outputs
+(`calibration.outputs`, for a chip without photodiodes); the file says which.
 """
 from __future__ import annotations
 
