@@ -27,7 +27,8 @@ def summary(cal: Calibration) -> str:
              f"offset uncertainty median {np.median(off_std) * 1e3:.2f} mrad, "
              f"max {off_std.max() * 1e3:.2f} mrad"]
     if len(ext):
-        lines.append(f"bar extinction at the monitors: median {np.median(ext):.1f} dB, "
+        where = "the outputs" if cal.method == "outputs" else "the monitors"
+        lines.append(f"bar extinction at {where}: median {np.median(ext):.1f} dB, "
                      f"worst {ext.min():.1f} dB ({min(cells, key=lambda c: cells[c]['extinction_db'])})")
         lines.append(f"splitter-limited cells (< 35 dB whatever the phase): "
                      f"{', '.join(limited) if limited else 'none'}")
