@@ -27,7 +27,8 @@ def summary(cal: Calibration) -> str:
              f"offset uncertainty median {np.median(off_std) * 1e3:.2f} mrad, "
              f"max {off_std.max() * 1e3:.2f} mrad"]
     if len(ext):
-        lines.append(f"bar extinction at the monitors: median {np.median(ext):.1f} dB, "
+        where = "the outputs" if cal.method == "outputs" else "the monitors"
+        lines.append(f"bar extinction at {where}: median {np.median(ext):.1f} dB, "
                      f"worst {ext.min():.1f} dB ({min(cells, key=lambda c: cells[c]['extinction_db'])})")
         cross = {cid: c["cross_extinction_db"] for cid, c in cells.items()
                  if "cross_extinction_db" in c}
@@ -130,9 +131,13 @@ def drift_check(station, calibration: Calibration, cells: list[str] | None = Non
                 count: int = 6, threshold_rad: float = 0.05, seed: int = 0) -> DriftReport:
     """Measure a few cells' phases (four-step, with the calibration's compensated routes) and
     compare with what the calibration predicts: recalibrate when the worst is above
-    `threshold_rad`. Costs about 4 readings per cell."""
+    `threshold_rad`. Costs about 4 readings per cell (photodiodes, or the power meter on the
+    outputs when the chip has no photodiodes)."""
     from calibration.crosstalk import _Probe
     cal = calibrator_from(station, calibration)
+    if not station.has_monitors():
+        from calibration.outputs import use_outputs
+        use_outputs(cal)             # a chip without photodiodes: read from its outputs
     ids = [c.id for c in station.topology.cells]
     if cells is None:
         rng = np.random.default_rng(seed)

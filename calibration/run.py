@@ -3,7 +3,9 @@
 `calibrate(station, ...)` runs every phase, reporting progress through `on_progress(phase,
 cell, done, total)` and handing its resumable state to `on_checkpoint(state)` after every cell
 (the command line saves it atomically; a rerun passes it back as `state` and continues). It
-returns a `drivers.mesh.Calibration` ready to save and to give to `Mesh`.
+returns a `drivers.mesh.Calibration` ready to save and to give to `Mesh`. `method` chooses the
+detector: the cells' monitor photodiodes, or the power meter on the chip's outputs
+(`calibration.outputs`, for a chip without photodiodes); the file says which.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import numpy as np
 
 from calibration.crosstalk import measure_crosstalk, measure_extinctions, \
     refine_offsets, refine_under_load
+from calibration.outputs import output_calibrator, sweep_from_outputs
 from calibration.progressive import Calibrator, CellFit
-from calibration.station import Station
+from calibration.station import Station, StationError
 from drivers.mesh import Calibration, HeaterCalibration
 
 log = logging.getLogger(__name__)
@@ -27,12 +30,27 @@ SPLITTER_LIMIT_DB = 35.0       # a fringe whose extinction is below this is spli
 EXTINCTION_CAP_DB = 60.0       # beyond the detector's floor: written as this
 
 
+METHODS = ("monitors", "outputs")
+
+
 def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = "",
               chip_id: str = "", state: dict | None = None, crosstalk: bool = True,
-              refine: bool = True, radius: float = 2.5,
+              refine: bool = True, radius: float = 2.5, method: str = "monitors",
               on_progress: Callable[[str, str, int, int], None] | None = None,
               on_checkpoint: Callable[[dict], None] | None = None) -> Calibration:
+    """`method`: "monitors" reads the cells' photodiodes (through the DAC), "outputs" the
+    power meter on the chip's outputs (calibration.outputs; for chips without photodiodes)."""
     progress = on_progress or (lambda *a: None)
+    if method not in METHODS:
+        raise ValueError(f"calibration method {method!r}: known methods are "
+                         f"{', '.join(METHODS)}")
+    if method == "monitors" and not station.has_monitors():
+        raise StationError(f"{station.topology.name}: the chip has no monitor photodiodes (the "
+                           "heater DAC reads none); calibrate it from its outputs (method "
+                           "outputs: ptb calibrate --method outputs)")
+    if state is not None and state.get("method", "monitors") != method:
+        raise ValueError(f"the saved progress is of the {state.get('method', 'monitors')} "
+                         f"method, not {method}; delete it to start over")
     if state is not None and state.get("version") != STATE_VERSION:
         raise ValueError("the saved progress is from another version of the calibration; "
                          "delete it to start over")
@@ -40,20 +58,37 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
         raise ValueError(f"the saved progress is for chip {state.get('chip')!r}, not "
                          f"{station.topology.name!r}")
     state = state if state is not None else {"version": STATE_VERSION,
-                                             "chip": station.topology.name}
-    cal = Calibrator(station, state=state,
-                     on_progress=lambda c, k, n: progress("sweep", c, k, n),
-                     on_checkpoint=on_checkpoint)
-    cal.calibrate_cells(cells)
+                                             "chip": station.topology.name, "method": method}
+    if method == "outputs":
+        cal = output_calibrator(station, state=state,
+                                on_progress=lambda c, k, n: progress("sweep", c, k, n),
+                                on_checkpoint=on_checkpoint)
+        sweep_from_outputs(cal, cells)
+    else:
+        cal = Calibrator(station, state=state,
+                         on_progress=lambda c, k, n: progress("sweep", c, k, n),
+                         on_checkpoint=on_checkpoint)
+        cal.calibrate_cells(cells)
     if crosstalk:
         measure_crosstalk(cal, radius=radius,
                           on_progress=lambda c, k, n: progress("crosstalk", c, k, n))
         if refine:
-            refine_offsets(cal, on_progress=lambda c, k, n: progress("refine", c, k, n))
-            refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
-            measure_extinctions(cal, on_progress=lambda c, k, n: progress("extinction", c, k, n))
+            # from the outputs, a second round of four-step checks halves the offsets' error
+            # on a chip of strong crosstalk (docs/calibration.md)
+            refine_offsets(cal, rounds=2 if method == "outputs" else 1,
+                           on_progress=lambda c, k, n: progress("refine", c, k, n))
+            if method == "monitors":
+                refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
+                measure_extinctions(cal, on_progress=lambda c, k, n:
+                                    progress("extinction", c, k, n))
     station.set_volts({ch: 0.0 for ch in station.channels})
-    return build_calibration(cal, rig=rig, chip_id=chip_id)
+    result = build_calibration(cal, rig=rig, chip_id=chip_id, method=method)
+    if method == "outputs":
+        # which cells had their final sweep ("bootstrap": only the first one; --cells)
+        final = set(cal.state.get("outputs_final", []))
+        for cell, rec in result.cells.items():
+            rec["sweep"] = "final" if cell in final else "bootstrap"
+    return result
 
 
 def splitter_estimate(fit: CellFit) -> dict:
@@ -81,7 +116,8 @@ def measured_extinction(bar_db: float, cross_db: float) -> dict:
             "extinction_from": "settings"}
 
 
-def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "") -> Calibration:
+def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "",
+                      method: str = "monitors") -> Calibration:
     topo = cal.station.topology
     fits = cal.fits()
     offsets = cal.offsets()
@@ -115,7 +151,7 @@ def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "") -> Cali
         k_std = _crosstalk_spread(cal, chans)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Calibration(heaters, k, topo.name, "calibration run", chip_id or topo.name, rig,
-                       date, "monitors", k_std, record)
+                       date, method, k_std, record)
 
 
 def _crosstalk_spread(cal: Calibrator, chans: list[int]) -> np.ndarray:

@@ -117,6 +117,20 @@ class Station:
 
     # ---- light out -----------------------------------------------------------------------
 
+    def has_monitors(self) -> bool:
+        """Whether the chip's cells have monitor photodiodes: False when this station was
+        told so, or when the DAC refuses to read a photodiode (E13: no photodiode inputs)."""
+        if not self.monitors:
+            return False
+        from drivers.heater_dac import Forbidden
+        try:
+            self.dac.photocurrent(self.channels[0])
+        except Forbidden:
+            self.monitors = False
+        finally:
+            self.counters.other_queries += 1
+        return self.monitors
+
     def monitors_ua(self) -> dict[str, float]:
         if not self.monitors:
             raise StationError("this chip has no monitor photodiodes")

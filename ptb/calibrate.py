@@ -49,6 +49,12 @@ def add_parser(sub) -> None:
     p.add_argument("--progress", metavar="FILE",
                    help="where progress is kept (default: OUT.progress.json)")
     p.add_argument("--fresh", action="store_true", help="ignore saved progress, start over")
+    p.add_argument("--method", choices=("monitors", "outputs"),
+                   help="read the cells' monitor photodiodes, or the power meter on the chip's "
+                   "outputs (default: monitors when the heater DAC reads photodiodes, else "
+                   "outputs)")
+    p.add_argument("--no-monitors", action="store_true",
+                   help="an emulated rig started here gets a chip without cell photodiodes")
     p.add_argument("--no-crosstalk", action="store_true",
                    help="skip the crosstalk measurement (and the refinement that needs it)")
     p.add_argument("--averaging-s", type=float, default=0.0,
@@ -223,6 +229,9 @@ def run(args) -> int:
         else:
             ep, topo_name, rig_name = _start_emulated(stack, args)
             topology = topology_by_name(topo_name)
+        if args.no_monitors and (args.endpoints or pathlib.Path(args.rig).exists()):
+            raise CommandFailed("--no-monitors chooses the chip of an emulated rig started by "
+                                "this command (--rig NAME); a running rig's chip is as it is")
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
             calibration = _load_calibration(out, topology, chip_id)
@@ -268,13 +277,15 @@ def _start_emulated(stack, args):
         raise CommandFailed(f"--rig {args.rig!r} is not a file; {e}") from None
     if args.rig not in EMULATED_CHIPS:
         raise CommandFailed(f"the emulated rig {args.rig} has no chip to calibrate")
-    rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0)
+    rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0,
+                      chip_monitors=not args.no_monitors)
     try:
         rig.start()
     except OSError as e:
         raise CommandFailed(f"cannot start the emulated rig {args.rig}: {e}") from None
     stack.callback(rig.close)
-    print(f"started the emulated rig {args.rig} (seed {args.seed}) in this process",
+    print(f"started the emulated rig {args.rig} (seed {args.seed}"
+          f"{', chip without photodiodes' if args.no_monitors else ''}) in this process",
           file=sys.stderr)
     return rig.endpoints, EMULATED_CHIPS[args.rig], args.rig
 
@@ -296,8 +307,13 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id) -> int:
               file=sys.stderr)
     t0 = time.monotonic()
     try:
+        method = args.method or ("monitors" if station.has_monitors() else "outputs")
+        if args.method is None:
+            print(f"method {method}: the heater DAC "
+                  f"{'reads' if method == 'monitors' else 'reads no'} monitor photodiodes",
+                  file=sys.stderr)
         cal = calibrate(station, cells=args.cells, rig=rig_name, chip_id=chip_id, state=state,
-                        crosstalk=not args.no_crosstalk, on_progress=Progress(),
+                        crosstalk=not args.no_crosstalk, method=method, on_progress=Progress(),
                         on_checkpoint=lambda s: _save_json(progress_path, s))
     except KeyboardInterrupt:
         print(f"\ninterrupted: progress is saved in {progress_path}; run the same command "
@@ -310,8 +326,10 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id) -> int:
         raise CommandFailed(str(e)) from None
     cal.save(out)
     progress_path.unlink(missing_ok=True)
-    print(f"calibration of {len(cal.heaters)} heaters written to {out} in "
-          f"{time.monotonic() - t0:.1f} s ({station.counters.pd_reads} photodiode reads)")
+    reads = (f"{station.counters.pd_reads} photodiode reads" if method == "monitors" else
+             f"{station.counters.meter_reads} power meter reads")
+    print(f"calibration of {len(cal.heaters)} heaters ({method}) written to {out} in "
+          f"{time.monotonic() - t0:.1f} s ({reads})")
     if args.report:
         from calibration.report import write_report
         summary = write_report(cal, args.report)

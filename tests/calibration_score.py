@@ -23,11 +23,12 @@ N = 16
 
 
 @contextmanager
-def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0):
-    """The lumion rig (zero delays) and a calibration Station on its wires."""
+def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: bool = True):
+    """The lumion rig (zero delays) and a calibration Station on its wires; `monitors=False`:
+    its chip has no cell photodiodes."""
     from calibration.station import Station
     with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
-                     crosstalk_scale=crosstalk_scale) as rig:
+                     crosstalk_scale=crosstalk_scale, chip_monitors=monitors) as rig:
         ep = rig.endpoints
         dac = HeaterDAC(ep["dac"])
         dac.open()
