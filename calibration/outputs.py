@@ -110,8 +110,14 @@ class OutputGraph(Graph):
             self._plans[key] = Plan(route, top, bottom)
         return self._plans[key]
 
-    def route(self, cell: str) -> Route:
-        return self.plan(cell).route
+    def route(self, cell: str, arm: int | None = None) -> Route:
+        """The route of the cell's plan; another input arm than the plan's is not offered
+        (a plan's routes hold the cells on both sides of it)."""
+        route = self.plan(cell).route
+        if arm is not None and arm != route.arm:
+            raise CalibrationRunError(f"{cell}: from the outputs it is lit on input arm "
+                                      f"{route.arm} only, not {arm}")
+        return route
 
     def bootstrap_routes(self, cell: str, limit: int = 16) -> list[Route]:
         """Up to `limit` bootstrap routes of a cell that light one of its arms only (through

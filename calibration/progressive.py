@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -316,10 +316,14 @@ class Calibrator:
             self.state["dark_ua"] = dark
             self.on_checkpoint(self.state)
 
-    def monitors(self) -> dict[str, float]:
-        """Every cell's photocurrent (uA) less its dark current."""
+    def monitors(self) -> Mapping[str, float]:
+        """Every cell's photocurrent (uA) less its dark current. Without dark currents the
+        station's own mapping, which may read a cell only when asked (calibration.outputs)."""
         dark = self.state.get("dark_ua", {})
-        return {cid: ua - dark.get(cid, 0.0) for cid, ua in self.station.monitors_ua().items()}
+        readings = self.station.monitors_ua()
+        if not dark:
+            return readings
+        return {cid: ua - dark.get(cid, 0.0) for cid, ua in readings.items()}
 
     def order(self, cells: list[str] | None = None) -> list[str]:
         """Cells in calibration order (stage by stage); a subset keeps what it needs first."""
