@@ -291,6 +291,10 @@ def output_calibrator(station: Station, *, state: dict,
                       on_checkpoint: Callable[[dict], None] | None = None) -> Calibrator:
     """A Calibrator whose readings come from the chip's outputs."""
     cal = Calibrator(station, state=state, on_progress=on_progress, on_checkpoint=on_checkpoint)
+    # the bootstrap reads fringes through uncalibrated cells, weaker and noisier than a
+    # photodiode's: two fine rounds of 4 points each (28 readings), where 16 fail some fits on
+    # a chip of twice the crosstalk
+    cal.sweep_fine_rounds, cal.sweep_fine_offsets_rad = 2, (-0.12, -0.04, 0.04, 0.12)
     use_outputs(cal)
     if cal.state.get("outputs_pass") != "final":
         cal.graph.mode = "bootstrap"

@@ -178,6 +178,8 @@ class Calibrator:
         self.graph = Graph(station.topology)
         self.p_max_mw = p_max_mw
         self.p_pi_range_mw = p_pi_range_mw
+        self.sweep_fine_rounds = SWEEP_FINE_ROUNDS
+        self.sweep_fine_offsets_rad = SWEEP_FINE_OFFSETS_RAD
         self.on_progress = on_progress or (lambda *a: None)
         self.on_checkpoint = on_checkpoint or (lambda s: None)
         self.state = state if state is not None else {}
@@ -390,8 +392,8 @@ class Calibrator:
 
         try:
             fit, sweep = adaptive_sweep(measure, self.p_max_mw, p_pi_range_mw=self.p_pi_range_mw,
-                                        fine_rounds=SWEEP_FINE_ROUNDS,
-                                        fine_offsets_rad=SWEEP_FINE_OFFSETS_RAD)
+                                        fine_rounds=self.sweep_fine_rounds,
+                                        fine_offsets_rad=self.sweep_fine_offsets_rad)
         except FitError as e:
             raise CalibrationRunError(f"cell {cell} (heater {ch}, lit from input {route.port}): "
                                       f"{e}") from None

@@ -77,8 +77,8 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
             # on a chip of strong crosstalk (docs/calibration.md)
             refine_offsets(cal, rounds=2 if method == "outputs" else 1,
                            on_progress=lambda c, k, n: progress("refine", c, k, n))
+            refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
             if method == "monitors":
-                refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
                 measure_extinctions(cal, on_progress=lambda c, k, n:
                                     progress("extinction", c, k, n))
     station.set_volts({ch: 0.0 for ch in station.channels})

@@ -51,10 +51,7 @@ def test_offsets_and_efficiencies_match_the_truth(dark_chip):
     assert np.abs(eff - 1).max() < 0.02                         # efficiencies within 2 %
     assert np.abs(r / truth.resistance_ohm - 1).max() < 1e-3
     assert np.median(err) < 0.006
-    # issue target: every offset within 0.02 rad; 53-55 of 56 in our runs, the worst
-    # 0.026-0.039 rad (docs/calibration.md): regression bounds
-    assert (err <= 0.02).mean() >= 0.9
-    assert err.max() < 0.06
+    assert err.max() <= 0.02                    # issue target: every offset (worst ~0.010)
 
 
 def test_bar_and_cross_extinction_near_the_oracle(dark_chip):
@@ -64,9 +61,7 @@ def test_bar_and_cross_extinction_near_the_oracle(dark_chip):
         short = (np.minimum(oracle, 40.0) - ours).max()
         print(f"{state}: {ok.sum()}/{len(ok)} cells within 1 dB of the oracle or >= 40 dB; "
               f"largest shortfall below min(oracle, 40 dB): {short:.1f} dB")
-        # issue target: every cell; 46-53 of 56 here (docs/calibration.md): regression bounds
-        assert ok.mean() >= 0.8
-        assert short < 12.0
+        assert ok.all()                         # issue target: every cell
 
 
 def test_permutations_match_the_oracle_and_compensation_matters(dark_chip):
@@ -79,9 +74,7 @@ def test_permutations_match_the_oracle_and_compensation_matters(dark_chip):
     xt_off = (off["ours_xt"].max(axis=1) - off["oracle_xt"].max(axis=1)).max()
     print(f"compensated: intended output within {main:.3f} dB, worst crosstalk within "
           f"{xt:.2f} dB of the oracle; uncompensated: {main_off:.2f} dB, {xt_off:.2f} dB")
-    # issue target: 0.2 dB and 1 dB. The worst crosstalk varies from run to run with the
-    # detector noise, as with the photodiodes (docs/calibration.md): bounded at 2 dB.
-    assert main <= 0.2 and xt <= 2.0
+    assert main <= 0.2 and xt <= 1.0            # issue targets (0.01 dB seen)
     assert main_off > 5 * main and xt_off > xt + 3.0
 
 
@@ -102,12 +95,13 @@ def test_other_seeds_and_a_stronger_crosstalk_chip(tmp_path, seed, scale):
         print(f"seed {seed} crosstalk x{scale}: main {main:.3f} dB, crosstalk {xt:.2f} dB; "
               f"offsets median {np.median(err):.4f} max {err.max():.4f} rad, "
               f"{(err > 0.02).sum()} above 0.02; efficiency {eff.max() * 100:.2f} %")
+        assert main <= 0.2 and xt <= 1.0 and eff.max() < 0.02
         if scale == 1.0:
-            assert main <= 0.2 and xt <= 2.0 and np.median(err) < 0.006 and eff.max() < 0.02
+            assert err.max() <= 0.02
         else:
-            # a chip of twice the crosstalk: the targets are missed from the outputs (worst
-            # offsets 0.16 rad, efficiency 4.6 %, crosstalk 3.3 dB): regression bounds
-            assert main <= 0.2 and xt <= 4.5 and np.median(err) < 0.01
+            # a chip of twice the crosstalk: 3-4 offsets of 56 miss 0.02 rad from the outputs
+            # (worst 0.040-0.042; docs/calibration.md): a regression bound
+            assert (err <= 0.02).mean() >= 0.9 and err.max() < 0.06
 
 
 # ---- the file, the drift check, the refusal -------------------------------------------------------
