@@ -167,6 +167,40 @@ class Calibration:
             raise CalibrationError(f"calibration {self.source} is for chip id {self.chip_id!r}, "
                                    f"not {chip_id!r}")
 
+    def merged(self, newer: "Calibration") -> "Calibration":
+        """This calibration with what a later run of some cells measured (`ptb calibrate
+        --cells ... --update FILE`): the newer run's heaters replace these, its crosstalk
+        entries (pairs of heaters it calibrated) replace these, every other heater and entry is
+        kept; the cells' records say when they were updated. Refused for another chip or
+        another method, and when the newer run has heaters this file does not."""
+        self.check_chip(newer.chip, newer.chip_id)
+        if self.method and newer.method and self.method != newer.method:
+            raise CalibrationError(f"calibration {self.source} was made from the "
+                                   f"{self.method}; this run from the {newer.method}: "
+                                   "calibrate every cell again to change the method")
+        extra = sorted(set(newer.heaters) - set(self.heaters))
+        if extra:
+            raise CalibrationError(f"calibration {self.source} has no heater channel(s) "
+                                   f"{extra}: calibrate every cell instead")
+        heaters = {**self.heaters, **newer.heaters}
+        chans = sorted(heaters)
+        k, k_std = self.crosstalk, self.crosstalk_std
+        if newer.crosstalk is not None:
+            if k is None:
+                raise CalibrationError(f"calibration {self.source} has no crosstalk matrix "
+                                       "to update: calibrate every cell with the crosstalk")
+            at = [chans.index(ch) for ch in sorted(newer.heaters)]
+            k = k.copy()
+            k[np.ix_(at, at)] = newer.crosstalk
+            if k_std is not None and newer.crosstalk_std is not None:
+                k_std = k_std.copy()
+                k_std[np.ix_(at, at)] = newer.crosstalk_std
+        cells = dict(self.cells)
+        for cell, record in newer.cells.items():
+            cells[cell] = {**record, "updated": newer.date}
+        return replace(self, heaters=heaters, crosstalk=k, crosstalk_std=k_std, cells=cells,
+                       date=newer.date or self.date, source=f"{self.source} + {newer.source}")
+
     def without_crosstalk(self) -> "Calibration":
         """The same heaters with no crosstalk compensation (for comparisons)."""
         return replace(self, crosstalk=None, crosstalk_std=None)

@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                    help="chip topology with --endpoints (default benes16)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--out", metavar="FILE", help="calibration file to write")
+    what.add_argument("--update", metavar="FILE",
+                      help="calibrate the --cells again and write them into this calibration "
+                      "file (every other heater and crosstalk entry is kept)")
     what.add_argument("--drift-check", metavar="FILE",
                       help="instead of calibrating: measure a few cells against this "
                       "calibration file and say whether to recalibrate (exit 0: keep it, "
@@ -209,7 +212,10 @@ def run(args) -> int:
         raise CommandFailed(f"--averaging-s must be in 0..10 s, not {args.averaging_s:g}")
     if not 0 < args.laser_mw <= 100:
         raise CommandFailed(f"--laser-mw must be in (0, 100], not {args.laser_mw:g}")
-    out = pathlib.Path(args.out or args.drift_check)
+    out = pathlib.Path(args.out or args.update or args.drift_check)
+    if args.update and not args.cells:
+        raise CommandFailed("--update FILE recalibrates the cells named by --cells: name them "
+                            "(or write a new file with --out)")
     if args.out and not out.parent.is_dir():
         raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
     if not 0 < args.drift_threshold_rad < 3.2:
@@ -234,20 +240,21 @@ def run(args) -> int:
                                 "this command (--rig NAME); a running rig's chip is as it is")
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
-            calibration = _load_calibration(out, topology, chip_id)
+            calibration = _load_calibration(out, topology, chip_id, "the drift check")
             station = stack.enter_context(Instruments()).open(ep, topology, args)
             return _drift(station, calibration, args)
+        base = _load_calibration(out, topology, chip_id, "--update") if args.update else None
         station = stack.enter_context(Instruments()).open(ep, topology, args)
-        return _calibrate(station, args, out, progress_path, rig_name, chip_id)
+        return _calibrate(station, args, out, progress_path, rig_name, chip_id, base)
 
 
-def _load_calibration(path: pathlib.Path, topology, chip_id: str):
+def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
     from drivers.mesh import Calibration, CalibrationError
     try:
         calibration = Calibration.load(path)
         calibration.check_chip(topology.name, chip_id)
     except (CalibrationError, OSError) as e:
-        raise CommandFailed(f"cannot use {path} for the drift check: {e}") from None
+        raise CommandFailed(f"cannot use {path} for {purpose}: {e}") from None
     return calibration
 
 
@@ -290,7 +297,8 @@ def _start_emulated(stack, args):
     return rig.endpoints, EMULATED_CHIPS[args.rig], args.rig
 
 
-def _calibrate(station, args, out, progress_path, rig_name, chip_id) -> int:
+def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) -> int:
+    """Calibrate and write `out`; with `base` (--update), the run's cells merged into it."""
     from calibration.progressive import CalibrationRunError
     from calibration.run import calibrate
     from calibration.station import StationError
@@ -324,6 +332,14 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id) -> int:
                             f"{progress_path}") from None
     except (CalibrationRunError, StationError, ValueError) as e:
         raise CommandFailed(str(e)) from None
+    if base is not None:
+        from drivers.mesh import CalibrationError
+        try:
+            cal, run_heaters = base.merged(cal), len(cal.heaters)
+        except CalibrationError as e:
+            raise CommandFailed(f"cannot update {out}: {e}") from None
+        print(f"{run_heaters} heaters calibrated again ({', '.join(args.cells)} and the cells "
+              f"their light needs); the other {len(cal.heaters) - run_heaters} kept")
     cal.save(out)
     progress_path.unlink(missing_ok=True)
     reads = (f"{station.counters.pd_reads} photodiode reads" if method == "monitors" else

@@ -275,6 +275,51 @@ def test_cli_drift_check_keeps_a_good_file_and_flags_another_chip(seed0, tmp_pat
     assert missing.returncode == 1 and "cannot use" in out, out
 
 
+def test_a_run_of_a_few_cells_merges_into_the_whole_file(seed0):
+    """Recalibrating some cells (`--cells ... --update FILE`) replaces their heaters and the
+    crosstalk among the heaters that run calibrated, keeps the rest, and the merged file
+    still meets the targets on permutations."""
+    rig, station, cal = seed0
+    part = calibrate(station, cells=["s3r0"], rig="lumion")
+    assert 2 <= len(part.heaters) < 56
+    merged = cal.merged(part)
+    assert merged.heaters == {**cal.heaters, **part.heaters}
+    chans = sorted(merged.heaters)
+    at = [chans.index(ch) for ch in sorted(part.heaters)]
+    rest = [i for i in range(len(chans)) if i not in at]
+    assert np.array_equal(merged.crosstalk[np.ix_(at, at)], part.crosstalk)
+    assert np.array_equal(merged.crosstalk[np.ix_(rest, rest)], cal.crosstalk[np.ix_(rest, rest)])
+    assert merged.cells["s3r0"]["updated"] == part.date and "updated" not in merged.cells["s6r0"]
+    ours = permutation_scores(rig, station.dac, merged, perms=6)
+    assert np.abs(ours["ours_main"] - ours["oracle_main"]).max() <= 0.2
+    assert (ours["ours_xt"].max(axis=1) - ours["oracle_xt"].max(axis=1)).max() <= 1.0
+    with pytest.raises(CalibrationError, match="for chip 'benes8', not 'benes16'"):
+        replace(cal, chip="benes8").merged(part)
+    with pytest.raises(CalibrationError, match="made from the monitors; this run from the "
+                                               "outputs"):
+        cal.merged(replace(part, method="outputs"))
+    with pytest.raises(CalibrationError, match=r"no heater channel\(s\) \[0\]"):
+        replace(cal, heaters={c: h for c, h in cal.heaters.items() if c != 0}).merged(part)
+
+
+def test_cli_update_writes_the_cells_into_the_file(seed0, tmp_path):
+    _, _, cal = seed0
+    path = tmp_path / "cal.json"
+    replace(cal, chip_id="lumion/benes16").save(path)
+    proc = _ptb("calibrate", "--rig", "lumion", "--update", str(path), "--cells", "s1r2",
+                "--no-crosstalk")
+    text, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "the other" in text and "kept" in text
+    back = Calibration.load(path)
+    assert len(back.heaters) == 56 and "updated" in back.cells["s1r2"]
+    assert np.array_equal(back.crosstalk, cal.crosstalk)         # no crosstalk run: kept
+    assert not (tmp_path / "cal.json.progress.json").exists()
+    bad = _ptb("calibrate", "--rig", "lumion", "--update", str(path))
+    text, err = bad.communicate(timeout=60)
+    assert bad.returncode == 1 and "name them" in err and "Traceback" not in err
+
+
 def test_a_resumed_run_rebuilds_what_the_refinements_changed(tmp_path):
     """The refinements rescale and correct crosstalk rows that are rebuilt from the measured
     rows on a resume: a run continued from progress saved in the middle of the load checks
