@@ -156,6 +156,19 @@ def run(args) -> dict:
                     result[op] = {"p50_us": p50, "p99_us": p99, "n": n}
                     rows.append({"measure": f"round trip {label}", "n": n,
                                  "p50": f"{p50:.0f} us", "p99": f"{p99:.0f} us"})
+                # the same ping after 5 ms with nothing to do (a job computing between two
+                # phase events): both processes have gone to sleep and are woken by it
+                n = max(1, args.requests // 10)
+                times = []
+                for _ in range(n):
+                    time.sleep(0.005)
+                    t = time.perf_counter()
+                    client.call("ping")
+                    times.append(time.perf_counter() - t)
+                p50, p99 = _percentiles(times)
+                result["ping_after_idle"] = {"p50_us": p50, "p99_us": p99, "n": n}
+                rows.append({"measure": "round trip ping after 5 ms idle", "n": n,
+                             "p50": f"{p50:.0f} us", "p99": f"{p99:.0f} us"})
             restarts = _restart_times(manager, request, args.restarts)
         finally:
             manager.close()
