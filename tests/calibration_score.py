@@ -104,3 +104,32 @@ def permutation_scores(rig, dac, calibration, perms: int, seed: int = 11) -> dic
             res[f"{who}_xt"].append(_db(other.max(axis=0)))
         mesh._active = None
     return {k: np.array(v) for k, v in res.items()}
+
+
+def wrapped(x):
+    """Angles (rad) folded into [-pi, pi)."""
+    return (np.asarray(x) + math.pi) % (2 * math.pi) - math.pi
+
+
+def heater_errors(rig, calibration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per heater of the chip (its channel order): |offset error| (rad), |efficiency error|
+    (a fraction) and |resistance error| (a fraction) of a calibration against the truth."""
+    truth = rig.chip.truth()
+    chans = list(truth.channels)
+    if sorted(calibration.heaters) != sorted(chans):
+        raise AssertionError(f"the calibration has heaters {sorted(calibration.heaters)}, the "
+                             f"chip {chans}")
+    hs = [calibration.heaters[c] for c in chans]
+    off = np.abs(wrapped(np.array([h.offset_rad for h in hs]) - truth.offset_rad))
+    eff = np.abs(truth.p_pi_mw / np.array([h.p_pi_mw for h in hs]) - 1)
+    r = np.abs(np.array([h.r_ohm for h in hs]) / truth.resistance_ohm - 1)
+    return off, eff, r
+
+
+def permutation_errors(rig, dac, calibration, perms: int) -> tuple[float, float]:
+    """Over random permutations: the largest |intended output - the oracle's| (dB) and the
+    largest excess of the worst crosstalk over the oracle's worst (dB)."""
+    s = permutation_scores(rig, dac, calibration, perms=perms)
+    main = float(np.abs(s["ours_main"] - s["oracle_main"]).max())
+    xt = float((s["ours_xt"].max(axis=1) - s["oracle_xt"].max(axis=1)).max())
+    return main, xt

@@ -21,13 +21,13 @@ for k in range(100000):
 """
 
 
-def test_entries_reported_written_survive_kill_9(tmp_path):
-    path = tmp_path / "journal.db"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE,
+def acknowledged_then_killed(script: str, path, count: int) -> list[int]:
+    """Run a writer process, collect the sequence numbers it reports, then kill -9 it."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
                             text=True)
     acknowledged = []
     deadline = time.monotonic() + 20
-    while len(acknowledged) < 200 and time.monotonic() < deadline:
+    while len(acknowledged) < count and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
@@ -35,7 +35,13 @@ def test_entries_reported_written_survive_kill_9(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     proc.stdout.close()
-    assert len(acknowledged) >= 200
+    assert len(acknowledged) >= count
+    return acknowledged
+
+
+def test_entries_reported_written_survive_kill_9(tmp_path):
+    path = tmp_path / "journal.db"
+    acknowledged = acknowledged_then_killed(WRITER, path, 200)
     with Journal(path) as j:
         stored = {e.seq for e in j.entries()}
     assert set(acknowledged) <= stored
@@ -85,19 +91,7 @@ def test_deferred_entries_are_durable_with_the_next_durable_one(tmp_path):
     with Journal(path) as j:                           # close committed the last one
         assert j.entries()[-1].kind == "phase"
     # kill -9: everything before an acknowledged durable write is there, in order
-    proc = subprocess.Popen([sys.executable, "-c", DEFERRING, str(tmp_path / "k.db")],
-                            stdout=subprocess.PIPE, text=True)
-    acknowledged = []
-    deadline = time.monotonic() + 20
-    while len(acknowledged) < 100 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        acknowledged.append(int(line))
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    proc.stdout.close()
-    assert len(acknowledged) >= 100
+    acknowledged = acknowledged_then_killed(DEFERRING, tmp_path / "k.db", 100)
     with Journal(tmp_path / "k.db") as j:
         kinds = {e.seq: e.kind for e in j.entries()}
         assert j.intended()["chip"]

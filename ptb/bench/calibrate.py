@@ -86,24 +86,36 @@ def _naive(station: Station, points: int) -> dict:
     return {"wall_s": time.perf_counter() - t0}
 
 
+class _Phases:
+    """A calibration's `on_progress`: wall time and the growth of some counters per phase
+    (a phase ends at its last progress call)."""
+
+    def __init__(self, counters: dict):
+        self.counters = counters                # name -> function giving the count now
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, dict[str, int]] = {k: {} for k in counters}
+        self._last = time.perf_counter(), {k: f() for k, f in counters.items()}
+
+    def __call__(self, phase: str, cell: str, done: int, total: int) -> None:
+        if done != total:
+            return
+        now, before = time.perf_counter(), self._last[1]
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last[0]
+        counts = {k: f() for k, f in self.counters.items()}
+        for k, n in counts.items():
+            self.counts[k][phase] = self.counts[k].get(phase, 0) + n - before[k]
+        self._last = now, counts
+
+
 def run(args) -> dict:
     rows = []
     with _Rig(args.seed) as station:
         t0 = time.perf_counter()
-        phases, commands, reads = {}, {}, {}
-        last = [t0, 0, 0]
-
-        def progress(phase, cell, done, total):
-            if done == total:
-                now = time.perf_counter()
-                phases[phase] = phases.get(phase, 0.0) + now - last[0]
-                n = station.counters.serial_commands
-                commands[phase] = commands.get(phase, 0) + n - last[1]
-                r = station.counters.pd_reads
-                reads[phase] = reads.get(phase, 0) + r - last[2]
-                last[0], last[1], last[2] = now, n, r
-
+        progress = _Phases({"commands": lambda: station.counters.serial_commands,
+                            "reads": lambda: station.counters.pd_reads})
         cal = calibrate(station, rig="lumion", on_progress=progress)
+        phases, commands, reads = (progress.seconds, progress.counts["commands"],
+                                   progress.counts["reads"])
         wall = time.perf_counter() - t0
         c = station.counters
         fringe = np.mean([cell["measurements"] for cell in cal.cells.values()])
@@ -151,18 +163,9 @@ def _outputs_method(seed: int, rows: list) -> dict:
     outputs (calibration.outputs): two sweeps a cell, crosstalk and refinement."""
     with _Rig(seed, monitors=False) as station:
         t0 = time.perf_counter()
-        phases, reads = {}, {}
-        last = [t0, 0]
-
-        def progress(phase, cell, done, total):
-            if done == total:
-                now = time.perf_counter()
-                phases[phase] = phases.get(phase, 0.0) + now - last[0]
-                r = station.counters.meter_reads
-                reads[phase] = reads.get(phase, 0) + r - last[1]
-                last[0], last[1] = now, r
-
+        progress = _Phases({"reads": lambda: station.counters.meter_reads})
         cal = calibrate(station, rig="lumion", method="outputs", on_progress=progress)
+        phases, reads = progress.seconds, progress.counts["reads"]
         wall = time.perf_counter() - t0
         c = station.counters
         cells = len(cal.cells)
