@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,7 @@ class GpuMonitor:
         self._own_ddm = ddm is None
         self._ports = dict(switch_ports or {})
         self._switch_clients: dict[str, ServiceClient] = {}
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rx-power")
         self.poll_s, self.tick_s = poll_s, tick_s
         self.xid_hold_s, self.window_s = xid_hold_s, window_s
         self.clock = clock
@@ -207,6 +209,7 @@ class GpuMonitor:
             self.step()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         for c in self._switch_clients.values():
             c.close()
@@ -321,7 +324,7 @@ class GpuMonitor:
         self._ports[switch] = n
         return n
 
-    def _rx_power(self, args: dict) -> dict:
+    def _rx_power(self, args: dict) -> Future:
         switch = args.get("switch")
         ports = args.get("ports")
         if (switch not in self.switches or not isinstance(ports, list)
@@ -334,6 +337,11 @@ class GpuMonitor:
             raise GpuMonitorError(f"rx_power: ports {bad} are not outputs {n + 1}..{2 * n} of "
                                   f"switch {switch}")
         wanted = {p: self.transceivers.get((switch, p - n)) for p in ports}
+        # ethtool may take up to its timeout: read on a worker, answer when done (StateServer
+        # sends a future's answer), so Xid events and heartbeats do not wait for it
+        return self._reader.submit(self._rx_power_read, switch, n, wanted)
+
+    def _rx_power_read(self, switch: str, n: int, wanted: dict) -> dict:
         readings = self.ddm.read_many(t.iface for t in wanted.values() if t is not None)
         dbm: dict[str, float] = {}
         errors: dict[str, str] = {}

@@ -10,13 +10,16 @@ with the same mirror protocol as the device services, from the owner's own loop.
 
 Subscribers use `StateSubscriber` exactly as for a device. Extra read-only requests can be
 offered with `handlers` ({op: fn(args) -> result}); nothing here changes hardware, so nothing
-here is compare-and-set.
+here is compare-and-set. A handler whose answer takes time (a slow instrument) returns a
+`concurrent.futures.Future` instead of the result: the loop goes on (events, heartbeats, other
+requests) and the answer is sent by the first `poll` after the future is done.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 
 import zmq
 
@@ -45,6 +48,7 @@ class StateServer:
         self.pub: Publisher | None = None
         self.state: StatePublisher | None = None
         self._next_beat = 0.0
+        self._later: list[tuple[list[bytes], str, Future]] = []   # answers a future will give
 
     def bind(self) -> tuple[str, str]:
         try:
@@ -72,23 +76,52 @@ class StateServer:
                                       incarnation=self.state.incarnation, seq=self.state.seq,
                                       t=time.time(), online=True, interval=self.heartbeat))
             self._next_beat = now + self.heartbeat
+        answered = self._send_later()
         wait = min(timeout, max(0.0, self._next_beat - now))
+        if self._later:
+            wait = min(wait, 0.005)             # an answer may be ready soon: look again
         if not self.router.poll(int(wait * 1e3)):
-            return 0
-        answered = 0
+            return answered + self._send_later()
         while True:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return answered
             reply = self._answer(frames)
-            try:
-                self.router.send_multipart(reply, zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                log.debug("%s: reply not delivered: %s", self.name, e)
-            answered += 1
+            if reply is not None:
+                self._send(reply)
+                answered += 1
 
-    def _answer(self, frames: list[bytes]) -> list[bytes]:
+    def _send(self, reply: list[bytes]) -> None:
+        try:
+            self.router.send_multipart(reply, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("%s: reply not delivered: %s", self.name, e)
+
+    def _send_later(self) -> int:
+        """Send the answers whose futures are done; returns how many."""
+        done = [x for x in self._later if x[2].done()]
+        if not done:
+            return 0
+        self._later = [x for x in self._later if not x[2].done()]
+        for envelope, rid, future in done:
+            try:
+                frame = self._reply_frame(rid, future.result())
+            except Exception as e:
+                frame = self._error_frame(rid, e)
+            self._send([*envelope, frame])
+        return len(done)
+
+    def _reply_frame(self, rid: str, result) -> bytes:
+        return schema.encode(schema.make("reply", id=rid, result=result,
+                                         version=f"{self.state.incarnation}:{self.state.seq}"))
+
+    @staticmethod
+    def _error_frame(rid: str | None, e: BaseException) -> bytes:
+        return schema.encode(schema.make("error", id=rid, error=type(e).__name__,
+                                         message=str(e) or type(e).__name__))
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
         rid = None
         try:
             if not 2 <= len(frames) <= 3:
@@ -105,15 +138,15 @@ class StateServer:
                           "seq": self.state.seq}
             elif op in self.handlers:
                 result = self.handlers[op](msg.get("args", {}))
+                if isinstance(result, Future):
+                    self._later.append((frames[:-1], rid, result))
+                    return None
             else:
                 raise UnknownOperation(f"{self.name} offers ping, snapshot"
                                        + "".join(f", {k}" for k in sorted(self.handlers)))
-            frame = schema.encode(schema.make("reply", id=rid, result=result,
-                                              version=f"{self.state.incarnation}:"
-                                                      f"{self.state.seq}"))
+            frame = self._reply_frame(rid, result)
         except Exception as e:
-            frame = schema.encode(schema.make("error", id=rid, error=type(e).__name__,
-                                              message=str(e) or type(e).__name__))
+            frame = self._error_frame(rid, e)
         return [*frames[:-1], frame]
 
     def close(self) -> None:
