@@ -177,22 +177,19 @@ class ServiceClient:
              **args):
         """Run `op` on the service and return its result (see the module doc)."""
         timeout = self.timeout if timeout is None else timeout
+        if op not in schema.CHANGING:            # read-only: retried until the deadline
+            got = call_many([(self, op, args)], timeout)[0]
+            if isinstance(got, BusError):
+                raise got
+            return got
         deadline = time.monotonic() + timeout
-        retry = op not in schema.CHANGING
-        attempt = min(timeout, 0.25) if retry else timeout
-        while True:
-            left = deadline - time.monotonic()
-            rid = self.send(op, args, ttl=max(left, 0.001), expect=expect,
-                            wait=max(0.0, min(deadline, time.monotonic() + attempt)
-                                     - time.monotonic()))
-            try:
-                return self.receive(rid, min(deadline, time.monotonic() + attempt))
-            except ServiceUnavailable:
-                self._reset()
-                if not retry or time.monotonic() >= deadline:
-                    raise ServiceUnavailable(
-                        f"{op}: no answer from {self.endpoint} within {timeout:g} s") from None
-                attempt = min(attempt * 2, 0.5)
+        rid = self.send(op, args, ttl=timeout, expect=expect, wait=timeout)
+        try:
+            return self.receive(rid, deadline)
+        except ServiceUnavailable:
+            self._reset()
+            raise ServiceUnavailable(
+                f"{op}: no answer from {self.endpoint} within {timeout:g} s") from None
 
 
 def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float) -> list:
@@ -213,7 +210,7 @@ def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float) -
         for i in sorted(waiting):
             client, op, args = requests[i]
             rids[i] = client.send(op, args, ttl=max(deadline - time.monotonic(), 0.001),
-                                  wait=max(0.0, min(0.05, until - time.monotonic())))
+                                  wait=max(0.0, until - time.monotonic()))
         for i, rid in rids.items():
             try:
                 results[i] = requests[i][0].receive(rid, until)
