@@ -129,6 +129,7 @@ class AgentProcess:
         self._events: list[dict] = []
         self._last_seq = 0
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
+        self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
         self._rx: dict[str, tuple[str | None, dict]] = {}
         self._published = 0.0
 
@@ -152,6 +153,10 @@ class AgentProcess:
         layout = layout_from_rig(self.rig, {n: s.ports for n, s in self.switches.items()})
         monitors = self.rig.gpu_monitors()
         self._monitors = {name: self._client(eps[0]) for name, eps in monitors.items()}
+        for g, atts in layout.gpus.items():
+            for a in atts:
+                self._receivers.setdefault(a.switch, {}).setdefault(
+                    self.rig.monitor_of(g), set()).add(a.rx)
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
                            on_restart=self._on_restart, on_alarm=self._on_alarm)
@@ -216,15 +221,10 @@ class AgentProcess:
         sw = self.switches.get(switch)
         cached = self._rx.get(switch)
         if cached is None or sw is None or cached[0] != sw.version or str(port) not in cached[1]:
-            layout = self.agent.layout
-            asks: dict[str, set[int]] = {}
-            for g, atts in layout.gpus.items():
-                for a in atts:
-                    if a.switch == switch:
-                        asks.setdefault(self.rig.monitor_of(g), set()).add(a.rx)
-            owner = layout.owner(switch, int(port))
-            asks.setdefault(self.rig.monitor_of(owner) if owner else next(iter(self._monitors)),
-                            set()).add(int(port))
+            asks = {m: set(ports) for m, ports in self._receivers.get(switch, {}).items()}
+            if not any(int(port) in ports for ports in asks.values()):
+                # no GPU's receiver: asked of the first monitor, which answers it dark
+                asks.setdefault(next(iter(self._monitors)), set()).add(int(port))
             monitors = list(asks)
             answers = call_many([(self._monitors[m], "rx_power",
                                   {"switch": switch, "ports": sorted(asks[m])})
