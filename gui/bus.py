@@ -22,7 +22,6 @@ refused (`StaleState`) rather than applied; every refusal comes back with the se
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from gui.commands import Command, CommandResult, Commands
 from gui.model import FabricModel
 from hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
-from hil.bus.mirror import StateSubscriber
+from hil.bus.mirror import StateSubscriber, clone
 from hil.bus.security import ClientKeys
 from hil.rigfile import Rig
 
@@ -138,7 +137,7 @@ class BusFabric(Commands):
 
     def _on_state(self, device: str, state: dict, ops: list | None) -> None:
         with self._lock:
-            self._states[device] = copy.deepcopy(state)
+            self._states[device] = clone(state)
         kind = self.kinds.get(device)
         try:
             if kind == "switch":
@@ -179,7 +178,7 @@ class BusFabric(Commands):
         self._switch(device, "chip", state, ops)
         if self._touched(ops, "cells"):
             self.model.post_delta({"op": "cells", "name": device,
-                                   "value": copy.deepcopy(state.get("cells", {}))})
+                                   "value": clone(state.get("cells", {}))})
 
     def _fetch_topology(self, device: str) -> None:
         try:
@@ -194,18 +193,18 @@ class BusFabric(Commands):
 
     def _agent(self, state: dict, ops: list | None) -> None:
         if self._touched(ops, "rack"):
-            self.model.post_delta({"op": "rack", "value": copy.deepcopy(state.get("rack", []))})
+            self.model.post_delta({"op": "rack", "value": clone(state.get("rack", []))})
         if self._touched(ops, "events"):
             events = state.get("events", [])
             seqs = [int(e["seq"]) for e in events]
             if ops is None and seqs and max(seqs) < self._last_event:
                 # A new journal (the agent started afresh): show it from its beginning.
                 self._last_event = -1
-                self.model.post_delta({"op": "journal_reset", "value": copy.deepcopy(events)})
+                self.model.post_delta({"op": "journal_reset", "value": clone(events)})
             else:
                 new = [e for e in events if int(e["seq"]) > self._last_event]
                 if new:
-                    self.model.post_delta({"op": "journal", "value": copy.deepcopy(new)})
+                    self.model.post_delta({"op": "journal", "value": clone(new)})
             if seqs:
                 self._last_event = max(self._last_event, max(seqs))
         if self._touched(ops, "alarms"):
@@ -219,7 +218,7 @@ class BusFabric(Commands):
         """A copy of the latest mirrored state of `device` (any thread)."""
         with self._lock:
             s = self._states.get(device)
-            return copy.deepcopy(s) if s is not None else None
+            return clone(s) if s is not None else None
 
     # ---- commands -------------------------------------------------------------------------
     def submit(self, command: Command, done: Callable[[CommandResult], None]) -> None:
