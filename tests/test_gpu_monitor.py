@@ -3,6 +3,7 @@ transceiver keys, and the monitor on the bus (fake NVML, recorded ethtool output
 seen as the agent sees it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -295,23 +296,32 @@ def recorded_ethtool(broken: set[str]):
     return run
 
 
-@pytest.fixture
-def monitor():
+@contextlib.contextmanager
+def running_monitor(run_ethtool):
+    """A monitor of RIG on a fake NVML host, its loop on a thread: (monitor, host, endpoints)."""
     host = Host()
-    broken: set[str] = set()
     health = NvmlHealth(host.nvml)
-    mon = GpuMonitor(rigfile.parse(RIG), nvml=health, ddm=DdmReader(recorded_ethtool(broken)),
+    mon = GpuMonitor(rigfile.parse(RIG), nvml=health, ddm=DdmReader(run_ethtool),
                      switch_ports={"ocs": 8}, poll_s=0.02, tick_s=0.005)
     endpoints = mon.start()
     stop = threading.Event()
     thread = threading.Thread(target=mon.run, args=(stop,), daemon=True)
     thread.start()
-    yield mon, host, broken, endpoints
-    stop.set()
-    thread.join(timeout=5)
-    mon.close()
-    mon.ddm.close()
-    health.close()
+    try:
+        yield mon, host, endpoints
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        mon.close()
+        mon.ddm.close()
+        health.close()
+
+
+@pytest.fixture
+def monitor():
+    broken: set[str] = set()
+    with running_monitor(recorded_ethtool(broken)) as (mon, host, endpoints):
+        yield mon, host, broken, endpoints
 
 
 def test_a_failed_gpu_reaches_a_subscriber_as_the_agent_sees_it(monitor):
@@ -365,39 +375,27 @@ def test_a_failed_gpu_reaches_a_subscriber_as_the_agent_sees_it(monitor):
 def test_a_slow_transceiver_read_does_not_hold_up_a_failure():
     """rx_power runs ethtool on a worker: while a slow module is being read, an Xid still
     reaches the subscribers, and the power arrives when the read is done."""
-    host = Host()
-    health = NvmlHealth(host.nvml)
     released = threading.Event()
 
     def slow(iface):
         released.wait(10)                       # held until the failure has been seen
         return sample(TRANSCEIVERS[iface])
-    mon = GpuMonitor(rigfile.parse(RIG), nvml=health, ddm=DdmReader(slow),
-                     switch_ports={"ocs": 8}, poll_s=0.02, tick_s=0.005)
-    request, publish = mon.start()
-    stop = threading.Event()
-    thread = threading.Thread(target=mon.run, args=(stop,), daemon=True)
-    thread.start()
-    sub = StateSubscriber({"gpus": (request, publish)}, telemetry=False)
-    try:
-        assert sub.wait_synced(10.0)
-        with ServiceClient(request, timeout=10.0) as client:
-            rid = client.send("rx_power", {"switch": "ocs", "ports": [9]}, wait=5.0)
-            host.xids.append((0, 79))
-            _until(lambda: sub.state("gpus")["gpus"]["gpu0"]["state"] == "failed",
-                   what="gpu0 failed while ethtool runs", poll=lambda: sub.poll(0.01))
-            assert client.call("ping")["device"] == "gpus"     # other requests answered too
+    with running_monitor(slow) as (mon, host, (request, publish)):
+        sub = StateSubscriber({"gpus": (request, publish)}, telemetry=False)
+        try:
+            assert sub.wait_synced(10.0)
+            with ServiceClient(request, timeout=10.0) as client:
+                rid = client.send("rx_power", {"switch": "ocs", "ports": [9]}, wait=5.0)
+                host.xids.append((0, 79))
+                _until(lambda: sub.state("gpus")["gpus"]["gpu0"]["state"] == "failed",
+                       what="gpu0 failed while ethtool runs", poll=lambda: sub.poll(0.01))
+                assert client.call("ping")["device"] == "gpus"  # other requests answered too
+                released.set()
+                got = client.receive(rid, time.monotonic() + 10.0)
+            assert got["dbm"] == {"9": pytest.approx(-3.4, abs=0.01)}
+        finally:
             released.set()
-            got = client.receive(rid, time.monotonic() + 10.0)
-        assert got["dbm"] == {"9": pytest.approx(-3.4, abs=0.01)}
-    finally:
-        released.set()
-        sub.close()
-        stop.set()
-        thread.join(timeout=5)
-        mon.close()
-        mon.ddm.close()
-        health.close()
+            sub.close()
 
 
 def test_rx_power_from_the_transceivers(monitor):
