@@ -258,13 +258,23 @@ class OutputStation(Station):
     light on the outputs that carry its bottom output arm (meter readings)."""
 
     graph: OutputGraph | None = None
+    base: Station | None = None              # the station this view reads for
 
     @classmethod
     def over(cls, station: Station, graph: OutputGraph) -> "OutputStation":
+        """A view of `station` (same instruments, same counters) that reads the outputs; the
+        lit input stays the station's own, so the two never disagree about it."""
         view = cls(**{f.name: getattr(station, f.name) for f in fields(station)})
         view.monitors = False
         view.graph = graph
+        view.base = station
         return view
+
+    def light(self, chip_input: int) -> None:
+        self.base.light(chip_input)
+
+    def dark(self) -> None:
+        self.base.dark()
 
     def monitors_ua(self) -> Mapping[str, float]:
         return _Readings(self)
@@ -296,8 +306,6 @@ def output_calibrator(station: Station, *, state: dict,
     # a chip of twice the crosstalk
     cal.sweep_fine_rounds, cal.sweep_fine_offsets_rad = 2, (-0.12, -0.04, 0.04, 0.12)
     use_outputs(cal)
-    if cal.state.get("outputs_pass") != "final":
-        cal.graph.mode = "bootstrap"
     return cal
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from drivers.heater_dac import Forbidden
 from drivers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Station:
 
     def __post_init__(self):
         self._lit: int | None = None
+        self._monitors_asked = False
         self.channels = sorted(ch for c in self.topology.cells for ch in c.channels)
         # the monitor photodiode of a cell sits beside its first heater channel
         self.pd_channel = {c.id: c.channels[0] for c in self.topology.cells}
@@ -119,16 +121,17 @@ class Station:
 
     def has_monitors(self) -> bool:
         """Whether the chip's cells have monitor photodiodes: False when this station was
-        told so, or when the DAC refuses to read a photodiode (E13: no photodiode inputs)."""
-        if not self.monitors:
-            return False
-        from drivers.heater_dac import Forbidden
+        told so, or when the DAC refuses to read a photodiode (E13: no photodiode inputs).
+        The board is asked once."""
+        if not self.monitors or self._monitors_asked:
+            return self.monitors
         try:
             self.dac.photocurrent(self.channels[0])
         except Forbidden:
             self.monitors = False
         finally:
             self.counters.other_queries += 1
+        self._monitors_asked = True             # the board's answer does not change
         return self.monitors
 
     def monitors_ua(self) -> dict[str, float]:
