@@ -301,6 +301,7 @@ PHASE_NOISE_RAD = 1.5e-3         # of one four-step phase measurement
 
 
 def refine_under_load(cal: Calibrator, loads: tuple[str, ...] = LOAD_STATES,
+                      radius: float = 2.5,
                       on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Check every cell under heavy loads and correct its crosstalk row and offset.
 
@@ -319,7 +320,7 @@ def refine_under_load(cal: Calibrator, loads: tuple[str, ...] = LOAD_STATES,
     done = cal.state.setdefault("loaded", {})
     for entry in done.values():                  # re-applied to the rebuilt matrix
         _apply_row(cal, entry)
-    near = neighbours(cal, 2.5)
+    near = neighbours(cal, radius)          # the neighbours the crosstalk measured
     fits = cal.state["fits"]
     cells = [c for c in cal.order() if c in fits]
     for k, cell in enumerate(cells):
@@ -356,11 +357,12 @@ def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
         rows.append(np.concatenate([[1.0], np.asarray(ref)[cols] - bg[cols]]))
         errors.append(0.0)
         sigmas.append(PHASE_NOISE_RAD)
-    for load in loads:
-        probe = _Probe(cal, cell, compensated=True)
-        route = {**probe.route.cells, **probe.route.away}
+    probe = _Probe(cal, cell, compensated=True)
+    route = {**probe.route.cells, **probe.route.away}
+    volts = st.commanded()
+    anchor = {cal.channel_of[c]: float(volts[cal.channel_of[c]]) for c in route}
+    for load in loads:                  # each load's settings set every heater
         others = {c: load for c in cells if c != cell and c not in route}
-        anchor = {cal.channel_of[c]: float(st.commanded()[cal.channel_of[c]]) for c in route}
         st.set_volts(cal.settings({**others, **route, cell: 0.0}, keep_near=set(route)))
         st.set_volts(anchor)
         err, _ = probe.four_step(0)
@@ -380,7 +382,13 @@ def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
 
 
 EXTINCTION_PROBE_RAD = 0.1       # the two readings either side of the bar / cross setting
-EXTINCTION_CAP_DB = 60.0
+EXTINCTION_CAP_DB = 60.0         # beyond the detector's floor: written as this
+
+
+def extinction_db(lo: float, hi: float) -> float:
+    """A fringe's extinction, max / min in dB, EXTINCTION_CAP_DB where the minimum is 0."""
+    return EXTINCTION_CAP_DB if lo <= 0 else min(EXTINCTION_CAP_DB,
+                                                  round(10.0 * math.log10(hi / lo), 3))
 
 
 def measure_extinctions(cal: Calibrator,
@@ -430,5 +438,4 @@ def _extinction(cal: Calibrator, cell: str, arm: int, minimum: float) -> float:
     lo, hi = m - a, m + a
     if hi <= 0:
         raise CalibrationRunError(f"{cell}: no light on its photodiode from input arm {arm}")
-    return EXTINCTION_CAP_DB if lo <= 0 else min(EXTINCTION_CAP_DB,
-                                                  round(10.0 * math.log10(hi / lo), 3))
+    return extinction_db(lo, hi)

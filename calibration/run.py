@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from calibration.crosstalk import measure_crosstalk, measure_extinctions, \
+from calibration.crosstalk import extinction_db, measure_crosstalk, measure_extinctions, \
     refine_offsets, refine_under_load
 from calibration.outputs import output_calibrator, sweep_from_outputs
 from calibration.progressive import Calibrator, CellFit
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 2           # 2: rows solved with the route's moves, load checks, extinctions
 SPLITTER_LIMIT_DB = 35.0       # a fringe whose extinction is below this is splitter-limited
-EXTINCTION_CAP_DB = 60.0       # beyond the detector's floor: written as this
 
 
 METHODS = ("monitors", "outputs")
@@ -77,7 +76,8 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
             # on a chip of strong crosstalk (docs/calibration.md)
             refine_offsets(cal, rounds=2 if method == "outputs" else 1,
                            on_progress=lambda c, k, n: progress("refine", c, k, n))
-            refine_under_load(cal, on_progress=lambda c, k, n: progress("load", c, k, n))
+            refine_under_load(cal, radius=radius,
+                              on_progress=lambda c, k, n: progress("load", c, k, n))
             if method == "monitors":
                 measure_extinctions(cal, on_progress=lambda c, k, n:
                                     progress("extinction", c, k, n))
@@ -94,14 +94,10 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
 def splitter_estimate(fit: CellFit) -> dict:
     """What the fringe's visibility says about the cell's couplers: the bar extinction the
     splitters allow, the coupler imbalance |r1 - r2| behind it, and whether it limits."""
-    lo, hi = fit.mean - fit.amplitude, fit.mean + fit.amplitude
-    if lo <= 0 or hi <= 0:
-        ext = EXTINCTION_CAP_DB
-    else:
-        ext = min(EXTINCTION_CAP_DB, 10.0 * math.log10(hi / lo))
+    ext = extinction_db(fit.mean - fit.amplitude, fit.mean + fit.amplitude)
     v = min(1.0, max(0.0, fit.visibility))
     imbalance = math.sqrt(max(0.0, (1.0 - v) / (1.0 + v)))
-    return {"extinction_db": round(ext, 3), "visibility": v,
+    return {"extinction_db": ext, "visibility": v,
             "coupler_imbalance": imbalance, "splitter_limited": ext < SPLITTER_LIMIT_DB}
 
 
