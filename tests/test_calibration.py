@@ -61,9 +61,11 @@ def test_measured_extinctions_match_the_couplers(seed0):
     against what the couplers allow (the oracle's settings)."""
     rig, station, cal = seed0
     ids = list(rig.chip.cell_ids)
+    worst = np.full(len(ids), np.inf)             # the couplers' worse state, per cell
     for state, key in (("bar", "extinction_db"), ("cross", "cross_extinction_db")):
         oracle = cell_extinctions(rig, station.dac, rig.chip.oracle_voltages(
             {c: state for c in ids}), state)
+        worst = np.minimum(worst, oracle)
         ours = np.array([cal.cells[c][key] for c in ids])
         low = oracle < 35.0
         print(f"{state}: measured - oracle where the oracle is below 35 dB ({low.sum()} cells): "
@@ -71,9 +73,11 @@ def test_measured_extinctions_match_the_couplers(seed0):
               f"{ours[~low].min():.1f} dB")
         assert np.abs(ours - oracle)[low].max() < 2.0
         assert (ours[~low] > 33.0).all()
-    limited = {c for c in ids if cal.cells[c]["splitter_limited"]}
-    assert limited == {c for c in ids if min(cal.cells[c]["extinction_db"],
-                                             cal.cells[c]["cross_extinction_db"]) < 35.0}
+    # the cells flagged splitter-limited are those whose couplers allow less than 35 dB in
+    # one state (within the measurement's 2 dB)
+    limited = np.array([cal.cells[c]["splitter_limited"] for c in ids])
+    assert (worst[limited] < 37.0).all() and (worst[~limited] > 33.0).all()
+    assert limited[worst < 33.0].all()
 
 
 def test_permutations_match_the_oracle_and_compensation_matters(seed0):
