@@ -220,6 +220,9 @@ def run(args) -> int:
         raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
     if not 0 < args.drift_threshold_rad < 3.2:
         raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
+    if args.no_monitors and (args.endpoints or pathlib.Path(args.rig).exists()):
+        raise CommandFailed("--no-monitors chooses the chip of an emulated rig started by "
+                            "this command (--rig NAME); a running rig's chip is as it is")
     progress_path = pathlib.Path(args.progress or f"{out}.progress.json")
     with contextlib.ExitStack() as stack:
         rig_name, chip_id = "", ""
@@ -235,9 +238,6 @@ def run(args) -> int:
         else:
             ep, topo_name, rig_name = _start_emulated(stack, args)
             topology = topology_by_name(topo_name)
-        if args.no_monitors and (args.endpoints or pathlib.Path(args.rig).exists()):
-            raise CommandFailed("--no-monitors chooses the chip of an emulated rig started by "
-                                "this command (--rig NAME); a running rig's chip is as it is")
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
             calibration = _load_calibration(out, topology, chip_id, "the drift check")
