@@ -127,8 +127,7 @@ class GpuMonitor:
     def __init__(self, rig: Rig, *, nvml: NvmlHealth | None, ddm: DdmReader | None = None,
                  host: str | None = None, switch_ports: Mapping[str, int] | None = None,
                  poll_s: float = POLL_S, tick_s: float = TICK_S, xid_hold_s: float = XID_HOLD_S,
-                 window_s: float = WINDOW_S, request: str | None = None,
-                 publish: str | None = None, clock=time.monotonic):
+                 window_s: float = WINDOW_S, clock=time.monotonic):
         self.rig = rig
         gpus = tuple(g for g in rig.gpus if host is None or g.host == host)
         if host is not None and not gpus:
@@ -169,11 +168,9 @@ class GpuMonitor:
         if nvml is None and not self.transceivers:
             raise GpuMonitorError(f"nothing to monitor: no NVML, and no [[gpus]] of rig "
                                   f"{rig.name} names its transceiver's iface")
-        self.switches = sorted({g.switch for g in rig.gpus})
+        self.switches = sorted({g.switch for g in gpus})      # those of this host's GPUs
         self.ddm = ddm if ddm is not None else DdmReader()
-        self._own_ddm = ddm is None
         self._ports = dict(switch_ports or {})
-        self._switch_clients: dict[str, ServiceClient] = {}
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rx-power")
         self.poll_s, self.tick_s = poll_s, tick_s
         self.xid_hold_s, self.window_s = xid_hold_s, window_s
@@ -187,9 +184,9 @@ class GpuMonitor:
             raise GpuMonitorError(f"cannot read the GPUs through NVML: {e}") from None
         self.server = StateServer(
             self.device, {"gpus": {h.gpu: h.to_dict() for h in first}},
-            request=rig.bind_endpoint(request or default_request),
-            publish=rig.bind_endpoint(publish or default_publish),
-            keys=_server_keys(rig) if rig.bus.curve else None, heartbeat=rig.bus.heartbeat_s,
+            request=rig.bind_endpoint(default_request),
+            publish=rig.bind_endpoint(default_publish),
+            keys=rig.server_keys(), heartbeat=rig.bus.heartbeat_s,
             handlers={"rx_power": self._rx_power, "clear_gpu": self._clear_gpu,
                       "describe": self._describe})
         self.endpoints: tuple[str, str] | None = None
@@ -209,13 +206,10 @@ class GpuMonitor:
             self.step()
 
     def close(self) -> None:
+        """Stop answering and close the transceiver reader (given or made here)."""
         self._reader.shutdown(wait=False, cancel_futures=True)
         self.server.close()
-        for c in self._switch_clients.values():
-            c.close()
-        self._switch_clients.clear()
-        if self._own_ddm:
-            self.ddm.close()
+        self.ddm.close()
 
     def __enter__(self) -> "GpuMonitor":
         self.start()
@@ -312,12 +306,10 @@ class GpuMonitor:
         endpoints = self.rig.endpoints()
         if switch not in endpoints:
             raise GpuMonitorError(f"switch {switch} is not a device of rig {self.rig.name}")
-        client = self._switch_clients.get(switch)
-        if client is None:
-            client = self._switch_clients[switch] = ServiceClient(
-                endpoints[switch][0], keys=self.rig.client_keys(), timeout=1.0)
         try:
-            n = int(client.call("snapshot")["state"]["ports"])
+            with ServiceClient(endpoints[switch][0], keys=self.rig.client_keys(),
+                               timeout=1.0) as client:
+                n = int(client.call("snapshot")["state"]["ports"])
         except (BusError, KeyError, TypeError, ValueError) as e:
             raise GpuMonitorError(f"cannot learn how many ports switch {switch} has (its "
                                   f"service's snapshot): {e}") from None
@@ -331,17 +323,18 @@ class GpuMonitor:
                 or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)):
             raise GpuMonitorError(f"rx_power takes a switch of {self.switches} and a list of "
                                   f"output port numbers, not {switch!r}, {ports!r}")
+        # ethtool may take up to its timeout, and the switch's port count may have to be
+        # asked of its service: on a worker, answered when done (StateServer sends a future's
+        # answer), so Xid events and heartbeats do not wait for it
+        return self._reader.submit(self._rx_power_read, switch, ports)
+
+    def _rx_power_read(self, switch: str, ports: list[int]) -> dict:
         n = self.switch_ports(switch)
         bad = [p for p in ports if not n < p <= 2 * n]
         if bad:
             raise GpuMonitorError(f"rx_power: ports {bad} are not outputs {n + 1}..{2 * n} of "
                                   f"switch {switch}")
         wanted = {p: self.transceivers.get((switch, p - n)) for p in ports}
-        # ethtool may take up to its timeout: read on a worker, answer when done (StateServer
-        # sends a future's answer), so Xid events and heartbeats do not wait for it
-        return self._reader.submit(self._rx_power_read, switch, n, wanted)
-
-    def _rx_power_read(self, switch: str, n: int, wanted: dict) -> dict:
         readings = self.ddm.read_many(t.iface for t in wanted.values() if t is not None)
         dbm: dict[str, float] = {}
         errors: dict[str, str] = {}
@@ -352,13 +345,14 @@ class GpuMonitor:
                                   f"(no [[gpus]] with an iface on input {p - n})")
                 continue
             got = readings[t.iface]
-            try:
-                if isinstance(got, DdmError):
-                    raise got
-                dbm[str(p)] = round(got.dbm(t.lane), 2)
-            except DdmError as e:
-                dbm[str(p)] = DARK_DBM
-                errors[str(p)] = f"{t.gpu}: {e}"
+            if not isinstance(got, DdmError):
+                try:
+                    dbm[str(p)] = round(got.dbm(t.lane), 2)
+                    continue
+                except DdmError as e:
+                    got = e
+            dbm[str(p)] = DARK_DBM
+            errors[str(p)] = f"{t.gpu}: {got}"
         if errors:
             log.warning("rx_power on %s: %s", switch, "; ".join(f"{p}: {m}"
                                                               for p, m in errors.items()))
@@ -367,7 +361,3 @@ class GpuMonitor:
             out["errors"] = errors
         return out
 
-
-def _server_keys(rig: Rig):
-    from hil.bus.security import server_keys
-    return server_keys(rig.bus.server_key, rig.bus.authorized_keys)

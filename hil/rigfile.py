@@ -174,6 +174,13 @@ class Rig:
                 curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
         return specs
 
+    def server_keys(self):
+        """The keys a process serving on this rig's bus binds with (None without CURVE)."""
+        if not self.bus.curve:
+            return None
+        from hil.bus.security import server_keys
+        return server_keys(self.bus.server_key, self.bus.authorized_keys)
+
     def client_keys(self) -> ClientKeys | None:
         """This host's client keys (None when the bus runs without CURVE)."""
         if not self.bus.curve:

@@ -70,8 +70,9 @@ def run(args) -> int:
         monitor.run(stop)
     finally:
         if monitor is not None:
-            monitor.close()
-        ddm.close()
+            monitor.close()                 # with the DDM reader it was given
+        else:
+            ddm.close()
         if nvml is not None:
             nvml.close()
     print("stopped", flush=True)

@@ -313,7 +313,6 @@ def running_monitor(run_ethtool):
         stop.set()
         thread.join(timeout=5)
         mon.close()
-        mon.ddm.close()
         health.close()
 
 
@@ -625,7 +624,6 @@ def _swap_on_monitors(tmp_path, rig, hosts: dict):
         agent.close()
         for mon in monitors:
             mon.close()
-            mon.ddm.close()
         for h in healths:
             h.close()
         service.close()
@@ -649,12 +647,12 @@ def test_one_monitor_per_host_and_the_agent_reads_each(tmp_path):
     assert rig.monitor_of("spare0") == "gpus-node1.lab"
     assert rigfile.parse(rigfile.dumps(rig)) == rig
     with pytest.raises(GpuMonitorError, match=r"node0, node1.lab: say which one this is"):
-        GpuMonitor(rig, nvml=None, ddm=DdmReader(recorded_ethtool(set())))
+        GpuMonitor(rig, nvml=None)                  # refused before it opens a DDM reader
     with pytest.raises(GpuMonitorError, match=r"\[monitors\]: node0, node1.lab\): say which "
                                               r"one this is \(--host NAME\), not 'node7'"):
         GpuMonitor(dataclasses.replace(rig, gpus=rig.gpus + (GpuConfig("x", "ocs", 7,
                                                                        host="node7"),)),
-                   nvml=None, host="node7", ddm=DdmReader(recorded_ethtool(set())))
+                   nvml=None, host="node7")
     state = _swap_on_monitors(tmp_path, rig, {"node0": Host(), "node1.lab": Host()})
     verified = [e for e in state["events"] if e["kind"] == "verified"][-1]
     assert set(verified["details"]["dbm"]) == {"ocs:10", "ocs:11"}    # gpu1 and the spare

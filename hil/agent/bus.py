@@ -169,7 +169,7 @@ class AgentProcess:
         self.server = StateServer(
             "agent", self._state(), request=self.rig.bind_endpoint(request),
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
-            keys=None if not self.rig.bus.curve else _server_keys(self.rig),
+            keys=self.rig.server_keys(),
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure})
         bound = self.server.bind()
@@ -360,7 +360,3 @@ class AgentProcess:
         if ops:
             self.server.change(ops)
 
-
-def _server_keys(rig: Rig):
-    from hil.bus.security import server_keys
-    return server_keys(rig.bus.server_key, rig.bus.authorized_keys)
