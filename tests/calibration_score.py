@@ -133,3 +133,43 @@ def permutation_errors(rig, dac, calibration, perms: int) -> tuple[float, float]
     main = float(np.abs(s["ours_main"] - s["oracle_main"]).max())
     xt = float((s["ours_xt"].max(axis=1) - s["oracle_xt"].max(axis=1)).max())
     return main, xt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.calibration_score`: calibrate a seeded lumion chip through its wires
+    and print its scores against the truth (BENCHMARKS.md and docs/calibration.md quote it)."""
+    import argparse
+    import tempfile
+
+    from calibration.run import calibrate
+    p = argparse.ArgumentParser(prog="python -m tests.calibration_score",
+                                description=main.__doc__)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--crosstalk-scale", type=float, default=1.0)
+    p.add_argument("--method", choices=("monitors", "outputs"), default="monitors")
+    p.add_argument("--perms", type=int, default=100, help="random permutations scored")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, \
+            lumion_station(args.seed, tmp, crosstalk_scale=args.crosstalk_scale,
+                           monitors=args.method == "monitors") as (rig, station):
+        cal = calibrate(station, rig="lumion", method=args.method)
+        err, eff, _ = heater_errors(rig, cal)
+        print(f"seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, {args.method}: offsets "
+              f"median {np.median(err):.4f} max {err.max():.4f} rad ({(err > 0.02).sum()} "
+              f"above 0.02); efficiency max {eff.max() * 100:.2f} %")
+        for state, (ours, oracle) in extinction_scores(rig, station.dac, cal).items():
+            print(f"{state} extinction: {extinction_ok(ours, oracle).sum()}/{len(ours)} cells "
+                  "within 1 dB of the oracle or >= 40 dB")
+        for label, c in (("compensated", cal), ("without compensation", cal.without_crosstalk())):
+            s = permutation_scores(rig, station.dac, c, perms=args.perms)
+            main_db = np.abs(s["ours_main"] - s["oracle_main"]).max()
+            xt_db = (s["ours_xt"].max(axis=1) - s["oracle_xt"].max(axis=1)).max()
+            print(f"{args.perms} permutations, {label}: intended outputs within {main_db:.4f} "
+                  f"dB of the oracle's, worst crosstalk within {xt_db:.3f} dB (mean worst "
+                  f"{s['ours_xt'].max(axis=1).mean():.1f} dB, the oracle "
+                  f"{s['oracle_xt'].max(axis=1).mean():.1f} dB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
