@@ -350,32 +350,26 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                                      request, publish, d.get("options", {}),
                                      d.get("telemetry_hz"))
     used: dict[str, str] = {}
+
+    def claim(table: str, key: str, ep: str) -> None:
+        """Every endpoint is used once (`:0`, any free port, is resolved when bound)."""
+        if ep.endswith(":0"):
+            return
+        if ep in used:
+            c.fail(table, key, f"an endpoint of its own ({used[ep]} has it)", ep)
+        used[ep] = f"{table}.{key}"
     for d in devices.values():
         for key in ("request", "publish"):
-            ep = getattr(d, key)
-            if ep.endswith(":0"):
-                continue                       # any free port: resolved when bound
-            if ep in used:
-                c.fail(f"devices.{d.name}", key, f"an endpoint of its own ({used[ep]} has it)",
-                       ep)
-            used[ep] = f"devices.{d.name}.{key}"
-
+            claim(f"devices.{d.name}", key, getattr(d, key))
     for key in b:
-        if key.split("_")[0] in PROCESSES and not b[key].endswith(":0"):
-            if b[key] in used:
-                c.fail("bus", key, f"an endpoint of its own ({used[b[key]]} has it)", b[key])
-            used[b[key]] = f"bus.{key}"
+        if key.split("_")[0] in PROCESSES:
+            claim("bus", key, b[key])
 
     if bus.curve:
         for key in ("server_key", "server_public_key", "authorized_keys", "client_key"):
             if not getattr(bus, key):
                 c.fail("bus", key, "a key file (CURVE is on; `ptb keys` makes them) or "
                        "curve = false for a loopback-only rig")
-    else:
-        remote = [ep for d in devices.values() for ep in (d.request, d.publish)
-                  if not _is_loopback(ep)]
-        if remote:
-            c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
 
     chip = None
     if "chip" in top:
@@ -434,10 +428,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
         })
         for key in ("request", "publish"):
-            ep = _check_endpoint(c, table, key, m[key])
-            if ep in used and not ep.endswith(":0"):
-                c.fail(table, key, f"an endpoint of its own ({used[ep]} has it)", ep)
-            used[ep] = f"{table}.{key}"
+            claim(table, key, _check_endpoint(c, table, key, m[key]))
         monitors[host] = (m["request"], m["publish"])
     if monitors:
         for i, g in enumerate(gpus):
@@ -450,7 +441,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                 c.fail(f"monitors.{host}", None,
                        f"a host some [[gpus]] sits on (host = {host!r})")
     if not bus.curve:
-        remote = [ep for eps in monitors.values() for ep in eps if not _is_loopback(ep)]
+        remote = [ep for eps in [*[(d.request, d.publish) for d in devices.values()],
+                                 *monitors.values()] for ep in eps if not _is_loopback(ep)]
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
     return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors)
