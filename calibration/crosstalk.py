@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from calibration.progressive import TWO_PI, Calibrator, CalibrationRunError
-from calibration.station import heater_volts
+from photonic_testbed.calibration.progressive import TWO_PI, Calibrator, CalibrationRunError
+from photonic_testbed.calibration.station import heater_volts
 
 log = logging.getLogger(__name__)
 

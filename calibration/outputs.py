@@ -37,8 +37,8 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 
-from calibration.progressive import CalibrationRunError, Calibrator, Graph, Route
-from calibration.station import Station, StationError
+from photonic_testbed.calibration.progressive import CalibrationRunError, Calibrator, Graph, Route
+from photonic_testbed.calibration.station import Station, StationError
 
 log = logging.getLogger(__name__)
 

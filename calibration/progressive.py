@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calibration.fringe import FitError, adaptive_sweep
-from calibration.station import Station, heater_volts
-from drivers.topology import Topology
+from photonic_testbed.calibration.fringe import FitError, adaptive_sweep
+from photonic_testbed.calibration.station import Station, heater_volts
+from photonic_testbed.drivers.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drivers.mesh import Calibration
+from photonic_testbed.drivers.mesh import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ def drift_check(station, calibration: Calibration, cells: list[str] | None = Non
     compare with what the calibration predicts: recalibrate when the worst is above
     `threshold_rad`. Costs about 4 readings per cell (photodiodes, or the power meter on the
     outputs when the chip has no photodiodes)."""
-    from calibration.crosstalk import _Probe
+    from photonic_testbed.calibration.crosstalk import _Probe
     cal = calibrator_from(station, calibration)
     if not station.has_monitors():
-        from calibration.outputs import use_outputs
+        from photonic_testbed.calibration.outputs import use_outputs
         use_outputs(cal)             # a chip without photodiodes: read from its outputs
     ids = [c.id for c in station.topology.cells]
     if cells is None:
@@ -154,7 +154,7 @@ def drift_check(station, calibration: Calibration, cells: list[str] | None = Non
 def calibrator_from(station, calibration: Calibration):
     """A Calibrator whose knowledge is a saved calibration (offsets as if swept with no other
     heater on, the file's crosstalk)."""
-    from calibration.progressive import Calibrator, CellFit
+    from photonic_testbed.calibration.progressive import Calibrator, CellFit
     cal = Calibrator(station)
     cal.state["r_ohm"] = {str(ch): h.r_ohm for ch, h in calibration.heaters.items()}
     for c in station.topology.cells:

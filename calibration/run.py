@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from calibration.crosstalk import extinction_db, measure_crosstalk, measure_extinctions, \
+from photonic_testbed.calibration.crosstalk import extinction_db, measure_crosstalk, measure_extinctions, \
     refine_offsets, refine_under_load
-from calibration.outputs import output_calibrator, sweep_from_outputs
-from calibration.progressive import Calibrator, CellFit
-from calibration.station import Station, StationError
-from drivers.mesh import Calibration, HeaterCalibration
+from photonic_testbed.calibration.outputs import output_calibrator, sweep_from_outputs
+from photonic_testbed.calibration.progressive import Calibrator, CellFit
+from photonic_testbed.calibration.station import Station, StationError
+from photonic_testbed.drivers.mesh import Calibration, HeaterCalibration
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "",
 
 def _crosstalk_spread(cal: Calibrator, chans: list[int]) -> np.ndarray:
     """Per pair: half the difference between the last two passes (0 with one pass)."""
-    from calibration.crosstalk import crosstalk_matrix
+    from photonic_testbed.calibration.crosstalk import crosstalk_matrix
     keys = [k for k in ("crosstalk", "crosstalk2", "crosstalk3") if cal.state.get(k)]
     n = 1 + max(cal.channels)
     if len(keys) < 2:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drivers.heater_dac import Forbidden
-from drivers.topology import Topology
+from photonic_testbed.drivers.heater_dac import Forbidden
+from photonic_testbed.drivers.topology import Topology
 
 log = logging.getLogger(__name__)
 

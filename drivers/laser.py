@@ -6,8 +6,8 @@ driver asks once and remembers, so a caller never guesses a unit.
 """
 from __future__ import annotations
 
-from drivers.power_meter import dbm_to_mw, mw_to_dbm
-from drivers.scpi import ProtocolError, SCPIInstrument
+from photonic_testbed.drivers.power_meter import dbm_to_mw, mw_to_dbm
+from photonic_testbed.drivers.scpi import ProtocolError, SCPIInstrument
 
 
 def _float(reply: str, what: str) -> float:

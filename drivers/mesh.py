@@ -32,12 +32,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
     check_circuits
-from drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
+from photonic_testbed.drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
     circuits_to_permutation, clements_decompose, mzi, permutation_matrix, route_waveguides, \
     trace_states, trace_waveguides
-from drivers.topology import Topology
+from photonic_testbed.drivers.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +401,7 @@ class Mesh(CircuitSwitch):
 def topology_named(name: str) -> Topology:
     """A chip topology from its name ("benes16", "clements8") or a topology JSON file."""
     import re
-    from drivers import topology as topo
+    from photonic_testbed.drivers import topology as topo
     if name.endswith(".json"):
         try:
             return Topology.from_dict(json.loads(pathlib.Path(name).read_text()))
@@ -417,7 +417,7 @@ def topology_named(name: str) -> Topology:
 def open_chip(address: str, *, topology: str, calibration: str = "", **dac_options) -> Mesh:
     """The chip as one device: a Mesh that owns the heater DAC at `address` (the bus's `chip`
     kind constructs it from the rig file's [chip] section)."""
-    from drivers.heater_dac import HeaterDAC
+    from photonic_testbed.drivers.heater_dac import HeaterDAC
     topo = topology_named(topology)
     dac = HeaterDAC(address, **dac_options)
     dac.open()

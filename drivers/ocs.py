@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Callable
 
-from drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch, SwitchError,
+from photonic_testbed.drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch, SwitchError,
                                     check_circuits)
-from drivers.scpi import (ConnectionLost, InstrumentDisconnected, ProtocolError,
+from photonic_testbed.drivers.scpi import (ConnectionLost, InstrumentDisconnected, ProtocolError,
                           SCPIInstrument, parse_error, scpi_error)
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from drivers.scpi import ProtocolError, SCPIInstrument
+from photonic_testbed.drivers.scpi import ProtocolError, SCPIInstrument
 
 NO_LIGHT_DBM = -200.0
 

@@ -1,5 +1,5 @@
 import sys
 
-from gui.app import main
+from photonic_testbed.gui.app import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Start the GUI: `ptb gui --rig FILE` (on a rig's bus) or `python -m gui --demo-data`
+"""Start the GUI: `ptb gui --rig FILE` (on a rig's bus) or `python -m photonic_testbed.gui --demo-data`
 (synthetic data)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rig = None
     if args.rig:
-        from hil.rigfile import RigFileError, load
+        from photonic_testbed.hil.rigfile import RigFileError, load
         try:
             rig = load(args.rig)
         except RigFileError as e:
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
     if rig is not None:
-        from hil.bus.security import KeyFileError
+        from photonic_testbed.hil.bus.security import KeyFileError
         try:
             window, fabric = rig_window(rig, settings)
         except KeyFileError as e:
@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
 def rig_window(rig, settings=None, **bus_options):
     """The main window on `rig`'s bus (the adapter not started yet)."""
-    from gui.bus import BusFabric
-    from gui.calibration import CalibrationFileError, load_calibration
-    from gui.model import FabricModel
-    from gui.window import MainWindow
+    from photonic_testbed.gui.bus import BusFabric
+    from photonic_testbed.gui.calibration import CalibrationFileError, load_calibration
+    from photonic_testbed.gui.model import FabricModel
+    from photonic_testbed.gui.window import MainWindow
 
     model = FabricModel()
     fabric = BusFabric(model, rig, **bus_options)
@@ -86,9 +86,9 @@ def rig_window(rig, settings=None, **bus_options):
 
 def demo_window(seed: int = 1, settings=None):
     """The main window fed by demo data (not started), labelled as such in its title."""
-    from gui.demo import DemoCommands, DemoFabric, demo_calibration
-    from gui.model import FabricModel
-    from gui.window import MainWindow
+    from photonic_testbed.gui.demo import DemoCommands, DemoFabric, demo_calibration
+    from photonic_testbed.gui.model import FabricModel
+    from photonic_testbed.gui.window import MainWindow
 
     model = FabricModel()
     fabric = DemoFabric(model, seed=seed)
@@ -99,7 +99,7 @@ def demo_window(seed: int = 1, settings=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gui", description="The operator's desktop GUI.")
+    p = argparse.ArgumentParser(prog="python -m photonic_testbed.gui", description="The operator's desktop GUI.")
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

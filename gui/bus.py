@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gui.commands import Command, CommandResult, Commands
-from gui.model import FabricModel
-from hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
-from hil.bus.mirror import StateSubscriber, clone
-from hil.bus.security import ClientKeys
-from hil.rigfile import Rig
+from photonic_testbed.gui.commands import Command, CommandResult, Commands
+from photonic_testbed.gui.model import FabricModel
+from photonic_testbed.hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
+from photonic_testbed.hil.bus.mirror import StateSubscriber, clone
+from photonic_testbed.hil.bus.security import ClientKeys
+from photonic_testbed.hil.rigfile import Rig
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox
                                QListWidget, QListWidgetItem, QMessageBox, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from gui.commands import Command, CommandResult, CommandRunner
-from gui.model import FabricModel
+from photonic_testbed.gui.commands import Command, CommandResult, CommandRunner
+from photonic_testbed.gui.model import FabricModel
 
 
 def describe_change(c: Command, model: FabricModel) -> str:

@@ -1,6 +1,6 @@
 """DEMO MODE ONLY: synthetic fabric data so an operator can see the GUI without a rig.
 
-Nothing here talks to hardware or to the bus. `python -m gui --demo-data` feeds a
+Nothing here talks to hardware or to the bus. `python -m photonic_testbed.gui --demo-data` feeds a
 `FabricModel` from `DemoFabric`, and the window title says DEMO DATA. The Benes topology
 generator is also used by `ptb bench gui` to have a 16 x 16 chip to draw.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer
 
-from gui.commands import Command, CommandResult, Commands
-from gui.model import FabricModel
-from gui.paths import Topology, trace
+from photonic_testbed.gui.commands import Command, CommandResult, Commands
+from photonic_testbed.gui.model import FabricModel
+from photonic_testbed.gui.paths import Topology, trace
 
 VMAX = 7.0           # the demo heaters' voltage limit
 V_PI = 5.0           # volts for a pi phase shift in the demo's made-up heaters

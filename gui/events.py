@@ -10,8 +10,8 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLineEdit, QTableView,
                                QVBoxLayout, QWidget)
 
-from gui.model import MAX_ENTRIES, FabricModel
-from hil.journal import KINDS, Entry
+from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
+from photonic_testbed.hil.journal import KINDS, Entry
 
 COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")
 KIND_COLOUR = {"failure": QColor("#ef5350"), "alarm": QColor("#ef5350"),

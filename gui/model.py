@@ -38,9 +38,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from gui.paths import Topology, TopologyError
-from hil.journal import KINDS as JOURNAL_KINDS
-from hil.journal import Entry
+from photonic_testbed.gui.paths import Topology, TopologyError
+from photonic_testbed.hil.journal import KINDS as JOURNAL_KINDS
+from photonic_testbed.hil.journal import Entry
 
 log = logging.getLogger(__name__)
 

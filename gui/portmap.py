@@ -11,8 +11,8 @@ from PySide6.QtCore import QLineF, QPointF, QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
 
-from gui.model import FabricModel, SwitchChange
-from gui.paths import LightPath, trace
+from photonic_testbed.gui.model import FabricModel, SwitchChange
+from photonic_testbed.gui.paths import LightPath, trace
 
 FLASH_S = 0.8
 RINGS = 8                          # newest OCS changes that also get a ring

@@ -5,7 +5,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
-from gui.model import FabricModel, Gpu
+from photonic_testbed.gui.model import FabricModel, Gpu
 
 COLUMNS = ("GPU", "status", "rank", "switch", "port")
 STATUS_COLOUR = {"ok": QColor("#2e7d32"), "degraded": QColor("#c77c02"),

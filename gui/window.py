@@ -8,13 +8,13 @@ from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QStatusBar
 
-from gui.calibration import CalibrationView
-from gui.commands import CommandResult, CommandRunner, Commands
-from gui.control import ManualControl
-from gui.events import EventsView
-from gui.model import FabricModel
-from gui.portmap import PortMapView
-from gui.rack import RackView
+from photonic_testbed.gui.calibration import CalibrationView
+from photonic_testbed.gui.commands import CommandResult, CommandRunner, Commands
+from photonic_testbed.gui.control import ManualControl
+from photonic_testbed.gui.events import EventsView
+from photonic_testbed.gui.model import FabricModel
+from photonic_testbed.gui.portmap import PortMapView
+from photonic_testbed.gui.rack import RackView
 
 SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53935"}
 LAYOUT_VERSION = 1

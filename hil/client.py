@@ -1,6 +1,6 @@
 """The job's side of the fabric: what a training loop calls at its phase boundaries.
 
-    from hil.client import Fabric
+    from photonic_testbed.hil.client import Fabric
     fabric = Fabric(*rig.agent_endpoints(), on_restart=restart_from_checkpoint)
     rank_map = fabric.admit(plan)          # the agent precomputes every phase's circuits
     for step in range(steps):
@@ -25,9 +25,9 @@ from typing import Any
 
 import zmq
 
-from hil.bus.client import ServiceClient
-from hil.bus.mirror import StateSubscriber
-from hil.bus.security import ClientKeys
+from photonic_testbed.hil.bus.client import ServiceClient
+from photonic_testbed.hil.bus.mirror import StateSubscriber
+from photonic_testbed.hil.bus.security import ClientKeys
 
 log = logging.getLogger(__name__)
 

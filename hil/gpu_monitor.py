@@ -40,11 +40,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hil.bus.client import BusError, ServiceClient
-from hil.bus.stateserver import StateServer
-from hil.ddm import DARK_DBM, DdmError, DdmReader
-from hil.gpu_health import FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth, classify
-from hil.rigfile import GpuConfig, Rig, monitor_device
+from photonic_testbed.hil.bus.client import BusError, ServiceClient
+from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader
+from photonic_testbed.hil.gpu_health import FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth, classify
+from photonic_testbed.hil.rigfile import GpuConfig, Rig, monitor_device
 
 log = logging.getLogger(__name__)
 

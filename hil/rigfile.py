@@ -16,8 +16,8 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
-from hil.bus.security import ClientKeys, client_keys
-from hil.bus.service import KINDS, ServiceSpec
+from photonic_testbed.hil.bus.security import ClientKeys, client_keys
+from photonic_testbed.hil.bus.service import KINDS, ServiceSpec
 
 ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
 NVML_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
@@ -178,7 +178,7 @@ class Rig:
         """The keys a process serving on this rig's bus binds with (None without CURVE)."""
         if not self.bus.curve:
             return None
-        from hil.bus.security import server_keys
+        from photonic_testbed.hil.bus.security import server_keys
         return server_keys(self.bus.server_key, self.bus.authorized_keys)
 
     def client_keys(self) -> ClientKeys | None:
@@ -572,7 +572,7 @@ def dumps(rig: Rig) -> str:
 # Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
 EMULATED_DEVICES = {
     "dac": ("heaters", "heater_dac", ""),         # a rig with a chip serves it as `chip`
-    "ocs": ("ocs", "switch", "drivers.ocs:OpticalCircuitSwitch"),
+    "ocs": ("ocs", "switch", "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"),
     "powermeter": ("powermeter", "power_meter", ""),
     "laser": ("laser", "laser", ""),
 }

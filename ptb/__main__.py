@@ -1,3 +1,3 @@
-from ptb.cli import main
+from photonic_testbed.ptb.cli import main
 
 raise SystemExit(main())

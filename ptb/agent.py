@@ -4,12 +4,12 @@ from __future__ import annotations
 import signal
 import threading
 
-from hil.agent.agent import AgentError
-from hil.agent.bus import AgentProcess
-from hil.bus.security import KeyFileError
-from hil.journal import JournalError
-from hil.rigfile import RigFileError, load
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.agent.agent import AgentError
+from photonic_testbed.hil.agent.bus import AgentProcess
+from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.journal import JournalError
+from photonic_testbed.hil.rigfile import RigFileError, load
+from photonic_testbed.ptb.cli import CommandFailed
 
 
 def add_parser(sub) -> None:

@@ -16,7 +16,7 @@ import re
 import sys
 import time
 
-from ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
 # ---- finding the instruments ----------------------------------------------------------------
 
 def topology_by_name(name: str):
-    from drivers.topology import Topology, TopologyError, build
+    from photonic_testbed.drivers.topology import Topology, TopologyError, build
     path = pathlib.Path(name)
     if path.suffix == ".json":
         try:
@@ -90,7 +90,7 @@ def topology_by_name(name: str):
 
 def endpoints_from_rigfile(path: str) -> tuple[dict[str, str], str, str]:
     """(endpoints like `ptb emulate` writes, topology name, rig name) from a rig file."""
-    from hil import rigfile
+    from photonic_testbed.hil import rigfile
     try:
         rig = rigfile.load(path)
     except rigfile.RigFileError as e:
@@ -115,12 +115,12 @@ class Instruments(contextlib.ExitStack):
     """The drivers opened on a rig's endpoints (closed on exit)."""
 
     def open(self, ep: dict[str, str], topology, args):
-        from calibration.station import Station
-        from drivers.heater_dac import DACError, HeaterDAC
-        from drivers.laser import Laser
-        from drivers.ocs import OpticalCircuitSwitch
-        from drivers.power_meter import PowerMeter
-        from drivers.scpi import InstrumentError
+        from photonic_testbed.calibration.station import Station
+        from photonic_testbed.drivers.heater_dac import DACError, HeaterDAC
+        from photonic_testbed.drivers.laser import Laser
+        from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
+        from photonic_testbed.drivers.power_meter import PowerMeter
+        from photonic_testbed.drivers.scpi import InstrumentError
         missing = [k for k in ("dac", "ocs", "laser") if k not in ep]
         if missing:
             raise CommandFailed(f"the rig lacks {', '.join(missing)}: calibration needs the "
@@ -249,7 +249,7 @@ def run(args) -> int:
 
 
 def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
-    from drivers.mesh import Calibration, CalibrationError
+    from photonic_testbed.drivers.mesh import Calibration, CalibrationError
     try:
         calibration = Calibration.load(path)
         calibration.check_chip(topology.name, chip_id)
@@ -259,9 +259,9 @@ def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
 
 
 def _drift(station, calibration, args) -> int:
-    from calibration.report import drift_check
-    from drivers.heater_dac import DACError
-    from drivers.scpi import InstrumentError
+    from photonic_testbed.calibration.report import drift_check
+    from photonic_testbed.drivers.heater_dac import DACError
+    from photonic_testbed.drivers.scpi import InstrumentError
     try:
         report = drift_check(station, calibration, cells=args.cells,
                              threshold_rad=args.drift_threshold_rad, seed=args.seed)
@@ -276,8 +276,8 @@ def _drift(station, calibration, args) -> int:
 
 
 def _start_emulated(stack, args):
-    from hil.emulator.rig import EmulatedRig, rig_spec
-    from hil.rigfile import EMULATED_CHIPS
+    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+    from photonic_testbed.hil.rigfile import EMULATED_CHIPS
     try:
         spec = rig_spec(args.rig)
     except ValueError as e:
@@ -299,11 +299,11 @@ def _start_emulated(stack, args):
 
 def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) -> int:
     """Calibrate and write `out`; with `base` (--update), the run's cells merged into it."""
-    from calibration.progressive import CalibrationRunError
-    from calibration.run import calibrate
-    from calibration.station import StationError
-    from drivers.heater_dac import DACError
-    from drivers.scpi import InstrumentError
+    from photonic_testbed.calibration.progressive import CalibrationRunError
+    from photonic_testbed.calibration.run import calibrate
+    from photonic_testbed.calibration.station import StationError
+    from photonic_testbed.drivers.heater_dac import DACError
+    from photonic_testbed.drivers.scpi import InstrumentError
     state = None
     if progress_path.exists() and not args.fresh:
         try:
@@ -333,7 +333,7 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
     except (CalibrationRunError, StationError, ValueError) as e:
         raise CommandFailed(str(e)) from None
     if base is not None:
-        from drivers.mesh import CalibrationError
+        from photonic_testbed.drivers.mesh import CalibrationError
         try:
             cal, run_heaters = base.merged(cal), len(cal.heaters)
         except CalibrationError as e:
@@ -347,7 +347,7 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
     print(f"calibration of {len(cal.heaters)} heaters ({method}) written to {out} in "
           f"{time.monotonic() - t0:.1f} s ({reads})")
     if args.report:
-        from calibration.report import write_report
+        from photonic_testbed.calibration.report import write_report
         summary = write_report(cal, args.report)
         print(summary)
     return 0

@@ -7,9 +7,8 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("ptb.emulate", "ptb.demo", "ptb.bench", "ptb.journal", "ptb.serve", "ptb.keys",
-               "ptb.agent",
-               "ptb.gui", "ptb.calibrate", "ptb.gpus")
+SUBCOMMANDS = ("emulate", "demo", "bench", "journal", "serve", "keys", "agent", "gui",
+               "calibrate", "gpus")
 
 
 class CommandFailed(Exception):
@@ -23,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
-        importlib.import_module(name).add_parser(sub)
+        importlib.import_module(f"{__package__}.{name}").add_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed
 
 # Which GPU fails and which job runs, per rig.
 # opus has no spare server: its DP ring shrinks to 7 ranks (the agent raises an alarm).
@@ -74,11 +74,8 @@ class Processes:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "w")
         self._logs.append(log)
-        env = dict(os.environ)
-        root = str(pathlib.Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.Popen([sys.executable, "-m", "ptb", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+        proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
         self.procs.append((name, proc))
         return proc
 
@@ -138,9 +135,9 @@ def run(args) -> int:
 
 
 def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
-    from hil import rigfile
-    from hil.bus.client import BusError, ServiceClient
-    from hil.emulator.control import ControlError, request
+    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil.bus.client import BusError, ServiceClient
+    from photonic_testbed.hil.emulator.control import ControlError, request
 
     t0 = time.monotonic()
     rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
@@ -212,7 +209,7 @@ def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
                procs: Processes):
     """Calibrate the seeded chip through the rig's instruments (ptb calibrate), then name the
     calibration file in the rig file, so the chip service drives the chip with it."""
-    from hil import rigfile
+    from photonic_testbed.hil import rigfile
     out = workdir / "calibration.json"
     say(t0, "calibrating the chip (ptb calibrate: fringes, crosstalk, refinement)")
     proc = procs.start("calibrate", "calibrate", "--rig", str(rig_path), "--out", str(out))

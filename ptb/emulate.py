@@ -8,9 +8,9 @@ import threading
 
 import zmq
 
-from hil.emulator.rack import RackError
-from hil.emulator.rig import RIGS, EmulatedRig, rig_spec
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.emulator.rack import RackError
+from photonic_testbed.hil.emulator.rig import RIGS, EmulatedRig, rig_spec
+from photonic_testbed.ptb.cli import CommandFailed
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _start(spec, args) -> EmulatedRig:
 
 def _start_job(rack, plan: str, stop: threading.Event) -> None:
     """Start the job as soon as the agent admits it (it may start after the emulator)."""
-    from hil.emulator.control import ControlError
+    from photonic_testbed.hil.emulator.control import ControlError
     while not stop.is_set():
         try:
             got = rack.start_job(plan, 1_000_000)
@@ -80,8 +80,8 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     rig = _start(spec, args)
     with contextlib.closing(rig):
-        from hil import rigfile
-        from hil.rack_layout import LAYOUTS, layout
+        from photonic_testbed.hil import rigfile
+        from photonic_testbed.hil.rack_layout import LAYOUTS, layout
         gpus = ()
         if spec.name in LAYOUTS:
             gpus = tuple(rigfile.GpuConfig(g, atts[0].switch, atts[0].tx, g in lay.spares)

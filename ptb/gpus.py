@@ -7,12 +7,12 @@ import threading
 
 import zmq
 
-from hil.bus.security import KeyFileError
-from hil.ddm import ETHTOOL_TIMEOUT_S, DdmReader
-from hil.gpu_health import GpuHealthUnavailable, NvmlHealth
-from hil.gpu_monitor import POLL_S, GpuMonitor, GpuMonitorError
-from hil.rigfile import RigFileError, load
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.ddm import ETHTOOL_TIMEOUT_S, DdmReader
+from photonic_testbed.hil.gpu_health import GpuHealthUnavailable, NvmlHealth
+from photonic_testbed.hil.gpu_monitor import POLL_S, GpuMonitor, GpuMonitorError
+from photonic_testbed.hil.rigfile import RigFileError, load
+from photonic_testbed.ptb.cli import CommandFailed
 
 
 def add_parser(sub) -> None:

@@ -1,11 +1,11 @@
 """`ptb gui`: the operator's desktop GUI (`--demo-data` shows synthetic data)."""
 from __future__ import annotations
 
-from ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed
 
 
 def add_parser(sub) -> None:
-    from gui.app import add_arguments
+    from photonic_testbed.gui.app import add_arguments
     p = sub.add_parser("gui", help="open the operator's desktop GUI",
                        description="Open the GUI on a rig's bus, or on synthetic demo data.")
     add_arguments(p)
@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from gui.app import GuiUnavailable, run as run_gui
+    from photonic_testbed.gui.app import GuiUnavailable, run as run_gui
     try:
         return run_gui(args)
     except GuiUnavailable as e:

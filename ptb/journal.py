@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import time
 
-from hil.journal import KINDS, Journal, JournalError
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.journal import KINDS, Journal, JournalError
+from photonic_testbed.ptb.cli import CommandFailed
 
 
 def add_parser(sub) -> None:

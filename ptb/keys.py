@@ -4,8 +4,8 @@ from __future__ import annotations
 import pathlib
 import shutil
 
-from hil.bus.security import KeyFileError, generate
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.bus.security import KeyFileError, generate
+from photonic_testbed.ptb.cli import CommandFailed
 
 
 def add_parser(sub) -> None:

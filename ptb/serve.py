@@ -7,11 +7,11 @@ import os
 import signal
 import threading
 
-from hil.bus.security import KeyFileError
-from hil.bus.service import DeviceService, ServiceError
-from hil.bus.supervisor import Manager, SupervisorError
-from hil.rigfile import RigFileError, load
-from ptb.cli import CommandFailed
+from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.bus.service import DeviceService, ServiceError
+from photonic_testbed.hil.bus.supervisor import Manager, SupervisorError
+from photonic_testbed.hil.rigfile import RigFileError, load
+from photonic_testbed.ptb.cli import CommandFailed
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 
 
 class MemorySwitch(CircuitSwitch):

@@ -10,14 +10,14 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from drivers.heater_dac import HeaterDAC
-from drivers.laser import Laser
-from drivers.ocs import OpticalCircuitSwitch
-from drivers.power_meter import PowerMeter
-from drivers.routing import benes_cell_states
-from drivers.topology import benes
-from hil.emulator.chip import cell_matrix
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.drivers.heater_dac import HeaterDAC
+from photonic_testbed.drivers.laser import Laser
+from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
+from photonic_testbed.drivers.power_meter import PowerMeter
+from photonic_testbed.drivers.routing import benes_cell_states
+from photonic_testbed.drivers.topology import benes
+from photonic_testbed.hil.emulator.chip import cell_matrix
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 N = 16
 
@@ -26,7 +26,7 @@ N = 16
 def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: bool = True):
     """The lumion rig (zero delays) and a calibration Station on its wires; `monitors=False`:
     its chip has no cell photodiodes."""
-    from calibration.station import Station
+    from photonic_testbed.calibration.station import Station
     with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
                      crosstalk_scale=crosstalk_scale, chip_monitors=monitors) as rig:
         ep = rig.endpoints
@@ -83,7 +83,7 @@ def extinction_ok(ours: np.ndarray, oracle: np.ndarray) -> np.ndarray:
 def permutation_scores(rig, dac, calibration, perms: int, seed: int = 11) -> dict:
     """For random permutations: per input, intended-output power (dB) and worst crosstalk into
     another output (dB, relative to the input), ours and the oracle's."""
-    from drivers.mesh import Mesh
+    from photonic_testbed.drivers.mesh import Mesh
     mesh = Mesh(benes(N), dac, calibration, own_dac=False)
     rng = np.random.default_rng(seed)
     res = {"ours_main": [], "oracle_main": [], "ours_xt": [], "oracle_xt": []}
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    from calibration.run import calibrate
+    from photonic_testbed.calibration.run import calibrate
     p = argparse.ArgumentParser(prog="python -m tests.calibration_score",
                                 description=main.__doc__)
     p.add_argument("--seed", type=int, default=0)

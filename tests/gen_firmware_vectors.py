@@ -11,7 +11,7 @@ import json
 import pathlib
 import sys
 
-from firmware import core, hal_emulated
+from photonic_testbed.firmware import core, hal_emulated
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import firmware_replay  # noqa: E402

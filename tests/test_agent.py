@@ -9,14 +9,14 @@ from dataclasses import dataclass
 import pytest
 from optics_doubles import PermutationSwitch
 
-from hil.agent import Agent, AgentError
-from hil.agent import policies
-from hil.emulator.clock import SimClock
-from hil.emulator.job import TrainingJob
-from hil.emulator.rack import EmulatedRack
-from hil.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from hil.journal import Journal
-from hil.rack_layout import lumion, opus
+from photonic_testbed.hil.agent import Agent, AgentError
+from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.emulator.clock import SimClock
+from photonic_testbed.hil.emulator.job import TrainingJob
+from photonic_testbed.hil.emulator.rack import EmulatedRack
+from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import lumion, opus
 
 
 class Killed(BaseException):
@@ -326,7 +326,7 @@ def test_bad_requests_get_clear_errors(tmp_path):
 
 def test_wall_clock_threads_failover(tmp_path):
     """The demo's arrangement: the job in its thread, the rack polling health in another."""
-    from hil.emulator.clock import WallClock
+    from photonic_testbed.hil.emulator.clock import WallClock
     clock = WallClock()
     sw = PermutationSwitch("chip", 16)
     rack = EmulatedRack(lumion(), {"chip": sw}, clock)

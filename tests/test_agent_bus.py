@@ -15,21 +15,21 @@ import time
 import pytest
 import zmq
 
-from hil import rigfile
-from hil.bus.client import RemoteError, ServiceClient
-from hil.bus.service import DeviceService
-from hil.client import Fabric
-from hil.emulator.rig import EmulatedRig, rig_spec
-from hil.jobplan import dp_ring
-from hil.journal import Journal
-from hil.rack_layout import layout
+from photonic_testbed.hil import rigfile
+from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
+from photonic_testbed.hil.bus.service import DeviceService
+from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.jobplan import dp_ring
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import layout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _ptb(*args, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -264,7 +264,7 @@ def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_b
 def test_received_powers_in_one_transfer_equal_the_sum_per_transmitter():
     """What the GPU monitor's rx_power reports (one transfer with every live TX lit) is the
     per-transmitter sum the rack's link model uses, faults included."""
-    from hil.emulator.rack import EmulatedRack
+    from photonic_testbed.hil.emulator.rack import EmulatedRack
     with EmulatedRig(rig_spec("lumion"), ideal_chip=True) as emu:
         rack = EmulatedRack(layout("lumion"), {"chip": emu.chip})
         rack.faults.fail_gpu("gpu2")

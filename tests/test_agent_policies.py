@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 from optics_doubles import PermutationSwitch
 
-from hil.agent import Agent, policies
-from hil.agent.policies import PolicyError
-from hil.emulator.clock import SimClock
-from hil.emulator.rack import EmulatedRack
-from hil.jobplan import dp_ring, dp_tp
-from hil.journal import Journal
-from hil.rack_layout import Attachment, RackLayout, lumion
+from photonic_testbed.hil.agent import Agent, policies
+from photonic_testbed.hil.agent.policies import PolicyError
+from photonic_testbed.hil.emulator.clock import SimClock
+from photonic_testbed.hil.emulator.rack import EmulatedRack
+from photonic_testbed.hil.jobplan import dp_ring, dp_tp
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import Attachment, RackLayout, lumion
 
 
 def test_circuits_for_a_ring_and_for_tp_pairs():

@@ -10,14 +10,14 @@ import time
 import pytest
 import zmq
 
-from hil.bus import schema
-from hil.bus.client import (BadRequest, RemoteError, ServiceClient, ServiceUnavailable,
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.client import (BadRequest, RemoteError, ServiceClient, ServiceUnavailable,
                             StaleState, UnknownOperation)
-from hil.bus.mirror import StateSubscriber, SubscriberThread
-from hil.bus.security import client_keys, generate
-from hil.bus.service import ServiceSpec
-from hil.bus.supervisor import Manager
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
+from photonic_testbed.hil.bus.security import client_keys, generate
+from photonic_testbed.hil.bus.service import ServiceSpec
+from photonic_testbed.hil.bus.supervisor import Manager
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")    # the Qt test needs no display
 
@@ -346,9 +346,9 @@ def test_a_hung_service_is_killed_and_restarted():
 def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
     """A silent service does not hide the answer of another, and one that binds late (a
     restart) is asked again on a fresh socket and answers within the timeout."""
-    from hil.bus.client import call_many
-    from hil.bus.stateserver import StateServer
-    from hil.rigfile import free_port
+    from photonic_testbed.hil.bus.client import call_many
+    from photonic_testbed.hil.bus.stateserver import StateServer
+    from photonic_testbed.hil.rigfile import free_port
 
     ctx = zmq.Context.instance()
     silent = ctx.socket(zmq.ROUTER)              # takes requests, never answers

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from hil import rigfile
-from hil.bus.client import BadRequest, RemoteError, ServiceClient
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil import rigfile
+from photonic_testbed.hil.bus.client import BadRequest, RemoteError, ServiceClient
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 from tests.test_bus import Supervised
 
 

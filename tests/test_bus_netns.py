@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from hil.bus.security import generate
+from photonic_testbed.hil.bus.security import generate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,10 +58,10 @@ def namespaces():
 
 CLIENT = textwrap.dedent("""\
     import json, sys
-    from hil import rigfile
-    from hil.bus.client import ServiceClient, ServiceUnavailable
-    from hil.bus.mirror import StateSubscriber
-    from hil.bus.security import client_keys
+    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil.bus.client import ServiceClient, ServiceUnavailable
+    from photonic_testbed.hil.bus.mirror import StateSubscriber
+    from photonic_testbed.hil.bus.security import client_keys
     rig = rigfile.load(sys.argv[1])
     request, publish = rig.endpoints()["ocs"]
     out = {}
@@ -111,7 +111,7 @@ def test_service_and_client_in_separate_namespaces_with_curve(namespaces, tmp_pa
         """))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     endpoints = tmp_path / "endpoints.json"
-    serve = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-m", "ptb",
+    serve = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-m", "photonic_testbed.ptb",
                               "serve", "--rig", str(rig), "--endpoints", str(endpoints)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

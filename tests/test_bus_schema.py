@@ -7,8 +7,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hil.bus import schema
-from hil.bus.mirror import Mirror, MirrorError, StatePublisher, apply_ops
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.mirror import Mirror, MirrorError, StatePublisher, apply_ops
 
 
 def req(**fields):
@@ -194,8 +194,8 @@ def test_a_restarted_owner_is_noticed():
 def test_a_service_answers_an_unencodable_result_with_an_error():
     import threading
 
-    from hil.bus.client import RemoteError, ServiceClient
-    from hil.bus.service import DeviceService, ServiceSpec
+    from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
+    from photonic_testbed.hil.bus.service import DeviceService, ServiceSpec
     from tests.bus_doubles import MemoryPowerMeter
 
     class NanMeter(MemoryPowerMeter):
@@ -221,9 +221,9 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
 def test_a_state_server_mirrors_the_agents_own_state():
     import threading
 
-    from hil.bus.client import ServiceClient, UnknownOperation
-    from hil.bus.mirror import StateSubscriber
-    from hil.bus.stateserver import StateServer
+    from photonic_testbed.hil.bus.client import ServiceClient, UnknownOperation
+    from photonic_testbed.hil.bus.mirror import StateSubscriber
+    from photonic_testbed.hil.bus.stateserver import StateServer
 
     server = StateServer("agent", {"spares": ["gpu7"], "phase": "dp"}, heartbeat=0.05,
                          handlers={"spares": lambda args: len(server.state.state["spares"])})

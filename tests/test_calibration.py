@@ -13,11 +13,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from calibration.progressive import Graph
-from calibration.report import drift_check, write_report
-from calibration.run import calibrate
-from drivers.mesh import Calibration, CalibrationError, Mesh
-from drivers.topology import benes
+from photonic_testbed.calibration.progressive import Graph
+from photonic_testbed.calibration.report import drift_check, write_report
+from photonic_testbed.calibration.run import calibrate
+from photonic_testbed.drivers.mesh import Calibration, CalibrationError, Mesh
+from photonic_testbed.drivers.topology import benes
 from tests.calibration_score import cell_extinctions, extinction_ok, extinction_scores, \
     heater_errors, lumion_station, permutation_errors, wrapped
 
@@ -165,7 +165,7 @@ def test_every_route_reaches_its_cell_from_a_chip_input():
 
 def _ptb(*args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -199,7 +199,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
 
 
 def test_cli_fails_clearly_when_an_instrument_does_not_answer(tmp_path):
-    from hil.emulator.rig import EmulatedRig, rig_spec
+    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
     ep = tmp_path / "endpoints.json"
     with EmulatedRig(rig_spec("lumion"), seed=0, workdir=tmp_path,
                      switching_s=0.0) as rig:
@@ -223,8 +223,8 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 
 def test_cli_reads_a_rig_file(tmp_path):
-    from hil import rigfile
-    from hil.emulator.rig import EmulatedRig, rig_spec
+    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
     with EmulatedRig(rig_spec("lumion"), seed=3, workdir=tmp_path, switching_s=0.0) as rig:
         path = tmp_path / "rig.toml"
         rigfile.write(path, rigfile.for_emulator("lumion", rig.endpoints))

@@ -11,12 +11,12 @@ import sys
 import numpy as np
 import pytest
 
-from calibration.outputs import OutputGraph
-from calibration.report import drift_check
-from calibration.run import calibrate
-from calibration.station import StationError
-from drivers.mesh import Calibration
-from drivers.topology import benes
+from photonic_testbed.calibration.outputs import OutputGraph
+from photonic_testbed.calibration.report import drift_check
+from photonic_testbed.calibration.run import calibrate
+from photonic_testbed.calibration.station import StationError
+from photonic_testbed.drivers.mesh import Calibration
+from photonic_testbed.drivers.topology import benes
 from tests.calibration_score import extinction_ok, extinction_scores, heater_errors, \
     lumion_station, permutation_errors
 
@@ -142,7 +142,7 @@ def test_every_cell_has_two_disjoint_groups_of_outputs():
 
 def _ptb(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from drivers.circuit_switch import CircuitConflict, check_circuits
+from photonic_testbed.drivers.circuit_switch import CircuitConflict, check_circuits
 
 
 def test_normalises_pairs_and_mappings():

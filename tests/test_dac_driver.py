@@ -6,8 +6,8 @@ import time
 import pytest
 import serial
 
-from drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
-from hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
+from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
 
 
 def wait_until(predicate, timeout=2.0, step=0.01):
@@ -55,8 +55,8 @@ def test_only_changed_channels_travel(dac_board):
 
 
 def test_long_runs_split_below_the_line_limit_and_scattered_lines_go_together(tmp_path):
-    from drivers.heater_dac import LINE_LIMIT
-    from hil.emulator.dac_board import EmulatedDACBoard
+    from photonic_testbed.drivers.heater_dac import LINE_LIMIT
+    from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
     board = EmulatedDACBoard(tmp_path / "dac", modules=16, seed=3)     # 128 channels
     board.start()
     try:
@@ -168,7 +168,7 @@ def test_monitor_photodiodes_read_through_the_board(tmp_path):
 
 
 def test_board_without_photodiodes_says_so(dac_board):
-    from drivers.heater_dac import Forbidden
+    from photonic_testbed.drivers.heater_dac import Forbidden
     with HeaterDAC(str(dac_board.link)) as dac:
         with pytest.raises(Forbidden) as refused:
             dac.photocurrents()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from drivers.heater_dac import (DACTimeout, HeaterDAC, OverCurrent, OverVoltage, ProtocolError,
+from photonic_testbed.drivers.heater_dac import (DACTimeout, HeaterDAC, OverCurrent, OverVoltage, ProtocolError,
                                 UnknownCommand)
 
 ONE_MODULE_OPEN = [

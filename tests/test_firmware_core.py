@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firmware import core
-from firmware.hal_emulated import EmulatedHAL
+from photonic_testbed.firmware import core
+from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
 
 # ---- parse_fixed: decimal text to 1e-4 units, rounded half up (away from zero) ---------------

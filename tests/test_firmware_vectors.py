@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import firmware_replay
-from firmware import core, hal_emulated
+from photonic_testbed.firmware import core, hal_emulated
 
 HERE = pathlib.Path(__file__).parent
 VECTORS_PATH = HERE / "firmware_vectors.json"

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from calibration.fringe import FitError, adaptive_sweep, fit_fringe
+from photonic_testbed.calibration.fringe import FitError, adaptive_sweep, fit_fringe
 
 
 def fringe(offset, p_pi, mean=0.5, amplitude=0.48, noise=1e-3, seed=0):

@@ -19,14 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hil import rigfile
-from hil.bus.client import RemoteError, ServiceClient
-from hil.bus.mirror import StateSubscriber
-from hil.bus.stateserver import StateServer
-from hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, run_ethtool
-from hil.gpu_health import GpuHealth, GpuHealthUnavailable, NvmlHealth
-from hil.gpu_monitor import GpuMonitor, GpuMonitorError, map_nvml
-from hil.rigfile import GpuConfig, RigFileError
+from photonic_testbed.hil import rigfile
+from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
+from photonic_testbed.hil.bus.mirror import StateSubscriber
+from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, run_ethtool
+from photonic_testbed.hil.gpu_health import GpuHealth, GpuHealthUnavailable, NvmlHealth
+from photonic_testbed.hil.gpu_monitor import GpuMonitor, GpuMonitorError, map_nvml
+from photonic_testbed.hil.rigfile import GpuConfig, RigFileError
 from tests.test_gpu_health import fake_nvml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ RIG = textwrap.dedent(f"""\
 
     [devices.ocs]
     kind = "switch"
-    driver = "drivers.ocs:OpticalCircuitSwitch"
+    driver = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
     address = "TCPIP::127.0.0.1::5025::SOCKET"
     request = "tcp://127.0.0.1:0"
     publish = "tcp://127.0.0.1:0"
@@ -490,7 +490,7 @@ def test_ptb_gpus_without_nvml_says_so(tmp_path, capsys):
         pass
     else:
         pytest.skip("this machine has NVML: `ptb gpus` would run")
-    from ptb.cli import main
+    from photonic_testbed.ptb.cli import main
     path = tmp_path / "rig.toml"
     path.write_text(RIG)
     assert main(["gpus", "--rig", str(path)]) == 1
@@ -531,7 +531,7 @@ def test_ptb_gpus_no_nvml_serves_ddm_through_ethtool(tmp_path, switch_service):
     path = tmp_path / "rig.toml"
     path.write_text(text)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "ptb", "gpus", "--rig", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "gpus", "--rig", str(path),
                              "--no-nvml", "--ethtool", ethtool], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -555,7 +555,7 @@ def _ep():
 
 def _agent_rig(text: str) -> str:
     """RIG with free loopback endpoints, an in-memory switch and the spare hearing on lane 1."""
-    return (text.replace('driver = "drivers.ocs:OpticalCircuitSwitch"',
+    return (text.replace('driver = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"',
                          'driver = "tests.bus_doubles:MemorySwitch"\noptions = { ports = 8 }')
             .replace('gpus_request = "tcp://127.0.0.1:0"',
                      f'gpus_request = "{_ep()}"\nagent_request = "{_ep()}"')
@@ -571,10 +571,10 @@ def _swap_on_monitors(tmp_path, rig, hosts: dict):
     entry of `hosts` ({host name or None: fake NVML Host}): Xid 79 on gpu0 -> the agent swaps
     the spare in, verifies the circuits with rx_power read from the transceivers' DDM, and
     orders the job's restart. Returns the agent's state after the swap."""
-    from hil.agent.bus import AgentProcess
-    from hil.bus.service import DeviceService
-    from hil.client import Fabric
-    from hil.jobplan import dp_ring
+    from photonic_testbed.hil.agent.bus import AgentProcess
+    from photonic_testbed.hil.bus.service import DeviceService
+    from photonic_testbed.hil.client import Fabric
+    from photonic_testbed.hil.jobplan import dp_ring
 
     stop = threading.Event()
     threads, monitors, healths = [], [], []

@@ -14,17 +14,17 @@ from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
-from gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
-from gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
+from photonic_testbed.gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
+from photonic_testbed.gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
                           Commands)
-from gui.control import ManualControl, describe_change  # noqa: E402
-from gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
-from gui.events import EventsView  # noqa: E402
-from gui.model import FabricModel, ModelError  # noqa: E402
-from gui.paths import Topology, TopologyError, trace  # noqa: E402
-from gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
-from gui.rack import RackView  # noqa: E402
-from gui.window import MainWindow  # noqa: E402
+from photonic_testbed.gui.control import ManualControl, describe_change  # noqa: E402
+from photonic_testbed.gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
+from photonic_testbed.gui.events import EventsView  # noqa: E402
+from photonic_testbed.gui.model import FabricModel, ModelError  # noqa: E402
+from photonic_testbed.gui.paths import Topology, TopologyError, trace  # noqa: E402
+from photonic_testbed.gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
+from photonic_testbed.gui.rack import RackView  # noqa: E402
+from photonic_testbed.gui.window import MainWindow  # noqa: E402
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def test_demo_commands_apply_and_refuse_like_the_agent(qtbot):
 
 
 def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
-    from gui.app import demo_window
+    from photonic_testbed.gui.app import demo_window
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
     window, fabric = demo_window(seed=1, settings=settings)
     qtbot.addWidget(window)
@@ -374,7 +374,7 @@ def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
 
 
 def test_demo_entry_point_runs_and_saves_a_screenshot(qapp, tmp_path):
-    from gui.app import main
+    from photonic_testbed.gui.app import main
     shot = tmp_path / "demo.png"
     assert main(["--demo-data", "--quit-after", "1.5", "--screenshot", str(shot),
                  "--settings", str(tmp_path / "gui.ini")]) == 0

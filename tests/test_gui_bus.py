@@ -16,13 +16,13 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QSettings  # noqa: E402
 from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
-from gui.app import rig_window  # noqa: E402
-from gui.commands import Command  # noqa: E402
-from gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
-from hil import rigfile  # noqa: E402
-from hil.bus.client import ServiceClient  # noqa: E402
-from hil.bus.stateserver import StateServer  # noqa: E402
-from hil.emulator.rig import EmulatedRig, rig_spec  # noqa: E402
+from photonic_testbed.gui.app import rig_window  # noqa: E402
+from photonic_testbed.gui.commands import Command  # noqa: E402
+from photonic_testbed.gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
+from photonic_testbed.hil import rigfile  # noqa: E402
+from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
+from photonic_testbed.hil.bus.stateserver import StateServer  # noqa: E402
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec  # noqa: E402
 from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
 from tests.test_gui import _answer_dialog, assert_not_blank, colour_at, near, pixels  # noqa: E402
@@ -276,8 +276,8 @@ def test_rack_shows_the_spare_in_use_after_a_swap_and_refusals_say_why(
 def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bus, tmp_path):
     """`ptb agent` on the lumion rig: a GPU fails, the rack shows the spare in use and the chip
     the circuits to its port; then the operator swaps another GPU out through the GUI."""
-    from hil.client import Fabric
-    from hil.jobplan import dp_ring
+    from photonic_testbed.hil.client import Fabric
+    from photonic_testbed.hil.jobplan import dp_ring
     emu, rig, path = lumion_bus
     agent = _agent(path, tmp_path / "journal.db")
     fabric = win = None
@@ -333,7 +333,7 @@ def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_
     rig = rigfile.Rig("empty", tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **endpoints),
                       {"ocs": rigfile.DeviceConfig(
                           "ocs", "switch", "TCPIP::127.0.0.1::1::SOCKET",
-                          "drivers.ocs:OpticalCircuitSwitch",
+                          "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
                           f"tcp://127.0.0.1:{rigfile.free_port()}",
                           f"tcp://127.0.0.1:{rigfile.free_port()}")})
     rigfile.write(rig.path, rig)
@@ -360,7 +360,7 @@ def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_
 
 
 def test_ptb_gui_refuses_a_bad_rig_file_with_the_reason(capsys, tmp_path):
-    from ptb.cli import main
+    from photonic_testbed.ptb.cli import main
     assert main(["gui", "--rig", str(tmp_path / "rig.toml")]) == 1
     assert "cannot read the rig file" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
@@ -372,6 +372,6 @@ def test_ptb_gui_refuses_a_bad_rig_file_with_the_reason(capsys, tmp_path):
                        "server_public_key = 'no/s.key'\nauthorized_keys = 'no'\n"
                        "client_key = 'no/c.key_secret'\n"
                        "[devices.ocs]\nkind = 'switch'\naddress = 'TCPIP::h::1::SOCKET'\n"
-                       "driver = 'drivers.ocs:OpticalCircuitSwitch'\n")
+                       "driver = 'photonic_testbed.drivers.ocs:OpticalCircuitSwitch'\n")
     assert main(["gui", "--rig", str(keyless), "--settings", str(tmp_path / "g.ini")]) == 1
     assert "CURVE keys" in capsys.readouterr().err

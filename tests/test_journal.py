@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from hil.journal import Journal, JournalError
+from photonic_testbed.hil.journal import Journal, JournalError
 
 WRITER = """
 import sys
-from hil.journal import Journal
+from photonic_testbed.hil.journal import Journal
 j = Journal(sys.argv[1])
 for k in range(100000):
     seq = j.record("note", cause="test", k=k)
@@ -63,7 +63,7 @@ def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
 
 DEFERRING = """
 import sys
-from hil.journal import Journal
+from photonic_testbed.hil.journal import Journal
 j = Journal(sys.argv[1])
 for k in range(100000):
     j.record("detected", cause="test", k=k, defer=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from drivers.heater_dac import HeaterDAC
-from drivers.laser import Laser
-from drivers.mesh import Mesh
-from drivers.ocs import OpticalCircuitSwitch
-from drivers.power_meter import PowerMeter
-from drivers.topology import benes
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.drivers.heater_dac import HeaterDAC
+from photonic_testbed.drivers.laser import Laser
+from photonic_testbed.drivers.mesh import Mesh
+from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
+from photonic_testbed.drivers.power_meter import PowerMeter
+from photonic_testbed.drivers.topology import benes
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 N = 16
 

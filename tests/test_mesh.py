@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from drivers.circuit_switch import CircuitConflict, CircuitSwitch, SwitchError
-from drivers.heater_dac import HeaterDAC
-from drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh
-from drivers.topology import Topology, benes, clements, square
-from hil.emulator import chip as chip_physics
-from hil.emulator.chip import EmulatedChip
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.drivers.circuit_switch import CircuitConflict, CircuitSwitch, SwitchError
+from photonic_testbed.drivers.heater_dac import HeaterDAC
+from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh
+from photonic_testbed.drivers.topology import Topology, benes, clements, square
+from photonic_testbed.hil.emulator import chip as chip_physics
+from photonic_testbed.hil.emulator.chip import EmulatedChip
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 
 def random_circuits(n, seed):

@@ -8,14 +8,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from drivers.circuit_switch import CircuitConflict, SwitchError
-from drivers.heater_dac import HeaterDAC
-from drivers.mesh import Calibration, Mesh
-from drivers.routing import BAR, RoutingError, mzi, route_waveguides, trace_waveguides
-from drivers.topology import Topology, hexagonal, square
-from hil.emulator.chip import OUTPUT_TAP, ChipError
-from hil.emulator.mesh_chip import RecirculatingChip, make_chip
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.drivers.circuit_switch import CircuitConflict, SwitchError
+from photonic_testbed.drivers.heater_dac import HeaterDAC
+from photonic_testbed.drivers.mesh import Calibration, Mesh
+from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, trace_waveguides
+from photonic_testbed.drivers.topology import Topology, hexagonal, square
+from photonic_testbed.hil.emulator.chip import OUTPUT_TAP, ChipError
+from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip, make_chip
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 
 def random_pairs(topology, count, rng):

@@ -13,13 +13,13 @@ import time
 import pytest
 import pyvisa
 
-from drivers.laser import Laser
-from drivers.ocs import OpticalCircuitSwitch
-from drivers.power_meter import PowerMeter
-from drivers.scpi import DataOutOfRange, IllegalParameterValue, UndefinedHeader
-from hil.emulator.bench_optics import LASER_INGRESS
-from hil.emulator.control import ControlError, request
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.drivers.laser import Laser
+from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
+from photonic_testbed.drivers.power_meter import PowerMeter
+from photonic_testbed.drivers.scpi import DataOutOfRange, IllegalParameterValue, UndefinedHeader
+from photonic_testbed.hil.emulator.bench_optics import LASER_INGRESS
+from photonic_testbed.hil.emulator.control import ControlError, request
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -302,7 +302,7 @@ def _free(port: int) -> bool:
 
 def test_ptb_emulate_opus_prints_and_writes_endpoints_then_frees_ports(tmp_path):
     ep = tmp_path / "endpoints.json"
-    proc = subprocess.Popen([sys.executable, "-m", "ptb", "emulate", "--rig", "opus",
+    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "emulate", "--rig", "opus",
                              "--endpoints", str(ep), "--switching-ms", "0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT})
@@ -354,7 +354,7 @@ def test_fixed_port_base(tmp_path):
 def test_bench_ocs_runs_small(tmp_path):
     import argparse
 
-    from ptb.bench import ocs as bench_ocs
+    from photonic_testbed.ptb.bench import ocs as bench_ocs
     result = bench_ocs.run(argparse.Namespace(reconfigurations=5, seed=1))
     assert result["reconfigurations"] == 5
     assert result["ours"]["bytes"] < result["per_circuit"]["bytes"]
@@ -362,8 +362,8 @@ def test_bench_ocs_runs_small(tmp_path):
 
 
 def test_driver_rides_through_an_instrument_restart_on_the_same_port():
-    from hil.emulator.ocs import OCSInstrument, OCSPhysics
-    from hil.emulator.scpi import SCPIServer
+    from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+    from photonic_testbed.hil.emulator.scpi import SCPIServer
     import threading
 
     phys = OCSPhysics(4, switching_s=0.0)

@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from drivers.circuit_switch import CircuitConflict
-from drivers.laser import Laser
-from drivers.ocs import OpticalCircuitSwitch, format_circuits, parse_circuits
-from drivers.power_meter import PowerMeter
-from drivers.scpi import (DataOutOfRange, IllegalParameterValue, ProtocolError,
+from photonic_testbed.drivers.circuit_switch import CircuitConflict
+from photonic_testbed.drivers.laser import Laser
+from photonic_testbed.drivers.ocs import OpticalCircuitSwitch, format_circuits, parse_circuits
+from photonic_testbed.drivers.power_meter import PowerMeter
+from photonic_testbed.drivers.scpi import (DataOutOfRange, IllegalParameterValue, ProtocolError,
                           UndefinedHeader, scpi_error, CommandError, ExecutionError)
 from tests.scripted_visa import DROP, expected_protocol
 

@@ -31,7 +31,7 @@ def test_emulate_serves_the_dac_on_a_pty_and_frees_it_on_sigint(tmp_path):
     endpoints = tmp_path / "endpoints.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ptb", "emulate", "--rig", "lumion", "--endpoints",
+        [sys.executable, "-m", "photonic_testbed.ptb", "emulate", "--rig", "lumion", "--endpoints",
          str(endpoints)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:

@@ -1,7 +1,7 @@
 """`ptb emulate --rig FILE.toml`: an emulated rig described in a file."""
 import pytest
 
-from hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 
 def write(tmp_path, text):

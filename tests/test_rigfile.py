@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from hil import rigfile
-from hil.bus.client import ServiceClient
-from hil.rigfile import RigFileError
+from photonic_testbed.hil import rigfile
+from photonic_testbed.hil.bus.client import ServiceClient
+from photonic_testbed.hil.rigfile import RigFileError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ GOOD = textwrap.dedent("""\
 
     [devices.ocs]
     kind = "switch"
-    driver = "drivers.polatis:Polatis"
+    driver = "photonic_testbed.drivers.polatis:Polatis"
     address = "TCPIP::10.0.0.9::5025::SOCKET"
     request = "tcp://10.0.0.2:5800"
     publish = "tcp://10.0.0.2:5801"
@@ -71,7 +71,7 @@ def test_a_good_rig_file(tmp_path):
     assert rig.chip.calibration == str(tmp_path / "cal/chip.json")
     assert [g.name for g in rig.gpus if g.spare] == ["spare0"]
     specs = rig.service_specs(["ocs"])
-    assert specs[0].request == "tcp://*:5800" and specs[0].driver == "drivers.polatis:Polatis"
+    assert specs[0].request == "tcp://*:5800" and specs[0].driver == "photonic_testbed.drivers.polatis:Polatis"
     assert specs[0].curve_secret == str(tmp_path / "keys/server.key_secret")
     assert rigfile.parse(rigfile.dumps(rig), base=tmp_path) == rigfile.parse(GOOD, base=tmp_path)
     with pytest.raises(RigFileError, match="no device named laser"):
@@ -91,7 +91,7 @@ def test_a_good_rig_file(tmp_path):
      r"rig.toml:22: devices.ocs.request: expected an endpoint tcp://HOST:PORT"),
     (('request = "tcp://10.0.0.2:5800"', 'request = "tcp://10.0.0.2:5700"'),
      r"devices.ocs.request: expected an endpoint of its own \(devices.heaters.request"),
-    (('driver = "drivers.polatis:Polatis"\n', ''),
+    (('driver = "photonic_testbed.drivers.polatis:Polatis"\n', ''),
      r"devices.ocs.driver: expected the driver class"),
     (('client_key = "keys/operator.key_secret"\n', ''),
      r"bus.client_key: expected a key file \(CURVE is on"),
@@ -117,7 +117,7 @@ def test_missing_rig_file(tmp_path):
 
 def _ptb(*args, **kwargs):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "ptb", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **kwargs)
 

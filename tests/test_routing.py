@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from scipy.stats import unitary_group
 
-from drivers.circuit_switch import CircuitConflict
-from drivers.routing import (BAR, CROSS, RoutingError, benes_cell_states, benes_route,
+from photonic_testbed.drivers.circuit_switch import CircuitConflict
+from photonic_testbed.drivers.routing import (BAR, CROSS, RoutingError, benes_cell_states, benes_route,
                              circuits_to_permutation, clements_decompose, matching_schedule,
                              mzi, permutation_matrix, round_robin, route_mesh, trace_states)
-from drivers.topology import (Topology, TopologyError, benes, build, clements, hexagonal,
+from photonic_testbed.drivers.topology import (Topology, TopologyError, benes, build, clements, hexagonal,
                               square)
 
 

@@ -11,9 +11,9 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from hil.emulator.ocs import OCSInstrument, OCSPhysics
-from hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from hil.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instrument, SCPIServer, Session,
+from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
+from photonic_testbed.hil.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instrument, SCPIServer, Session,
                                compile_header, split_units)
 
 
@@ -238,7 +238,7 @@ def _valid_matching(state: dict[int, int], n: int) -> bool:
 
 
 def test_connections_beyond_the_limit_are_refused_and_others_still_served(ocs_server):
-    from hil.emulator.scpi import MAX_CLIENTS
+    from photonic_testbed.hil.emulator.scpi import MAX_CLIENTS
     clients = [Client(ocs_server) for _ in range(MAX_CLIENTS)]
     try:
         assert clients[-1].query("*IDN?").startswith("Polatis")

@@ -3,6 +3,6 @@
 `policies` holds the pure decisions (which circuits, which spare); `agent` applies them to
 `CircuitSwitch` objects, verifies them by light, and journals every step.
 """
-from hil.agent.agent import Agent, AgentError, SwapOutcome
+from photonic_testbed.hil.agent.agent import Agent, AgentError, SwapOutcome
 
 __all__ = ["Agent", "AgentError", "SwapOutcome"]

@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from drivers.circuit_switch import CircuitSwitch, Circuits, SwitchError
-from hil.agent import policies
-from hil.agent.policies import RankMap, Targets
-from hil.gpu_health import GpuHealth
-from hil.jobplan import JobPlan, PlanError, round_robin_matchings
-from hil.journal import Journal
-from hil.rack_layout import RackLayout
+from photonic_testbed.drivers.circuit_switch import CircuitSwitch, Circuits, SwitchError
+from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.agent.policies import RankMap, Targets
+from photonic_testbed.hil.gpu_health import GpuHealth
+from photonic_testbed.hil.jobplan import JobPlan, PlanError, round_robin_matchings
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 

@@ -26,17 +26,17 @@ from typing import Any
 
 import zmq
 
-from drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
     check_circuits
-from hil.agent.agent import Agent, AgentError
-from hil.bus import schema
-from hil.bus.client import BusError, ServiceClient, StaleState, call_many
-from hil.bus.mirror import StateSubscriber
-from hil.bus.stateserver import StateServer
-from hil.jobplan import JobPlan, PlanError
-from hil.journal import Journal
-from hil.rack_layout import Attachment, RackLayout
-from hil.rigfile import Rig, RigFileError
+from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState, call_many
+from photonic_testbed.hil.bus.mirror import StateSubscriber
+from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.jobplan import JobPlan, PlanError
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import Attachment, RackLayout
+from photonic_testbed.hil.rigfile import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 

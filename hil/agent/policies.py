@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
-from hil.jobplan import JobPlan, round_robin_matchings
-from hil.rack_layout import RackLayout
+from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
+from photonic_testbed.hil.jobplan import JobPlan, round_robin_matchings
+from photonic_testbed.hil.rack_layout import RackLayout
 
 Targets = dict[str, Circuits]           # switch name -> circuits
 RankMap = dict[int, str]

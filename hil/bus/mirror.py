@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from hil.bus import schema
-from hil.bus.security import ClientKeys, make_client
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.security import ClientKeys, make_client
 
 log = logging.getLogger(__name__)
 

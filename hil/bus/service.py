@@ -21,16 +21,17 @@ import math
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from drivers.circuit_switch import CircuitSwitch, check_circuits
-from hil.bus import schema
-from hil.bus.mirror import StatePublisher
-from hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
+from photonic_testbed.drivers.circuit_switch import CircuitSwitch, check_circuits
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.mirror import StatePublisher
+from photonic_testbed.hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def _switch_telemetry(switch) -> dict:
 
 KINDS: dict[str, DeviceKind] = {
     "heater_dac": DeviceKind(
-        "heater_dac", "drivers.heater_dac:HeaterDAC",
+        "heater_dac", "photonic_testbed.drivers.heater_dac:HeaterDAC",
         ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters},
         state=lambda dac: {"volts": dac.commanded, "channels": dac.channels},
         describe=_describe_heaters,
@@ -210,7 +211,7 @@ KINDS: dict[str, DeviceKind] = {
         telemetry=_switch_telemetry, telemetry_hz=2.0),
     # A power meter driver offers read_power(channels or None) -> {channel: mW}.
     "power_meter": DeviceKind(
-        "power_meter", "drivers.power_meter:PowerMeter",
+        "power_meter", "photonic_testbed.drivers.power_meter:PowerMeter",
         ops={"read_power": _read_power}, state=lambda m: {},
         describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
         telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
@@ -218,23 +219,32 @@ KINDS: dict[str, DeviceKind] = {
     # A chip: the mesh driver owns the heater DAC (one writer); topology and calibration
     # come from the rig's [chip] section. Rigs without a chip keep `heater_dac`.
     "chip": DeviceKind(
-        "chip", "drivers.mesh:open_chip",
+        "chip", "photonic_testbed.drivers.mesh:open_chip",
         ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
              "set_heaters": _chip_set_heaters,
              "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args)},
         state=_chip_state, describe=_chip_describe,
         telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
     "laser": DeviceKind(
-        "laser", "drivers.laser:Laser",
+        "laser", "photonic_testbed.drivers.laser:Laser",
         ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},
         state=_laser_state, describe=lambda laser: laser.describe()),
 }
+
+
+# The top-level names of releases before 0.2, when every folder installed as its own package.
+_OLD_ROOTS = ("firmware", "drivers", "calibration", "hil", "gui", "ptb")
 
 
 def load_class(path: str) -> type:
     module, _, name = path.partition(":")
     if not module or not name:
         raise ServiceError(f"a driver is named 'module:Class', not {path!r}")
+    if module.partition(".")[0] in _OLD_ROOTS:
+        new = f"{__name__.partition('.')[0]}.{module}"
+        warnings.warn(f"driver {path!r}: the module is now {new!r} (one import root since "
+                      "0.2); update the rig file", DeprecationWarning, stacklevel=2)
+        module = new
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from hil.bus import schema
-from hil.bus.security import ClientKeys, make_client
-from hil.bus.service import ServiceSpec, run_service
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.security import ClientKeys, make_client
+from photonic_testbed.hil.bus.service import ServiceSpec, run_service
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hil.emulator.control import ControlError, ControlServer
-from hil.emulator.ocs import OCSInstrument, OCSPhysics
-from hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from hil.emulator.scpi import SCPIServer
+from photonic_testbed.hil.emulator.control import ControlError, ControlServer
+from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
+from photonic_testbed.hil.emulator.scpi import SCPIServer
 
 log = logging.getLogger(__name__)
 

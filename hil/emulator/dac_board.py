@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from firmware.core import Board, make_chain
-from firmware.hal_emulated import EmulatedHAL
+from photonic_testbed.firmware.core import Board, make_chain
+from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
 log = logging.getLogger(__name__)
 

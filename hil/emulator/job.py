@@ -25,9 +25,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hil.emulator.clock import WallClock
-from hil.emulator.rack import EmulatedRack
-from hil.jobplan import JobPlan, PlanError, round_robin_matchings
+from photonic_testbed.hil.emulator.clock import WallClock
+from photonic_testbed.hil.emulator.rack import EmulatedRack
+from photonic_testbed.hil.jobplan import JobPlan, PlanError, round_robin_matchings
 
 log = logging.getLogger(__name__)
 

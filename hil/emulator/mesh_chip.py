@@ -20,7 +20,7 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse import linalg as splinalg
 
-from hil.emulator.chip import MONITOR_TAP, OUTPUT_TAP, RESPONSIVITY_A_PER_W, \
+from photonic_testbed.hil.emulator.chip import MONITOR_TAP, OUTPUT_TAP, RESPONSIVITY_A_PER_W, \
     DARK_CURRENT_UA, ChipError, EmulatedChip
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from hil.emulator.scpi import Instrument, SCPIError, no_arg
+from photonic_testbed.hil.emulator.scpi import Instrument, SCPIError, no_arg
 
 log = logging.getLogger(__name__)
 

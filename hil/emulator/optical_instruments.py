@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from hil.emulator.scpi import Instrument, SCPIError, boolean, no_arg, number
+from photonic_testbed.hil.emulator.scpi import Instrument, SCPIError, boolean, no_arg, number
 
 log = logging.getLogger(__name__)
 

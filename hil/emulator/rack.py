@@ -29,9 +29,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
-from hil.emulator.clock import WallClock
-from hil.gpu_health import GpuHealth, classify
-from hil.rack_layout import RackLayout
+from photonic_testbed.hil.emulator.clock import WallClock
+from photonic_testbed.hil.gpu_health import GpuHealth, classify
+from photonic_testbed.hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from typing import Any
 
 import zmq
 
-from hil.bus.client import BusError
-from hil.bus.stateserver import StateServer
-from hil.client import Fabric
-from hil.emulator.clock import WallClock
-from hil.emulator.control import ControlError, ControlServer
-from hil.emulator.job import JobEvent, TrainingJob
-from hil.emulator.rack import EmulatedRack, RackError
-from hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
-from hil.rack_layout import RackLayout
+from photonic_testbed.hil.bus.client import BusError
+from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.emulator.clock import WallClock
+from photonic_testbed.hil.emulator.control import ControlError, ControlServer
+from photonic_testbed.hil.emulator.job import JobEvent, TrainingJob
+from photonic_testbed.hil.emulator.rack import EmulatedRack, RackError
+from photonic_testbed.hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
+from photonic_testbed.hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 

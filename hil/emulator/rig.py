@@ -16,12 +16,12 @@ import time
 import tomllib
 from dataclasses import dataclass
 
-from drivers.topology import build as build_topology
-from hil.emulator.bench_optics import OpticalBench
-from hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
-from hil.emulator.mesh_chip import make_chip
-from hil.emulator.control import ControlServer
-from hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.drivers.topology import build as build_topology
+from photonic_testbed.hil.emulator.bench_optics import OpticalBench
+from photonic_testbed.hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
+from photonic_testbed.hil.emulator.mesh_chip import make_chip
+from photonic_testbed.hil.emulator.control import ControlServer
+from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,8 @@ class EmulatedRig:
         """The rack of GPUs on this rig's switch (hil.rack_layout), its link state from the
         chip's or the OCS's physics; GPU health published at `gpus_endpoints`; faults, truth
         and the job on the control endpoint. Returns the RackHost."""
-        from hil.emulator.rackhost import RackHost
-        from hil.rack_layout import layout
+        from photonic_testbed.hil.emulator.rackhost import RackHost
+        from photonic_testbed.hil.rack_layout import layout
         physics = {}
         if self.chip is not None:
             physics["chip"] = self.chip
@@ -222,7 +222,7 @@ class EmulatedRig:
         lay = layout(self.spec.name)
         missing = sorted(set(lay.switches) - set(physics))
         if missing:
-            from hil.emulator.rack import RackError
+            from photonic_testbed.hil.emulator.rack import RackError
             raise RackError(f"rig {self.spec.name} has no {', '.join(missing)} for its rack")
         self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
                              gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)

@@ -15,7 +15,7 @@ BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrat
 
 
 def _module(name: str):
-    return importlib.import_module(f"ptb.bench.{name}")
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def add_parser(sub) -> None:

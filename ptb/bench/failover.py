@@ -18,12 +18,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from hil.bus.mirror import SubscriberThread
-from hil.client import Fabric
-from hil.emulator.control import request
-from hil.jobplan import dp_ring
-from hil.journal import Journal
-from ptb.bench.stack import Stack, percentile, wait_for
+from photonic_testbed.hil.bus.mirror import SubscriberThread
+from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.emulator.control import request
+from photonic_testbed.hil.jobplan import dp_ring
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
 
 NAME = "failover"
 HELP = "GPU failure -> spare's circuits applied and verified, over the bus (lumion)"

@@ -58,10 +58,10 @@ def run(args) -> dict:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from gui.demo import benes_topology, chip_circuits
-    from gui.model import FabricModel
-    from gui.paths import Topology
-    from gui.portmap import PortMapView
+    from photonic_testbed.gui.demo import benes_topology, chip_circuits
+    from photonic_testbed.gui.model import FabricModel
+    from photonic_testbed.gui.paths import Topology
+    from photonic_testbed.gui.portmap import PortMapView
 
     app = QApplication.instance() or QApplication([])
     rng = random.Random(args.seed)

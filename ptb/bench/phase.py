@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from hil.client import Fabric
-from hil.jobplan import dp_tp
-from ptb.bench.stack import Stack, percentile
+from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.jobplan import dp_tp
+from photonic_testbed.ptb.bench.stack import Stack, percentile
 
 NAME = "phase"
 HELP = "phase event -> phase circuits applied (grant), over the bus, chip and OCS"

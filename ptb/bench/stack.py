@@ -8,10 +8,10 @@ import pathlib
 import tempfile
 import time
 
-from hil import rigfile
-from hil.bus.client import BusError, ServiceClient
-from ptb.cli import CommandFailed
-from ptb.demo import Processes, _wait
+from photonic_testbed.hil import rigfile
+from photonic_testbed.hil.bus.client import BusError, ServiceClient
+from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.demo import Processes, _wait
 
 
 class Stack:

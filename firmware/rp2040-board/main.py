@@ -1,6 +1,7 @@
 """Board entry point (MicroPython): USB CDC serial to the command core, watchdog ticks.
 
-Copy firmware/*.py to the board's filesystem; MicroPython runs main.py at boot.
+Copy firmware/core.py and firmware/rp2040-board/*.py into one folder of the board's filesystem;
+MicroPython runs main.py at boot.
 """
 import select
 import sys
