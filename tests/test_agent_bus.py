@@ -1,5 +1,5 @@
 """The agent as a bus process: `ptb agent` against emulated switches, GPU health on the bus,
-the job side through hil.client.Fabric; and `ptb demo` end to end."""
+the job side through hil.fabric_client.Fabric; and `ptb demo` end to end."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +18,7 @@ import zmq
 from photonic_testbed.hil import rigfile
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
 from photonic_testbed.hil.bus.service import DeviceService
-from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 from photonic_testbed.hil.jobplan import dp_ring
 from photonic_testbed.hil.journal import Journal

@@ -573,7 +573,7 @@ def _swap_on_monitors(tmp_path, rig, hosts: dict):
     orders the job's restart. Returns the agent's state after the swap."""
     from photonic_testbed.hil.agent.bus import AgentProcess
     from photonic_testbed.hil.bus.service import DeviceService
-    from photonic_testbed.hil.client import Fabric
+    from photonic_testbed.hil.fabric_client import Fabric
     from photonic_testbed.hil.jobplan import dp_ring
 
     stop = threading.Event()

@@ -10,7 +10,7 @@
   requests to several monitors go out together (`call_many`).
 - Health: a `StateSubscriber` on every GPU monitor; every GPU whose state changed goes to
   `on_health`.
-- The job (through `hil.client.Fabric`): requests `admit`, `phase` (answered once the
+- The job (through `hil.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `StateServer` (docs/agent.md "On the bus"):
   rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`

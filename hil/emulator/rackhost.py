@@ -12,7 +12,7 @@ the bus, faults and truth on the control endpoint, and the training job.
 - The control endpoint gets the rack's handlers (`fail_gpu`, `fail_transceiver`, `cut_fibre`,
   `rack_truth`, `health`, ...) and the job's (`job_start`, `job_status`, `job_stop`).
 - The job (`hil.emulator.job.TrainingJob`, wall clock) talks to the agent through
-  `hil.client.Fabric` only: each phase round waits for `fabric.phase(...)`, failures go to
+  `hil.fabric_client.Fabric` only: each phase round waits for `fabric.phase(...)`, failures go to
   `fabric.failure(...)`, restart orders come back from the agent's published state.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import zmq
 
 from photonic_testbed.hil.bus.client import BusError
 from photonic_testbed.hil.bus.stateserver import StateServer
-from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.clock import WallClock
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
 from photonic_testbed.hil.emulator.job import JobEvent, TrainingJob

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from photonic_testbed.hil.bus.mirror import SubscriberThread
-from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.control import request
 from photonic_testbed.hil.jobplan import dp_ring
 from photonic_testbed.hil.journal import Journal

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from photonic_testbed.hil.client import Fabric
+from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.jobplan import dp_tp
 from photonic_testbed.ptb.bench.stack import Stack, percentile
 

@@ -1,6 +1,6 @@
 """The job's side of the fabric: what a training loop calls at its phase boundaries.
 
-    from photonic_testbed.hil.client import Fabric
+    from photonic_testbed.hil.fabric_client import Fabric
     fabric = Fabric(*rig.agent_endpoints(), on_restart=restart_from_checkpoint)
     rank_map = fabric.admit(plan)          # the agent precomputes every phase's circuits
     for step in range(steps):
