@@ -88,6 +88,18 @@ class CircuitSwitch(abc.ABC):
     def circuits(self) -> Circuits:
         """The circuits the switch reports as set, read from the device."""
 
+    @property
+    def split(self) -> bool:
+        """Whether the ports are inputs 1..N and outputs N+1..2N (a recirculating mesh's are
+        not: it names each circuit (a, b) with a < b)."""
+        return True
+
+    def check(self, circuits: Mapping[int, int] | Iterable[tuple[int, int]]) -> Circuits:
+        """`circuits` as {input: output} if this switch can make them all at once, else
+        CircuitConflict: where a request enters (the wire's list of pairs), so that a port
+        named twice is refused rather than merged."""
+        return check_circuits(circuits, self.ports, split=self.split)
+
     def describe(self) -> dict:
         """What the switch is, as plain JSON-able data (kind, ports, and for a chip its
         topology)."""

@@ -318,9 +318,13 @@ class Mesh(CircuitSwitch):
                 phases[chans[1]] = phi
         return phases
 
+    @property
+    def split(self) -> bool:
+        return not self.topology.recirculating
+
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         t0 = time.perf_counter()
-        circuits = check_circuits(circuits, self.ports, split=not self.topology.recirculating)
+        circuits = self.check(circuits)
         try:
             cells = self.cell_phases(circuits)
         except RoutingError as e:

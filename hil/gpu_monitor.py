@@ -4,7 +4,7 @@ It publishes exactly what the emulator's monitor publishes (hil/emulator/rackhos
 agent runs unchanged on a real host:
 
 - device `gpus` on the rig's gpus endpoints (or, for a rig with one monitor per host in
-  [monitors], device `gpus-HOST` on that host's), with `StateServer`: state `{"gpus": {name:
+  [monitors], device `gpus-HOST` on that host's), with `Server`: state `{"gpus": {name:
   GpuHealth.to_dict()}}`, one delta whenever a GPU's state (or its reasons) changes. Names are
   the rig's [[gpus]] names; each says which NVML GPU it is with `nvml = INDEX` or
   `nvml = "GPU-uuid"`. Health comes from `hil.gpu_health.NvmlHealth`: Xid events (waited for
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
-from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader
 from photonic_testbed.hil.gpu_health import FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth, classify
 from photonic_testbed.hil.rigfile import GpuConfig, Rig, monitor_device
@@ -182,8 +182,8 @@ class GpuMonitor:
             if nvml is None or not isinstance(e, nvml.nvml.NVMLError):
                 raise
             raise GpuMonitorError(f"cannot read the GPUs through NVML: {e}") from None
-        self.server = StateServer(
-            self.device, {"gpus": {h.gpu: h.to_dict() for h in first}},
+        self.server = Server(
+            self.device, {"gpus": {h.gpu: h.to_dict() for h in first}}, kind="gpu_monitor",
             request=rig.bind_endpoint(default_request),
             publish=rig.bind_endpoint(default_publish),
             keys=rig.server_keys(), heartbeat=rig.bus.heartbeat_s,
@@ -317,14 +317,11 @@ class GpuMonitor:
         return n
 
     def _rx_power(self, args: dict) -> Future:
-        switch = args.get("switch")
-        ports = args.get("ports")
-        if (switch not in self.switches or not isinstance(ports, list)
-                or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)):
-            raise GpuMonitorError(f"rx_power takes a switch of {self.switches} and a list of "
-                                  f"output port numbers, not {switch!r}, {ports!r}")
+        switch, ports = args["switch"], args["ports"]      # checked: a name, port numbers
+        if switch not in self.switches:
+            raise GpuMonitorError(f"rx_power takes a switch of {self.switches}, not {switch!r}")
         # ethtool may take up to its timeout, and the switch's port count may have to be
-        # asked of its service: on a worker, answered when done (StateServer sends a future's
+        # asked of its service: on a worker, answered when done (Server sends a future's
         # answer), so Xid events and heartbeats do not wait for it
         return self._reader.submit(self._rx_power_read, switch, ports)
 

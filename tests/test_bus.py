@@ -84,7 +84,7 @@ def test_heater_round_trip_reaches_the_emulated_board(rig, heaters):
         assert c.version != version
         with pytest.raises(UnknownOperation, match="does not offer 'apply_circuits'"):
             c.call("apply_circuits", circuits=[[1, 9]])
-        with pytest.raises(BadRequest, match="finite number"):
+        with pytest.raises(BadRequest, match=r"Expected `float`, got `str` \(at volts\[1\]\)"):
             c.call("set_heaters", volts=[1.0, "hot"])
         with pytest.raises(RemoteError) as refused:       # the board's own refusal, typed
             c.call("set_heaters", volts=[50.0])
@@ -187,9 +187,13 @@ def test_malformed_and_hostile_frames_get_errors_while_valid_clients_continue(sw
          "UnknownVersion"),
         ([json.dumps({"v": 1, "type": "request", "op": "ping"}).encode()], "MissingField"),
         ([json.dumps({"v": 1, "type": "request", "id": "a", "op": "apply_circuits",
-                      "args": {"circuits": [[1, "x"]]}}).encode()], "WrongType"),
-        ([json.dumps({"v": 1, "type": "request", "id": "a", "op": "apply_circuits",
+                      "args": {"circuits": [[1, "x"]]}}).encode()], "BadRequest"),
+        ([json.dumps({"v": 1, "type": "request", "id": "b", "op": "apply_circuits",
                       "args": {"circuits": [[1, 2]]}}).encode()], "CircuitConflict"),
+        ([json.dumps({"v": 1, "type": "request", "id": "c", "op": "apply_circuits",
+                      "args": {"circuits": [[1, 9], [1, 10]]}}).encode()], "CircuitConflict"),
+        ([json.dumps({"v": 1, "type": "request", "id": "d", "op": "read_circuits",
+                      "args": {"channels": [1]}}).encode()], "BadRequest"),
         ([json.dumps({"v": 1, "type": "reply", "id": "a", "result": 1,
                       "version": "x"}).encode()], "UnknownType"),
         ([b"a", b"b", b"c"], "BadFrame"),
@@ -347,7 +351,7 @@ def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
     """A silent service does not hide the answer of another, and one that binds late (a
     restart) is asked again on a fresh socket and answers within the timeout."""
     from photonic_testbed.hil.bus.client import call_many
-    from photonic_testbed.hil.bus.stateserver import StateServer
+    from photonic_testbed.hil.bus.server import Server
     from photonic_testbed.hil.rigfile import free_port
 
     ctx = zmq.Context.instance()
@@ -359,12 +363,12 @@ def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
 
     def serve(name, endpoint, delay):
         time.sleep(delay)
-        server = StateServer(name, {"x": 1}, request=endpoint)
+        server = Server(name, {"x": 1}, request=endpoint)
         server.bind()
         servers.append(server)
         while not stop.is_set():
             server.poll(0.01)
-    prompt = StateServer("prompt", {"x": 2})
+    prompt = Server("prompt", {"x": 2})
     prompt_ep = prompt.bind()[0]
     threads = [threading.Thread(target=serve, args=("late", late_ep, 0.4), daemon=True)]
     threads[0].start()
@@ -379,8 +383,6 @@ def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
         got = call_many([(c, "ping", {}) for c in clients], timeout=2.0)
         assert isinstance(got[0], ServiceUnavailable) and "within 2 s" in str(got[0])
         assert got[1]["device"] == "prompt" and got[2]["device"] == "late"
-        with pytest.raises(ValueError, match="read-only"):
-            call_many([(clients[1], "apply_circuits", {})], timeout=1.0)
     finally:
         stop.set()
         for t in threads:

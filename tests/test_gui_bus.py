@@ -1,5 +1,5 @@
 """The GUI on a rig's bus, offscreen: the emulated lumion rig's OCS and chip served by the
-real device services, the agent's published state from a StateServer with the agent's state
+real device services, the agent's published state from a Server with the agent's state
 shape (docs/agent-bus.md), the window opened from the rig file alone. Circuits changed by a
 bus client show in the port map; the operator's commands reach the hardware as the same
 request from a client would; refusals come back with their reason."""
@@ -21,7 +21,7 @@ from photonic_testbed.gui.commands import Command  # noqa: E402
 from photonic_testbed.gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
 from photonic_testbed.hil import rigfile  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
-from photonic_testbed.hil.bus.stateserver import StateServer  # noqa: E402
+from photonic_testbed.hil.bus.server import Server  # noqa: E402
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec  # noqa: E402
 from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
@@ -46,11 +46,11 @@ def agent_state():
 
 
 class Agent:
-    """The agent's bus face: a StateServer named `agent` with its state shape and its `swap`
+    """The agent's bus face: a Server named `agent` with its state shape and its `swap`
     request (the swap puts the first healthy spare in the GPU's place), on its own thread."""
 
     def __init__(self, endpoints):
-        self.server = StateServer("agent", agent_state(), request=endpoints[0],
+        self.server = Server("agent", agent_state(), request=endpoints[0],
                                   publish=endpoints[1], heartbeat=0.1,
                                   handlers={"swap": self._swap})
         self.todo: queue.Queue = queue.Queue()

@@ -12,7 +12,7 @@
   `on_health`.
 - The job (through `hil.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
-- Its own state, published as device `agent` with `StateServer` (docs/agent.md "On the bus"):
+- Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
   rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`
   (the job's restart orders). Operator op: `swap` `{"gpu": name}`.
 """
@@ -32,7 +32,7 @@ from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState, call_many
 from photonic_testbed.hil.bus.mirror import StateSubscriber
-from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import Attachment, RackLayout
@@ -118,7 +118,7 @@ class AgentProcess:
         self.journal = Journal(journal_path, journal_sync)
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
-        self.server: StateServer | None = None
+        self.server: Server | None = None
         self.sub: StateSubscriber | None = None
         self.agent: Agent | None = None
         self._verify_dbm = verify_dbm
@@ -166,8 +166,8 @@ class AgentProcess:
                                  "latency_s": e.latency_s, "details": e.details})
             self._last_seq = e.seq
         request, publish = self.rig.agent_endpoints()
-        self.server = StateServer(
-            "agent", self._state(), request=self.rig.bind_endpoint(request),
+        self.server = Server(
+            "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
             keys=self.rig.server_keys(),
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
@@ -265,15 +265,13 @@ class AgentProcess:
                 "restart_seq": self._restart["seq"]}
 
     def _phase(self, args: dict) -> dict:
-        phase, rnd = args.get("phase"), args.get("round", 0)
-        if not isinstance(phase, str) or isinstance(rnd, bool) or not isinstance(rnd, int):
-            raise AgentError(f"phase takes a phase name and a round number, not {args!r}")
+        phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
         self.agent.on_phase(phase, rnd)
         return {"granted": True, "phase": phase, "round": rnd}
 
     def _job_failure(self, args: dict) -> dict:
-        out = self.agent.on_job_failure(str(args.get("reason", "")), args.get("gpus", ()),
-                                        [tuple(x) for x in args.get("links", ())])
+        out = self.agent.on_job_failure(args["reason"], args["gpus"],
+                                        [tuple(x) for x in args["links"]])
         return {"swapped": dict(out.swaps) if out is not None else {}}
 
     def _swap(self, args: dict) -> dict:

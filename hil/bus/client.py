@@ -1,16 +1,18 @@
-"""Calling a device service: request ids, deadlines, typed errors, reconnection by itself.
+"""Calling a server on the bus: request ids, deadlines, typed errors, retries, reconnection.
 
     with ServiceClient("tcp://127.0.0.1:5601") as heaters:
         heaters.call("set_heaters", volts=[0.0, 1.5, 2.0], expect=version)
         heaters.call("read_heaters")
 
-`call` sends one request carrying a fresh id and the time it may take (`ttl_ms`), waits at most
-that long, and returns the result or raises: a `RemoteError` named after the exception the
-service or its driver raised (`StaleState`, `DACTimeout`, ...), or `ServiceUnavailable` when no
-answer came in time. After a timeout the socket is replaced (nothing queued for a dead peer is
-delivered later to its successor), and read-only operations are retried until the deadline, so
-a client rides through a service restart by itself. Changing operations are not retried: the
-caller re-reads the state and decides (compare-and-set makes that safe).
+`call` sends one request carrying an id and the time it may take (`ttl_ms`), and returns the
+result or raises: the error the server answered, as the class of that name in
+`hil.bus.errors` (`StaleState`, `BadRequest`...; a driver's own error is a `RemoteError` with
+its name in `kind`), or `ServiceUnavailable` when no answer came in time. A server silent for
+an attempt (0.25 s, doubling to 1 s) gets the request again on a fresh socket (nothing queued
+for a dead peer is delivered later to its successor), until the deadline: a client rides
+through a service restart by itself. Every retry carries the request's first id, so a changing
+operation still runs at most once: the server answers a retry of a change it already ran with
+its first answer (hil.bus.server).
 
 Not thread-safe (ZeroMQ sockets are not): one client per thread.
 """
@@ -18,62 +20,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
+import uuid
 
 import zmq
 
 from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.errors import (  # noqa: F401  (re-exported for callers)
+    BadRequest, BusError, DeadlineExceeded, RemoteError, ServiceUnavailable, StaleState,
+    UnknownOperation, from_wire)
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
 
 log = logging.getLogger(__name__)
 
-
-class BusError(Exception):
-    """Anything that went wrong on the bus."""
-
-
-class ServiceUnavailable(BusError):
-    """No answer from the service within the deadline (down, restarting, or refusing our key)."""
-
-
-class RemoteError(BusError):
-    """The service refused or failed a request; `kind` is the exception's class name there."""
-
-    kind = "RemoteError"
-
-    def __init__(self, kind: str, message: str, version: str | None = None):
-        self.kind = kind
-        self.version = version
-        super().__init__(f"{kind}: {message}")
-        self.remote_message = message
-
-
-class StaleState(RemoteError):
-    """Compare-and-set failed: the device changed since the state version the caller named."""
-
-
-class DeadlineExceeded(RemoteError):
-    """The request waited past its deadline in the service's queue and was not run."""
-
-
-class BadRequest(RemoteError):
-    """The service could not decode the request, or its arguments are wrong."""
-
-
-class UnknownOperation(RemoteError):
-    """The device does not offer this operation."""
-
-
-_KNOWN = {cls.__name__: cls for cls in (StaleState, DeadlineExceeded, BadRequest,
-                                        UnknownOperation)}
-for _name in ("SchemaError", "FrameTooLarge", "BadFrame", "UnknownVersion", "UnknownType",
-              "MissingField", "WrongType"):
-    _KNOWN[_name] = BadRequest
-
-
-def remote_error(kind: str, message: str, version: str | None = None) -> RemoteError:
-    return _KNOWN.get(kind, RemoteError)(kind, message, version)
+FIRST_ATTEMPT_S = 0.25          # how long a server may stay silent before the request is resent
+LAST_ATTEMPT_S = 1.0            # the longest wait between resends
 
 
 _ids = itertools.count(1)
@@ -89,7 +50,7 @@ class ServiceClient:
         self.keys = keys
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._prefix = f"{os.getpid():x}-{id(self):x}-"
+        self._prefix = f"{uuid.uuid4().hex[:12]}-"       # unique among every client's ids
         self.version: str | None = None     # the state version in the last reply
         self.reconnects = 0
         self._connect()
@@ -125,12 +86,13 @@ class ServiceClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def send(self, op: str, args: dict | None = None, *, ttl: float | None = None,
-             expect: str | None = None, wait: float = 0.0) -> str:
-        """Send one request, waiting at most `wait` seconds for a connection (a request is
-        never queued for a peer that is not connected); returns its id (for `receive`)."""
+             expect: str | None = None, wait: float = 0.0, rid: str | None = None) -> str:
+        """Send one request (a retry when `rid` is given: the same id), waiting at most `wait`
+        seconds for a connection (a request is never queued for a peer that is not connected);
+        returns its id (for `receive`)."""
         if self._sock is None:
             raise BusError("the client is closed")
-        rid = self._prefix + str(next(_ids))
+        rid = rid or self._prefix + str(next(_ids))
         ttl = self.timeout if ttl is None else ttl
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,
                           expect=expect)
@@ -170,50 +132,40 @@ class ServiceClient:
             if msg["type"] == "error":
                 if msg.get("version"):
                     self.version = msg["version"]
-                raise remote_error(msg["error"], msg["message"], msg.get("version"))
+                raise from_wire(msg["error"], msg["message"], msg.get("version"))
             log.warning("%s answered a %s message to a request", self.endpoint, msg["type"])
 
     def call(self, op: str, *, timeout: float | None = None, expect: str | None = None,
              **args):
-        """Run `op` on the service and return its result (see the module doc)."""
+        """Run `op` on the server and return its result (see the module doc)."""
         timeout = self.timeout if timeout is None else timeout
-        if op not in schema.CHANGING:            # read-only: retried until the deadline
-            got = call_many([(self, op, args)], timeout)[0]
-            if isinstance(got, BusError):
-                raise got
-            return got
-        deadline = time.monotonic() + timeout
-        rid = self.send(op, args, ttl=timeout, expect=expect, wait=timeout)
-        try:
-            return self.receive(rid, deadline)
-        except ServiceUnavailable:
-            self._reset()
-            raise ServiceUnavailable(
-                f"{op}: no answer from {self.endpoint} within {timeout:g} s") from None
+        got = call_many([(self, op, args)], timeout, expect=expect)[0]
+        if isinstance(got, BusError):
+            raise got
+        return got
 
 
-def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float) -> list:
-    """Read-only requests to several services at once: sent together, answered as they come,
-    so the wait is the slowest answer, not the sum. Returns, in order, each result or the
-    BusError it got. As `call` does, a service silent for an attempt (0.25 s, doubling) gets
-    its request again on a fresh socket, until `timeout`; then ServiceUnavailable."""
-    for _, op, _ in requests:
-        if op in schema.CHANGING:
-            raise ValueError(f"call_many is for read-only operations, not {op!r}")
+def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float, *,
+              expect: str | None = None) -> list:
+    """Requests to several servers at once: sent together, answered as they come, so the wait
+    is the slowest answer, not the sum. Returns, in order, each result or the BusError it got.
+    A server silent for an attempt (0.25 s, doubling to 1 s) gets its request again, with the
+    same id, on a fresh socket, until `timeout`; then ServiceUnavailable."""
     deadline = time.monotonic() + timeout
     results: list = [None] * len(requests)
     waiting = set(range(len(requests)))
-    attempt = min(timeout, 0.25)
+    rids: dict[int, str] = {}
+    attempt = min(timeout, FIRST_ATTEMPT_S)
     while waiting:
         until = min(deadline, time.monotonic() + attempt)
-        rids = {}
         for i in sorted(waiting):
             client, op, args = requests[i]
             rids[i] = client.send(op, args, ttl=max(deadline - time.monotonic(), 0.001),
-                                  wait=max(0.0, until - time.monotonic()))
-        for i, rid in rids.items():
+                                  expect=expect, wait=max(0.0, until - time.monotonic()),
+                                  rid=rids.get(i))
+        for i in sorted(waiting):
             try:
-                results[i] = requests[i][0].receive(rid, until)
+                results[i] = requests[i][0].receive(rids[i], until)
             except ServiceUnavailable:
                 continue
             except BusError as e:
@@ -223,7 +175,7 @@ def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float) -
             break
         for i in waiting:
             requests[i][0]._reset()
-        attempt = min(attempt * 2, 0.5)
+        attempt = min(attempt * 2, LAST_ATTEMPT_S)
     for i in waiting:
         client, op, _ = requests[i]
         results[i] = ServiceUnavailable(f"{op}: no answer from {client.endpoint} within "

@@ -1,146 +1,313 @@
-"""Every message on the bus: its type, fields, field types, and the protocol version.
+"""Every message and every operation on the bus, declared once, and the protocol version.
 
 A message is one JSON object (UTF-8) in one ZeroMQ frame, with `v` (the protocol version) and
-`type`. JSON keeps numbers exact in both directions (floats are written as the shortest text
-that reads back to the same double), and a vector of heater voltages is a plain JSON array:
-about eight bytes a channel. Frames are written and read by `orjson` (strict JSON; NaN and
-infinity are refused rather than sent, see `encode`). `decode` refuses anything that is not
-exactly a known message of this version, with a `SchemaError` whose message says what was
-wrong; the service answers such a frame with an `error` message and carries on.
+`type`. Each type is a msgspec Struct below; `decode` checks a frame against its type at once
+(field names, types, ranges, sizes: JSON `true` is not a number, a port list holds integers)
+and refuses anything else with a `SchemaError` that names the field. Numbers stay exact in both
+directions (floats are written as the shortest text that reads back to the same double); NaN and
+infinity are refused rather than sent (see `encode`).
 
-docs/bus.md lists every socket, topic and message with an example.
+Every operation any server offers (device services, the agent, the GPU monitors) is an
+`Operation` in `OPERATIONS`: its arguments (a Struct: types, ranges, sizes, defaults) and whether
+it only reads. A server refuses an operation it does not offer, and arguments that do not fit,
+before anything reaches a device. What is not read-only is a change, and runs at most once per
+request id (hil.bus.server).
+
+docs/bus.md lists every socket, topic, message and operation with an example.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+import msgspec
 import orjson
+
+from photonic_testbed.hil.bus.errors import (  # noqa: F401  (the schema's errors, re-exported)
+    BadFrame, BadRequest, FrameTooLarge, MissingField, SchemaError, UnknownType,
+    UnknownVersion, WrongType)
 
 VERSION = 1
 MAX_FRAME = 1 << 20          # bytes; a whole 4096-channel heater vector is ~80 kB
 
-# Topics on a service's PUB socket (first frame of each published message), followed by the
+# Topics on a server's PUB socket (first frame of each published message), followed by the
 # device name: b"state.heaters", b"telemetry.heaters", b"heartbeat.heaters".
 STATE, TELEMETRY, HEARTBEAT = "state", "telemetry", "heartbeat"
 TOPICS = (STATE, TELEMETRY, HEARTBEAT)
 
-# Operations a service may offer, and for each its arguments: name -> (type, required).
-# Which device kinds offer which operations is hil.bus.service.KINDS.
-_NUM = (int, float)
-OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "ping": {},
-    "describe": {},
-    "snapshot": {},
-    "read_circuits": {},
-    "apply_circuits": {"circuits": ((list,), True)},
-    "read_heaters": {},
-    "set_heaters": {"volts": ((list,), True), "first": ((int,), False)},
-    "read_power": {"channels": ((list,), False)},
-    "set_laser": {"on": ((bool,), False), "power_mw": (_NUM, False),
-                  "wavelength_nm": (_NUM, False)},
-    "read_laser": {},
-}
-# Operations that change hardware: serialised by the one writer, and compare-and-set when the
-# request carries `expect`.
-CHANGING = frozenset({"apply_circuits", "set_heaters", "set_laser", "swap", "admit"})
-
-# Message fields: name -> (accepted types, required). `None` in a type tuple allows null.
-_ANY = (object,)
-MESSAGES: dict[str, dict[str, tuple[tuple, bool]]] = {
-    # client -> service (DEALER -> ROUTER)
-    "request": {"id": ((str,), True), "op": ((str,), True), "args": ((dict,), False),
-                "ttl_ms": (_NUM, False), "expect": ((str,), False)},
-    # service -> client
-    "reply": {"id": ((str,), True), "result": (_ANY, True), "version": ((str,), True)},
-    "error": {"id": ((str, type(None)), True), "error": ((str,), True),
-              "message": ((str,), True), "version": ((str, type(None)), False)},
-    # service -> subscribers (PUB), topic "state.<device>"
-    "snapshot": {"device": ((str,), True), "incarnation": ((str,), True),
-                 "seq": ((int,), True), "state": ((dict,), True)},
-    "delta": {"device": ((str,), True), "incarnation": ((str,), True), "seq": ((int,), True),
-              "ops": ((list,), True)},
-    # topic "telemetry.<device>"
-    "telemetry": {"device": ((str,), True), "seq": ((int,), True), "t": (_NUM, True),
-                  "values": ((dict,), True)},
-    # topic "heartbeat.<device>"
-    "heartbeat": {"device": ((str,), True), "incarnation": ((str,), True),
-                  "seq": ((int,), True), "t": (_NUM, True), "online": ((bool,), True),
-                  "interval": (_NUM, True)},
-}
+# Sizes: what one request may carry. Ports of an N x N switch are 1..2N (Polatis: N <= 576).
+MAX_PORT = 4096
+MAX_CIRCUITS = 4096
+MAX_CHANNELS = 4096          # heater channels of one board chain, power meter channels
+MAX_NAME = 64                # a device, GPU, phase or request name
+MAX_TEXT = 4096              # free text (a failure's reason)
+MAX_RANKS = 65536
 
 
-class SchemaError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
+def _meta(**kw) -> msgspec.Meta:
+    return msgspec.Meta(**kw)
 
 
-class FrameTooLarge(SchemaError):
-    pass
+Port = Annotated[int, _meta(ge=1, le=MAX_PORT)]
+Circuit = tuple[Port, Port]
+Name = Annotated[str, _meta(min_length=1, max_length=MAX_NAME)]
+Text = Annotated[str, _meta(max_length=MAX_TEXT)]
+Volts = Annotated[float, _meta(ge=-1000.0, le=1000.0)]  # the board refuses above its VMAX
 
 
-class BadFrame(SchemaError):
-    """Not JSON, not an object, or not UTF-8."""
+# ---- messages ---------------------------------------------------------------------------------
+
+class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
+    v: Literal[1]
 
 
-class UnknownVersion(SchemaError):
-    pass
+class Request(Message, tag="request"):
+    """client -> server (DEALER -> ROUTER). `ttl_ms`: how long it may wait in the queue;
+    `expect`: compare-and-set, the state version the change was computed from."""
+    id: Annotated[str, _meta(min_length=1, max_length=200)]
+    op: Annotated[str, _meta(min_length=1, max_length=MAX_NAME)]
+    args: dict[str, Any] = {}
+    ttl_ms: Annotated[float, _meta(ge=0)] | None = None
+    expect: Annotated[str, _meta(max_length=200)] | None = None
 
 
-class UnknownType(SchemaError):
-    pass
+class Reply(Message, tag="reply"):
+    id: str
+    result: Any
+    version: str
 
 
-class MissingField(SchemaError):
-    pass
+class Error(Message, tag="error"):
+    id: str | None
+    error: str
+    message: str
+    version: str | None = None
 
 
-class WrongType(SchemaError):
-    pass
+class Snapshot(Message, tag="snapshot"):
+    device: str
+    incarnation: str
+    seq: int
+    state: dict[str, Any]
 
 
-def _type_names(types: tuple) -> str:
-    names = {int: "integer", float: "number", str: "string", dict: "object", list: "array",
-             bool: "boolean", type(None): "null", object: "anything"}
-    return " or ".join(names.get(t, t.__name__) for t in types)
+class Delta(Message, tag="delta"):
+    device: str
+    incarnation: str
+    seq: int
+    ops: list[Any]
 
 
-def _is(value, types: tuple) -> bool:
-    if object in types:
-        return True
-    if isinstance(value, bool) and bool not in types:
-        return False          # JSON true is not a number here
-    if isinstance(value, int) and float in types:
-        return True
-    return isinstance(value, types)
+class Telemetry(Message, tag="telemetry"):
+    device: str
+    seq: int
+    t: float
+    values: dict[str, Any]
 
 
-_ENVELOPE = frozenset({"v", "type"})
+class Heartbeat(Message, tag="heartbeat"):
+    device: str
+    incarnation: str
+    seq: int
+    t: float
+    online: bool
+    interval: float
 
 
-def check_fields(where: str, obj: Mapping, spec: Mapping, extra_ok: bool = False) -> None:
-    for name, (types, required) in spec.items():
-        if name not in obj:
-            if required:
-                raise MissingField(f"{where}: field {name!r} is missing")
-            continue
-        value = obj[name]
-        if type(value) in types and type(value) is not bool:
-            continue                                   # the common case, decided at once
-        if not _is(value, types):
-            raise WrongType(f"{where}: field {name!r} must be {_type_names(types)}, "
-                            f"not {type(value).__name__}")
-    if not extra_ok and not obj.keys() <= spec.keys() | _ENVELOPE:
-        unknown = sorted(set(obj) - set(spec) - {"v", "type"})
-        if unknown:
-            raise WrongType(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+MESSAGES: dict[str, type[Message]] = {
+    cls.__struct_config__.tag: cls                       # type: ignore[misc]
+    for cls in (Request, Reply, Error, Snapshot, Delta, Telemetry, Heartbeat)}
+_DECODER = msgspec.json.Decoder(Request | Reply | Error | Snapshot | Delta | Telemetry
+                                | Heartbeat)
+
+
+# ---- operations -------------------------------------------------------------------------------
+
+class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An operation's arguments (none)."""
+
+
+class ApplyCircuits(Args):
+    circuits: Annotated[list[Circuit], _meta(max_length=MAX_CIRCUITS)]
+
+
+class SetHeaters(Args):
+    volts: Annotated[list[Volts], _meta(max_length=MAX_CHANNELS)]
+    first: Annotated[int, _meta(ge=0, lt=MAX_CHANNELS)] = 0
+
+
+class ReadPower(Args):
+    channels: Annotated[list[Annotated[int, _meta(ge=1, le=MAX_CHANNELS)]],
+                        _meta(max_length=MAX_CHANNELS)] | None = None
+
+
+class SetLaser(Args):
+    on: bool | None = None
+    power_mw: Annotated[float, _meta(ge=0.0, le=1000.0)] | None = None
+    wavelength_nm: Annotated[float, _meta(ge=1000.0, le=2000.0)] | None = None
+
+
+class LoadCalibration(Args):
+    calibration: Annotated[str, _meta(max_length=MAX_FRAME)]        # the file's text
+
+
+class Admit(Args):
+    plan: dict[str, Any]
+    rank_map: Annotated[dict[str, Name], _meta(max_length=MAX_RANKS)] | None = None
+
+
+class PhaseArgs(Args):
+    phase: Name
+    round: Annotated[int, _meta(ge=0, le=1_000_000)] = 0
+
+
+class JobFailure(Args):
+    reason: Text = ""
+    gpus: Annotated[list[Name], _meta(max_length=MAX_RANKS)] = []
+    links: Annotated[list[tuple[Annotated[int, _meta(ge=0, lt=MAX_RANKS)],
+                                Annotated[int, _meta(ge=0, lt=MAX_RANKS)]]],
+                     _meta(max_length=MAX_RANKS)] = []
+
+
+class GpuArgs(Args):
+    gpu: Name
+
+
+class RxPower(Args):
+    switch: Name
+    ports: Annotated[list[Port], _meta(max_length=2 * MAX_CHANNELS)]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation: its arguments and whether it only reads. Not read-only means a change:
+    it runs at most once per request id, and with `expect` only at that state version."""
+    name: str
+    args: type[Args]
+    read_only: bool
+    doc: str = ""
+
+
+OPERATIONS: dict[str, Operation] = {op.name: op for op in (
+    # every server
+    Operation("ping", Args, True, "no device I/O: name, kind, online, incarnation, version"),
+    Operation("describe", Args, True, "what the server is and the operations it offers"),
+    Operation("snapshot", Args, True, "the whole published state, as a snapshot message"),
+    # switches (an OCS, a chip's mesh)
+    Operation("read_circuits", Args, True, "the circuits, read from the device"),
+    Operation("apply_circuits", ApplyCircuits, False, "make the circuits exactly these"),
+    # heater DACs and chips
+    Operation("read_heaters", Args, True, "heater volts read back from the board"),
+    Operation("set_heaters", SetHeaters, False, "set heater volts from channel `first` on"),
+    Operation("load_calibration", LoadCalibration, False,
+              "a chip: use this calibration file from now on (circuits re-set with it)"),
+    # instruments
+    Operation("read_power", ReadPower, True, "power meter readings, mW"),
+    Operation("set_laser", SetLaser, False, "laser output, power, wavelength"),
+    Operation("read_laser", Args, True, "the laser's state, read from it"),
+    # the agent
+    Operation("admit", Admit, False, "a job announces its plan; the answer is its rank map"),
+    Operation("phase", PhaseArgs, False, "a job's phase boundary; answered once the circuits "
+              "are up and verified"),
+    Operation("job_failure", JobFailure, False, "a job reports a failure it saw"),
+    Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
+    # GPU monitors
+    Operation("rx_power", RxPower, True, "received power at transceivers on output ports"),
+    Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),
+)}
+
+
+def check_args(op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The operation's arguments checked (type, range, size) with defaults filled in, as a
+    dict; BadRequest saying which argument is wrong."""
+    try:
+        checked = msgspec.convert(args, op.args)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{op.name} arguments: {_where(str(e), '$')}") from None
+    return msgspec.structs.asdict(checked)
+
+
+# ---- frames -----------------------------------------------------------------------------------
+
+def _where(text: str, root: str) -> str:
+    """msgspec's `- at `$.args.volts[3]`` in our words: `(at volts[3])`."""
+    head, sep, path = text.partition(" - at `")
+    if not sep:
+        return text
+    path = path.rstrip("`")
+    path = path[len(root):].lstrip(".") if path.startswith(root) else path
+    return f"{head} (at {path or 'top level'})"
+
+
+def _frame_error(e: msgspec.MsgspecError, frame: bytes) -> SchemaError:
+    text = str(e)
+    if not isinstance(e, msgspec.ValidationError):       # (a ValidationError is a DecodeError)
+        return BadFrame(f"frame is not UTF-8 JSON: {text}")
+    if text.startswith("Expected `object`") and " - at " not in text:
+        return BadFrame(f"a message is a JSON object: {text}")
+    if text.endswith("`$.v`") or text == "Object missing required field `v`":
+        try:
+            v = orjson.loads(frame).get("v")
+        except (ValueError, AttributeError):
+            v = "?"
+        return UnknownVersion(f"protocol version {v!r} is not supported (this end speaks "
+                              f"{VERSION})")
+    if text.endswith("`$.type`") or text == "Object missing required field `type`":
+        try:
+            kind = orjson.loads(frame).get("type")
+        except (ValueError, AttributeError):
+            kind = "?"
+        return UnknownType(f"unknown message type {kind!r}; known: {', '.join(MESSAGES)}")
+    if text.startswith("Object missing required field"):
+        return MissingField(_where(text, "$"))
+    return WrongType(_where(text, "$"))
+
+
+def decode_message(frame: bytes, max_size: int = MAX_FRAME) -> Message:
+    """One frame -> its checked message Struct, or SchemaError saying what is wrong."""
+    if len(frame) > max_size:
+        raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the limit of {max_size}")
+    try:
+        return _DECODER.decode(frame)
+    except msgspec.MsgspecError as e:
+        raise _frame_error(e, frame) from None
+
+
+_OPTIONAL = {cls: [f.name for f in msgspec.structs.fields(cls)
+                   if not f.required and f.default is None] for cls in MESSAGES.values()}
+
+
+def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
+    """One frame -> a checked message as a dict (with `v` and `type`). A request's arguments
+    are checked against its operation when the operation is known."""
+    msg = decode_message(frame, max_size)
+    out = msgspec.structs.asdict(msg)
+    out["type"] = msg.__struct_config__.tag
+    for k in _OPTIONAL[type(msg)]:
+        if out[k] is None:
+            del out[k]                        # absent, as `make` leaves it
+    if isinstance(msg, Request):
+        op = OPERATIONS.get(msg.op)
+        if op is not None:
+            check_args(op, msg.args)
+    return out
 
 
 def make(type_: str, **fields) -> dict:
-    """A message dict (checked: a bug here must not reach the wire)."""
-    spec = MESSAGES[type_]
-    msg = {"v": VERSION, "type": type_,
-           **{k: v for k, v in fields.items() if v is not None or spec.get(k, (0, False))[1]}}
-    check_fields(type_, msg, MESSAGES[type_])
+    """A message dict, checked against its type (a bug here must not reach the wire); fields
+    given as None are left out where the type allows."""
+    cls = MESSAGES[type_]
+    msg = {"v": VERSION, "type": type_}
+    required = {f.name for f in msgspec.structs.fields(cls) if f.required}
+    msg.update({k: v for k, v in fields.items() if v is not None or k in required})
+    if type_ == "request":
+        msg.setdefault("args", {})            # as `decode` gives it
+    try:
+        msgspec.convert(msg, cls)
+    except msgspec.ValidationError as e:
+        raise WrongType(f"{type_}: {_where(str(e), '$')}") from None
     return msg
 
 
@@ -169,31 +336,6 @@ def encode(msg: Mapping) -> bytes:
     return frame
 
 
-def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
-    """One frame -> a checked message dict, or SchemaError saying what is wrong."""
-    if len(frame) > max_size:
-        raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the limit of {max_size}")
-    try:
-        msg = orjson.loads(frame)        # strict JSON (no NaN), 4x faster than json.loads
-    except (UnicodeDecodeError, ValueError) as e:
-        raise BadFrame(f"frame is not UTF-8 JSON: {e}") from None
-    if not isinstance(msg, dict):
-        raise BadFrame(f"a message is a JSON object, not {type(msg).__name__}")
-    v = msg.get("v")
-    if v != VERSION or isinstance(v, bool):
-        raise UnknownVersion(f"protocol version {v!r} is not supported (this end speaks "
-                             f"{VERSION})")
-    kind = msg.get("type")
-    if kind not in MESSAGES:
-        raise UnknownType(f"unknown message type {kind!r}; known: {', '.join(MESSAGES)}")
-    check_fields(kind, msg, MESSAGES[kind])
-    if kind == "request":
-        op = msg["op"]
-        if op in OPS:
-            check_fields(f"{op} arguments", msg.get("args", {}), OPS[op])
-    return msg
-
-
 def topic(kind: str, device: str) -> bytes:
     return f"{kind}.{device}".encode()
 
@@ -204,10 +346,22 @@ def circuits_to_wire(circuits: Mapping[int, int]) -> list[list[int]]:
 
 
 def circuits_from_wire(pairs) -> dict[int, int]:
-    out = {}
+    """[[input, output], ...] -> {input: output}. Refused (BadRequest), never merged: a pair
+    that is not two integers, an input named twice (which output was meant?), an output named
+    twice (two inputs cannot both own it)."""
+    out: dict[int, int] = {}
+    outputs: dict[int, int] = {}
     for pair in pairs:
-        if (not isinstance(pair, list) or len(pair) != 2
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
                 or not all(isinstance(p, int) and not isinstance(p, bool) for p in pair)):
             raise WrongType(f"a circuit is [input, output] (two integers), not {pair!r}")
-        out[pair[0]] = pair[1]
+        a, b = pair
+        if a in out:
+            raise BadRequest(f"input {a} is named twice ([{a}, {out[a]}] and [{a}, {b}]): "
+                             "a circuit set gives each input one output")
+        if b in outputs:
+            raise BadRequest(f"output {b} is named twice ([{outputs[b]}, {b}] and [{a}, {b}]): "
+                             "two inputs cannot share an output")
+        out[a] = b
+        outputs[b] = a
     return out

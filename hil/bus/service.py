@@ -1,26 +1,26 @@
-"""A device service: one driver behind a ROUTER socket (requests) and a PUB socket (state,
-telemetry, heartbeats).
+"""A device service: one driver behind the bus's request server (hil.bus.server: requests on
+a ROUTER socket, state, telemetry and heartbeats on a PUB socket).
 
-The service is the device's one writer: a single loop takes requests one at a time, in the
-order they arrived, so two clients never interleave commands on the wire. A changing request
-may name the state version it was computed from (`expect`); if the device moved on since, it is
-refused with `StaleState` and nothing is sent to the hardware (compare-and-set).
+The service is the device's one writer: the server runs one request at a time, in the order
+they arrived, so two clients never interleave commands on the wire. A changing request may name
+the state version it was computed from (`expect`); if the device moved on since, it is refused
+with `StaleState` and nothing is sent to the hardware (compare-and-set). A changing request runs
+at most once per request id (a retry gets the first answer).
 
 What a service offers depends on its device kind. A kind is a few lines in `KINDS`: the driver
-class to open, the operations (each a function of the driver and the request's arguments,
-returning the result and the state keys it changed), the state it starts from, and optional
-telemetry. Every service also answers `ping`, `describe` and `snapshot`.
+class to open, the operations (each a function of the driver and the request's checked
+arguments, returning the result and the state keys it changed; each declared in
+`schema.OPERATIONS`), the state it starts from, and optional telemetry. Every service also
+answers `ping`, `describe` and `snapshot`.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import importlib
 import logging
 import math
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,39 +28,17 @@ from typing import Any
 
 import zmq
 
-from photonic_testbed.drivers.circuit_switch import CircuitSwitch, check_circuits
+from photonic_testbed.drivers.circuit_switch import CircuitSwitch
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.mirror import StatePublisher
-from photonic_testbed.hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
+from photonic_testbed.hil.bus.errors import BadRequest
+from photonic_testbed.hil.bus.security import server_keys
+from photonic_testbed.hil.bus.server import Server
 
 log = logging.getLogger(__name__)
-
-QUEUE_LIMIT = 1000              # requests taken off the socket ahead of the one being run
-HARD_FRAME_LIMIT = 16 * schema.MAX_FRAME   # above this ZeroMQ drops the peer's connection
 
 
 class ServiceError(Exception):
     """The service cannot start or run (bad configuration, driver that cannot open)."""
-
-
-class StaleState(Exception):
-    """Compare-and-set refused: the device's state version is not the one the request named."""
-
-
-class DeadlineExceeded(Exception):
-    """The request's deadline passed while it waited its turn; it was not run."""
-
-
-class UnknownOperation(Exception):
-    """The device kind does not offer this operation."""
-
-
-class BadRequest(Exception):
-    """The request's arguments do not make sense for this device."""
-
-
-class UnencodableResult(Exception):
-    """The driver returned something JSON cannot carry (NaN, infinity, bytes)."""
 
 
 # ---- device kinds -----------------------------------------------------------------------------
@@ -82,15 +60,10 @@ class DeviceKind:
 
 
 def _heater_volts(args: dict) -> dict[int, float]:
-    first = args.get("first", 0)
-    if first < 0:
-        raise BadRequest(f"first channel {first} is negative")
-    out = {}
-    for i, v in enumerate(args["volts"]):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise BadRequest(f"volts[{i}] must be a finite number, not {v!r}")
-        out[first + i] = float(v)
-    return out
+    """{channel: volts} from the checked `set_heaters` arguments (finite numbers; the board
+    refuses channels it does not have and volts above its limits)."""
+    first = args["first"]
+    return {first + i: float(v) for i, v in enumerate(args["volts"])}
 
 
 def _set_heaters(dac, args):
@@ -110,7 +83,8 @@ def _describe_heaters(dac) -> dict:
 
 
 def _apply_circuits(switch: CircuitSwitch, args):
-    circuits = check_circuits(schema.circuits_from_wire(args["circuits"]), switch.ports)
+    # checked here, as the pairs came (an input or output named twice is refused, not merged)
+    circuits = switch.check(args["circuits"])
     report = switch.apply(circuits)
     return ({"added": schema.circuits_to_wire(report.added),
              "removed": schema.circuits_to_wire(report.removed), "seconds": report.seconds},
@@ -128,32 +102,18 @@ def _read_power(meter, args):
     return {"power": {str(k): float(v) for k, v in power.items()}}, {}
 
 
-def _number(args: dict, key: str, lo: float, hi: float) -> float | None:
-    v = args.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise BadRequest(f"{key} must be a number in {lo:g}..{hi:g}, not {v!r}")
-    return float(v)
-
-
 def _laser_state(laser) -> dict:
     return {"on": laser.is_on(), "power_mw": laser.power_mw(),
             "wavelength_nm": laser.wavelength_nm()}
 
 
 def _set_laser(laser, args):
-    wavelength = _number(args, "wavelength_nm", 1000.0, 2000.0)
-    power = _number(args, "power_mw", 0.0, 1000.0)
-    on = args.get("on")
-    if on is not None and not isinstance(on, bool):
-        raise BadRequest(f"on must be true or false, not {on!r}")
-    if wavelength is not None:
-        laser.set_wavelength_nm(wavelength)
-    if power is not None:
-        laser.set_power_mw(power)
-    if on is not None:
-        laser.set_output(on)
+    if args["wavelength_nm"] is not None:
+        laser.set_wavelength_nm(args["wavelength_nm"])
+    if args["power_mw"] is not None:
+        laser.set_power_mw(args["power_mw"])
+    if args["on"] is not None:
+        laser.set_output(args["on"])
     state = _laser_state(laser)
     return state, state
 
@@ -282,61 +242,6 @@ class ServiceSpec:
     curve_authorized: str | None = None       # folder of authorised client .key files
 
 
-class Publisher:
-    """A PUB socket sending schema messages under their topics."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: ServerKeys | None,
-                 sndhwm: int = 100_000):
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.linger = 0
-        self.sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
-        self.sock.sndhwm = sndhwm
-        make_server(self.sock, keys)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.last_endpoint.decode()
-        self._topics: dict[tuple[str, str], bytes] = {}
-
-    def send(self, msg: dict) -> None:
-        key = (msg["type"], msg["device"])
-        topic = self._topics.get(key)
-        if topic is None:
-            kind = schema.STATE if msg["type"] in ("snapshot", "delta") else msg["type"]
-            topic = self._topics[key] = schema.topic(kind, msg["device"])
-        # Two plain sends: pyzmq's send_multipart costs several times more per message.
-        self.sock.send(topic, zmq.SNDMORE)
-        self.sock.send(schema.encode(msg))
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-def bind_sockets(ctx: zmq.Context, keys: ServerKeys | None, request: str,
-                 publish: str) -> tuple[zmq.Socket, Publisher]:
-    """The ROUTER socket that takes requests and the publisher, bound (CURVE with `keys`):
-    what a device service and any other state owner on the bus (`StateServer`) open."""
-    router = ctx.socket(zmq.ROUTER)
-    try:
-        router.linger = 0
-        router.ipv6 = "[" in request         # an IPv6 literal, tcp://[::1]:port
-        router.maxmsgsize = HARD_FRAME_LIMIT
-        router.router_mandatory = False
-        make_server(router, keys)
-        router.bind(request)
-        return router, Publisher(ctx, publish, keys)
-    except Exception:
-        router.close(linger=0)
-        raise
-
-
-def close_sockets(router: zmq.Socket | None, pub: Publisher | None, auth: Any = None) -> None:
-    if router is not None:
-        router.close(linger=0)
-    if pub is not None:
-        pub.close()
-    if auth is not None:
-        auth.stop()
-
-
 class DeviceService:
     """One device on the bus. `bind()`, then `serve(stop)` until `stop` is set; `close()`."""
 
@@ -348,21 +253,10 @@ class DeviceService:
         self.spec = spec
         self.kind = KINDS[spec.kind]
         self.name = spec.name
-        self._own_ctx = context is None
-        self.ctx = context or zmq.Context()
-        self.keys: ServerKeys | None = None
-        self.auth = None
         self.driver = driver
-        self.router: zmq.Socket | None = None
-        self.pub: Publisher | None = None
-        self.mirror: StatePublisher | None = None
-        self.changes = 0
-        self.online = True
-        self.requests = 0
-        self._queue: collections.deque = collections.deque()
-        self._seen_empty = time.monotonic()     # when the request socket was last seen empty
+        self._context = context
+        self.server: Server | None = None
         self._telemetry_seq = 0
-        self._unpublished: dict = {}            # state changes made, to publish after the reply
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -370,56 +264,54 @@ class DeviceService:
         """Open the driver and bind both sockets; returns the bound (request, publish)."""
         spec = self.spec
         try:
-            if spec.curve_secret:
-                self.keys = server_keys(spec.curve_secret, spec.curve_authorized or "")
-                self.auth = start_authenticator(self.ctx, self.keys)
+            keys = (server_keys(spec.curve_secret, spec.curve_authorized or "")
+                    if spec.curve_secret else None)
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
-            self.router, self.pub = bind_sockets(self.ctx, self.keys, spec.request,
-                                                 spec.publish)
-            incarnation = uuid.uuid4().hex[:12]
-            state = {"kind": spec.kind, "online": True, "version": f"{incarnation}:0",
-                     **self.kind.state(self.driver)}
-            self.mirror = StatePublisher(self.name, state, self.pub.send, incarnation)
+            self.server = Server(
+                self.name, {"kind": spec.kind, "online": True, **self.kind.state(self.driver)},
+                kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
+                heartbeat=spec.heartbeat,
+                handlers={op: self._handler(fn) for op, fn in self.kind.ops.items()},
+                describe=lambda: {"device": self.kind.describe(self.driver)},
+                publish_version=True, context=self._context)
+            request, publish = self.server.bind()
         except Exception:
             self.close()
             raise
-        request = self.router.last_endpoint.decode()
         log.info("service %s (%s) on %s, publishing on %s", self.name, spec.kind, request,
-                 self.pub.endpoint)
-        return request, self.pub.endpoint
+                 publish)
+        return request, publish
+
+    def _handler(self, fn: Op) -> Callable[[dict], Any]:
+        def run(args: dict):
+            result, changes = fn(self.driver, args)
+            self.server.defer(changes)           # published once the reply has gone
+            return result
+        return run
 
     def close(self) -> None:
-        close_sockets(self.router, self.pub, self.auth)
-        self.router = self.pub = self.auth = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         if self.driver is not None and callable(getattr(self.driver, "close", None)):
             try:
                 self.driver.close()
             except Exception as e:        # closing must not hide why we stopped
                 log.warning("%s: closing the driver failed: %s", self.name, e)
         self.driver = None
-        if self._own_ctx and not self.ctx.closed:
-            self.ctx.term()
 
     @property
     def version(self) -> str:
-        return self._unpublished.get("version") or self.mirror.state["version"]
+        return self.server.version
 
-    def publish(self) -> None:
-        """Send the state changes of the requests answered so far as one delta. The loop calls
-        it right after each reply: the caller waiting on the device hears first, the
-        subscribers a moment later (the version in the reply is already the new one)."""
-        if self._unpublished:
-            updates, self._unpublished = self._unpublished, {}
-            for k, v in list(updates.items()):
-                if callable(v):
-                    try:
-                        updates[k] = v()
-                    except Exception as e:       # the rest (and the version) still goes out
-                        log.error("%s: state %r could not be worked out: %s: %s", self.name,
-                                  k, type(e).__name__, e)
-                        del updates[k]
-            self.mirror.update(updates)
+    @property
+    def online(self) -> bool:
+        return self.server.online
+
+    def handle(self, frame: bytes, arrived: float | None = None) -> dict:
+        """One request frame -> the answer message (in-process use and tests)."""
+        return self.server.handle(frame, arrived)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -428,129 +320,17 @@ class DeviceService:
         hz = self.kind.telemetry_hz if spec.telemetry_hz is None else spec.telemetry_hz
         period = 1.0 / hz if hz and self.kind.telemetry else math.inf
         now = time.monotonic()
-        next_beat, next_health, next_tel = now, now + spec.health, now + period
+        next_health, next_tel = now + spec.health, now + period
+        server = self.server
         while not stop.is_set():
             now = time.monotonic()
-            if now >= next_beat:
-                self._heartbeat()
-                next_beat = now + spec.heartbeat
             if now >= next_health:
                 self._check_health()
                 next_health = time.monotonic() + spec.health
             if now >= next_tel:
                 self._telemetry()
                 next_tel = time.monotonic() + period
-            wait = min(next_beat, next_health, next_tel, now + 0.1) - time.monotonic()
-            if not self._queue and not self.router.poll(0):
-                # Nothing waiting now: whatever arrives during this wait arrives "now".
-                self._seen_empty = time.monotonic()
-                if not self.router.poll(max(0, int(wait * 1e3))):
-                    continue
-                self._seen_empty = time.monotonic()
-            self._drain()
-            if self._queue:
-                envelope, frame, arrived = self._queue.popleft()
-                self._reply(envelope, self.handle(frame, arrived))
-                self.publish()
-
-    def _drain(self) -> None:
-        """Take waiting requests off the socket, stamped with the last moment the socket was
-        seen empty: no later than their arrival, so a deadline counts (at least) the time a
-        request waited behind a slow device call, without a second thread on the fast path."""
-        router, more = self.router, zmq.RCVMORE
-        arrived = self._seen_empty
-        while len(self._queue) < QUEUE_LIMIT:
-            try:
-                frames = [router.recv(zmq.NOBLOCK)]     # cheaper than recv_multipart
-            except zmq.Again:
-                self._seen_empty = time.monotonic()
-                return
-            while router.getsockopt(more):
-                frames.append(router.recv())
-            if len(frames) < 2 or len(frames) > 3:
-                self._reply(frames[:1], self._error(None, schema.BadFrame(
-                    f"a request is one frame after the envelope, not {len(frames) - 1}")))
-                continue
-            self._queue.append((frames[:-1], frames[-1], arrived))
-
-    def _reply(self, envelope: list[bytes], msg: dict) -> None:
-        try:
-            frame = schema.encode(msg)
-        except (TypeError, ValueError) as e:     # a result JSON cannot carry (NaN, bytes...)
-            frame = schema.encode(self._error(msg.get("id"), UnencodableResult(
-                f"the result of the request cannot be sent as JSON: {e}")))
-        try:
-            for part in envelope:
-                self.router.send(part, zmq.NOBLOCK | zmq.SNDMORE)
-            self.router.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as e:     # the client went away; its loss
-            log.debug("%s: reply not delivered: %s", self.name, e)
-
-    def _error(self, rid: str | None, exc: BaseException) -> dict:
-        return schema.make("error", id=rid, error=type(exc).__name__,
-                           message=str(exc) or type(exc).__name__,
-                           version=self.version if self.mirror else None)
-
-    def handle(self, frame: bytes, arrived: float | None = None) -> dict:
-        """One request frame -> the reply or error message (never raises)."""
-        self.requests += 1
-        self.publish()                      # what an earlier request changed, if not yet sent
-        rid = None
-        try:
-            msg = schema.decode(frame)
-            if msg["type"] != "request":
-                raise schema.UnknownType(f"a service takes requests, not {msg['type']!r}")
-            rid = msg["id"]
-            ttl = msg.get("ttl_ms")
-            if ttl is not None and arrived is not None and \
-                    time.monotonic() > arrived + ttl / 1e3:
-                raise DeadlineExceeded(f"{msg['op']} waited longer than its {ttl:.0f} ms "
-                                       "deadline behind other requests and was not run")
-            result = self._run(msg["op"], msg.get("args", {}), msg.get("expect"))
-            return schema.make("reply", id=rid, result=result, version=self.version)
-        except Exception as e:
-            if not isinstance(e, (schema.SchemaError, StaleState, DeadlineExceeded,
-                                  UnknownOperation, BadRequest)):
-                log.info("%s: request %s failed: %s: %s", self.name, rid, type(e).__name__, e)
-            return self._error(rid, e)
-
-    def _run(self, op: str, args: dict, expect: str | None):
-        if op == "ping":
-            return {"device": self.name, "kind": self.spec.kind, "online": self.online,
-                    "incarnation": self.mirror.incarnation, "version": self.version}
-        if op == "describe":
-            return {"name": self.name, "kind": self.spec.kind,
-                    "operations": sorted({"ping", "describe", "snapshot", *self.kind.ops}),
-                    "device": self.kind.describe(self.driver)}
-        if op == "snapshot":
-            return self.mirror.snapshot()
-        fn = self.kind.ops.get(op)
-        if fn is None:
-            raise UnknownOperation(f"{self.name} ({self.spec.kind}) does not offer {op!r}; "
-                                   f"it offers: ping, describe, snapshot, "
-                                   f"{', '.join(sorted(self.kind.ops))}")
-        changing = op in schema.CHANGING
-        if changing and expect is not None and expect != self.version:
-            raise StaleState(f"{self.name} is at state version {self.version}, not {expect}: "
-                             "it changed since you read it; re-read the state and decide again")
-        try:
-            result, changes = fn(self.driver, args)
-        except (TypeError, KeyError) as e:
-            raise BadRequest(f"{op}: bad arguments: {e}") from None
-        finally:
-            if changing:
-                # The hardware may have changed even if the call failed half way: a new version.
-                self.changes += 1
-        self._unpublished.update(changes)
-        if changing:
-            self._unpublished["version"] = f"{self.mirror.incarnation}:{self.changes}"
-        return result
-
-    def _heartbeat(self) -> None:
-        self.pub.send(schema.make("heartbeat", device=self.name,
-                                  incarnation=self.mirror.incarnation, seq=self.mirror.seq,
-                                  t=time.time(), online=self.online,
-                                  interval=self.spec.heartbeat))
+            server.poll(max(0.0, min(next_health, next_tel, now + 0.1) - time.monotonic()))
 
     def _check_health(self) -> None:
         ping = getattr(self.driver, "ping", None)
@@ -562,9 +342,9 @@ class DeviceService:
         except Exception as e:
             log.warning("%s: device does not answer: %s: %s", self.name, type(e).__name__, e)
             online = False
-        if online != self.online:
-            self.online = online
-            self.mirror.update({"online": online})
+        if online != self.server.online:
+            self.server.online = online
+            self.server.update({"online": online})
 
     def _telemetry(self) -> None:
         try:
@@ -575,7 +355,8 @@ class DeviceService:
         if not values:
             return                          # this driver has nothing to report
         self._telemetry_seq += 1
-        self.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(), values))
+        self.server.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(),
+                                              values))
 
 
 def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = None) -> None:

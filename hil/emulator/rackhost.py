@@ -4,7 +4,7 @@ the bus, faults and truth on the control endpoint, and the training job.
 - The rack's GPUs sit on the chip's ports (`lumion`) or the OCS's rail ports (`opus`) as
   `hil.rack_layout` says; a link's state comes from that switch's physics (`transfer`).
 - A GPU health monitor publishes on the bus as the state of the device `gpus` (a
-  `StateServer`): `{"gpus": {name: GpuHealth.to_dict()}}`, one delta whenever a GPU's state
+  `Server`): `{"gpus": {name: GpuHealth.to_dict()}}`, one delta whenever a GPU's state
   changes: the same values an NVML monitor on a real host publishes. Its request socket answers
   `rx_power` `{"switch": s, "ports": [p, ...]}` -> `{"dbm": {"p": dBm}}`: the received power
   that each transceiver on those output ports reports (DDM, as real optics do): what the agent
@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from photonic_testbed.hil.bus.client import BusError
-from photonic_testbed.hil.bus.stateserver import StateServer
+from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.clock import WallClock
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
@@ -63,10 +63,11 @@ class RackHost:
         self.rack = EmulatedRack(layout, physics, self.clock)
         self.agent_endpoints = agent_endpoints
         self._offset = time.time() - time.monotonic()     # monotonic -> Unix time
-        self.server = StateServer("gpus", {"gpus": {h.gpu: h.to_dict()
+        self.server = Server("gpus", {"gpus": {h.gpu: h.to_dict()
                                                     for h in self.rack.health()}},
                                   request=gpus_endpoints[0], publish=gpus_endpoints[1],
-                                  heartbeat=heartbeat, handlers={"rx_power": self._rx_power})
+                                  heartbeat=heartbeat, handlers={"rx_power": self._rx_power},
+                                  kind="gpu_monitor")
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
@@ -128,12 +129,11 @@ class RackHost:
                 pass
 
     def _rx_power(self, args: dict) -> dict:
-        switch = args.get("switch")
-        ports = args.get("ports")
-        if switch not in self.layout.switches or not isinstance(ports, list):
-            raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)} and "
-                            f"a list of output ports, not {switch!r}, {ports!r}")
-        got = self.rack.port_powers_dbm(switch, [int(p) for p in ports])
+        switch, ports = args["switch"], args["ports"]      # checked: a name, port numbers
+        if switch not in self.layout.switches:
+            raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)}, not "
+                            f"{switch!r}")
+        got = self.rack.port_powers_dbm(switch, ports)
         return {"dbm": {str(p): v for p, v in got.items()}}
 
     # --- control endpoint -------------------------------------------------------------------

@@ -14,7 +14,8 @@ import numpy as np
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
-from photonic_testbed.hil.bus.service import Publisher, ServiceSpec
+from photonic_testbed.hil.bus.server import Publisher
+from photonic_testbed.hil.bus.service import ServiceSpec
 from photonic_testbed.hil.bus.supervisor import Manager
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 

@@ -1,0 +1,465 @@
+"""The one request/reply server of the bus: every endpoint that answers requests (a device
+service, the agent, a GPU monitor) is a `Server` with its operations and its published state.
+
+    server = Server("agent", {"phase": None}, kind="agent",
+                    handlers={"phase": on_phase, "admit": on_admit})
+    server.bind()
+    while running:
+        server.poll(0.05)              # answers requests, sends heartbeats
+        server.update({"phase": "dp"}) # one delta to every subscriber
+
+The contract (docs/bus.md "Requests"):
+
+- Every operation is declared once in `schema.OPERATIONS` (its arguments and whether it only
+  reads); a server offers `ping`, `describe`, `snapshot` and the operations it has handlers for.
+  Anything else is refused with `UnknownOperation`; arguments that do not fit their declaration
+  are refused with `BadRequest` before the handler runs.
+- A changing operation (not read-only) runs at most once per request id: the server keeps the
+  answers of recent changing requests, so a client's retry with the same id (after a timeout,
+  on a fresh socket) gets the first answer and the handler never runs twice. A retry that comes
+  while the first is still being answered (a handler that returned a Future) is answered with it.
+- A changing request that names a state version (`expect`) runs only at that version
+  (compare-and-set, `StaleState` otherwise). The version is `INCARNATION:N`, N counting the
+  changing requests this process ran.
+- A request that waited in the queue longer than its `ttl_ms` is not run (`DeadlineExceeded`).
+- One request at a time, in arrival order: a device's one writer.
+
+A handler takes the checked arguments (a dict, defaults filled in) and returns the result, or a
+`concurrent.futures.Future` of it when the answer takes time (a slow instrument): the loop goes
+on (heartbeats, other requests) and the answer goes out at the first `poll` after it is done.
+State changes a handler makes with `defer(...)` are published after its reply has gone.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.errors import (
+    BadFrame, BadRequest, DeadlineExceeded, RemoteError, StaleState, UnencodableResult,
+    UnknownOperation, UnknownType, to_wire)
+from photonic_testbed.hil.bus.mirror import StatePublisher
+from photonic_testbed.hil.bus.security import ServerKeys, make_server, start_authenticator
+
+log = logging.getLogger(__name__)
+
+QUEUE_LIMIT = 1000              # requests taken off the socket ahead of the one being run
+HARD_FRAME_LIMIT = 16 * schema.MAX_FRAME   # above this ZeroMQ drops the peer's connection
+DONE_KEPT = 4096                # answers of changing requests kept for retries...
+DONE_BYTES = 16 << 20           # ...at most this many bytes of them...
+DONE_AGE_S = 600.0              # ...for at most this long
+
+Handler = Callable[[dict], Any]
+BUILTIN = ("ping", "describe", "snapshot")
+
+
+class Publisher:
+    """A PUB socket sending schema messages under their topics."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: ServerKeys | None,
+                 sndhwm: int = 100_000):
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.linger = 0
+        self.sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
+        self.sock.sndhwm = sndhwm
+        make_server(self.sock, keys)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.last_endpoint.decode()
+        self._topics: dict[tuple[str, str], bytes] = {}
+
+    def send(self, msg: dict) -> None:
+        key = (msg["type"], msg["device"])
+        topic = self._topics.get(key)
+        if topic is None:
+            kind = schema.STATE if msg["type"] in ("snapshot", "delta") else msg["type"]
+            topic = self._topics[key] = schema.topic(kind, msg["device"])
+        # Two plain sends: pyzmq's send_multipart costs several times more per message.
+        self.sock.send(topic, zmq.SNDMORE)
+        self.sock.send(schema.encode(msg))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@dataclass
+class _Pending:
+    """A changing request whose handler returned a Future: who waits for its answer."""
+    op: schema.Operation
+    future: Future
+    envelopes: list[list[bytes]] = field(default_factory=list)
+
+
+class Server:
+    """Requests on a ROUTER socket, state and heartbeats on a PUB socket (docs/bus.md)."""
+
+    def __init__(self, name: str, state: dict, *, kind: str = "",
+                 request: str = "tcp://127.0.0.1:0", publish: str = "tcp://127.0.0.1:0",
+                 keys: ServerKeys | None = None, heartbeat: float = 0.5,
+                 handlers: Mapping[str, Handler] | None = None,
+                 operations: Iterable[schema.Operation] = (),
+                 describe: Callable[[], dict] | None = None,
+                 publish_version: bool = False, context: zmq.Context | None = None):
+        """`handlers` maps operation names to functions; each name must be declared in
+        `schema.OPERATIONS` or in `operations` (a server's own). `describe` adds to the
+        `describe` answer. With `publish_version` the state carries `version`."""
+        self.name = name
+        self.kind = kind or name
+        self._initial = state
+        self._endpoints = (request, publish)
+        self.keys = keys
+        self.heartbeat = heartbeat
+        self._describe = describe
+        self._publish_version = publish_version
+        declared = {**schema.OPERATIONS, **{op.name: op for op in operations}}
+        self._ops: dict[str, tuple[schema.Operation, Handler]] = {
+            "ping": (declared["ping"], self._ping),
+            "describe": (declared["describe"], self._describe_op),
+            "snapshot": (declared["snapshot"], lambda args: self.state.snapshot())}
+        for op_name, fn in (handlers or {}).items():
+            self.register(declared[op_name] if op_name in declared else op_name, fn)
+        self._own_ctx = context is None
+        self.ctx = context or zmq.Context()
+        self.auth = None
+        self.router: zmq.Socket | None = None
+        self.pub: Publisher | None = None
+        self.state: StatePublisher | None = None
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.online = True
+        self.changes = 0                      # changing requests run: the version's N
+        self.requests = 0
+        self._queue: collections.deque = collections.deque()
+        self._seen_empty = time.monotonic()   # when the request socket was last seen empty
+        self._next_beat = 0.0
+        self._unpublished: dict = {}          # state changes to publish after the reply
+        self._done: collections.OrderedDict[str, tuple[str, bytes, float]] = \
+            collections.OrderedDict()         # request id -> (op, answer frame, when)
+        self._done_bytes = 0
+        self._running: dict[str, _Pending] = {}         # request id -> changing, unanswered
+        self._later: list[tuple[list[bytes], str, Future]] = []   # read-only, unanswered
+
+    # ---- operations ----------------------------------------------------------------------------
+
+    def register(self, op: schema.Operation | str, handler: Handler) -> None:
+        if isinstance(op, str):
+            raise ValueError(f"{self.name}: operation {op!r} is not declared: add it to "
+                             "hil.bus.schema.OPERATIONS (or pass its Operation)")
+        if op.name in BUILTIN and op.name != "describe":
+            raise ValueError(f"{self.name}: {op.name!r} is every server's own")
+        if op.name == "describe":         # the server's own description, added to the answer
+            self._describe = lambda: handler({})
+            return
+        self._ops[op.name] = (op, handler)
+
+    @property
+    def operations(self) -> list[str]:
+        return sorted(self._ops)
+
+    @property
+    def version(self) -> str:
+        return f"{self.incarnation}:{self.changes}"
+
+    def _ping(self, args: dict) -> dict:
+        return {"device": self.name, "kind": self.kind, "online": self.online,
+                "incarnation": self.incarnation, "seq": self.state.seq,
+                "version": self.version}
+
+    def _describe_op(self, args: dict) -> dict:
+        out = {"name": self.name, "kind": self.kind, "operations": self.operations,
+               "changing": sorted(n for n, (op, _) in self._ops.items() if not op.read_only)}
+        if self._describe is not None:
+            out.update(self._describe())
+        return out
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def bind(self) -> tuple[str, str]:
+        """Bind both sockets (CURVE with `keys`); returns the bound (request, publish)."""
+        try:
+            if self.keys is not None:
+                self.auth = start_authenticator(self.ctx, self.keys)
+            router = self.ctx.socket(zmq.ROUTER)
+            self.router = router
+            request, publish = self._endpoints
+            router.linger = 0
+            router.ipv6 = "[" in request         # an IPv6 literal, tcp://[::1]:port
+            router.maxmsgsize = HARD_FRAME_LIMIT
+            router.router_mandatory = False
+            make_server(router, self.keys)
+            router.bind(request)
+            self.pub = Publisher(self.ctx, publish, self.keys)
+            state = dict(self._initial)
+            if self._publish_version:
+                state["version"] = self.version
+            self.state = StatePublisher(self.name, state, self.pub.send, self.incarnation)
+        except Exception:
+            self.close()
+            raise
+        return self.router.last_endpoint.decode(), self.pub.endpoint
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close(linger=0)
+        if self.pub is not None:
+            self.pub.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.router = self.pub = self.auth = None
+        if self._own_ctx and not self.ctx.closed:
+            self.ctx.term()
+
+    def __enter__(self) -> "Server":
+        self.bind()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def update(self, values: Mapping) -> dict | None:
+        """Publish these top-level keys now (one delta, only what differs)."""
+        return self.state.update(values)
+
+    def change(self, ops: list) -> dict | None:
+        return self.state.change(ops)
+
+    def defer(self, values: Mapping) -> None:
+        """Publish these keys after the reply to the request being answered has gone: the
+        caller waiting on the device hears first. A value may be a function of nothing, called
+        then (work nobody waits for)."""
+        self._unpublished.update(values)
+
+    def publish_deferred(self) -> None:
+        if not self._unpublished:
+            return
+        updates, self._unpublished = self._unpublished, {}
+        for k, v in list(updates.items()):
+            if callable(v):
+                try:
+                    updates[k] = v()
+                except Exception as e:       # the rest (and the version) still goes out
+                    log.error("%s: state %r could not be worked out: %s: %s", self.name, k,
+                              type(e).__name__, e)
+                    del updates[k]
+        self.state.update(updates)
+
+    def send_heartbeat(self) -> None:
+        self.pub.send(schema.make("heartbeat", device=self.name, incarnation=self.incarnation,
+                                  seq=self.state.seq, t=time.time(), online=self.online,
+                                  interval=self.heartbeat))
+        self._next_beat = time.monotonic() + self.heartbeat
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Answer waiting requests (waiting at most `timeout` for the first) and send a
+        heartbeat when one is due; returns the number of requests answered."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self.send_heartbeat()
+        answered = self._send_later()
+        if not self._queue and not self.router.poll(0):
+            wait = min(timeout, max(0.0, self._next_beat - now))
+            if self._later or self._running:
+                wait = min(wait, 0.005)             # an answer may be ready soon: look again
+            # Nothing waiting now: whatever arrives during this wait arrives "now".
+            self._seen_empty = time.monotonic()
+            if not self.router.poll(max(0, int(wait * 1e3))):
+                return answered + self._send_later()
+            self._seen_empty = time.monotonic()
+        self._drain()
+        # one at a time, each reply followed by its state delta; a heartbeat that falls due
+        # ends the round (the rest wait in the queue for the next poll)
+        while self._queue:
+            envelope, frame, arrived = self._queue.popleft()
+            if self._answer(envelope, frame, arrived):
+                answered += 1
+            self.publish_deferred()
+            if time.monotonic() >= self._next_beat:
+                break
+        return answered
+
+    def _drain(self) -> None:
+        """Take waiting requests off the socket, stamped with the last moment the socket was
+        seen empty: no later than their arrival, so a deadline counts (at least) the time a
+        request waited behind a slow call, without a second thread on the fast path."""
+        router, more = self.router, zmq.RCVMORE
+        arrived = self._seen_empty
+        while len(self._queue) < QUEUE_LIMIT:
+            try:
+                frames = [router.recv(zmq.NOBLOCK)]     # cheaper than recv_multipart
+            except zmq.Again:
+                self._seen_empty = time.monotonic()
+                return
+            while router.getsockopt(more):
+                frames.append(router.recv())
+            if len(frames) < 2 or len(frames) > 3:
+                self._send(frames[:1], self._error_frame(None, BadFrame(
+                    f"a request is one frame after the envelope, not {len(frames) - 1}")))
+                continue
+            self._queue.append((frames[:-1], frames[-1], arrived))
+
+    def handle(self, frame: bytes, arrived: float | None = None) -> dict:
+        """One request frame -> the answer message (for tests and in-process use; a Future's
+        answer is waited for)."""
+        sent: list[bytes] = []
+        self._answer(None, frame, arrived, sent.append)
+        if not sent:
+            for future in [p.future for p in self._running.values()] + \
+                    [f for _, _, f in self._later]:
+                future.exception()               # waits; the answer carries any error
+            self._send_later(sent.append)
+        self.publish_deferred()
+        return schema.decode(sent[-1])
+
+    def _answer(self, envelope, frame: bytes, arrived: float | None, send=None) -> bool:
+        """Run one request and send its answer (or keep it for when its Future is done).
+        Returns whether an answer went out."""
+        send = send or (lambda f: self._send(envelope, f))
+        self.requests += 1
+        rid = None
+        try:
+            req = schema.decode_message(frame)
+            if not isinstance(req, schema.Request):
+                raise UnknownType(f"a server takes requests, not {req.__struct_config__.tag!r}")
+            rid = req.id
+            entry = self._ops.get(req.op)
+            if entry is None:
+                raise UnknownOperation(f"{self.name} ({self.kind}) does not offer {req.op!r}; "
+                                       f"it offers: {', '.join(self.operations)}")
+            op, handler = entry
+            if not op.read_only:
+                done = self._done.get(rid)
+                if done is not None:                 # a retry: the first answer, not a rerun
+                    if done[0] != op.name:
+                        raise BadRequest(f"request id {rid} was used for {done[0]}, not "
+                                         f"{op.name}")
+                    send(done[1])
+                    return True
+                pending = self._running.get(rid)
+                if pending is not None:              # a retry while the first is running
+                    pending.envelopes.append(envelope)
+                    return False
+            if req.ttl_ms is not None and arrived is not None and \
+                    time.monotonic() > arrived + req.ttl_ms / 1e3:
+                raise DeadlineExceeded(f"{op.name} waited longer than its {req.ttl_ms:.0f} ms "
+                                       "deadline behind other requests and was not run")
+            if op.args is not schema.Args:
+                args = schema.check_args(op, req.args)
+            elif req.args:
+                raise BadRequest(f"{op.name} takes no arguments, not {', '.join(req.args)}")
+            else:
+                args = {}
+            if op.read_only:
+                result = handler(args)
+            else:
+                if req.expect is not None and req.expect != self.version:
+                    raise StaleState(f"{self.name} is at state version {self.version}, not "
+                                     f"{req.expect}: it changed since you read it; re-read "
+                                     "the state and decide again")
+                try:
+                    result = self._run_change(handler, args)
+                except Exception as e:
+                    # it may have changed something half way: answered the same on a retry
+                    self._log_failure(rid, e)
+                    self._remember(rid, op.name, self._error_frame(rid, e))
+                    send(self._done[rid][1])
+                    return True
+            if isinstance(result, Future):
+                if op.read_only:
+                    self._later.append((envelope, rid, result))
+                else:
+                    self._running[rid] = _Pending(op, result, [envelope])
+                return False
+            reply = self._reply_frame(rid, result)
+            if not op.read_only:
+                self._remember(rid, op.name, reply)
+            send(reply)
+            return True
+        except Exception as e:
+            self._log_failure(rid, e)
+            send(self._error_frame(rid, e))
+            return True
+
+    def _run_change(self, handler: Handler, args: dict):
+        try:
+            return handler(args)
+        finally:
+            # The hardware may have changed even if the call failed half way: a new version.
+            self.changes += 1
+            if self._publish_version:
+                self._unpublished["version"] = self.version
+
+    def _log_failure(self, rid: str | None, e: Exception) -> None:
+        if not isinstance(e, RemoteError):
+            log.info("%s: request %s failed: %s: %s", self.name, rid, type(e).__name__, e)
+
+    def _remember(self, rid: str, op: str, frame: bytes) -> None:
+        now = time.monotonic()
+        self._done[rid] = (op, frame, now)
+        self._done_bytes += len(frame)
+        done = self._done
+        while done and (len(done) > DONE_KEPT or self._done_bytes > DONE_BYTES
+                        or now - next(iter(done.values()))[2] > DONE_AGE_S):
+            _, (_, old, _) = done.popitem(last=False)
+            self._done_bytes -= len(old)
+
+    def _send_later(self, send=None) -> int:
+        """Send the answers whose futures are done; returns how many went out."""
+        sent = 0
+        if self._later and any(f.done() for _, _, f in self._later):
+            keep = []
+            for envelope, rid, future in self._later:
+                if not future.done():
+                    keep.append((envelope, rid, future))
+                    continue
+                frame = self._future_frame(rid, future)
+                (send or (lambda f, e=envelope: self._send(e, f)))(frame)
+                sent += 1
+            self._later = keep
+        for rid in [r for r, p in self._running.items() if p.future.done()]:
+            pending = self._running.pop(rid)
+            frame = self._future_frame(rid, pending.future)
+            self._remember(rid, pending.op.name, frame)
+            for envelope in pending.envelopes:
+                (send or (lambda f, e=envelope: self._send(e, f)))(frame)
+                sent += 1
+        return sent
+
+    def _future_frame(self, rid: str, future: Future) -> bytes:
+        try:
+            return self._reply_frame(rid, future.result())
+        except Exception as e:
+            self._log_failure(rid, e)
+            return self._error_frame(rid, e)
+
+    def _reply_frame(self, rid: str, result) -> bytes:
+        try:
+            return schema.encode(schema.make("reply", id=rid, result=result,
+                                             version=self.version))
+        except (TypeError, ValueError) as e:     # a result JSON cannot carry (NaN, bytes...)
+            return self._error_frame(rid, UnencodableResult(
+                f"the result of the request cannot be sent as JSON: {e}"))
+
+    def _error_frame(self, rid: str | None, exc: BaseException) -> bytes:
+        kind, message = to_wire(exc)
+        return schema.encode(schema.make("error", id=rid, error=kind, message=message,
+                                         version=self.version))
+
+    def _send(self, envelope: list[bytes] | None, frame: bytes) -> None:
+        if envelope is None:
+            return
+        try:
+            for part in envelope:
+                self.router.send(part, zmq.NOBLOCK | zmq.SNDMORE)
+            self.router.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as e:     # the client went away; its loss
+            log.debug("%s: answer not delivered: %s", self.name, e)
