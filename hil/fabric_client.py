@@ -15,6 +15,11 @@ difference to every switch and answers; the answer is the grant. A failure the j
 come from the agent's published state (`restart`: `{"seq", "rank_map", "cause"}`): each new
 one calls `on_restart(rank_map, cause)` on the subscriber's thread, and `wait_restart()` waits
 for one. Nothing here imports torch: a PyTorch loop passes its own callbacks.
+
+When the agent restarts (a new incarnation of its state on the bus), the client re-announces
+the job (`rejoin`: plan, rank map, the last order taken, waiting for one or not), so that the
+new agent reconciles the job as it reconciles the switches; an order the job missed while the
+agent was down is taken from the new agent's state.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from photonic_testbed.hil.bus.client import ServiceClient
+from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.security import ClientKeys
 
@@ -45,6 +50,11 @@ class Fabric:
         self._cond = threading.Condition()
         self._restart_seq: int | None = None      # the agent's restart seq when we joined
         self._orders: list[tuple[dict[int, str], str]] = []
+        self._plan: dict | None = None            # what `rejoin` tells a restarted agent
+        self._rank_map: dict[int, str] = {}
+        self._waiting = False                     # a failure reported, no order taken since
+        self._incarnation: str | None = None      # the agent's, as last seen
+        self.rejoins = 0
         # A plain subscriber on our own thread: only the `restart` key matters here, so no
         # copy of the agent's state (its events) is made per delta.
         self._stop = threading.Event()
@@ -78,35 +88,62 @@ class Fabric:
         if rank_map is not None:
             args["rank_map"] = {str(r): g for r, g in rank_map.items()}
         got = self._client().call("admit", **args)
+        rank_map = {int(r): g for r, g in got["rank_map"].items()}
         with self._cond:
             self._restart_seq = int(got.get("restart_seq", 0))
-        return {int(r): g for r, g in got["rank_map"].items()}
+            self._plan, self._rank_map, self._waiting = d, dict(rank_map), False
+        return rank_map
 
     def phase(self, name: str, round: int = 0, timeout: float | None = None) -> dict:
         """Block until the agent says the circuits of (phase, round) are ready."""
         return self._client().call("phase", phase=name, round=int(round), timeout=timeout)
 
     def failure(self, reason: str, gpus: Any = (), links: Any = ()) -> dict:
+        with self._cond:
+            self._waiting = True
         return self._client().call("job_failure", reason=str(reason), gpus=list(gpus),
                                    links=[list(x) for x in links])
 
     # --- restart orders ---------------------------------------------------------------------
     def _on_state(self, device: str, state: dict, ops: Any) -> None:
-        order = state.get("restart") or {}
+        incarnation = self._sub.mirror(device).incarnation
+        restarted = self._incarnation is not None and incarnation != self._incarnation
+        self._incarnation = incarnation
+        self._take_order(state.get("restart") or {})
+        if restarted and self._plan is not None:
+            self._rejoin()
+
+    def _take_order(self, order: Mapping) -> None:
         seq = int(order.get("seq", 0))
         with self._cond:
             if self._restart_seq is None:
                 self._restart_seq = seq          # orders before we joined are not ours
                 return
-            if seq <= self._restart_seq:
+            rank_map = {int(r): g for r, g in order.get("rank_map", {}).items()}
+            if seq <= self._restart_seq or not rank_map:
                 return
             self._restart_seq = seq
-            rank_map = {int(r): g for r, g in order.get("rank_map", {}).items()}
+            self._rank_map, self._waiting = dict(rank_map), False
             self._orders.append((rank_map, str(order.get("cause", ""))))
             self._cond.notify_all()
         log.info("restart order %d: %s", seq, rank_map)
         if self.on_restart is not None:
             self.on_restart(rank_map, str(order.get("cause", "")))
+
+    def _rejoin(self) -> None:
+        """Tell a restarted agent where the job stands (on the subscriber's thread)."""
+        with self._cond:
+            args = {"plan": self._plan, "restart_seq": int(self._restart_seq or 0),
+                    "rank_map": {str(r): g for r, g in self._rank_map.items()},
+                    "state": "failed" if self._waiting else "running"}
+        try:
+            got = self._client().call("rejoin", **args)
+        except BusError as e:
+            log.warning("could not rejoin the restarted agent: %s", e)
+            return
+        self.rejoins += 1
+        log.info("rejoined the restarted agent (%s)", args["state"])
+        self._take_order(got.get("restart") or {})
 
     def wait_restart(self, timeout: float) -> tuple[dict[int, str], str] | None:
         """The next restart order (rank map, cause), or None after `timeout` seconds."""

@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS intended (
 
 # What the agent writes; the GUI filters on these.
 KINDS = ("start", "failure", "detected", "decision", "applied", "verified", "verify_failed",
-         "rank_map", "restart", "phase", "alarm", "reconcile", "note")
+         "rank_map", "restart", "phase", "alarm", "reconcile", "note", "diagnosis")
 
 
 class JournalError(Exception):

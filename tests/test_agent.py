@@ -385,3 +385,77 @@ def test_health_reports_as_dicts_from_the_bus(tmp_path):
     assert out.swaps == {"gpu2": "spare0"}
     with pytest.raises(AgentError, match="not a GPU health report"):
         w.agent.on_health({"gpu": "gpu1", "colour": "red"})
+
+
+def test_a_cut_receive_fibre_evicts_only_the_gpu_that_cannot_hear(tmp_path):
+    """gpu3's receive fibre is cut: the link gpu2 -> gpu3 goes dark. The loopback test finds
+    gpu2 hears itself and gpu3 does not: gpu3 alone is replaced, no spare is rejected."""
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.01))
+    w.job.link_timeout_s = 0.02
+    done = []
+
+    def on(ev):
+        if ev.kind == "step" and ev.step == 3 and not done:
+            done.append(w.rack.faults.cut_fibre("chip", 17 + 3))     # gpu3's RX fibre
+    w.job.subscribe(on)
+    assert w.job.run(12) == "done"
+    assert done and w.job.restarts == 1
+    assert set(w.job.rank_map.values()) - {f"gpu{i}" for i in range(8)} == {"spare0"}
+    assert w.job.rank_map[3] == "spare0" and ring_is_up(w)
+    assert not w.agent._rejected
+    diagnosis = w.journal.entries(kinds=("diagnosis",))
+    assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
+    assert diagnosis[0].details["loopback"]["gpu2"] is True
+
+
+def test_circuits_changed_behind_the_agents_back_are_repaired_without_evictions(tmp_path):
+    """Someone removes the ring's circuits on the switch itself: the job's links go down, the
+    agent compares its belief with the switch, repairs the difference, and restarts the job
+    on the same GPUs."""
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.01))
+    w.job.link_timeout_s = 0.02
+    done = []
+
+    def on(ev):
+        if ev.kind == "step" and ev.step == 3 and not done:
+            done.append(w.switch.apply({1: 18}))       # two inputs' worth of ring gone
+    w.job.subscribe(on)
+    before = dict(w.job.rank_map)
+    assert w.job.run(10) == "done"
+    assert done and w.job.rank_map == before and w.job.restarts == 1
+    assert ring_is_up(w)
+    reconciled = [e for e in w.journal.entries(kinds=("reconcile",)) if e.details.get("moves")]
+    assert reconciled and reconciled[-1].details["moves"]["chip"] > 0
+    restart = w.journal.entries(kinds=("restart",))[-1]
+    assert "restart on the same GPUs" in restart.cause
+
+
+def test_a_switch_that_passes_no_light_evicts_nobody(tmp_path):
+    """Every receiver dark (the switch dead): the loopback test blames no GPU (an idle spare,
+    the control, is deaf too), an alarm calls a person, the rank map is unchanged."""
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.01))
+    before = dict(w.agent.rank_map)
+    for port in range(17, 33):
+        w.rack.faults.cut_fibre("chip", port)            # every output fibre
+    out = w.agent.on_job_failure("links down", links=[("gpu2", "gpu3"), ("gpu4", "gpu5")])
+    assert out is None and w.agent.rank_map == before and not w.agent._rejected
+    alarms = [e.cause for e in w.journal.entries(kinds=("alarm",))]
+    assert any("nobody is evicted" in a for a in alarms)
+
+
+def test_evictions_on_diagnosis_are_bounded(tmp_path):
+    """Receivers going deaf one after another: past the bound per window, nobody more is
+    evicted and a person is called (no cascade through the rack)."""
+    from photonic_testbed.hil.agent.agent import DIAGNOSED_PER_WINDOW
+    w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9)
+    evicted = []
+    for k in range(DIAGNOSED_PER_WINDOW + 2):
+        victim = w.agent.rank_map[k % 6]
+        peer = w.agent.rank_map[(k - 1) % 6]
+        rx = w.agent.layout.gpus[victim][0].rx
+        w.rack.faults.cut_fibre("chip", rx)
+        out = w.agent.on_job_failure("link down", links=[(peer, victim)])
+        if out is not None and out.swaps:
+            evicted += list(out.swaps)
+    assert len(evicted) <= DIAGNOSED_PER_WINDOW
+    assert any("a person is needed" in e.cause for e in w.journal.entries(kinds=("alarm",)))

@@ -34,6 +34,9 @@ from photonic_testbed.hil.rack_layout import RackLayout
 log = logging.getLogger(__name__)
 
 VERIFY_DBM = -12.0      # a verified circuit delivers at least the receivers' sensitivity
+DIAGNOSED_PER_INCIDENT = 2      # GPUs evicted on the fabric's evidence alone, per incident...
+DIAGNOSED_PER_WINDOW = 4        # ...and within EVICTION_WINDOW_S; beyond: an alarm for a person
+EVICTION_WINDOW_S = 600.0
 
 
 class AgentError(Exception):
@@ -99,6 +102,7 @@ class Agent:
         self._health: dict[str, str] = {}
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
+        self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
         self._lock = threading.RLock()
 
     # --- the switches -----------------------------------------------------------------------
@@ -331,28 +335,124 @@ class Agent:
             return self._failover(failed, "GPU failure") if failed else None
 
     def on_job_failure(self, reason: str, gpus: Any = (), links: Any = ()) -> SwapOutcome | None:
-        """The job failed: swap out failed GPUs it names and any GPU whose light went missing
-        on a link it needed (found by reading the power at the link's receiver)."""
+        """The job failed. GPUs it names as lost are swapped out. Before anyone else is
+        evicted, what the agent believes is checked against the switches (the difference is
+        repaired), the links the job found down are measured again at their receivers, and a
+        dark one is diagnosed end by end (`diagnose`). When nothing is left to blame, the
+        current phase's circuits are verified and the job is restarted on the same GPUs."""
         with self._lock:
+            t0 = self.clock()
+            cause = f"job failure: {reason}" if reason else "job failure"
             self.journal.record("failure", reason or "job failure", gpus=list(gpus),
                                 links=[list(x) for x in links], defer=True)
-            suspects = [g for g in gpus if g in self.rank_map.values()]
-            for src, dst in links:
-                for att in self.layout.gpus.get(dst, ()):
-                    cur = self._current.get(att.switch, {})
-                    src_att = self.layout.attachment(src, att.switch)
-                    if src_att is None or cur.get(src_att.tx) != att.rx:
-                        continue
-                    if not float(self.read_power(att.switch, att.rx)) >= self.verify_dbm:
-                        suspects.append(src)
-            suspects = [g for g in dict.fromkeys(suspects) if g in self.rank_map.values()]
-            for g in suspects:
+            if self.plan is None:
+                self.journal.record("note", f"{cause}: no job admitted, nothing to do")
+                return None
+            lost = [g for g in dict.fromkeys(gpus) if g in self.rank_map.values()]
+            self.reconcile(cause)                  # belief against the switches first
+            dark = self._dark_links(links)
+            blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []
+            for g in lost + blamed:
                 if self._health.get(g) != "failed":
                     self.journal.record("detected", f"GPU {g} lost by the job", reason=reason,
                                         defer=True)
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
-            return self._failover(suspects, "job failure") if suspects else None
+            if lost or blamed:
+                return self._failover(lost + blamed, "job failure")
+            # Nobody to blame: the fabric as it should be, verified, and the job again.
+            key = self._key()
+            targets = self._targets[key]
+            self._apply(targets, cause)
+            bad = self._verify(self._points(targets, None), cause, t0)
+            if bad:
+                self._alarm(f"{cause}: circuits of phase {key[0]} round {key[1]} do not "
+                            "verify and no GPU is to blame: a person is needed",
+                            dark=[list(b[:3]) for b in bad])
+                return None
+            self._announce(self.rank_map, f"{cause}: fabric verified, restart on the same GPUs")
+            return SwapOutcome((), {}, dict(self.rank_map), latency_s=self.clock() - t0)
+
+    def _dark_links(self, links: Any) -> list[tuple[str, int, int]]:
+        """The circuits of the (src GPU, dst GPU) links that are set now and whose receiver
+        reads dark."""
+        dark = []
+        for src, dst in links:
+            for att in self.layout.gpus.get(dst, ()):
+                src_att = self.layout.gpus.get(src) and self.layout.attachment(src, att.switch)
+                if not src_att or self._current.get(att.switch, {}).get(src_att.tx) != att.rx:
+                    continue
+                if not float(self.read_power(att.switch, att.rx)) >= self.verify_dbm:
+                    dark.append((att.switch, src_att.tx, att.rx))
+        return dark
+
+    def loopback(self, gpus: list[str], cause: str) -> dict[str, bool]:
+        """Each GPU's own light sent back to it (its TX to its RX through each switch it is
+        cabled to): {gpu: its receivers hear it}. Only those GPUs' ports move; the journal's
+        intended circuits stay as they were (a probe is not a decision: an agent restarted
+        mid-probe puts the switches back)."""
+        loops: dict[str, dict[int, int]] = {}
+        for g in gpus:
+            for att in self.layout.gpus.get(g, ()):
+                loops.setdefault(att.switch, {})[att.tx] = att.rx
+        heard = {g: True for g in gpus}
+        for s, pairs in loops.items():
+            ports = set(pairs) | set(pairs.values())
+            probe = {i: o for i, o in self._current.get(s, {}).items()
+                     if i not in ports and o not in ports}
+            probe.update(pairs)
+            try:
+                self.switches[s].apply(probe)
+            except SwitchError as e:
+                self._current.pop(s, None)
+                raise AgentError(f"loopback test on {s} refused: {e}") from e
+            self._current[s] = probe
+            for i, o in pairs.items():
+                g = self.layout.owner(s, i)
+                heard[g] = heard[g] and float(self.read_power(s, o)) >= self.verify_dbm
+        self.journal.record("diagnosis", cause, loopback=heard, defer=True)
+        return heard
+
+    def diagnose(self, dark: list[tuple[str, int, int]], cause: str) -> list[str]:
+        """Which end of each dark circuit is at fault, found by a loopback test of both ends
+        (and of an idle GPU, as a control): the end that cannot hear itself. Both ends hearing
+        themselves blames the switch's path; every GPU deaf, the control included, blames
+        the switch or the light: nobody is evicted then, and a person is called."""
+        ends = list(dict.fromkeys(g for s, i, o in dark for g in (self.layout.owner(s, i),
+                                                                   self.layout.owner(s, o))
+                                  if g is not None))
+        control = next((g for g in self.spares() if g not in ends), None)
+        heard = self.loopback(ends + ([control] if control else []), cause)
+        if not any(heard.values()) and (control is not None or len(ends) > 1):
+            self._alarm(f"{cause}: no GPU hears its own light through the switch "
+                        f"({', '.join(heard)}): the switch or the light is at fault, nobody "
+                        "is evicted", tested=heard)
+            return []
+        blamed = [g for g in ends if not heard[g]]
+        for s, i, o in dark:
+            src, dst = self.layout.owner(s, i), self.layout.owner(s, o)
+            if heard.get(src) and heard.get(dst):
+                self._alarm(f"{cause}: {src} -> {dst} is dark on {s} ({i} -> {o}) although "
+                            "both hear themselves: the switch's path is at fault",
+                            switch=s, circuit=[i, o])
+        return self._bound_evictions(blamed, cause)
+
+    def _bound_evictions(self, blamed: list[str], cause: str) -> list[str]:
+        """At most DIAGNOSED_PER_INCIDENT GPUs per incident and DIAGNOSED_PER_WINDOW in
+        EVICTION_WINDOW_S on the fabric's evidence alone; beyond that, none, and an alarm:
+        a cascade through the rack is not possible."""
+        now = self.clock()
+        self._diagnosed_at = [t for t in self._diagnosed_at if now - t < EVICTION_WINDOW_S]
+        if len(blamed) > DIAGNOSED_PER_INCIDENT or \
+                len(self._diagnosed_at) + len(blamed) > DIAGNOSED_PER_WINDOW:
+            self._alarm(f"{cause}: diagnosis blames {', '.join(blamed)}; evicting them would "
+                        f"exceed {DIAGNOSED_PER_INCIDENT} per incident or "
+                        f"{DIAGNOSED_PER_WINDOW} per {EVICTION_WINDOW_S:.0f} s: nobody is "
+                        "evicted, a person is needed", gpus=blamed,
+                        recent=len(self._diagnosed_at))
+            return []
+        self._diagnosed_at += [now] * len(blamed)
+        return blamed
 
     def spares(self) -> list[str]:
         """GPUs that may take a rank now, in rack order."""
@@ -436,17 +536,26 @@ class Agent:
             if not bad:
                 steps["verified"] = self.clock() - t0
                 break
-            for s, i, o, _ in bad:
-                src, dst = self.layout.owner(s, i), self.layout.owner(s, o)
-                culprit = src if src in swaps.values() else dst
-                if culprit in swaps.values() and culprit not in rejected:
-                    rejected.append(culprit)
-                    self._rejected.add(culprit)
-            if not any(sp in rejected for sp in swaps.values()):
-                self._alarm(f"{cause}: circuits do not verify and no spare is to blame",
+            # Which end is dark: a spare that cannot hear itself is rejected, a GPU of the job
+            # that cannot is lost too (within the eviction bounds); nobody is blamed for the
+            # other end's fault.
+            blamed = self.diagnose([b[:3] for b in bad], cause)
+            spares_blamed = [g for g in blamed if g in swaps.values() and g not in rejected]
+            lost = [g for g in blamed if g in self.rank_map.values() and g not in failed]
+            for g in spares_blamed:
+                rejected.append(g)
+                self._rejected.add(g)
+            for g in lost:
+                self.journal.record("detected", f"GPU {g} cannot hear itself", defer=True)
+                self._health[g] = "failed"
+                self._failed_at[g] = self.clock()
+                failed.append(g)
+            if not spares_blamed and not lost:
+                self._alarm(f"{cause}: circuits do not verify and no GPU is to blame",
                             dark=[list(b[:3]) for b in bad])
                 break
-            log.warning("%s: spare(s) %s failed verification, trying the next", cause, rejected)
+            log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
+                        spares_blamed, lost)
         self.rank_map, self._targets, self.phase = new_map, targets_all, key
         self._announce(new_map, cause)
         steps["announced"] = self.clock() - t0

@@ -96,6 +96,19 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
+def restart_order(journal: Journal) -> dict:
+    """The job's last restart order, whole, from the journal: {seq, rank_map, cause}, seq
+    counting the orders given. A restarted agent publishes exactly what its predecessor did,
+    so a job that missed the order still finds it."""
+    orders = journal.entries(kinds=("restart",))
+    if not orders:
+        return {"seq": 0, "rank_map": {}, "cause": ""}
+    last = orders[-1]
+    rank_map = {int(r): g for r, g in last.details.get("rank_map", {}).items()}
+    return {"seq": len(orders), "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
+            "cause": last.cause}
+
+
 def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
     """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p."""
     if not rig.gpus:
@@ -160,7 +173,7 @@ class AgentProcess:
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
                            on_restart=self._on_restart, on_alarm=self._on_alarm)
-        self._restart["seq"] = len(self.journal.entries(kinds=("restart",)))
+        self._restart = restart_order(self.journal)
         for e in self.journal.entries()[-EVENTS_KEPT:]:
             self._events.append({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
                                  "latency_s": e.latency_s, "details": e.details})
@@ -171,7 +184,8 @@ class AgentProcess:
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
             keys=self.rig.server_keys(),
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
-                      "phase": self._phase, "job_failure": self._job_failure})
+                      "phase": self._phase, "job_failure": self._job_failure,
+                      "rejoin": self._rejoin})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                    telemetry=False)
@@ -264,6 +278,35 @@ class AgentProcess:
         return {"rank_map": {str(r): g for r, g in got.items()},
                 "restart_seq": self._restart["seq"]}
 
+    def _rejoin(self, args: dict) -> dict:
+        """A running job tells a (re)started agent where it stands: its plan, the rank map it
+        runs on, the last restart order it took, and whether it waits for one. The agent
+        reconciles the job as it reconciles the switches: an order the job missed stands (it
+        is in the published state, and in this answer); a job the journal does not know is
+        taken on as it runs; a job waiting for an order with none to come is treated as a
+        failure the job saw (the fabric checked, then a restart)."""
+        agent, order = self.agent, self._restart
+        try:
+            plan = JobPlan.from_dict(args["plan"])
+        except PlanError as e:
+            raise AgentError(f"rejoin needs the job's plan: {e}") from None
+        rank_map = {int(r): g for r, g in args["rank_map"].items()}
+        if args["restart_seq"] < order["seq"]:
+            agent.journal.record("note", f"job {plan.name} rejoined: it has not taken restart "
+                                 f"order {order['seq']}", job=args)
+            return {"rank_map": order["rank_map"], "restart": dict(order)}
+        if agent.plan is None or agent.plan.to_dict() != plan.to_dict() or \
+                agent.rank_map != rank_map:
+            agent.journal.record("note", f"job {plan.name} rejoined on a rank map the journal "
+                                 "does not hold: taken on as it runs", job=args)
+            agent.admit(plan, rank_map)
+        else:
+            agent.journal.record("note", f"job {plan.name} rejoined", state=args["state"])
+        if args["state"] == "failed":
+            agent.on_job_failure("job waiting for a restart order after an agent restart")
+        return {"rank_map": {str(r): g for r, g in agent.rank_map.items()},
+                "restart": dict(self._restart)}
+
     def _phase(self, args: dict) -> dict:
         phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
         self.agent.on_phase(phase, rnd)
@@ -303,8 +346,10 @@ class AgentProcess:
 
     # --- outputs ----------------------------------------------------------------------------
     def _on_restart(self, rank_map: dict, cause: str) -> None:
+        # the same order a restarted agent derives from the journal (`restart_order`)
         self._restart = {"seq": self._restart["seq"] + 1,
-                         "rank_map": {str(r): g for r, g in rank_map.items()}, "cause": cause}
+                         "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
+                         "cause": cause}
         self._publish()          # the job is waiting for this: send it now
 
     def _on_alarm(self, text: str, details: dict) -> None:

@@ -166,9 +166,14 @@ class PhaseArgs(Args):
 class JobFailure(Args):
     reason: Text = ""
     gpus: Annotated[list[Name], _meta(max_length=MAX_RANKS)] = []
-    links: Annotated[list[tuple[Annotated[int, _meta(ge=0, lt=MAX_RANKS)],
-                                Annotated[int, _meta(ge=0, lt=MAX_RANKS)]]],
-                     _meta(max_length=MAX_RANKS)] = []
+    links: Annotated[list[tuple[Name, Name]], _meta(max_length=MAX_RANKS)] = []  # (src, dst)
+
+
+class Rejoin(Args):
+    plan: dict[str, Any]
+    rank_map: Annotated[dict[str, Name], _meta(max_length=MAX_RANKS)]
+    restart_seq: Annotated[int, _meta(ge=0)]
+    state: Literal["running", "failed"]
 
 
 class GpuArgs(Args):
@@ -213,6 +218,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
               "are up and verified"),
     Operation("job_failure", JobFailure, False, "a job reports a failure it saw"),
     Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
+    Operation("rejoin", Rejoin, False, "a running job tells a (re)started agent where it "
+              "stands: plan, rank map, last restart order taken, waiting or not"),
     # GPU monitors
     Operation("rx_power", RxPower, True, "received power at transceivers on output ports"),
     Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),
