@@ -83,6 +83,24 @@ class PhaseSpec:
                 out.append([block + offset + k * self.stride for k in range(g)])
         return out
 
+    def peers(self, rank: int, world: int) -> set[int]:
+        """The ranks `rank` has a link with in some round of this phase, worked out from its
+        group (without listing the phase's links)."""
+        g = self.group or world
+        span = g * self.stride
+        block = rank - rank % span
+        offset = (rank - block) % self.stride
+        members = [block + offset + k * self.stride for k in range(g)]
+        i = members.index(rank)
+        if self.pattern == "all_to_all":
+            out = set(members)
+        elif self.pattern == "ring":
+            out = {members[(i - 1) % g], members[(i + 1) % g]}
+        else:
+            out = {members[j] for j in (i - 1, i + 1) if 0 <= j < g}
+        out.discard(rank)
+        return out
+
     def rounds(self, world: int,
                matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings
                ) -> list[list[RankLink]]:

@@ -20,7 +20,10 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any, Iterator
+
+import orjson
 
 SCHEMA_VERSION = 1
 
@@ -123,7 +126,7 @@ class Journal:
         once it is written: on disk with the next entry that is not deferred)."""
         if kind not in KINDS:
             raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
-        text = json.dumps(details, sort_keys=True, default=str)
+        text = orjson.dumps(details, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
         with self._lock:
             self._begin()
             try:
@@ -141,21 +144,31 @@ class Journal:
         `event` is false: the caller journals the change in its own entry, as a phase switch
         does), atomically and durably (with the deferred entries before it). Returns the
         event's sequence number (the last one written without an event)."""
-        pairs = sorted((int(a), int(b)) for a, b in circuits)
+        return self.set_intended_many({switch: circuits}, cause, event=event)
+
+    def set_intended_many(self, switches: Mapping[str, Iterable[tuple[int, int]]], cause: str,
+                          *, event: bool = True) -> int:
+        """`set_intended` for several switches in one transaction and one sync (a phase switch
+        that moves every rail's OCS)."""
+        rows = {name: sorted(circuits) for name, circuits in switches.items()}
         with self._lock:
             self._begin()
             self._db.execute("SAVEPOINT intended")
             try:
-                if event:
-                    seq = self._db.execute(
-                        "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                        (time.time(), "decision", cause,
-                         json.dumps({"switch": switch, "circuits": pairs}))).lastrowid
-                else:
-                    seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
-                                           ).fetchone()[0]
-                self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
-                                 (switch, json.dumps(pairs), seq))
+                seq = None
+                for name, pairs in rows.items():
+                    text = orjson.dumps(pairs).decode()     # [[input, output], ...]
+                    if event:
+                        seq = self._db.execute(
+                            "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
+                            (time.time(), "decision", cause,
+                             f'{{"circuits": {text}, "switch": {json.dumps(name)}}}')
+                        ).lastrowid
+                    elif seq is None:
+                        seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
+                                               ).fetchone()[0]
+                    self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
+                                     (name, text, seq))
                 self._db.execute("RELEASE intended")
             except BaseException:
                 self._db.execute("ROLLBACK TO intended")
@@ -163,7 +176,7 @@ class Journal:
                 raise
             finally:
                 self._db.execute("COMMIT")
-            return seq
+            return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
         with self._lock:

@@ -15,7 +15,8 @@ circuits give rank r's GPU its peers) and the rig file (issue 6 reads it as JSON
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -38,6 +39,9 @@ class RackLayout:
     gpus: dict[str, tuple[Attachment, ...]]        # every GPU, spares included
     spares: tuple[str, ...] = ()                   # GPUs held back to replace a failed one
     description: str = ""
+    # GPU -> its server: GPUs of one server talk over the server's own scale-up fabric
+    # (NVLink), so a link between them needs no circuit. Empty: every GPU on its own.
+    servers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         used: dict[tuple[str, int], str] = {}
@@ -70,30 +74,61 @@ class RackLayout:
         """GPUs that are not spares, in rack order (rank r starts on workers[r])."""
         return tuple(g for g in self.gpus if g not in self.spares)
 
+    @functools.cached_property
+    def _ports(self) -> dict[tuple[str, int], str]:
+        """(switch, port) -> the GPU cabled there: one dict, so that a lookup does not cost
+        the rack (a 2,048-GPU rack asks it once per circuit of a decision)."""
+        return {(a.switch, port): gpu for gpu, atts in self.gpus.items() for a in atts
+                for port in (a.tx, a.rx)}
+
+    @functools.cached_property
+    def _attachments(self) -> dict[tuple[str, str], Attachment]:
+        return {(gpu, a.switch): a for gpu, atts in self.gpus.items() for a in atts}
+
     def attachment(self, gpu: str, switch: str) -> Attachment | None:
-        try:
-            atts = self.gpus[gpu]
-        except KeyError:
-            raise LayoutError(f"no GPU {gpu!r} in rack {self.name!r}") from None
-        for a in atts:
-            if a.switch == switch:
-                return a
-        return None
+        if gpu not in self.gpus:
+            raise LayoutError(f"no GPU {gpu!r} in rack {self.name!r}")
+        return self._attachments.get((gpu, switch))
 
     def owner(self, switch: str, port: int) -> str | None:
         """The GPU whose fibre is on this port, or None."""
-        for gpu, atts in self.gpus.items():
-            for a in atts:
-                if a.switch == switch and port in (a.tx, a.rx):
-                    return gpu
-        return None
+        return self._ports.get((switch, port))
+
+    @functools.cached_property
+    def server_gpus(self) -> dict[str, tuple[str, ...]]:
+        """server -> its GPUs, in rack order."""
+        out: dict[str, list[str]] = {}
+        for g in self.gpus:
+            if g in self.servers:
+                out.setdefault(self.servers[g], []).append(g)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @functools.cached_property
+    def links_between(self) -> "_LinkTable":
+        return _LinkTable(self)
+
+    @functools.cached_property
+    def _switch_sets(self) -> dict[str, frozenset[str]]:
+        return {g: frozenset(a.switch for a in atts) for g, atts in self.gpus.items()}
+
+    def reaches(self, a: str, b: str) -> bool:
+        """Whether GPU a's light can reach GPU b: over their server's own fabric, or through a
+        switch both are cabled to."""
+        sets = self._switch_sets
+        return not sets[a].isdisjoint(sets[b]) or self.same_server(a, b)
+
+    def same_server(self, a: str, b: str) -> bool:
+        """Whether two GPUs share a server (and talk without the optical fabric)."""
+        server = self.servers.get(a)
+        return server is not None and server == self.servers.get(b)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
                 "switches": dict(self.switches),
                 "gpus": {g: [{"switch": a.switch, "tx": a.tx, "rx": a.rx} for a in atts]
                          for g, atts in self.gpus.items()},
-                "spares": list(self.spares)}
+                "spares": list(self.spares),
+                **({"servers": dict(self.servers)} if self.servers else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RackLayout":
@@ -102,11 +137,37 @@ class RackLayout:
                        switches={str(k): int(v) for k, v in d["switches"].items()},
                        gpus={str(g): tuple(Attachment(str(a["switch"]), int(a["tx"]), int(a["rx"]))
                                            for a in atts) for g, atts in d["gpus"].items()},
-                       spares=tuple(str(s) for s in d.get("spares", ())))
+                       spares=tuple(str(s) for s in d.get("spares", ())),
+                       servers={str(g): str(v) for g, v in d.get("servers", {}).items()})
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             if isinstance(e, LayoutError):
                 raise
             raise LayoutError(f"not a rack description: {e!r}") from None
+
+
+class _LinkTable:
+    """The circuits that carry one GPU's light to another, {(ga, gb): [(switch, tx, rx)]},
+    worked out once per pair ([] inside a server; None when they share no switch)."""
+
+    def __init__(self, layout: RackLayout):
+        self._layout = layout
+        self._by_gpu = {g: {a.switch: a for a in atts} for g, atts in layout.gpus.items()}
+        self._cache: dict[tuple[str, str], list[tuple[str, int, int]] | None] = {}
+
+    def __call__(self, ga: str, gb: str) -> list[tuple[str, int, int]] | None:
+        got = self._cache.get((ga, gb), False)
+        if got is not False:
+            return got
+        if self._layout.same_server(ga, gb):
+            got = []
+        else:
+            peer = self._by_gpu[gb]
+            got = [(s, a.tx, peer[s].rx) for s, a in self._by_gpu[ga].items() if s in peer]
+            got = got or None
+        if len(self._cache) > 1_000_000:       # a rack's pairs in use stay far below this
+            self._cache.clear()
+        self._cache[(ga, gb)] = got
+        return got
 
 
 def duplex_rack(name: str, switch: str, ports: int, workers: int, spares: int = 0,
@@ -118,6 +179,40 @@ def duplex_rack(name: str, switch: str, ports: int, workers: int, spares: int = 
         raise LayoutError(f"{len(names)} GPUs do not fit on a {ports} x {ports} switch")
     gpus = {g: (Attachment(switch, i + 1, ports + i + 1),) for i, g in enumerate(names)}
     return RackLayout(name, {switch: ports}, gpus, tuple(names[workers:]), description)
+
+
+def rail_rack(name: str, servers: int, rails: int = 8, spare_servers: int = 1,
+              pod: int | None = None, description: str = "") -> RackLayout:
+    """Servers of `rails` GPUs each, GPU l of every server on rail l (Opus's rail-optimised
+    fabric): rail l's ports are served by OCSes `rail{l}` (one, large enough for every server)
+    or, with `pod` (ports per OCS), `rail{l}-pod{k}`, each serving `pod` consecutive servers
+    (a server's NIC is cabled to its pod's OCS). The last `spare_servers` servers of every pod
+    (of the rack without pods) are spares. GPUs are named `s{server}g{l}`; GPUs of one server
+    share its scale-up fabric (`servers`)."""
+    if servers < 1 or rails < 1 or spare_servers < 0:
+        raise LayoutError("a rail rack needs servers >= 1, rails >= 1, spare_servers >= 0")
+    per_pod = pod or servers
+    pods = -(-servers // per_pod)
+    switches: dict[str, int] = {}
+    gpus: dict[str, tuple[Attachment, ...]] = {}
+    owners: dict[str, str] = {}
+    spares: list[str] = []
+    for k in range(pods):
+        members = range(k * per_pod, min(servers, (k + 1) * per_pod))
+        for lane in range(rails):
+            sw = f"rail{lane}" if pod is None else f"rail{lane}-pod{k}"
+            switches[sw] = pod or servers
+            for p, srv in enumerate(members, start=1):
+                g = f"s{srv}g{lane}"
+                gpus[g] = (Attachment(sw, p, switches[sw] + p),)
+                owners[g] = f"s{srv}"
+        spare_ids = set(list(members)[len(members) - spare_servers:]) if spare_servers else set()
+        spares += [f"s{srv}g{lane}" for srv in sorted(spare_ids) for lane in range(rails)]
+    order = sorted(gpus, key=lambda g: (g in spares, int(g[1:].split("g")[0]),
+                                        int(g.split("g")[1])))
+    return RackLayout(name, switches, {g: gpus[g] for g in order}, tuple(spares),
+                      description or f"{servers} servers of {rails} GPUs on {rails} rails",
+                      owners)
 
 
 def lumion() -> RackLayout:

@@ -67,3 +67,17 @@ def test_switch_change_cost_counts_before_loss(tmp_path):
         agent.admit(dp_ring(8))
         rack.faults.fail_gpu("gpu0")
         assert agent.on_health(rack.gpu_health("gpu0")).swaps == {"gpu0": "spare1"}
+
+
+def test_a_phases_peers_are_the_ranks_its_links_join():
+    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+    phases = [PhaseSpec("tp", "ring", group=2, stride=1), PhaseSpec("ring", "ring", group=4,
+                                                                    stride=2),
+              PhaseSpec("pp", "chain", group=4, stride=4), PhaseSpec("ep", "all_to_all",
+                                                                     group=8, stride=2)]
+    for phase in phases:
+        plan = JobPlan("p", 16, (phase,))
+        links = [l for ls in plan.links(16).values() for l in ls]
+        for r in range(16):
+            want = {b if a == r else a for a, b in links if r in (a, b)}
+            assert phase.peers(r, 16) == want, (phase.name, r)

@@ -97,13 +97,21 @@ class Agent:
         self.plan: JobPlan | None = None
         self.rank_map: RankMap = {}
         self.phase: tuple[str, int] | None = None
-        self._targets: dict[tuple[str, int], Targets] = {}
+        self._job: policies.JobCircuits | None = None     # every phase's circuits, by rank
         self._current: dict[str, Circuits] = {}
         self._health: dict[str, str] = {}
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
+        self._announced: RankMap = {}             # the rank map last announced
         self._lock = threading.RLock()
+
+    @property
+    def _targets(self) -> dict[tuple[str, int], Targets]:
+        return self._job.targets if self._job is not None else {}
+
+    def holds_rank(self, gpu: str) -> bool:
+        return self._job is not None and gpu in self._job.rank_of
 
     # --- the switches -----------------------------------------------------------------------
     def _apply(self, targets: Targets, cause: str, record: bool = True
@@ -112,8 +120,9 @@ class Agent:
         With record=False the caller journals the change and its outcome in its own entry
         (phase rails: one entry per phase switch, not a decision and an applied per switch)."""
         todo = {s: c for s, c in targets.items() if self._current.get(s) != c}
-        for s, c in todo.items():               # write-ahead: intended state first
-            self.journal.set_intended(s, _pairs(c), cause, event=record)
+        if todo:                                # write-ahead: intended state first, one sync
+            self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
+                                           event=record)
         took = {}
         for s, c in todo.items():
             t0 = self.clock()
@@ -205,8 +214,8 @@ class Agent:
             self.rank_map = {int(r): g for r, g in last.details["rank_map"].items()}
             if swap is not None and swap.details.get("phase"):
                 self.phase = tuple(swap.details["phase"])
-            self._targets = policies.phase_circuits(self.plan, self.layout, self.rank_map,
-                                                    self.matchings)
+            self._job = policies.JobCircuits(self.plan, self.layout, self.rank_map,
+                                             self.matchings)
             # The phase whose circuits the switches were last told to hold (a phase entry is
             # written after its grant, so a kill just after a switch may have lost it).
             intended = {n: dict(c) for n, c in self.journal.intended().items()}
@@ -234,8 +243,8 @@ class Agent:
 
     # --- job admission and phases ----------------------------------------------------------
     def _key(self) -> tuple[str, int]:
-        keys = list(self._targets)
-        return self.phase if self.phase in self._targets else keys[0]
+        targets = self._targets
+        return self.phase if self.phase in targets else next(iter(targets))
 
     def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None) -> RankMap:
         """Take on a job: precompute every phase's circuits and set up its first phase."""
@@ -250,11 +259,12 @@ class Agent:
             if len(rank_map) != plan.world:
                 raise AgentError(f"rank map has {len(rank_map)} ranks, job wants {plan.world}")
             try:
-                targets = policies.phase_circuits(plan, self.layout, rank_map, self.matchings)
+                job = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
             except (policies.PolicyError, PlanError) as e:
                 raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
                                  f"{e}") from None
-            self.plan, self.rank_map, self._targets = plan, rank_map, targets
+            self.plan, self.rank_map, self._job = plan, rank_map, job
+            targets = job.targets
             self.phase = next(iter(targets))
             self.journal.record("decision", f"admit job {plan.name}", action="admit",
                                 plan=plan.to_dict(), rank_map=rank_map)
@@ -273,7 +283,7 @@ class Agent:
             t0 = self.clock()
             cause = f"phase {phase} round {round}"
             previous, self.phase = self.phase, key
-            targets = self._targets[key]
+            targets = self._job.refresh(key)        # up to date after a swap
             applied = self._apply(targets, cause, record=False)
             if self.verify_phases:
                 if self._verify(self._points(targets, None), cause, t0):
@@ -283,7 +293,7 @@ class Agent:
             staged = []
             if self.prestage:
                 keys = list(self._targets)
-                nxt = self._targets[keys[(keys.index(key) + 1) % len(keys)]]
+                nxt = self._job.refresh(keys[(keys.index(key) + 1) % len(keys)])
                 for s, c in nxt.items():
                     fn = getattr(self.switches[s], "prestage", None)
                     if callable(fn) and c != targets[s]:
@@ -348,7 +358,7 @@ class Agent:
             if self.plan is None:
                 self.journal.record("note", f"{cause}: no job admitted, nothing to do")
                 return None
-            lost = [g for g in dict.fromkeys(gpus) if g in self.rank_map.values()]
+            lost = [g for g in dict.fromkeys(gpus) if self.holds_rank(g)]
             self.reconcile(cause)                  # belief against the switches first
             dark = self._dark_links(links)
             blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []
@@ -457,10 +467,9 @@ class Agent:
     def spares(self) -> list[str]:
         """GPUs that may take a rank now, in rack order."""
         now = self.clock()
-        used = set(self.rank_map.values())
-        return [g for g in self.layout.gpus
-                if g not in used and g not in self._rejected
-                and self._health.get(g, "ok") == "ok"
+        free = self._job.free if self._job is not None else self.layout.gpus
+        return [g for g in free
+                if g not in self._rejected and self._health.get(g, "ok") == "ok"
                 and now - self._failed_at.get(g, -float("inf")) >= self.quarantine_s]
 
     def return_to_pool(self, gpu: str) -> None:
@@ -470,35 +479,92 @@ class Agent:
             self._failed_at.pop(gpu, None)
 
     def _points(self, targets: Targets, gpus: list[str] | None) -> list[tuple[str, int, int]]:
-        """Circuits to verify: those touching `gpus` (all circuits when None)."""
-        out = []
-        for s, c in targets.items():
-            for i, o in sorted(c.items()):
-                if gpus is None or {self.layout.owner(s, i), self.layout.owner(s, o)} & set(gpus):
-                    out.append((s, i, o))
-        return out
+        """Circuits to verify: those touching `gpus` (all circuits when None), found from the
+        GPUs' own ports rather than by reading every circuit of the rack."""
+        if gpus is None:
+            return [(s, i, o) for s, c in targets.items() for i, o in sorted(c.items())]
+        out = set()
+        for g in gpus:
+            for att in self.layout.gpus.get(g, ()):
+                c = targets.get(att.switch)
+                if not c:
+                    continue
+                if att.tx in c:
+                    out.add((att.switch, att.tx, c[att.tx]))
+                out.update((att.switch, i, o) for i, o in c.items() if o == att.rx)
+        order = {s: k for k, s in enumerate(targets)}
+        return sorted(out, key=lambda p: (order[p[0]], p[1]))
 
-    def _cost(self, failed: str, spare: str) -> tuple[float, float]:
+    def _cost(self, failed: str, spare: str) -> tuple[float, float] | None:
+        """(ports or cells to change, path loss dB) of giving `failed`'s ranks to `spare` in
+        the current phase, from the circuits that change alone; None if it cannot."""
         key = self._key()
-        links = self.plan.links(len(self.rank_map), self.matchings)[key]
-        t = policies.circuits_for(self.layout, policies.swap_ranks(self.rank_map,
-                                                                   {failed: spare}), links)
+        try:
+            delta = self._job.delta({failed: spare}, keys=(key,))
+        except policies.PolicyError:
+            return None
         moves = loss = 0.0
-        for s, c in t.items():
+        for _, s, removed, added in delta:
             cur = self._current.get(s, {})
             fn = getattr(self.switches[s], "change_cost", None)
-            moves += fn(cur, c) if callable(fn) else policies.changes(cur, c)
+            if callable(fn):
+                target = dict(self._targets[key][s])
+                for i, _ in removed:
+                    target.pop(i, None)
+                target.update(added)
+                moves += fn(cur, target)
+            else:
+                moves += sum(1 for i, o in removed if cur.get(i) == o) + \
+                    sum(1 for i, o in added if cur.get(i) != o)
             if self.loss_db is not None:
-                loss += sum(self.loss_db(s, i, o) for i, o in c.items()
-                            if spare in (self.layout.owner(s, i), self.layout.owner(s, o)))
+                loss += sum(self.loss_db(s, i, o) for i, o in added)
         return moves, loss
+
+    def _feasible(self, failed: str, spare: str) -> bool:
+        """Whether `spare` can carry every link of `failed`'s ranks, in every phase (its cost
+        looked at the current phase alone)."""
+        return self._job.feasible({failed: spare})
+
+    def _server_swaps(self, left: list[str], taken: Mapping[str, str]) -> dict[str, str]:
+        """For failed GPUs no single spare can replace (their ranks talk to their server's
+        other GPUs over its scale-up fabric, which a GPU elsewhere cannot reach): the whole
+        server's ranks moved to a spare server, GPU for GPU in rack order. The server is the
+        failed element then."""
+        free: dict[str, list[str]] = {}
+        for g in self.spares():
+            server = self.layout.servers.get(g)
+            if server is not None and g not in taken.values():
+                free.setdefault(server, []).append(g)
+        out: dict[str, str] = {}
+        for g in left:
+            server = self.layout.servers.get(g)
+            if server is None or g in out:
+                continue
+            members = [h for h in self.layout.server_gpus[server] if self.holds_rank(h)]
+            lanes = {h: frozenset(a.switch for a in self.layout.gpus[h]) for h in members}
+            for other, gpus in list(free.items()):
+                if other == server or len(gpus) < len(members):
+                    continue
+                by_lane = {frozenset(a.switch for a in self.layout.gpus[h]): h for h in gpus}
+                if not all(lane in by_lane for lane in lanes.values()):
+                    continue                # a GPU of that server is in use or unhealthy
+                mapping = {h: by_lane[lanes[h]] for h in members}
+                if not self._job.feasible(mapping):
+                    continue
+                out.update(mapping)
+                del free[other]
+                self.journal.record("note", f"{g} failed: server {server}'s ranks move to "
+                                    f"server {other} (its GPUs share a scale-up fabric)",
+                                    swaps=mapping, defer=True)
+                break
+        return out
 
     def _failover(self, failed: list[str], cause: str) -> SwapOutcome | None:
         if self.plan is None:
             self.journal.record("note", f"{cause}: no job admitted, nothing to swap",
                                 gpus=failed)
             return None
-        failed = [g for g in failed if g in self.rank_map.values()]
+        failed = [g for g in failed if self.holds_rank(g)]
         if not failed:
             return None
         t0 = self.clock()
@@ -506,33 +572,42 @@ class Agent:
         rejected: list[str] = []
         cause = f"{cause}: {', '.join(failed)}"
         while True:
-            swaps, left = policies.choose_spares(failed, self.spares(), self._cost)
-            new_map = policies.swap_ranks(self.rank_map, swaps)
-            degraded = stopped = False
+            swaps, left = policies.choose_spares(failed, self.spares(), self._cost,
+                                                 self._feasible)
+            if left and self.layout.servers:
+                moved = self._server_swaps(left, swaps)
+                swaps.update(moved)
+                left = [g for g in left if g not in moved]
+            degraded = False
+            undo = None
             if left:
-                world = len(new_map) - len(left)
-                if self.plan.allows(world):
-                    degraded = True
-                    new_map = policies.shrink_ranks(new_map, left)
-                    self._alarm(f"no healthy spare for {', '.join(left)}: job continues "
-                                f"degraded on {world} ranks", gpus=left, world=world)
-                else:
-                    stopped = True
+                world = len(self.rank_map) - len(left)
+                if not self.plan.allows(world):
                     self._alarm(f"no healthy spare for {', '.join(left)} and job "
                                 f"{self.plan.name!r} cannot run on {world} ranks: job stopped",
                                 gpus=left)
                     return SwapOutcome(tuple(failed), swaps, dict(self.rank_map), stopped=True,
                                        rejected_spares=tuple(rejected),
                                        latency_s=self.clock() - t0)
-            targets_all = policies.phase_circuits(self.plan, self.layout, new_map, self.matchings)
-            key = self.phase if self.phase in targets_all else next(iter(targets_all))
+                degraded = True
+                self._alarm(f"no healthy spare for {', '.join(left)}: job continues "
+                            f"degraded on {world} ranks", gpus=left, world=world)
+                # every rank renumbered: the job's circuits worked out afresh
+                new_map = policies.shrink_ranks(policies.swap_ranks(self.rank_map, swaps), left)
+                job = policies.JobCircuits(self.plan, self.layout, new_map, self.matchings)
+            else:
+                # the failed GPUs' ranks' links change, nothing else
+                job = self._job
+                undo = job.swap(swaps, self._key())
+                new_map = dict(job.rank_map)
+            key = self.phase if self.phase in job.targets else next(iter(job.targets))
             self.journal.record("decision", cause, self.clock() - t0, action="swap",
                                 failed=failed, swaps=swaps, rank_map=new_map, phase=list(key),
                                 degraded=degraded, defer=True)
             steps["decided"] = self.clock() - t0
-            self._apply(targets_all[key], cause)
+            self._apply(job.targets[key], cause)
             steps["applied"] = self.clock() - t0
-            bad = self._verify(self._points(targets_all[key], list(swaps.values())), cause, t0)
+            bad = self._verify(self._points(job.targets[key], list(swaps.values())), cause, t0)
             if not bad:
                 steps["verified"] = self.clock() - t0
                 break
@@ -542,6 +617,12 @@ class Agent:
             blamed = self.diagnose([b[:3] for b in bad], cause)
             spares_blamed = [g for g in blamed if g in swaps.values() and g not in rejected]
             lost = [g for g in blamed if g in self.rank_map.values() and g not in failed]
+            if not spares_blamed and not lost:
+                self._alarm(f"{cause}: circuits do not verify and no GPU is to blame",
+                            dark=[list(b[:3]) for b in bad])
+                break
+            if undo is not None:
+                job.undo(undo)              # decided again below, from the same job
             for g in spares_blamed:
                 rejected.append(g)
                 self._rejected.add(g)
@@ -550,20 +631,25 @@ class Agent:
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
                 failed.append(g)
-            if not spares_blamed and not lost:
-                self._alarm(f"{cause}: circuits do not verify and no GPU is to blame",
-                            dark=[list(b[:3]) for b in bad])
-                break
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        self.rank_map, self._targets, self.phase = new_map, targets_all, key
-        self._announce(new_map, cause)
+        self.rank_map, self._job, self.phase = new_map, job, key
+        self._announce(new_map, cause, changed=None if degraded else
+                       {job.rank_of[s]: s for s in swaps.values()})
         steps["announced"] = self.clock() - t0
-        return SwapOutcome(tuple(failed), swaps, dict(new_map), degraded, stopped,
+        return SwapOutcome(tuple(failed), swaps, dict(new_map), degraded, False,
                            tuple(rejected), self.clock() - t0, steps)
 
-    def _announce(self, rank_map: RankMap, cause: str, restart: bool = True) -> None:
-        self.journal.record("rank_map", cause, rank_map=rank_map, defer=restart)
+    def _announce(self, rank_map: RankMap, cause: str, restart: bool = True,
+                  changed: RankMap | None = None) -> None:
+        # the whole map is in the decision before and the restart order after: this entry
+        # says what changed (every rank at admission)
+        if changed is None:
+            before = self._announced
+            changed = {r: g for r, g in rank_map.items() if before.get(r) != g}
+        self._announced = dict(rank_map)
+        self.journal.record("rank_map", cause, world=len(rank_map), changed=changed,
+                            defer=restart)
         if restart:
             self.journal.record("restart", cause, rank_map=rank_map)   # durable: all before it
         self.on_rank_map(dict(rank_map))

@@ -322,7 +322,7 @@ class AgentProcess:
         agent = self.agent
         if gpu not in agent.layout.gpus:
             raise AgentError(f"no GPU {gpu!r} in the rack; it has {', '.join(agent.layout.gpus)}")
-        if gpu not in agent.rank_map.values():
+        if not agent.holds_rank(gpu):
             raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
         with agent._lock:
             agent.journal.record("detected", f"operator asked to swap {gpu} out")

@@ -8,7 +8,9 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+import bisect
+
+from collections.abc import Callable, Iterable, Mapping
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
 from photonic_testbed.hil.jobplan import JobPlan, round_robin_matchings
@@ -25,13 +27,16 @@ class PolicyError(ValueError):
 def circuits_for(layout: RackLayout, rank_map: Mapping[int, str],
                  rank_links: Iterable[tuple[int, int]]) -> Targets:
     """Every switch's circuits so that each rank link (src, dst) is src.tx -> dst.rx on every
-    switch both GPUs are cabled to; switches no link uses get no circuits."""
+    switch both GPUs are cabled to (a link inside one server needs none: its scale-up
+    fabric carries it); switches no link uses get no circuits."""
     out: Targets = {s: {} for s in layout.switches}
     for a, b in rank_links:
         try:
             ga, gb = rank_map[a], rank_map[b]
         except KeyError as e:
             raise PolicyError(f"rank {e.args[0]} is not in the rank map") from None
+        if layout.same_server(ga, gb):
+            continue
         shared = False
         for att in layout.gpus[ga]:
             peer = layout.attachment(gb, att.switch)
@@ -79,19 +84,199 @@ def shrink_ranks(rank_map: Mapping[int, str], lost: Iterable[str]) -> RankMap:
 
 
 def choose_spares(failed: Iterable[str], spares: Iterable[str],
-                  cost: Callable[[str, str], tuple[float, ...]]
+                  cost: Callable[[str, str], tuple[float, ...] | None],
+                  feasible: Callable[[str, str], bool] | None = None
                   ) -> tuple[dict[str, str], list[str]]:
     """Give each failed GPU (in order) the spare of lowest `cost(failed, spare)` (a tuple such
-    as (ports or cells to change, path loss dB)); ties go to the spare named first.
-    Returns ({failed: spare}, [failed GPUs left without a spare])."""
+    as (ports or cells to change, path loss dB); None: this spare cannot take its place, e.g.
+    it shares no switch with the failed GPU's peers) that is `feasible` (checked in order of
+    cost, so that a dearer check runs for the chosen spare alone); ties go to the spare named
+    first. Returns ({failed: spare}, [failed GPUs left without a spare])."""
     pool = list(dict.fromkeys(spares))
     chosen: dict[str, str] = {}
     left: list[str] = []
     for g in failed:
-        if not pool:
+        scored = sorted((tuple(c), i, s) for i, s in enumerate(pool)
+                        if (c := cost(g, s)) is not None)
+        best = next((s for _, _, s in scored if feasible is None or feasible(g, s)), None)
+        if best is None:
             left.append(g)
             continue
-        best = min(pool, key=lambda s: (tuple(cost(g, s)), pool.index(s)))
         chosen[g] = best
         pool.remove(best)
     return chosen, left
+
+
+Key = tuple[str, int]                    # (phase, round)
+Delta = list[tuple[Key, str, list[tuple[int, int]], list[tuple[int, int]]]]
+
+
+def link_circuits(layout: RackLayout, ga: str, gb: str) -> list[tuple[str, int, int]]:
+    """The circuits (switch, tx, rx) that carry GPU ga's light to GPU gb: on every switch both
+    are cabled to; none inside a server. PolicyError when they share no switch."""
+    out = layout.links_between(ga, gb)
+    if out is None:
+        raise PolicyError(f"{ga} and {gb} share no switch")
+    return out
+
+
+class JobCircuits:
+    """A job's circuits for every (phase, round), computed once at admission and indexed by
+    rank, so that replacing a GPU costs what changes (the failed ranks' links), not the job or
+    the rack.
+
+    `targets[(phase, round)][switch]` is {input: output}. A swap changes the current phase's
+    circuits at once (`swap`); every other phase the swapped ranks take part in is marked
+    stale with the GPUs its circuits still name, and brought up to date when the job reaches
+    it (`refresh`): an all-to-all job's 255 rounds are not rewritten while the job waits.
+
+    A swap keeps the rank map one to one (the spare holds no rank), so its new circuits take
+    exactly the ports the failed GPU's circuits free on the peers' side, and the spare's own,
+    which nothing else uses: no port can be claimed twice, and only the cabling can refuse (a
+    spare that shares no switch with a peer: `feasible`)."""
+
+    def __init__(self, plan: JobPlan, layout: RackLayout, rank_map: Mapping[int, str],
+                 matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings):
+        self.layout, self.plan = layout, plan
+        self.rank_map: RankMap = {int(r): str(g) for r, g in rank_map.items()}
+        self.rank_of = {g: r for r, g in self.rank_map.items()}
+        if len(self.rank_of) != len(self.rank_map):
+            raise PolicyError("a GPU holds two ranks in the rank map")
+        self.links = plan.links(len(self.rank_map), matchings)
+        # rank -> {(phase, round): its links there}
+        self.by_rank: dict[int, dict[Key, list[tuple[int, int]]]] = {r: {} for r in
+                                                                     self.rank_map}
+        for key, links in self.links.items():
+            for a, b in links:
+                self.by_rank[a].setdefault(key, []).append((a, b))
+                if b != a:
+                    self.by_rank[b].setdefault(key, []).append((a, b))
+        self.targets: dict[Key, Targets] = {
+            key: circuits_for(layout, self.rank_map, links) for key, links in self.links.items()}
+        # (phase, round) -> {rank: the GPU its circuits there still name}
+        self.stale: dict[Key, dict[int, str]] = {}
+        self._order = {g: i for i, g in enumerate(layout.gpus)}
+        # GPUs of the rack that hold no rank, in rack order (where spares are looked for)
+        self.free = [g for g in layout.gpus if g not in self.rank_of]
+
+    def _circuits(self, rank_map: Mapping[int, str], a: int, b: int):
+        try:
+            return link_circuits(self.layout, rank_map[a], rank_map[b])
+        except PolicyError as e:
+            raise PolicyError(f"rank link {a}->{b}: {e}") from None
+
+    def _delta(self, old: Mapping[int, str], new: Mapping[int, str], ranks: Iterable[int],
+               keys: Iterable[Key]) -> Delta:
+        seen: set[tuple[int, int]] = set()
+        changes: dict[tuple[Key, str], tuple[list, list]] = {}
+        for key in keys:
+            seen.clear()
+            for r in ranks:
+                for a, b in self.by_rank[r].get(key, ()):
+                    if (a, b) in seen:
+                        continue
+                    seen.add((a, b))
+                    for s, i, o in self._circuits(old, a, b):
+                        changes.setdefault((key, s), ([], []))[0].append((i, o))
+                    for s, i, o in self._circuits(new, a, b):
+                        changes.setdefault((key, s), ([], []))[1].append((i, o))
+        return [(key, s, rem, add) for (key, s), (rem, add) in changes.items()]
+
+    def delta(self, swaps: Mapping[str, str], keys: Iterable[Key] | None = None) -> Delta:
+        """What giving each failed GPU's ranks to its spare changes, per (phase, round) and
+        switch: (key, switch, circuits removed, circuits added); every phase unless `keys`."""
+        over = {self.rank_of[f]: s for f, s in swaps.items()}
+        ranks = list(over)
+        if keys is None:
+            keys = list(dict.fromkeys(k for r in ranks for k in self.by_rank[r]))
+        return self._delta(self.rank_map, _Overlay(self.rank_map, over), ranks, keys)
+
+    def feasible(self, swaps: Mapping[str, str]) -> bool:
+        """Whether every link of the failed GPUs' ranks, in every phase, has a switch (or a
+        server) to run through once their spares hold them."""
+        over = {self.rank_of[f]: s for f, s in swaps.items()}
+        reach = self.layout.reaches
+        for r, spare in over.items():
+            for p in self.peers(r):
+                if not reach(spare, over.get(p) or self.rank_map[p]):
+                    return False
+        return True
+
+    def peers(self, r: int) -> set[int]:
+        """The ranks rank r has a link with in some phase."""
+        world = len(self.rank_map)
+        out: set[int] = set()
+        for phase in self.plan.phases:
+            out |= phase.peers(r, world)
+        return out
+
+    def swap(self, swaps: Mapping[str, str], now: Key) -> tuple:
+        """Give the failed GPUs' ranks to their spares: the circuits of phase `now` changed,
+        the other phases of those ranks marked stale. Returns what `undo` takes."""
+        delta = self.delta(swaps, keys=(now,))
+        for key, s, removed, added in delta:
+            c = self.targets[key][s]
+            for i, _ in removed:
+                c.pop(i, None)
+            c.update(added)
+        marked: list[tuple[Key, int]] = []
+        for failed, spare in swaps.items():
+            r = self.rank_of.pop(failed)
+            self.rank_map[r] = spare
+            self.rank_of[spare] = r
+            self.free.remove(spare)
+            bisect.insort(self.free, failed, key=self._order.__getitem__)
+            for key in self.by_rank[r]:
+                if key != now:
+                    stale = self.stale.setdefault(key, {})
+                    if r not in stale:
+                        stale[r] = failed
+                        marked.append((key, r))
+        return delta, dict(swaps), marked
+
+    def undo(self, token: tuple) -> None:
+        delta, swaps, marked = token
+        for key, s, removed, added in reversed(delta):
+            c = self.targets[key][s]
+            for i, _ in added:
+                c.pop(i, None)
+            c.update(removed)
+        for failed, spare in swaps.items():
+            r = self.rank_of.pop(spare)
+            self.rank_map[r] = failed
+            self.rank_of[failed] = r
+            self.free.remove(failed)
+            bisect.insort(self.free, spare, key=self._order.__getitem__)
+        for key, r in marked:
+            self.stale[key].pop(r, None)
+            if not self.stale[key]:
+                del self.stale[key]
+
+    def refresh(self, key: Key) -> Targets:
+        """Phase `key`'s circuits for the rank map as it is now (brought up to date from the
+        GPUs they still name, if a swap left them stale)."""
+        stale = self.stale.pop(key, None)
+        if stale:
+            old = _Overlay(self.rank_map, stale)
+            for k, s, removed, added in self._delta(old, self.rank_map, list(stale), (key,)):
+                c = self.targets[k][s]
+                for i, _ in removed:
+                    c.pop(i, None)
+                c.update(added)
+        return self.targets[key]
+
+
+class _Overlay(Mapping):
+    """A rank map with a few ranks given to other GPUs, without copying it."""
+
+    def __init__(self, base: Mapping[int, str], over: Mapping[int, str]):
+        self.base, self.over = base, over
+
+    def __getitem__(self, r: int) -> str:
+        return self.over[r] if r in self.over else self.base[r]
+
+    def __iter__(self):
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)

@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale")
 
 
 def _module(name: str):
