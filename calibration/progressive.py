@@ -15,9 +15,9 @@ of the route while this heater warms its neighbours cancel.
 
 The cells feeding the cell's other input arm are set so that this arm takes its light from
 a dark chip input through them: the splitters' small leaks off the lit path then go elsewhere
-and do not reach the second arm coherently, where they would shift the fringe. Phases measured this way still contain the
-crosstalk of the route's heaters (their powers are recorded with each sweep); `crosstalk.py`
-measures the coupling matrix and `finish()` removes it from the offsets.
+and do not reach the second arm coherently, where they would shift the fringe. Phases measured
+this way still contain the crosstalk of the route's heaters (their powers are recorded with each
+sweep); `crosstalk.py` measures the coupling matrix and `finish()` removes it from the offsets.
 """
 from __future__ import annotations
 
@@ -385,7 +385,8 @@ class Calibrator:
             if route.reference is not None:
                 ref = pd[route.reference]
                 if ref <= 0:
-                    raise CalibrationRunError(f"{cell}: no light on the reference {route.reference}")
+                    raise CalibrationRunError(f"{cell}: no light on the reference "
+                                              f"{route.reference}")
                 y = y / ref
             sweep_v.append(v)
             return 1000.0 * v * v / r, y

@@ -31,7 +31,7 @@ class RoutingError(ValueError):
     """The circuits asked for cannot be made on this topology; the message says why."""
 
 
-# ---- permutations ---------------------------------------------------------------------------------
+# ---- permutations --------------------------------------------------------------------------------
 
 def check_permutation(perm: Sequence[int]) -> list[int]:
     n = len(perm)
@@ -52,7 +52,7 @@ def circuits_to_permutation(circuits: Mapping[int, int], n: int) -> list[int]:
     return [p if p >= 0 else next(free) for p in perm]
 
 
-# ---- Benes: the looping algorithm ------------------------------------------------------------------
+# ---- Benes: the looping algorithm ----------------------------------------------------------------
 
 def benes_route(perm: Sequence[int]) -> list[bytearray]:
     """Cell states for a Benes network routing input i to output perm[i] (0-based).
@@ -106,7 +106,7 @@ def benes_cell_states(perm: Sequence[int]) -> dict[str, str]:
             for s, row in enumerate(benes_route(perm)) for r, x in enumerate(row)}
 
 
-# ---- Clements decomposition -------------------------------------------------------------------------
+# ---- Clements decomposition ----------------------------------------------------------------------
 
 def mzi(theta: float, phi: float) -> np.ndarray:
     """Ideal cell: 50:50 coupler, theta on the top arm, 50:50 coupler, phi on the top input."""
@@ -202,7 +202,7 @@ def permutation_matrix(perm: Sequence[int]) -> np.ndarray:
     return u
 
 
-# ---- Recirculating meshes: edge-disjoint paths by integer programming ------------------------------
+# ---- Recirculating meshes: edge-disjoint paths by integer programming ----------------------------
 
 @dataclass(frozen=True)
 class MeshRoute:
@@ -299,7 +299,7 @@ def route_mesh(topology: Topology, pairs: Iterable[tuple[int, int]], capacity: i
     return MeshRoute(paths, int(np.floor(res.fun + 1e-9)))
 
 
-# ---- Matchings ------------------------------------------------------------------------------------
+# ---- Matchings -----------------------------------------------------------------------------------
 
 def round_robin(n: int) -> list[list[tuple[int, int]]]:
     """Perfect matchings of ports 1..n giving every pair once: n - 1 rounds for even n (the

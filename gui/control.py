@@ -132,7 +132,8 @@ class ManualControl(QWidget):
 
     # --- keeping the choices current ---------------------------------------------------
     def _switches(self) -> None:
-        for box, names in ((self.switch, list(self.model.switches)), (self.chip, self.model.chips())):
+        for box, names in ((self.switch, list(self.model.switches)),
+                           (self.chip, self.model.chips())):
             keep = box.currentText()
             box.blockSignals(True)
             box.clear()

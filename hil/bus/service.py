@@ -31,7 +31,8 @@ import zmq
 from photonic_testbed.drivers.circuit_switch import CircuitSwitch, check_circuits
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.mirror import StatePublisher
-from photonic_testbed.hil.bus.security import ServerKeys, make_server, server_keys, start_authenticator
+from photonic_testbed.hil.bus.security import ServerKeys, make_server, server_keys, \
+    start_authenticator
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import zmq
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.mirror import StatePublisher
 from photonic_testbed.hil.bus.security import ServerKeys, start_authenticator
-from photonic_testbed.hil.bus.service import Publisher, UnknownOperation, bind_sockets, close_sockets
+from photonic_testbed.hil.bus.service import Publisher, UnknownOperation, bind_sockets, \
+    close_sockets
 
 log = logging.getLogger(__name__)
 
