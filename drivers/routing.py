@@ -405,25 +405,28 @@ def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
     if not pairs:
         return WaveguideRoute({}, {}, 0)
     where: dict[tuple, int] = {}
-    for j, (a, b) in enumerate(topology.joins):
-        where[tuple(a)] = where[tuple(b)] = j
+    for j, (one, other) in enumerate(topology.joins):
+        where[tuple(one)] = where[tuple(other)] = j
     port_join = {}
     for p in range(1, topology.ports + 1):
         if ("port", p) not in where:
             raise RoutingError(f"port {p} of {topology.name} is joined to no waveguide")
         port_join[p] = where[("port", p)]
-    tail, head, arc_cell, arc_arms = [], [], [], []
-    for k, c in enumerate(topology.cells):
+    tails: list[int] = []
+    heads: list[int] = []
+    cells: list[int] = []
+    arc_arms: list[tuple[int, int]] = []
+    for index, cell in enumerate(topology.cells):
         for i in (0, 1):
             for o in (2, 3):
-                ji, jo = where.get(("cell", c.id, i)), where.get(("cell", c.id, o))
+                ji, jo = where.get(("cell", cell.id, i)), where.get(("cell", cell.id, o))
                 if ji is None or jo is None:
                     continue
-                tail += [ji, jo]
-                head += [jo, ji]
-                arc_cell += [k, k]
+                tails += [ji, jo]
+                heads += [jo, ji]
+                cells += [index, index]
                 arc_arms += [(i, o), (o, i)]
-    tail, head, arc_cell = np.array(tail), np.array(head), np.array(arc_cell)
+    tail, head, arc_cell = np.array(tails), np.array(heads), np.array(cells)
     n_v, n_a, n_c, k = len(topology.joins), len(tail), len(topology.cells), len(pairs)
     # Quick refusal: ports no walk along the waveguides joins (on a square mesh, light turns
     # at every node, which splits the ports into classes that never meet).
