@@ -36,6 +36,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
+from typing import cast
 
 from photonic_testbed.calibration.progressive import CalibrationRunError, Calibrator, Graph, Route
 from photonic_testbed.calibration.station import Station, StationError
@@ -325,7 +326,7 @@ def sweep_from_outputs(cal: Calibrator, cells: list[str] | None = None) -> None:
     a cell's final route runs through cells before and after it, which between them are
     usually the whole chip, so every cell is bootstrapped whatever `cells` asks. Resumable:
     `cal.state` records where it stands."""
-    graph: OutputGraph = cal.graph
+    graph = cast(OutputGraph, cal.graph)
     order = graph.bootstrap_order()
     if cells is not None:
         unknown = [c for c in cells if c not in graph.stage_of]
@@ -361,16 +362,16 @@ def sweep_from_outputs(cal: Calibrator, cells: list[str] | None = None) -> None:
 
 def _sweep(cal: Calibrator, cell: str) -> dict:
     fit = cal.sweep_cell(cell)
-    fit.detector = cal.graph.plan(cell).detector
+    fit.detector = cast(OutputGraph, cal.graph).plan(cell).detector
     return fit.to_dict()
 
 
 def _contrast(cal: Calibrator, cell: str, route: Route, p_step_mw: float = 11.0) -> float:
     """How strongly the cell's own heater modulates its reading along `route`: four readings
     about a quarter period apart (at a nominal P_pi); the light share the cell receives."""
-    graph: OutputGraph = cal.graph
+    graph = cast(OutputGraph, cal.graph)
     graph.use_route(cell, route)
-    st = cal.station
+    st = cast(OutputStation, cal.station)
     ch = cal.channel_of[cell]
     st.set_volts({c: 0.0 for c in cal.channels})
     st.set_volts(cal.settings({**graph.route(cell).cells, **route.away}))
@@ -389,7 +390,7 @@ def _bootstrap_sweep(cal: Calibrator, cell: str) -> dict:
     before it that are not calibrated yet take any state), the one that gives the strongest
     modulation is taken: the cell then gets the largest share of the light, and the rest of
     the chip's light, which the cell's heat disturbs through the cells around, the smallest."""
-    graph: OutputGraph = cal.graph
+    graph = cast(OutputGraph, cal.graph)
     candidates = graph.bootstrap_routes(cell)
     if len(candidates) > 1:
         ranked = sorted(candidates, key=lambda r: -_contrast(cal, cell, r))

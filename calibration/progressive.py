@@ -15,9 +15,9 @@ of the route while this heater warms its neighbours cancel.
 
 The cells feeding the cell's other input arm are set so that this arm takes its light from
 a dark chip input through them: the splitters' small leaks off the lit path then go elsewhere
-and do not reach the second arm coherently, where they would shift the fringe. Phases measured this way still contain the
-crosstalk of the route's heaters (their powers are recorded with each sweep); `crosstalk.py`
-measures the coupling matrix and `finish()` removes it from the offsets.
+and do not reach the second arm coherently, where they would shift the fringe. Phases measured
+this way still contain the crosstalk of the route's heaters (their powers are recorded with each
+sweep); `crosstalk.py` measures the coupling matrix and `finish()` removes it from the offsets.
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ class Calibrator:
         self.p_max_mw = p_max_mw
         self.p_pi_range_mw = p_pi_range_mw
         self.sweep_fine_rounds = SWEEP_FINE_ROUNDS
-        self.sweep_fine_offsets_rad = SWEEP_FINE_OFFSETS_RAD
+        self.sweep_fine_offsets_rad: tuple[float, ...] = SWEEP_FINE_OFFSETS_RAD
         self.on_progress = on_progress or (lambda *a: None)
         self.on_checkpoint = on_checkpoint or (lambda s: None)
         self.state = state if state is not None else {}
@@ -222,7 +222,7 @@ class Calibrator:
         offset = self.offsets()[cell]
         return offset + f.rad_per_mw * (powers[ch] + self.crosstalk[ch] @ powers)
 
-    def settings(self, states: dict[str, str | float], keep_near: bool | set = False,
+    def settings(self, states: Mapping[str, str | float], keep_near: bool | set = False,
                  turns: dict[str, int] | None = None) -> dict[int, float]:
         """Heater volts that put calibrated cells in these states (bar, cross or a theta),
         every other heater keeping its power; crosstalk compensated once it is known.
@@ -256,8 +256,8 @@ class Calibrator:
                 # (a heater near zero power may be asked slightly below it: it stays at zero,
                 # a phase error of a few mrad, rather than jumping up a period)
                 anchored = np.array([keep_near is True or c in keep_near for c in states])
-                turns = np.round((beta * p_now[idx] - delta) / TWO_PI) * anchored
-                delta = delta + TWO_PI * turns
+                periods = np.round((beta * p_now[idx] - delta) / TWO_PI) * anchored
+                delta = delta + TWO_PI * periods
 
             def solve(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 for _ in range(8):
@@ -278,7 +278,7 @@ class Calibrator:
         r = self.r_ohm
         return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p)}
 
-    def settings_with_margin(self, states: dict[str, str | float],
+    def settings_with_margin(self, states: Mapping[str, str | float],
                              margin_rad: float = ROUTE_MARGIN_RAD) -> dict[int, float]:
         """As `settings` (crosstalk compensated), but every heater ends at least `margin_rad`
         of phase above zero power (a whole period higher where it would not): a neighbour's
@@ -385,7 +385,8 @@ class Calibrator:
             if route.reference is not None:
                 ref = pd[route.reference]
                 if ref <= 0:
-                    raise CalibrationRunError(f"{cell}: no light on the reference {route.reference}")
+                    raise CalibrationRunError(f"{cell}: no light on the reference "
+                                              f"{route.reference}")
                 y = y / ref
             sweep_v.append(v)
             return 1000.0 * v * v / r, y

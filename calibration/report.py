@@ -28,8 +28,9 @@ def summary(cal: Calibration) -> str:
              f"max {off_std.max() * 1e3:.2f} mrad"]
     if len(ext):
         where = "the outputs" if cal.method == "outputs" else "the monitors"
+        worst = min(cells, key=lambda c: cells[c]['extinction_db'])
         lines.append(f"bar extinction at {where}: median {np.median(ext):.1f} dB, "
-                     f"worst {ext.min():.1f} dB ({min(cells, key=lambda c: cells[c]['extinction_db'])})")
+                     f"worst {ext.min():.1f} dB ({worst})")
         cross = {cid: c["cross_extinction_db"] for cid, c in cells.items()
                  if "cross_extinction_db" in c}
         if cross:

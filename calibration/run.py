@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from photonic_testbed.calibration.crosstalk import extinction_db, measure_crosstalk, measure_extinctions, \
-    refine_offsets, refine_under_load
+from photonic_testbed.calibration.crosstalk import extinction_db, measure_crosstalk, \
+    measure_extinctions, refine_offsets, refine_under_load
 from photonic_testbed.calibration.outputs import output_calibrator, sweep_from_outputs
 from photonic_testbed.calibration.progressive import Calibrator, CellFit
 from photonic_testbed.calibration.station import Station, StationError

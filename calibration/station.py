@@ -11,6 +11,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +46,10 @@ class Counters:
 @dataclass
 class Station:
     topology: Topology
-    dac: object                              # drivers.heater_dac.HeaterDAC
-    selector: object | None = None           # drivers.ocs.OpticalCircuitSwitch
-    meter: object | None = None              # drivers.power_meter.PowerMeter
+    # the drivers, or doubles with their methods (tests)
+    dac: Any                                 # drivers.heater_dac.HeaterDAC
+    selector: Any = None                     # drivers.ocs.OpticalCircuitSwitch
+    meter: Any = None                        # drivers.power_meter.PowerMeter
     laser_ingress: int = 1
     monitors: bool = True
     counters: Counters = field(default_factory=Counters)
@@ -134,7 +136,7 @@ class Station:
         self._monitors_asked = True             # the board's answer does not change
         return self.monitors
 
-    def monitors_ua(self) -> dict[str, float]:
+    def monitors_ua(self) -> Mapping[str, float]:
         if not self.monitors:
             raise StationError("this chip has no monitor photodiodes")
         pd = self.dac.photocurrents()

@@ -55,7 +55,8 @@ def check_circuits(circuits: Mapping[int, int] | Iterable[tuple[int, int]], port
             raise CircuitConflict(f"circuit ({a}, {b}) joins a port to itself")
         for p in (a, b):
             if p in used:
-                raise CircuitConflict(f"port {p} is in two circuits: ({used[p]}, ...) and ({a}, {b})")
+                raise CircuitConflict(f"port {p} is in two circuits: ({used[p]}, ...) and "
+                                      f"({a}, {b})")
             used[p] = a
         out[a] = b
     return out

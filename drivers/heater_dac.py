@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import serial
 
@@ -130,7 +130,7 @@ class HeaterDAC:
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._open_serial = open_serial
-        self._ser = None
+        self._ser: Any = None                # what open_serial returned, while open
         self._rx = bytearray()
         self.info: BoardInfo | None = None
         self._codes: list[int] = []          # what the board holds, as far as we know

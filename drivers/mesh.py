@@ -2,8 +2,9 @@
 
 `Mesh` joins a chip topology, a calibration (heater voltage <-> phase) and the heater DAC
 driver, and is a `CircuitSwitch`: `apply(circuits)` routes the circuits (Benes looping, the
-Clements decomposition, or paths along the waveguides of a square or hexagonal mesh), turns cell phases into voltages and sends only the heaters that change,
-merged into as few serial lines as the DAC driver can.
+Clements decomposition, or paths along the waveguides of a square or hexagonal mesh), turns cell
+phases into voltages and sends only the heaters that change, merged into as few serial lines as
+the DAC driver can.
 
 Calibration, per heater channel: phase = offset + pi * P / P_pi with P = V^2 / R. Until a chip is
 calibrated, `Calibration.ideal()` assumes P_pi = 22.5 mW, R = 1 kOhm and zero offset for every
@@ -32,8 +33,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
-    check_circuits
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
+    SwitchError, check_circuits
 from photonic_testbed.drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
     circuits_to_permutation, clements_decompose, mzi, permutation_matrix, route_waveguides, \
     trace_states, trace_waveguides

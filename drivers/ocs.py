@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Callable
 
-from photonic_testbed.drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch, SwitchError,
-                                    check_circuits)
+from photonic_testbed.drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch,
+                                                    SwitchError, check_circuits)
 from photonic_testbed.drivers.scpi import (ConnectionLost, InstrumentDisconnected, ProtocolError,
                           SCPIInstrument, parse_error, scpi_error)
 

@@ -31,7 +31,7 @@ class RoutingError(ValueError):
     """The circuits asked for cannot be made on this topology; the message says why."""
 
 
-# ---- permutations ---------------------------------------------------------------------------------
+# ---- permutations --------------------------------------------------------------------------------
 
 def check_permutation(perm: Sequence[int]) -> list[int]:
     n = len(perm)
@@ -52,7 +52,7 @@ def circuits_to_permutation(circuits: Mapping[int, int], n: int) -> list[int]:
     return [p if p >= 0 else next(free) for p in perm]
 
 
-# ---- Benes: the looping algorithm ------------------------------------------------------------------
+# ---- Benes: the looping algorithm ----------------------------------------------------------------
 
 def benes_route(perm: Sequence[int]) -> list[bytearray]:
     """Cell states for a Benes network routing input i to output perm[i] (0-based).
@@ -106,7 +106,7 @@ def benes_cell_states(perm: Sequence[int]) -> dict[str, str]:
             for s, row in enumerate(benes_route(perm)) for r, x in enumerate(row)}
 
 
-# ---- Clements decomposition -------------------------------------------------------------------------
+# ---- Clements decomposition ----------------------------------------------------------------------
 
 def mzi(theta: float, phi: float) -> np.ndarray:
     """Ideal cell: 50:50 coupler, theta on the top arm, 50:50 coupler, phi on the top input."""
@@ -202,7 +202,7 @@ def permutation_matrix(perm: Sequence[int]) -> np.ndarray:
     return u
 
 
-# ---- Recirculating meshes: edge-disjoint paths by integer programming ------------------------------
+# ---- Recirculating meshes: edge-disjoint paths by integer programming ----------------------------
 
 @dataclass(frozen=True)
 class MeshRoute:
@@ -299,7 +299,7 @@ def route_mesh(topology: Topology, pairs: Iterable[tuple[int, int]], capacity: i
     return MeshRoute(paths, int(np.floor(res.fun + 1e-9)))
 
 
-# ---- Matchings ------------------------------------------------------------------------------------
+# ---- Matchings -----------------------------------------------------------------------------------
 
 def round_robin(n: int) -> list[list[tuple[int, int]]]:
     """Perfect matchings of ports 1..n giving every pair once: n - 1 rounds for even n (the
@@ -405,25 +405,28 @@ def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
     if not pairs:
         return WaveguideRoute({}, {}, 0)
     where: dict[tuple, int] = {}
-    for j, (a, b) in enumerate(topology.joins):
-        where[tuple(a)] = where[tuple(b)] = j
+    for j, (one, other) in enumerate(topology.joins):
+        where[tuple(one)] = where[tuple(other)] = j
     port_join = {}
     for p in range(1, topology.ports + 1):
         if ("port", p) not in where:
             raise RoutingError(f"port {p} of {topology.name} is joined to no waveguide")
         port_join[p] = where[("port", p)]
-    tail, head, arc_cell, arc_arms = [], [], [], []
-    for k, c in enumerate(topology.cells):
+    tails: list[int] = []
+    heads: list[int] = []
+    cells: list[int] = []
+    arc_arms: list[tuple[int, int]] = []
+    for index, cell in enumerate(topology.cells):
         for i in (0, 1):
             for o in (2, 3):
-                ji, jo = where.get(("cell", c.id, i)), where.get(("cell", c.id, o))
+                ji, jo = where.get(("cell", cell.id, i)), where.get(("cell", cell.id, o))
                 if ji is None or jo is None:
                     continue
-                tail += [ji, jo]
-                head += [jo, ji]
-                arc_cell += [k, k]
+                tails += [ji, jo]
+                heads += [jo, ji]
+                cells += [index, index]
                 arc_arms += [(i, o), (o, i)]
-    tail, head, arc_cell = np.array(tail), np.array(head), np.array(arc_cell)
+    tail, head, arc_cell = np.array(tails), np.array(heads), np.array(cells)
     n_v, n_a, n_c, k = len(topology.joins), len(tail), len(topology.cells), len(pairs)
     # Quick refusal: ports no walk along the waveguides joins (on a square mesh, light turns
     # at every node, which splits the ports into classes that never meet).

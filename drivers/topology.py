@@ -97,7 +97,7 @@ class Topology:
         try:
             cells = tuple(Cell(str(c["id"]), float(c["x"]), float(c["y"]),
                                tuple(int(ch) for ch in c["channels"])) for c in d["cells"])
-            links = tuple((tuple(l["from"]), tuple(l["to"])) for l in d["links"])
+            links = tuple((tuple(link["from"]), tuple(link["to"])) for link in d["links"])
             return cls(str(d["kind"]), str(d["name"]), int(d["ports"]), cells, links,
                        tuple(tuple(n) for n in d.get("nodes", ())),
                        tuple(tuple(int(v) for v in e) for e in d.get("edges", ())),
@@ -181,7 +181,7 @@ def clements(n: int = 8, name: str | None = None) -> Topology:
     return Topology("clements", name or f"clements{n}", n, tuple(cells), tuple(links))
 
 
-# ---- Recirculating meshes -------------------------------------------------------------------------
+# ---- Recirculating meshes ------------------------------------------------------------------------
 
 def _lattice(kind: str, rows: int, cols: int, name: str | None) -> Topology:
     if not (isinstance(rows, int) and isinstance(cols, int)) or rows < 2 or cols < 2:

@@ -1,5 +1,5 @@
-"""Start the GUI: `ptb gui --rig FILE` (on a rig's bus) or `python -m photonic_testbed.gui --demo-data`
-(synthetic data)."""
+"""Start the GUI: `ptb gui --rig FILE` (on a rig's bus) or
+`python -m photonic_testbed.gui --demo-data` (synthetic data)."""
 from __future__ import annotations
 
 import argparse
@@ -99,7 +99,8 @@ def demo_window(seed: int = 1, settings=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m photonic_testbed.gui", description="The operator's desktop GUI.")
+    p = argparse.ArgumentParser(prog="python -m photonic_testbed.gui",
+                                description="The operator's desktop GUI.")
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -51,8 +51,8 @@ def check_calibration(data: Any, where: str = "calibration") -> dict[str, Any]:
             if len(c[a]) != len(c[b]):
                 raise CalibrationFileError(f"{where}: cell {cid!r} has {len(c[a])} {a} but "
                                            f"{len(c[b])} {b}")
-        if isinstance(c["extinction_db"], bool) or not isinstance(c["extinction_db"], (int, float)) \
-                or not math.isfinite(c["extinction_db"]):
+        ext = c["extinction_db"]
+        if isinstance(ext, bool) or not isinstance(ext, (int, float)) or not math.isfinite(ext):
             raise CalibrationFileError(f"{where}: cell {cid!r} extinction_db is not a number")
     labels = data.get("crosstalk_labels")
     if labels is not None and (not isinstance(labels, list) or

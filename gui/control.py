@@ -108,14 +108,14 @@ class ManualControl(QWidget):
         h.addRow(self.heater_button)
 
         swap = QGroupBox("Swap")
-        s = QFormLayout(swap)
+        form = QFormLayout(swap)
         self.gpu = QComboBox()
         self.spare = QComboBox()
         self.swap_button = QPushButton("Swap…")
         self.swap_button.clicked.connect(self.ask_swap)
-        s.addRow("GPU", self.gpu)
-        s.addRow("spare", self.spare)
-        s.addRow(self.swap_button)
+        form.addRow("GPU", self.gpu)
+        form.addRow("spare", self.spare)
+        form.addRow(self.swap_button)
 
         self.log = QListWidget()
         forms = QHBoxLayout()
@@ -132,7 +132,8 @@ class ManualControl(QWidget):
 
     # --- keeping the choices current ---------------------------------------------------
     def _switches(self) -> None:
-        for box, names in ((self.switch, list(self.model.switches)), (self.chip, self.model.chips())):
+        for box, names in ((self.switch, list(self.model.switches)),
+                           (self.chip, self.model.chips())):
             keep = box.currentText()
             box.blockSignals(True)
             box.clear()

@@ -143,9 +143,10 @@ class DemoFabric(QObject):
         for i, o in zip(range(17, 65), outs[:40]):
             self.ocs[i] = o
         self.power = {p: self.rng.uniform(-12, -3) for p in range(1, 129)}
-        self.rack = [{"name": f"gpu{i:02d}", "port": i + 1, "switch": self.OCS, "health": "ok",
-                      "role": "active" if i < 14 else "spare", "rank": i if i < 14 else None}
-                     for i in range(16)]
+        self.rack: list[dict[str, Any]] = [
+            {"name": f"gpu{i:02d}", "port": i + 1, "switch": self.OCS, "health": "ok",
+             "role": "active" if i < 14 else "spare", "rank": i if i < 14 else None}
+            for i in range(16)]
         self.journal_seq = 0
         self.journal: list[dict] = []
         self.services = {s: {"state": "connected", "detail": "demo"} for s in

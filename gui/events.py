@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import cast
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
 from PySide6.QtGui import QColor
@@ -103,7 +104,7 @@ class KindFilter(QSortFilterProxyModel):
             self.invalidateFilter()
 
     def filterAcceptsRow(self, row: int, parent) -> bool:
-        e = self.sourceModel().rows[row]
+        e = cast(EntryTable, self.sourceModel()).rows[row]
         if self.kinds is not None and e.kind not in self.kinds:
             return False
         if self.text:

@@ -127,7 +127,8 @@ class Gpu:
             raise ModelError(f"GPU {gpu.name!r}: health {gpu.health!r} is not one of "
                              f"{', '.join(HEALTH)}")
         if gpu.role not in ROLES:
-            raise ModelError(f"GPU {gpu.name!r}: role {gpu.role!r} is not one of {', '.join(ROLES)}")
+            raise ModelError(f"GPU {gpu.name!r}: role {gpu.role!r} is not one of "
+                             f"{', '.join(ROLES)}")
         return gpu
 
 

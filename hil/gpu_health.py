@@ -75,9 +75,10 @@ class NvmlHealth:
     def __init__(self, nvml: Any = None):
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
             except ImportError as e:
                 raise GpuHealthUnavailable("nvidia-ml-py is not installed") from e
+            nvml = pynvml
         self.nvml = nvml
         try:
             nvml.nvmlInit()

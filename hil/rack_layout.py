@@ -177,7 +177,8 @@ def duplex_rack(name: str, switch: str, ports: int, workers: int, spares: int = 
     names = [f"{prefix}{i}" for i in range(workers)] + [f"{spare_prefix}{i}" for i in range(spares)]
     if len(names) > ports:
         raise LayoutError(f"{len(names)} GPUs do not fit on a {ports} x {ports} switch")
-    gpus = {g: (Attachment(switch, i + 1, ports + i + 1),) for i, g in enumerate(names)}
+    gpus: dict[str, tuple[Attachment, ...]] = {
+        g: (Attachment(switch, i + 1, ports + i + 1),) for i, g in enumerate(names)}
     return RackLayout(name, {switch: ports}, gpus, tuple(names[workers:]), description)
 
 

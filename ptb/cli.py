@@ -1,5 +1,10 @@
 """`ptb`: one command, a subcommand per job. Each subcommand lives in its own module with
-`add_parser(subparsers)` that registers it and sets `func(args) -> exit code`."""
+`add_parser(subparsers)` that registers it and sets `func(args) -> exit code`.
+
+The parser is built lazily: `ptb --help` lists the subcommands from `COMMANDS` alone, and only
+the module of the subcommand given is imported (the emulator, scipy and Qt take about a second
+to import; `ptb --help` or `ptb keys` should not wait for them). tests/test_cli.py checks that
+`COMMANDS` says what each module registers."""
 from __future__ import annotations
 
 import argparse
@@ -7,27 +12,56 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("emulate", "demo", "bench", "journal", "serve", "keys", "agent", "gui",
-               "calibrate", "gpus")
+# Subcommand name -> the one-line help `ptb --help` shows; ptb/NAME.py registers the rest.
+COMMANDS = {
+    "emulate": "run an emulated rig (pty and loopback sockets)",
+    "demo": "run the stack's main job on the built-in emulator",
+    "bench": "measure speed (table on stdout, JSON file)",
+    "journal": "print the agent's journal",
+    "serve": "run the device services of a rig on the bus",
+    "keys": "make CurveZMQ key pairs for the bus",
+    "agent": "run the host agent of a rig on the bus",
+    "gui": "open the operator's desktop GUI",
+    "calibrate": "calibrate a chip (heater offsets, efficiencies, crosstalk)",
+    "gpus": "run this host's GPU health monitor (NVML + DDM) on the bus",
+}
 
 
 class CommandFailed(Exception):
     """A subcommand's clear, expected failure: printed without a traceback, exit code 1."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv`: the first word that is not an option of `ptb` itself
+    (they take no values), when it is one of ours."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: the chosen subcommand in full, the others as their name and help
+    (enough to list them, or to refuse an unknown one). `argv=None` reads sys.argv."""
+    chosen = chosen_command(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="ptb", description="Photonic testbed: firmware, drivers, emulator and tools.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"{__package__}.{name}").add_parser(sub)
+    for name, help_line in COMMANDS.items():
+        if name == chosen:
+            importlib.import_module(f"{__package__}.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from typing import Callable, Mapping
 
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, check_circuits
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
+    check_circuits
 
 
 class PermutationSwitch(CircuitSwitch):

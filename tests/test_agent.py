@@ -130,7 +130,8 @@ def test_two_failures_reported_together_are_one_swap(tmp_path):
 
 def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
     alarms = []
-    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05), on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05),
+                   on_alarm=lambda t, d: alarms.append(t))
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "done"
     assert len(w.job.rank_map) == 7 and alarms and "no healthy spare" in alarms[0]
@@ -141,7 +142,8 @@ def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
 
 def test_spares_exhausted_and_job_cannot_shrink_stops_it(tmp_path):
     alarms = []
-    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01), on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01),
+                   on_alarm=lambda t, d: alarms.append(t))
     w.job.restart_timeout_s = 0.5
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "aborted"
@@ -241,7 +243,8 @@ def test_opus_dp_tp_run_reconfigures_every_boundary_and_never_uses_a_down_link(t
     phases = [e for e in w.job.log if e.kind == "phase"]
     assert len(phases) == 200
     # every boundary changed the circuits, and every circuit set was what the phase needs
-    assert w.switch.applies == 200 and len({tuple(sorted(h.items())) for h in w.switch.history}) == 2
+    assert w.switch.applies == 200
+    assert len({tuple(sorted(h.items())) for h in w.switch.history}) == 2
     assert not [e for e in w.job.log if e.kind == "stall"]
     assert len(w.job.communications) == 200 and all(c.all_up for c in w.job.communications)
     # the waiting is the OCS latency; the journal holds each phase with its latency

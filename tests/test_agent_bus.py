@@ -29,8 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _ptb(*args, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kw)
 
 
 def _until(cond, timeout=20.0, what="condition"):

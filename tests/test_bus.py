@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import (BadRequest, RemoteError, ServiceClient, ServiceUnavailable,
-                            StaleState, UnknownOperation)
+from photonic_testbed.hil.bus.client import (BadRequest, RemoteError, ServiceClient,
+                                             ServiceUnavailable, StaleState, UnknownOperation)
 from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
 from photonic_testbed.hil.bus.security import client_keys, generate
 from photonic_testbed.hil.bus.service import ServiceSpec

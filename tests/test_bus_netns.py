@@ -111,8 +111,9 @@ def test_service_and_client_in_separate_namespaces_with_curve(namespaces, tmp_pa
         """))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     endpoints = tmp_path / "endpoints.json"
-    serve = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-m", "photonic_testbed.ptb",
-                              "serve", "--rig", str(rig), "--endpoints", str(endpoints)],
+    serve = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-m",
+                              "photonic_testbed.ptb", "serve", "--rig", str(rig), "--endpoints",
+                              str(endpoints)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:

@@ -161,12 +161,13 @@ def test_every_route_reaches_its_cell_from_a_chip_input():
             assert not set(r.cells) & set(r.away)
 
 
-# ---- the command line -----------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 def _ptb(*args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kw)
 
 
 def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):

@@ -84,7 +84,7 @@ def test_other_seeds_and_a_stronger_crosstalk_chip(tmp_path, seed, scale):
             assert (err <= 0.02).mean() >= 0.9 and err.max() < 0.06
 
 
-# ---- the file, the drift check, the refusal -------------------------------------------------------
+# ---- the file, the drift check, the refusal ------------------------------------------------------
 
 def test_the_file_says_outputs_and_records_the_meter_fringes(dark_chip, tmp_path):
     rig, station, cal = dark_chip
@@ -138,7 +138,7 @@ def test_every_cell_has_two_disjoint_groups_of_outputs():
         assert len(plan.top) == len(plan.bottom) == 8
 
 
-# ---- the command line -----------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 def _ptb(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)

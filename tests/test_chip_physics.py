@@ -115,8 +115,10 @@ def test_the_seeded_truth_has_the_documented_spread():
     k = t.crosstalk
     # Nearest neighbours (s0r0 and s0r1, one cell apart) a few percent; far heaters nothing.
     assert 0.01 < k[0, 1] < 0.05 and k[0, 55] == 0.0
-    assert np.array_equal(t.offset_rad, EmulatedChip(benes(16).describe(), seed=11).truth().offset_rad)
-    assert not np.array_equal(t.offset_rad, EmulatedChip(benes(16).describe(), seed=12).truth().offset_rad)
+    def offsets(seed):
+        return EmulatedChip(benes(16).describe(), seed=seed).truth().offset_rad
+    assert np.array_equal(t.offset_rad, offsets(11))
+    assert not np.array_equal(t.offset_rad, offsets(12))
 
 
 def test_phase_follows_heater_power_with_a_first_order_lag():

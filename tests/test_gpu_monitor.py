@@ -23,7 +23,8 @@ from photonic_testbed.hil import rigfile
 from photonic_testbed.hil.bus.client import BadRequest, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, run_ethtool
+from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, \
+    run_ethtool
 from photonic_testbed.hil.gpu_health import GpuHealth, GpuHealthUnavailable, NvmlHealth
 from photonic_testbed.hil.gpu_monitor import GpuMonitor, GpuMonitorError, map_nvml
 from photonic_testbed.hil.rigfile import GpuConfig, RigFileError
@@ -531,8 +532,8 @@ def test_ptb_gpus_no_nvml_serves_ddm_through_ethtool(tmp_path, switch_service):
     path = tmp_path / "rig.toml"
     path.write_text(text)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "gpus", "--rig", str(path),
-                             "--no-nvml", "--ethtool", ethtool], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "gpus", "--rig",
+                             str(path), "--no-nvml", "--ethtool", ethtool], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with ServiceClient(request, timeout=20.0) as client:

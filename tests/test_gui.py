@@ -339,7 +339,8 @@ def test_demo_commands_apply_and_refuse_like_the_agent(qtbot):
     assert not refused.ok and "9 V is outside channel 4's limit" in refused.reason
     assert swapped.ok
     qtbot.waitUntil(lambda: model.rack["gpu14"].role == "in_use_spare")
-    assert model.rack["gpu14"].rank == 3 and model.rack["gpu14"].port in model.switches["ocs1"].circuits
+    assert model.rack["gpu14"].rank == 3
+    assert model.rack["gpu14"].port in model.switches["ocs1"].circuits
 
 
 def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):

@@ -273,7 +273,8 @@ def test_rack_shows_the_spare_in_use_after_a_swap_and_refusals_say_why(
     qtbot.waitUntil(lambda: label(win, "agent").endswith("agent: down"), timeout=WAIT_MS)
 
 
-def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bus, tmp_path):
+def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bus,  # noqa: F811
+                                                                 tmp_path):
     """`ptb agent` on the lumion rig: a GPU fails, the rack shows the spare in use and the chip
     the circuits to its port; then the operator swaps another GPU out through the GUI."""
     from photonic_testbed.hil.fabric_client import Fabric

@@ -11,7 +11,8 @@ from optics_doubles import PermutationSwitch
 from photonic_testbed.hil.emulator.clock import SimClock, WallClock
 from photonic_testbed.hil.emulator.job import JobError, TrainingJob
 from photonic_testbed.hil.emulator.rack import EmulatedRack
-from photonic_testbed.hil.jobplan import (JobPlan, PhaseSpec, PlanError, dp_ring, dp_tp, round_robin_matchings)
+from photonic_testbed.hil.jobplan import (JobPlan, PhaseSpec, PlanError, dp_ring, dp_tp,
+                                          round_robin_matchings)
 from photonic_testbed.hil.rack_layout import lumion
 
 RING = {i: 17 + (i % 8) for i in range(1, 9)}

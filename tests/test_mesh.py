@@ -87,7 +87,7 @@ def test_bad_calibration_files_are_refused_clearly(tmp_path, text):
         Calibration.load(tmp_path / "missing.json")
 
 
-# ---- end to end over the pty -----------------------------------------------------------------------
+# ---- end to end over the pty ---------------------------------------------------------------------
 
 def test_mesh_is_a_circuit_switch_that_describes_its_topology(mesh):
     assert isinstance(mesh, CircuitSwitch) and mesh.ports == 16
@@ -155,7 +155,7 @@ def test_imperfect_chip_without_calibration_visibly_fails(rig, mesh):
     assert good.circuits() == circuits
 
 
-# ---- a Clements chip, with the DAC board as a plain test double --------------------------------------
+# ---- a Clements chip, with the DAC board as a plain test double ----------------------------------
 
 class WiredDAC:
     """Stands in for HeaterDAC: voltages go straight to the chip's heaters."""

@@ -11,7 +11,8 @@ import pytest
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Calibration, Mesh
-from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, trace_waveguides
+from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, \
+    trace_waveguides
 from photonic_testbed.drivers.topology import Topology, hexagonal, square
 from photonic_testbed.hil.emulator.chip import OUTPUT_TAP, ChipError
 from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip, make_chip
@@ -154,7 +155,7 @@ def test_recirculating_chip_refuses_bad_descriptions_and_ports():
         chip.output_power_mw(0)
 
 
-# ---- Mesh over the real wires ---------------------------------------------------------------------
+# ---- Mesh over the real wires --------------------------------------------------------------------
 
 @pytest.fixture
 def rig(tmp_path):

@@ -302,8 +302,8 @@ def _free(port: int) -> bool:
 
 def test_ptb_emulate_opus_prints_and_writes_endpoints_then_frees_ports(tmp_path):
     ep = tmp_path / "endpoints.json"
-    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "emulate", "--rig", "opus",
-                             "--endpoints", str(ep), "--switching-ms", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", "emulate", "--rig",
+                             "opus", "--endpoints", str(ep), "--switching-ms", "0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT})
     try:

@@ -9,7 +9,8 @@ from optics_doubles import PermutationSwitch
 from photonic_testbed.hil.emulator.clock import SimClock
 from photonic_testbed.hil.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.hil.gpu_health import GpuHealth
-from photonic_testbed.hil.rack_layout import Attachment, LayoutError, RackLayout, layout, lumion, opus
+from photonic_testbed.hil.rack_layout import Attachment, LayoutError, RackLayout, layout, lumion, \
+    opus
 
 RING = {i: 17 + (i % 8) for i in range(1, 9)}     # gpu(i-1).tx -> gpu(i % 8).rx
 
@@ -57,7 +58,8 @@ def test_power_budget_and_half_rate():
     chip = PermutationSwitch("chip", 16, loss_db={1: 10.0, 2: 12.5, 3: 5.0})
     chip.apply({1: 18, 2: 19, 3: 17})
     rack = EmulatedRack(lumion(), {"chip": chip}, clock)
-    weak, dark, good = rack.link("gpu0", "gpu1"), rack.link("gpu1", "gpu2"), rack.link("gpu2", "gpu0")
+    weak, dark, good = (rack.link("gpu0", "gpu1"), rack.link("gpu1", "gpu2"),
+                        rack.link("gpu2", "gpu0"))
     assert weak.up and weak.rate_gbps == 200.0             # 2 dB margin: half rate
     assert not dark.up and dark.power_dbm < -12            # below the sensitivity
     assert good.up and good.rate_gbps == 400.0

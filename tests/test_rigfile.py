@@ -71,7 +71,8 @@ def test_a_good_rig_file(tmp_path):
     assert rig.chip.calibration == str(tmp_path / "cal/chip.json")
     assert [g.name for g in rig.gpus if g.spare] == ["spare0"]
     specs = rig.service_specs(["ocs"])
-    assert specs[0].request == "tcp://*:5800" and specs[0].driver == "photonic_testbed.drivers.polatis:Polatis"
+    assert specs[0].request == "tcp://*:5800"
+    assert specs[0].driver == "photonic_testbed.drivers.polatis:Polatis"
     assert specs[0].curve_secret == str(tmp_path / "keys/server.key_secret")
     assert rigfile.parse(rigfile.dumps(rig), base=tmp_path) == rigfile.parse(GOOD, base=tmp_path)
     with pytest.raises(RigFileError, match="no device named laser"):
@@ -80,8 +81,8 @@ def test_a_good_rig_file(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (('kind = "heater_dac"', 'kind = "heater_dax"'),
-     r"rig.toml:14: devices.heaters.kind: expected one of chip, heater_dac, laser, power_meter, switch, "
-     r"got 'heater_dax'"),
+     r"rig.toml:14: devices.heaters.kind: expected one of chip, heater_dac, laser, power_meter, "
+     r"switch, got 'heater_dax'"),
     (('port = 2\n', 'port = "2"\n'),
      r"rig.toml:38: gpus.port: expected the switch input port it attaches to"),
     (('port = 2\n', 'port = 1\n'),
@@ -117,8 +118,8 @@ def test_missing_rig_file(tmp_path):
 
 def _ptb(*args, **kwargs):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **kwargs)
 
 

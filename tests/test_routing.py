@@ -11,11 +11,13 @@ import pytest
 from scipy.stats import unitary_group
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict
-from photonic_testbed.drivers.routing import (BAR, CROSS, RoutingError, benes_cell_states, benes_route,
-                             circuits_to_permutation, clements_decompose, matching_schedule,
-                             mzi, permutation_matrix, round_robin, route_mesh, trace_states)
-from photonic_testbed.drivers.topology import (Topology, TopologyError, benes, build, clements, hexagonal,
-                              square)
+from photonic_testbed.drivers.routing import (BAR, CROSS, RoutingError, benes_cell_states,
+                                              benes_route, circuits_to_permutation,
+                                              clements_decompose, matching_schedule, mzi,
+                                              permutation_matrix, round_robin, route_mesh,
+                                              trace_states)
+from photonic_testbed.drivers.topology import (Topology, TopologyError, benes, build, clements,
+                                               hexagonal, square)
 
 
 # ---- topology data ---------------------------------------------------------------------------
@@ -29,7 +31,8 @@ def test_benes16_shape_matches_the_shared_contract():
     assert sorted(ch for c in d["cells"] for ch in c["channels"]) == list(range(56))
     # Every input port feeds one cell input, every output port hears one cell output, and
     # every cell arm is used exactly once.
-    ends = Counter(tuple(l["from"]) for l in d["links"]) + Counter(tuple(l["to"]) for l in d["links"])
+    ends = (Counter(tuple(link["from"]) for link in d["links"])
+            + Counter(tuple(link["to"]) for link in d["links"]))
     assert all(v == 1 for v in ends.values())
     assert {e for e in ends if e[0] == "port"} == {("port", p) for p in range(1, 33)}
     assert len([e for e in ends if e[0] == "cell"]) == 56 * 4

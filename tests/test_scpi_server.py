@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from photonic_testbed.hil.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instrument, SCPIServer, Session,
-                               compile_header, split_units)
+from photonic_testbed.hil.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instrument, SCPIServer,
+                                                 Session, compile_header, split_units)
 
 
 class Client:

@@ -26,8 +26,8 @@ from typing import Any
 
 import zmq
 
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \
-    check_circuits
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
+    SwitchError, check_circuits
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState, call_many

@@ -38,7 +38,7 @@ class ControlServer:
         self.handlers.setdefault("ping", lambda req: "pong")
         self.handlers.setdefault("help", lambda req: sorted(self.handlers))
         self._bind = bind
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,7 +112,7 @@ class ControlServer:
 
 def request(endpoint: str, msg: dict, timeout_s: float = 5.0) -> Any:
     """Send one request to a control endpoint; the result, or ControlError."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))

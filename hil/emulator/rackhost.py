@@ -111,7 +111,7 @@ class RackHost:
         poller.register(self.server.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(HEALTH_PERIOD_S * 1e3))
+            ready = dict(poller.poll(round(HEALTH_PERIOD_S * 1e3)))
             if self._wake_r in ready:
                 os.read(self._wake_r, 4096)
             self.server.poll(0)
@@ -175,17 +175,17 @@ class RackHost:
                 raise ControlError(f"a job is already {self.job.state}")
             self._stop_job()
             try:
-                plan = (JobPlan.from_dict(plan) if isinstance(plan, dict)
-                        else plan_named(str(plan), len(self.layout.workers)))
+                job_plan = (JobPlan.from_dict(plan) if isinstance(plan, dict)
+                            else plan_named(str(plan), len(self.layout.workers)))
             except PlanError as e:
                 raise ControlError(str(e)) from None
             fabric = Fabric(*self.agent_endpoints, timeout=5.0)
             try:
-                rank_map = fabric.admit(plan)
+                rank_map = fabric.admit(job_plan)
             except BusError as e:
                 fabric.close()
                 raise ControlError(f"the agent did not admit the job: {e}") from None
-            job = TrainingJob(plan, rank_map, self.rack, self.clock,
+            job = TrainingJob(job_plan, rank_map, self.rack, self.clock,
                               checkpoint_every=checkpoint_every, restart_s=restart_s,
                               grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
             self.job_events = []
@@ -193,7 +193,7 @@ class RackHost:
             fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
             self.job, self.fabric = job, fabric
             job.start(steps)
-        return {"plan": plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
+        return {"plan": job_plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
                 "steps": steps}
 
     def _on_event(self, ev: JobEvent) -> None:

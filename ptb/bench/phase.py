@@ -4,8 +4,8 @@ rings): on lumion's chip and on opus's OCS. The job computes `--gap-ms` (5 ms) b
 phase events, as a training step does between its phases: what is timed is the switch, not a
 queue behind the previous switch's journal sync and state publication. Zero device delays,
 then (`--realistic`) the OCS at 25 ms per move (measured: the emulated OCS holds *OPC? until
-it has settled) and the chip with its modelled delays (1 ms of serial turnaround: the changed heaters' lines go back to
-back in one write; 10 us heater settling) added."""
+it has settled) and the chip with its modelled delays (1 ms of serial turnaround: the changed
+heaters' lines go back to back in one write; 10 us heater settling) added."""
 from __future__ import annotations
 
 import statistics
