@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
-    SwitchError, check_circuits
+    SwitchError
 from photonic_testbed.drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
     circuits_to_permutation, clements_decompose, mzi, permutation_matrix, route_waveguides, \
     trace_states, trace_waveguides

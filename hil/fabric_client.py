@@ -133,9 +133,11 @@ class Fabric:
     def _rejoin(self) -> None:
         """Tell a restarted agent where the job stands (on the subscriber's thread)."""
         with self._cond:
-            args = {"plan": self._plan, "restart_seq": int(self._restart_seq or 0),
-                    "rank_map": {str(r): g for r, g in self._rank_map.items()},
-                    "state": "failed" if self._waiting else "running"}
+            args: dict[str, Any] = {"plan": self._plan,
+                                    "restart_seq": int(self._restart_seq or 0),
+                                    "rank_map": {str(r): g for r, g in
+                                                 self._rank_map.items()},
+                                    "state": "failed" if self._waiting else "running"}
         try:
             got = self._client().call("rejoin", **args)
         except BusError as e:

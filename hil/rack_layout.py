@@ -155,9 +155,10 @@ class _LinkTable:
         self._cache: dict[tuple[str, str], list[tuple[str, int, int]] | None] = {}
 
     def __call__(self, ga: str, gb: str) -> list[tuple[str, int, int]] | None:
-        got = self._cache.get((ga, gb), False)
-        if got is not False:
-            return got
+        key = (ga, gb)
+        if key in self._cache:
+            return self._cache[key]
+        got: list[tuple[str, int, int]] | None
         if self._layout.same_server(ga, gb):
             got = []
         else:
@@ -166,7 +167,7 @@ class _LinkTable:
             got = got or None
         if len(self._cache) > 1_000_000:       # a rack's pairs in use stay far below this
             self._cache.clear()
-        self._cache[(ga, gb)] = got
+        self._cache[key] = got
         return got
 
 

@@ -77,7 +77,7 @@ def test_a_phases_peers_are_the_ranks_its_links_join():
                                                                      group=8, stride=2)]
     for phase in phases:
         plan = JobPlan("p", 16, (phase,))
-        links = [l for ls in plan.links(16).values() for l in ls]
+        links = [link for ls in plan.links(16).values() for link in ls]
         for r in range(16):
             want = {b if a == r else a for a, b in links if r in (a, b)}
             assert phase.peers(r, 16) == want, (phase.name, r)

@@ -9,16 +9,13 @@ import threading
 import time
 
 import pytest
-import zmq
 
-from photonic_testbed.hil import rigfile
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import FIRST_ATTEMPT_S, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.bus.service import KINDS, DeviceService, ServiceSpec
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 from photonic_testbed.hil.jobplan import dp_ring
-from photonic_testbed.hil.rack_layout import layout
 
 SLOW_S = 2.5 * FIRST_ATTEMPT_S        # the client resends at least twice while it runs
 

@@ -123,7 +123,7 @@ class Agent:
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
-        took = {}
+        took: dict[str, dict[str, Any]] = {}
         for s, c in todo.items():
             t0 = self.clock()
             try:

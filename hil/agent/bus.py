@@ -114,8 +114,8 @@ def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
     if not rig.gpus:
         raise RigFileError(f"rig {rig.name} lists no [[gpus]]: the agent has nothing to manage")
     switches = {g.switch: int(ports[g.switch]) for g in rig.gpus}
-    gpus = {g.name: (Attachment(g.switch, g.port, switches[g.switch] + g.port),)
-            for g in rig.gpus}
+    gpus: dict[str, tuple[Attachment, ...]] = {
+        g.name: (Attachment(g.switch, g.port, switches[g.switch] + g.port),) for g in rig.gpus}
     return RackLayout(rig.name, switches, gpus, tuple(g.name for g in rig.gpus if g.spare))
 
 
@@ -138,7 +138,7 @@ class AgentProcess:
         self._quarantine_s = quarantine_s
         self._health_seen: dict[str, str] = {}
         self._alarms: list[str] = []
-        self._restart = {"seq": 0, "rank_map": {}, "cause": ""}
+        self._restart: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}
         self._events: list[dict] = []
         self._last_seq = 0
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
@@ -174,10 +174,11 @@ class AgentProcess:
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
                            on_restart=self._on_restart, on_alarm=self._on_alarm)
         self._restart = restart_order(self.journal)
-        for e in self.journal.entries()[-EVENTS_KEPT:]:
-            self._events.append({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                                 "latency_s": e.latency_s, "details": e.details})
-            self._last_seq = e.seq
+        for entry in self.journal.entries()[-EVENTS_KEPT:]:
+            self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
+                                 "cause": entry.cause, "latency_s": entry.latency_s,
+                                 "details": entry.details})
+            self._last_seq = entry.seq
         request, publish = self.rig.agent_endpoints()
         self.server = Server(
             "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),

@@ -125,7 +125,7 @@ _DECODER = msgspec.json.Decoder(Request | Reply | Error | Snapshot | Delta | Tel
 
 # ---- operations -------------------------------------------------------------------------------
 
-class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class Args(msgspec.Struct, forbid_unknown_fields=True):
     """An operation's arguments (none)."""
 
 

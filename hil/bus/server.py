@@ -127,7 +127,7 @@ class Server:
             self.register(declared[op_name] if op_name in declared else op_name, fn)
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
-        self.auth = None
+        self.auth: Any = None
         self.router: zmq.Socket | None = None
         self.pub: Publisher | None = None
         self.state: StatePublisher | None = None
@@ -202,7 +202,7 @@ class Server:
         except Exception:
             self.close()
             raise
-        return self.router.last_endpoint.decode(), self.pub.endpoint
+        return self.router.getsockopt_string(zmq.LAST_ENDPOINT), self.pub.endpoint
 
     def close(self) -> None:
         if self.router is not None:

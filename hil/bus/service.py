@@ -30,7 +30,6 @@ import zmq
 
 from photonic_testbed.drivers.circuit_switch import CircuitSwitch
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.security import server_keys
 from photonic_testbed.hil.bus.server import Server
 

@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from typing import Any
 from dataclasses import dataclass
 
 import zmq
@@ -59,7 +60,7 @@ class Manager:
         # seconds): only a silence longer than this is a hang.
         self.silence_s = silence_s
         self._ctx = zmq.Context()
-        self._sub = None
+        self._sub: zmq.Socket | None = None
         self.keys = keys
         # Heartbeats of CURVE services are heard only with a listed client key; without one the
         # manager watches the processes alone.
@@ -95,7 +96,8 @@ class Manager:
         proc.start()
         child.close()
         ok = parent.poll(self.start_timeout)
-        status, info = parent.recv() if ok else ("error", "did not start in time")
+        got: tuple[str, Any] = parent.recv() if ok else ("error", "did not start in time")
+        status, info = got
         parent.close()
         if status != "ready":
             proc.kill()
