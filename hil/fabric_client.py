@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 
 class Fabric:
     def __init__(self, request: str, publish: str, *, keys: ClientKeys | None = None,
-                 timeout: float = 5.0,
+                 timeout: float = 5.0, job: str | None = None,
                  on_restart: Callable[[dict[int, str], str], None] | None = None):
         self.timeout = timeout
+        self.job = job                    # this job's name at the agent (its plan's by default)
         self.on_restart = on_restart
         self._keys = keys
         self._request = request
@@ -84,32 +85,46 @@ class Fabric:
     def admit(self, plan: Any, rank_map: Mapping[int, str] | None = None) -> dict[int, str]:
         """Announce the job (a JobPlan or its dict); returns the rank map the agent chose."""
         d = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
-        args: dict[str, Any] = {"plan": d}
+        args: dict[str, Any] = {"plan": d, "job": self.job}
         if rank_map is not None:
             args["rank_map"] = {str(r): g for r, g in rank_map.items()}
         got = self._client().call("admit", **args)
         rank_map = {int(r): g for r, g in got["rank_map"].items()}
         with self._cond:
+            self.job = got.get("job") or d.get("name")
             self._restart_seq = int(got.get("restart_seq", 0))
             self._plan, self._rank_map, self._waiting = d, dict(rank_map), False
         return rank_map
 
     def phase(self, name: str, round: int = 0, timeout: float | None = None) -> dict:
         """Block until the agent says the circuits of (phase, round) are ready."""
-        return self._client().call("phase", phase=name, round=int(round), timeout=timeout)
+        return self._client().call("phase", phase=name, round=int(round), job=self.job,
+                                   timeout=timeout)
 
     def failure(self, reason: str, gpus: Any = (), links: Any = ()) -> dict:
         with self._cond:
             self._waiting = True
         return self._client().call("job_failure", reason=str(reason), gpus=list(gpus),
-                                   links=[list(x) for x in links])
+                                   links=[list(x) for x in links], job=self.job)
+
+    def report(self, state: str, step: int, throughput: float | None = None,
+               loss: float | None = None, detail: str = "") -> None:
+        """Tell the agent (and through its state, the GUI) how the job is doing: `state` one
+        of running, waiting, failed, restarting, stopped, done; steps a second; loss."""
+        self._client().call("job_report", job=self.job, state=state, step=int(step),
+                            throughput=throughput, loss=loss, detail=str(detail))
+
+    def release(self) -> dict:
+        """The job is done: its GPUs and circuits go back to the rack."""
+        return self._client().call("release", job=self.job)
 
     # --- restart orders ---------------------------------------------------------------------
     def _on_state(self, device: str, state: dict, ops: Any) -> None:
         incarnation = self._sub.mirror(device).incarnation
         restarted = self._incarnation is not None and incarnation != self._incarnation
         self._incarnation = incarnation
-        self._take_order(state.get("restart") or {})
+        mine = (state.get("jobs") or {}).get(self.job) if self.job else None
+        self._take_order((mine or state).get("restart") or {})
         if restarted and self._plan is not None:
             self._rejoin()
 
@@ -133,7 +148,7 @@ class Fabric:
     def _rejoin(self) -> None:
         """Tell a restarted agent where the job stands (on the subscriber's thread)."""
         with self._cond:
-            args: dict[str, Any] = {"plan": self._plan,
+            args: dict[str, Any] = {"plan": self._plan, "job": self.job,
                                     "restart_seq": int(self._restart_seq or 0),
                                     "rank_map": {str(r): g for r, g in
                                                  self._rank_map.items()},

@@ -64,7 +64,7 @@ def test_decisions_are_those_of_the_agent_before(case, tmp_path):
         agent.on_phase(*next(iter(agent._targets)))
         got = []
         for g in case["failed"]:
-            o = agent._failover([g], "test")
+            o = agent._failover(agent.job(), [g], "test")
             got.append(None if o is None else {
                 "swaps": o.swaps, "rank_map": {str(k): v for k, v in o.rank_map.items()},
                 "degraded": o.degraded, "stopped": o.stopped})

@@ -2,9 +2,16 @@
 
 Inputs are plain method calls, so a bus adapter (or a test) connects them directly:
 `admit(plan)`, `on_health(GpuHealth)`, `on_phase(phase, round)`, `on_job_failure(...)`,
-`on_job_event(event)`, `start()` (reconcile after a (re)start), `reconcile()`.
+`on_job_event(event)`, `release(job)`, `start()` (reconcile after a (re)start), `reconcile()`.
 Outputs are callbacks given at construction: `on_grant(phase, round)` (the job may
-communicate), `on_restart(rank_map, cause)`, `on_rank_map(rank_map)`, `on_alarm(text, details)`.
+communicate), `on_restart(rank_map, cause)` and `on_order(job, rank_map, cause)`,
+`on_rank_map(rank_map)`, `on_alarm(text, details)`.
+
+Several jobs (tenants) share the rack: each holds its own GPUs (allocated at admission, whole
+servers within one pod where the rack has servers, best fit) and its own circuits; a switch
+holds the union of every job's part, so a phase switch or a failover of one job writes only
+that job's ports, and never another job's. Spares are shared. The job methods take `job=` (the
+job's name, its plan's name by default); with one job it may be left out.
 
 Switches are `CircuitSwitch` objects; light is read through `read_power(switch, port) -> dBm`
 (a power meter on the output fibres). Every decision is written to the journal *before* it is
@@ -17,6 +24,7 @@ syncs its intended circuits before moving; its outcome entry follows after the g
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -64,6 +72,25 @@ def _nothing(*args: Any) -> None:
     return None
 
 
+Key = tuple[str, int]
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted job: its plan, every phase's circuits (indexed by rank), the phase whose
+    circuits it holds now, and the rank map it was last told."""
+    name: str
+    plan: JobPlan
+    circuits: policies.JobCircuits
+    phase: Key
+    rank_map: RankMap
+    announced: RankMap = field(default_factory=dict)
+
+    def key(self) -> Key:
+        targets = self.circuits.targets
+        return self.phase if self.phase in targets else next(iter(targets))
+
+
 class Agent:
     def __init__(self, layout: RackLayout, switches: Mapping[str, CircuitSwitch],
                  journal: Journal, read_power: Callable[[str, int], float], *,
@@ -72,13 +99,18 @@ class Agent:
                  loss_db: Callable[[str, int, int], float] | None = None,
                  matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings,
                  prestage: bool = False, verify_phases: bool = False, quarantine_s: float = 60.0,
+                 allocation: str = "best-fit",
                  on_grant: Callable[[str, int], None] | None = None,
                  on_restart: Callable[[RankMap, str], None] | None = None,
+                 on_order: Callable[[str, RankMap, str], None] | None = None,
                  on_rank_map: Callable[[RankMap], None] | None = None,
                  on_alarm: Callable[[str, dict], None] | None = None):
         missing = set(layout.switches) - set(switches)
         if missing:
             raise AgentError(f"no CircuitSwitch given for switch(es) {sorted(missing)}")
+        if allocation not in ALLOCATIONS:
+            raise AgentError(f"allocation is one of {', '.join(ALLOCATIONS)}, not "
+                             f"{allocation!r}")
         self.layout = layout
         self.switches = dict(switches)
         self.journal = journal
@@ -90,36 +122,106 @@ class Agent:
         self.prestage = prestage
         self.verify_phases = verify_phases
         self.quarantine_s = quarantine_s
+        self.allocation = allocation
         self.on_grant = on_grant or _nothing
         self.on_restart = on_restart or _nothing
+        self.on_order = on_order or _nothing
         self.on_rank_map = on_rank_map or _nothing
         self.on_alarm = on_alarm or _nothing
-        self.plan: JobPlan | None = None
-        self.rank_map: RankMap = {}
-        self.phase: tuple[str, int] | None = None
-        self._job: policies.JobCircuits | None = None     # every phase's circuits, by rank
+        self.jobs: dict[str, Job] = {}
+        self._holder: dict[str, str] = {}              # GPU -> the job holding it
+        self._order = {g: i for i, g in enumerate(layout.gpus)}
+        self._free: list[str] = list(layout.gpus)      # GPUs no job holds, in rack order
+        self._held: dict[str, dict[str, Circuits]] = {s: {} for s in layout.switches}
         self._current: dict[str, Circuits] = {}
         self._health: dict[str, str] = {}
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
-        self._announced: RankMap = {}             # the rank map last announced
         self._lock = threading.RLock()
 
+    # --- jobs -----------------------------------------------------------------------------
+    def job(self, name: str | None = None) -> Job:
+        """The job of that name; with None, the only job."""
+        if name is not None:
+            try:
+                return self.jobs[name]
+            except KeyError:
+                raise AgentError(f"no job {name!r} admitted; jobs: "
+                                 f"{', '.join(self.jobs) or 'none'}") from None
+        if len(self.jobs) == 1:
+            return next(iter(self.jobs.values()))
+        if not self.jobs:
+            raise AgentError("no job admitted: call admit(plan) first")
+        raise AgentError(f"{len(self.jobs)} jobs are admitted ({', '.join(self.jobs)}): "
+                         "name one")
+
+    def _first(self) -> Job | None:
+        return next(iter(self.jobs.values()), None)
+
+    # the single-job view (the first job admitted), as before several jobs could share a rack
     @property
-    def _targets(self) -> dict[tuple[str, int], Targets]:
-        return self._job.targets if self._job is not None else {}
+    def plan(self) -> JobPlan | None:
+        j = self._first()
+        return j.plan if j else None
+
+    @property
+    def rank_map(self) -> RankMap:
+        j = self._first()
+        return j.rank_map if j else {}
+
+    @property
+    def phase(self) -> Key | None:
+        j = self._first()
+        return j.phase if j else None
+
+    @property
+    def _job(self) -> policies.JobCircuits | None:
+        j = self._first()
+        return j.circuits if j else None
+
+    @property
+    def _targets(self) -> dict[Key, Targets]:
+        j = self._first()
+        return j.circuits.targets if j else {}
 
     def holds_rank(self, gpu: str) -> bool:
-        return self._job is not None and gpu in self._job.rank_of
+        return gpu in self._holder
+
+    def holder(self, gpu: str) -> Job | None:
+        name = self._holder.get(gpu)
+        return self.jobs.get(name) if name is not None else None
+
+    def _take(self, job: str, gpus: list[str]) -> None:
+        for g in gpus:
+            self._holder[g] = job
+            self._free.remove(g)
+
+    def _give_back(self, gpus: list[str]) -> None:
+        for g in gpus:
+            if self._holder.pop(g, None) is not None:
+                bisect.insort(self._free, g, key=self._order.__getitem__)
 
     # --- the switches -----------------------------------------------------------------------
-    def _apply(self, targets: Targets, cause: str, record: bool = True
+    def _apply(self, job: Job, targets: Targets, cause: str, record: bool = True
                ) -> dict[str, dict[str, Any]]:
-        """Journal then apply every switch whose circuits differ; {switch: what changed}.
-        With record=False the caller journals the change and its outcome in its own entry
-        (phase rails: one entry per phase switch, not a decision and an applied per switch)."""
-        todo = {s: c for s, c in targets.items() if self._current.get(s) != c}
+        """Make `job`'s part of every switch `targets`, leaving every other job's part alone:
+        journal, then apply, every switch whose circuits (the union of the jobs' parts) differ;
+        {switch: what changed}. With record=False the caller journals the change and its
+        outcome in its own entry (phase rails: one entry per phase switch)."""
+        todo: dict[str, Circuits] = {}
+        for s, c in targets.items():
+            parts = self._held.setdefault(s, {})
+            if parts.get(job.name) != c:
+                parts[job.name] = dict(c)
+            if len(parts) == 1:
+                union = parts[job.name]
+            else:
+                union = {}
+                for part in parts.values():
+                    union.update(part)
+            if self._current.get(s) != union:
+                todo[s] = union
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
@@ -138,7 +240,7 @@ class Agent:
             if record:
                 self.journal.record("applied", cause, took[s]["seconds"], switch=s,
                                     added=took[s]["added"], removed=took[s]["removed"],
-                                    defer=True)
+                                    job=job.name, defer=True)
         return took
 
     def _verify(self, points: list[tuple[str, int, int]], cause: str, since: float
@@ -191,100 +293,187 @@ class Agent:
     # --- recovery ---------------------------------------------------------------------------
     def start(self) -> SwapOutcome | None:
         """Reconcile the switches with the journal and take up where a previous agent left:
-        its job, rank map and phase; a swap it decided but never announced is finished."""
+        its jobs, their rank maps and phases; a swap it decided but never announced is
+        finished. Returns the outcome of the (last) swap finished."""
         with self._lock:
             self.journal.record("start", "agent started")
             self.reconcile("agent start")
-            admit = swap = None
-            announced = 0
+            self.jobs.clear()                  # what the journal says, from scratch
+            self._holder.clear()
+            self._free = list(self.layout.gpus)
+            self._held = {s: {} for s in self.layout.switches}
+            found: dict[str, dict[str, Any]] = {}     # job -> admit, swap, announced, phase
+            last = None
             for e in self.journal.entries(kinds=("decision", "rank_map", "phase")):
                 action = e.details.get("action")
                 if e.kind == "decision" and action == "admit":
-                    admit, swap, self.phase = e, None, None
+                    name = e.details.get("job") or e.details["plan"]["name"]
+                    found[name] = {"admit": e, "swap": None, "announced": 0, "phase": None}
+                    last = name
+                    continue
+                name = e.details.get("job") or last
+                if name not in found:
+                    continue
+                if e.kind == "decision" and action == "release":
+                    del found[name]
                 elif e.kind == "decision" and action == "swap":
-                    swap = e
+                    found[name]["swap"] = e
                 elif e.kind == "rank_map":
-                    announced = e.seq
+                    found[name]["announced"] = e.seq
                 elif e.kind == "phase" and "phase" in e.details:
-                    self.phase = (e.details["phase"], int(e.details.get("round", 0)))
-            if admit is None:
-                return None
-            self.plan = JobPlan.from_dict(admit.details["plan"])
-            last = swap if swap is not None else admit
-            self.rank_map = {int(r): g for r, g in last.details["rank_map"].items()}
-            if swap is not None and swap.details.get("phase"):
-                self.phase = tuple(swap.details["phase"])
-            self._job = policies.JobCircuits(self.plan, self.layout, self.rank_map,
-                                             self.matchings)
-            # The phase whose circuits the switches were last told to hold (a phase entry is
-            # written after its grant, so a kill just after a switch may have lost it).
+                    found[name]["phase"] = (e.details["phase"], int(e.details.get("round", 0)))
             intended = {n: dict(c) for n, c in self.journal.intended().items()}
+            outcome = None
+            for name, f in found.items():
+                plan = JobPlan.from_dict(f["admit"].details["plan"])
+                swap = f["swap"]
+                source = swap if swap is not None else f["admit"]
+                rank_map = {int(r): g for r, g in source.details["rank_map"].items()}
+                circuits = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
+                phase = f["phase"]
+                if swap is not None and swap.details.get("phase"):
+                    phase = tuple(swap.details["phase"])
+                job = Job(name, plan, circuits, phase or next(iter(circuits.targets)),
+                          dict(rank_map))
+                self.jobs[name] = job
+                self._take(name, list(rank_map.values()))
 
-            def held(key) -> bool:
-                targets = self._targets.get(key)
-                return bool(targets) and all(intended.get(n) == dict(c)
-                                             for n, c in targets.items())
-            if not held(self.phase):
-                self.phase = next((k for k in self._targets if held(k)), self.phase)
-            if swap is None or swap.seq < announced:
-                return None
-            # A swap was decided but not announced: make it so, verify, announce.
-            t0 = self.clock()
-            spares = list(swap.details.get("swaps", {}).values())
-            cause = "resume " + swap.cause
-            targets = self._targets[self._key()]
-            self._apply(targets, cause)
-            bad = self._verify(self._points(targets, spares), cause, t0)
-            if bad:
-                self._alarm("swap resumed after restart does not verify", dark=bad)
-            self._announce(self.rank_map, cause)
-            return SwapOutcome(tuple(swap.details.get("failed", ())), swap.details.get("swaps", {}),
-                               dict(self.rank_map), latency_s=self.clock() - t0)
+                # The phase whose circuits the switches were last told to hold (a phase entry
+                # is written after its grant, so a kill just after a switch may have lost it).
+                def held(key, circuits=circuits) -> bool:
+                    targets = circuits.targets.get(key)
+                    return bool(targets) and all(
+                        all(intended.get(n, {}).get(i) == o for i, o in c.items())
+                        for n, c in targets.items())
+                if not held(job.phase):
+                    job.phase = next((k for k in circuits.targets if held(k)), job.phase)
+                for s, c in circuits.targets[job.key()].items():
+                    self._held.setdefault(s, {})[name] = dict(c)
+                if swap is None or swap.seq < f["announced"]:
+                    continue
+                # A swap was decided but not announced: make it so, verify, announce.
+                t0 = self.clock()
+                spares = list(swap.details.get("swaps", {}).values())
+                cause = "resume " + swap.cause
+                targets = circuits.targets[job.key()]
+                self._apply(job, targets, cause)
+                bad = self._verify(self._points(targets, spares), cause, t0)
+                if bad:
+                    self._alarm("swap resumed after restart does not verify", dark=bad)
+                self._announce(job, cause)
+                outcome = SwapOutcome(tuple(swap.details.get("failed", ())),
+                                      swap.details.get("swaps", {}), dict(job.rank_map),
+                                      latency_s=self.clock() - t0)
+            return outcome
 
     # --- job admission and phases ----------------------------------------------------------
-    def _key(self) -> tuple[str, int]:
-        targets = self._targets
-        return self.phase if self.phase in targets else next(iter(targets))
-
-    def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None) -> RankMap:
-        """Take on a job: precompute every phase's circuits and set up its first phase."""
+    def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None,
+              job: str | None = None) -> RankMap:
+        """Take on a job (named `job`, its plan's name by default): GPUs for its ranks
+        (given, or allocated), every phase's circuits, and its first phase set up. Admitting
+        a job of a name already admitted takes it on afresh."""
         with self._lock:
+            name = job or plan.name
+            if name in self.jobs:
+                self._release(self.jobs[name], f"job {name} admitted again", journal=False)
             if rank_map is None:
-                workers = self.layout.workers
-                if len(workers) < plan.world:
-                    raise AgentError(f"job {plan.name!r} needs {plan.world} GPUs; rack "
-                                     f"{self.layout.name!r} has {len(workers)} workers")
-                rank_map = {r: workers[r] for r in range(plan.world)}
+                rank_map = self._allocate(plan)
             rank_map = {int(r): str(g) for r, g in rank_map.items()}
             if len(rank_map) != plan.world:
                 raise AgentError(f"rank map has {len(rank_map)} ranks, job wants {plan.world}")
+            taken = [g for g in rank_map.values() if g in self._holder]
+            unknown = [g for g in rank_map.values() if g not in self.layout.gpus]
+            if unknown or taken:
+                raise AgentError(f"job {name!r} cannot have "
+                                 + (f"GPUs the rack does not have: {unknown}" if unknown else
+                                    f"GPUs another job holds: "
+                                    f"{[(g, self._holder[g]) for g in taken]}"))
             try:
-                job = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
+                circuits = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
             except (policies.PolicyError, PlanError) as e:
                 raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
                                  f"{e}") from None
-            self.plan, self.rank_map, self._job = plan, rank_map, job
-            targets = job.targets
-            self.phase = next(iter(targets))
-            self.journal.record("decision", f"admit job {plan.name}", action="admit",
+            new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(rank_map))
+            self.jobs[name] = new
+            self._take(name, list(rank_map.values()))
+            self.journal.record("decision", f"admit job {name}", action="admit", job=name,
                                 plan=plan.to_dict(), rank_map=rank_map)
-            self._apply(targets[self.phase], f"job {plan.name} admitted")
-            self._announce(rank_map, f"job {plan.name} admitted", restart=False)
+            self._apply(new, circuits.targets[new.phase], f"job {name} admitted")
+            self._announce(new, f"job {name} admitted", restart=False)
             return dict(rank_map)
 
-    def on_phase(self, phase: str, round: int = 0) -> None:
-        """The job reached (phase, round): switch the rails, then grant it."""
+    def _allocate(self, plan: JobPlan) -> RankMap:
+        """GPUs for a job's ranks. Where the rack has servers (GPUs sharing a scale-up fabric)
+        and the job fills whole servers, whole free servers of one pod (servers cabled to the
+        same switches), the pod chosen by `allocation` (best fit: the fullest pod that still
+        fits, leaving big holes for big jobs; first fit: the first in rack order); else the
+        first free workers in rack order."""
+        if self.layout.servers:
+            got = self._allocate_servers(plan)
+            if got is not None:
+                return got
+        spares = set(self.layout.spares)
+        free = [g for g in self._free if g not in spares and self._health.get(g, "ok") == "ok"]
+        if len(free) < plan.world:
+            raise AgentError(f"job {plan.name!r} needs {plan.world} GPUs; rack "
+                             f"{self.layout.name!r} has {len(free)} free workers")
+        return {r: free[r] for r in range(plan.world)}
+
+    def _allocate_servers(self, plan: JobPlan) -> RankMap | None:
+        per = {len(g) for g in self.layout.server_gpus.values()}
+        if len(per) != 1 or plan.world % next(iter(per)):
+            return None
+        need = plan.world // next(iter(per))
+        spares = set(self.layout.spares)
+        pods: dict[frozenset, list[str]] = {}
+        for server, gpus in self.layout.server_gpus.items():
+            if all(g not in self._holder and g not in spares and
+                   self._health.get(g, "ok") == "ok" for g in gpus):
+                switches = frozenset(a.switch for g in gpus for a in self.layout.gpus[g])
+                pods.setdefault(switches, []).append(server)
+        fits = [(len(servers), k, servers) for k, servers in enumerate(pods.values())
+                if len(servers) >= need]
+        if not fits:
+            raise AgentError(f"job {plan.name!r} needs {need} whole free servers in one pod; "
+                             f"the pods have {sorted(len(s) for s in pods.values())} "
+                             f"({len(self._free)} GPUs free in all)")
+        if self.allocation == "best-fit":
+            fits.sort()
+        servers = fits[0][2][:need]
+        gpus = [g for s in servers for g in self.layout.server_gpus[s]]
+        return dict(enumerate(gpus))
+
+    def release(self, job: str | None = None, cause: str = "") -> RankMap:
+        """The job is done: its GPUs go back to the rack, its circuits are taken down."""
         with self._lock:
-            if self.plan is None:
-                raise AgentError("no job admitted: call admit(plan) first")
+            j = self.job(job)
+            return self._release(j, cause or f"job {j.name} released")
+
+    def _release(self, job: Job, cause: str, journal: bool = True) -> RankMap:
+        if journal:
+            self.journal.record("decision", cause, action="release", job=job.name)
+        empty = {s: {} for s in job.circuits.targets[job.key()]}
+        self._apply(job, empty, cause)
+        for parts in self._held.values():
+            parts.pop(job.name, None)
+        self._give_back(list(job.rank_map.values()))
+        del self.jobs[job.name]
+        return dict(job.rank_map)
+
+    def on_phase(self, phase: str, round: int = 0, job: str | None = None) -> None:
+        """The job reached (phase, round): switch its rails, then grant it."""
+        with self._lock:
+            j = self.job(job)
             key = (str(phase), int(round))
-            if key not in self._targets:
-                raise AgentError(f"job {self.plan.name!r} has no phase {phase!r} round {round}")
+            if key not in j.circuits.targets:
+                raise AgentError(f"job {j.name!r} has no phase {phase!r} round {round}")
             t0 = self.clock()
             cause = f"phase {phase} round {round}"
-            previous, self.phase = self.phase, key
-            targets = self._job.refresh(key)        # up to date after a swap
-            applied = self._apply(targets, cause, record=False)
+            if len(self.jobs) > 1:
+                cause = f"{j.name}: {cause}"
+            previous, j.phase = j.phase, key
+            targets = j.circuits.refresh(key)        # up to date after a swap
+            applied = self._apply(j, targets, cause, record=False)
             if self.verify_phases:
                 if self._verify(self._points(targets, None), cause, t0):
                     self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
@@ -292,8 +481,8 @@ class Agent:
             self.on_grant(*key)
             staged = []
             if self.prestage:
-                keys = list(self._targets)
-                nxt = self._job.refresh(keys[(keys.index(key) + 1) % len(keys)])
+                keys = list(j.circuits.targets)
+                nxt = j.circuits.refresh(keys[(keys.index(key) + 1) % len(keys)])
                 for s, c in nxt.items():
                     fn = getattr(self.switches[s], "prestage", None)
                     if callable(fn) and c != targets[s]:
@@ -302,7 +491,7 @@ class Agent:
             if key == previous and not applied and not staged:
                 return      # the same phase again, nothing moved: no new journal entry
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
-                                applied=applied, prestaged=staged, defer=True)
+                                job=j.name, applied=applied, prestaged=staged, defer=True)
 
     def on_job_event(self, event: Any) -> None:
         """A job event (an object or dict with kind, phase, round, details) from the job."""
@@ -322,7 +511,7 @@ class Agent:
     # --- failures ---------------------------------------------------------------------------
     def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
         """GPU health reports, as GpuHealth or its to_dict() form off the bus (several at
-        once are handled as one failover)."""
+        once are handled as one failover per job they hit). Returns the last outcome."""
         with self._lock:
             failed = []
             for h in healths:
@@ -342,9 +531,24 @@ class Agent:
                         failed.append(h.gpu)
                 elif h.state == "degraded" and old != "degraded":
                     self.journal.record("note", f"GPU {h.gpu} degraded", reasons=list(h.reasons))
-            return self._failover(failed, "GPU failure") if failed else None
+            out = None
+            for j, gpus in self._by_job(failed).items():
+                out = self._failover(j, gpus, "GPU failure")
+            if failed and not self._by_job(failed):
+                self.journal.record("note", "GPU failure: no job holds "
+                                    f"{', '.join(failed)}, nothing to swap", gpus=failed)
+            return out
 
-    def on_job_failure(self, reason: str, gpus: Any = (), links: Any = ()) -> SwapOutcome | None:
+    def _by_job(self, gpus: list[str]) -> dict[Job, list[str]]:
+        out: dict[Job, list[str]] = {}
+        for g in gpus:
+            j = self.holder(g)
+            if j is not None:
+                out.setdefault(j, []).append(g)
+        return out
+
+    def on_job_failure(self, reason: str, gpus: Any = (), links: Any = (),
+                       job: str | None = None) -> SwapOutcome | None:
         """The job failed. GPUs it names as lost are swapped out. Before anyone else is
         evicted, what the agent believes is checked against the switches (the difference is
         repaired), the links the job found down are measured again at their receivers, and a
@@ -354,14 +558,16 @@ class Agent:
             t0 = self.clock()
             cause = f"job failure: {reason}" if reason else "job failure"
             self.journal.record("failure", reason or "job failure", gpus=list(gpus),
-                                links=[list(x) for x in links], defer=True)
-            if self.plan is None:
+                                links=[list(x) for x in links], job=job, defer=True)
+            if not self.jobs:
                 self.journal.record("note", f"{cause}: no job admitted, nothing to do")
                 return None
-            lost = [g for g in dict.fromkeys(gpus) if self.holds_rank(g)]
+            j = self.job(job)
+            lost = [g for g in dict.fromkeys(gpus) if self._holder.get(g) == j.name]
             self.reconcile(cause)                  # belief against the switches first
             dark = self._dark_links(links)
             blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []
+            blamed = [g for g in blamed if self._holder.get(g) == j.name]
             for g in lost + blamed:
                 if self._health.get(g) != "failed":
                     self.journal.record("detected", f"GPU {g} lost by the job", reason=reason,
@@ -369,19 +575,19 @@ class Agent:
                 self._health[g] = "failed"
                 self._failed_at[g] = self.clock()
             if lost or blamed:
-                return self._failover(lost + blamed, "job failure")
+                return self._failover(j, lost + blamed, "job failure")
             # Nobody to blame: the fabric as it should be, verified, and the job again.
-            key = self._key()
-            targets = self._targets[key]
-            self._apply(targets, cause)
+            key = j.key()
+            targets = j.circuits.refresh(key)
+            self._apply(j, targets, cause)
             bad = self._verify(self._points(targets, None), cause, t0)
             if bad:
                 self._alarm(f"{cause}: circuits of phase {key[0]} round {key[1]} do not "
                             "verify and no GPU is to blame: a person is needed",
                             dark=[list(b[:3]) for b in bad])
                 return None
-            self._announce(self.rank_map, f"{cause}: fabric verified, restart on the same GPUs")
-            return SwapOutcome((), {}, dict(self.rank_map), latency_s=self.clock() - t0)
+            self._announce(j, f"{cause}: fabric verified, restart on the same GPUs")
+            return SwapOutcome((), {}, dict(j.rank_map), latency_s=self.clock() - t0)
 
     def _dark_links(self, links: Any) -> list[tuple[str, int, int]]:
         """The circuits of the (src GPU, dst GPU) links that are set now and whose receiver
@@ -431,7 +637,9 @@ class Agent:
         ends = list(dict.fromkeys(g for s, i, o in dark for g in (self.layout.owner(s, i),
                                                                    self.layout.owner(s, o))
                                   if g is not None))
-        control = next((g for g in self.spares() if g not in ends), None)
+        switches = {s for s, _, _ in dark}
+        control = next((g for g in self.spares() if g not in ends and
+                        any(a.switch in switches for a in self.layout.gpus[g])), None)
         heard = self.loopback(ends + ([control] if control else []), cause)
         if not any(heard.values()) and (control is not None or len(ends) > 1):
             self._alarm(f"{cause}: no GPU hears its own light through the switch "
@@ -465,10 +673,9 @@ class Agent:
         return blamed
 
     def spares(self) -> list[str]:
-        """GPUs that may take a rank now, in rack order."""
+        """GPUs that may take a rank now (held by no job), in rack order."""
         now = self.clock()
-        free = self._job.free if self._job is not None else self.layout.gpus
-        return [g for g in free
+        return [g for g in self._free
                 if g not in self._rejected and self._health.get(g, "ok") == "ok"
                 and now - self._failed_at.get(g, -float("inf")) >= self.quarantine_s]
 
@@ -495,12 +702,12 @@ class Agent:
         order = {s: k for k, s in enumerate(targets)}
         return sorted(out, key=lambda p: (order[p[0]], p[1]))
 
-    def _cost(self, failed: str, spare: str) -> tuple[float, float] | None:
+    def _cost(self, job: Job, failed: str, spare: str) -> tuple[float, float] | None:
         """(ports or cells to change, path loss dB) of giving `failed`'s ranks to `spare` in
         the current phase, from the circuits that change alone; None if it cannot."""
-        key = self._key()
+        key = job.key()
         try:
-            delta = self._job.delta({failed: spare}, keys=(key,))
+            delta = job.circuits.delta({failed: spare}, keys=(key,))
         except policies.PolicyError:
             return None
         moves = loss = 0.0
@@ -508,7 +715,7 @@ class Agent:
             cur = self._current.get(s, {})
             fn = getattr(self.switches[s], "change_cost", None)
             if callable(fn):
-                target = dict(self._targets[key][s])
+                target = dict(cur)
                 for i, _ in removed:
                     target.pop(i, None)
                 target.update(added)
@@ -520,12 +727,8 @@ class Agent:
                 loss += sum(self.loss_db(s, i, o) for i, o in added)
         return moves, loss
 
-    def _feasible(self, failed: str, spare: str) -> bool:
-        """Whether `spare` can carry every link of `failed`'s ranks, in every phase (its cost
-        looked at the current phase alone)."""
-        return self._job.feasible({failed: spare})
-
-    def _server_swaps(self, left: list[str], taken: Mapping[str, str]) -> dict[str, str]:
+    def _server_swaps(self, job: Job, left: list[str], taken: Mapping[str, str]
+                      ) -> dict[str, str]:
         """For failed GPUs no single spare can replace (their ranks talk to their server's
         other GPUs over its scale-up fabric, which a GPU elsewhere cannot reach): the whole
         server's ranks moved to a spare server, GPU for GPU in rack order. The server is the
@@ -540,7 +743,8 @@ class Agent:
             server = self.layout.servers.get(g)
             if server is None or g in out:
                 continue
-            members = [h for h in self.layout.server_gpus[server] if self.holds_rank(h)]
+            members = [h for h in self.layout.server_gpus[server]
+                       if self._holder.get(h) == job.name]
             lanes = {h: frozenset(a.switch for a in self.layout.gpus[h]) for h in members}
             for other, gpus in list(free.items()):
                 if other == server or len(gpus) < len(members):
@@ -549,65 +753,66 @@ class Agent:
                 if not all(lane in by_lane for lane in lanes.values()):
                     continue                # a GPU of that server is in use or unhealthy
                 mapping = {h: by_lane[lanes[h]] for h in members}
-                if not self._job.feasible(mapping):
+                if not job.circuits.feasible(mapping):
                     continue
                 out.update(mapping)
                 del free[other]
                 self.journal.record("note", f"{g} failed: server {server}'s ranks move to "
                                     f"server {other} (its GPUs share a scale-up fabric)",
-                                    swaps=mapping, defer=True)
+                                    swaps=mapping, job=job.name, defer=True)
                 break
         return out
 
-    def _failover(self, failed: list[str], cause: str) -> SwapOutcome | None:
-        if self.plan is None:
-            self.journal.record("note", f"{cause}: no job admitted, nothing to swap",
-                                gpus=failed)
-            return None
-        failed = [g for g in failed if self.holds_rank(g)]
+    def _failover(self, job: Job, failed: list[str], cause: str) -> SwapOutcome | None:
+        failed = [g for g in failed if self._holder.get(g) == job.name]
         if not failed:
             return None
         t0 = self.clock()
         steps: dict[str, float] = {}
         rejected: list[str] = []
         cause = f"{cause}: {', '.join(failed)}"
+        if len(self.jobs) > 1:
+            cause = f"{job.name}: {cause}"
         while True:
-            swaps, left = policies.choose_spares(failed, self.spares(), self._cost,
-                                                 self._feasible)
+            swaps, left = policies.choose_spares(
+                failed, self.spares(), lambda f, s: self._cost(job, f, s),
+                lambda f, s: job.circuits.feasible({f: s}))
             if left and self.layout.servers:
-                moved = self._server_swaps(left, swaps)
+                moved = self._server_swaps(job, left, swaps)
                 swaps.update(moved)
                 left = [g for g in left if g not in moved]
             degraded = False
             undo = None
             if left:
-                world = len(self.rank_map) - len(left)
-                if not self.plan.allows(world):
+                world = len(job.rank_map) - len(left)
+                if not job.plan.allows(world):
                     self._alarm(f"no healthy spare for {', '.join(left)} and job "
-                                f"{self.plan.name!r} cannot run on {world} ranks: job stopped",
-                                gpus=left)
-                    return SwapOutcome(tuple(failed), swaps, dict(self.rank_map), stopped=True,
+                                f"{job.name!r} cannot run on {world} ranks: job stopped",
+                                gpus=left, job=job.name)
+                    return SwapOutcome(tuple(failed), swaps, dict(job.rank_map), stopped=True,
                                        rejected_spares=tuple(rejected),
                                        latency_s=self.clock() - t0)
                 degraded = True
                 self._alarm(f"no healthy spare for {', '.join(left)}: job continues "
-                            f"degraded on {world} ranks", gpus=left, world=world)
+                            f"degraded on {world} ranks", gpus=left, world=world,
+                            job=job.name)
                 # every rank renumbered: the job's circuits worked out afresh
-                new_map = policies.shrink_ranks(policies.swap_ranks(self.rank_map, swaps), left)
-                job = policies.JobCircuits(self.plan, self.layout, new_map, self.matchings)
+                new_map = policies.shrink_ranks(policies.swap_ranks(job.rank_map, swaps), left)
+                circuits = policies.JobCircuits(job.plan, self.layout, new_map, self.matchings)
             else:
                 # the failed GPUs' ranks' links change, nothing else
-                job = self._job
-                undo = job.swap(swaps, self._key())
-                new_map = dict(job.rank_map)
-            key = self.phase if self.phase in job.targets else next(iter(job.targets))
+                circuits = job.circuits
+                undo = circuits.swap(swaps, job.key())
+                new_map = dict(circuits.rank_map)
+            key = job.phase if job.phase in circuits.targets else next(iter(circuits.targets))
             self.journal.record("decision", cause, self.clock() - t0, action="swap",
-                                failed=failed, swaps=swaps, rank_map=new_map, phase=list(key),
-                                degraded=degraded, defer=True)
+                                job=job.name, failed=failed, swaps=swaps, rank_map=new_map,
+                                phase=list(key), degraded=degraded, defer=True)
             steps["decided"] = self.clock() - t0
-            self._apply(job.targets[key], cause)
+            self._apply(job, circuits.targets[key], cause)
             steps["applied"] = self.clock() - t0
-            bad = self._verify(self._points(job.targets[key], list(swaps.values())), cause, t0)
+            bad = self._verify(self._points(circuits.targets[key], list(swaps.values())),
+                               cause, t0)
             if not bad:
                 steps["verified"] = self.clock() - t0
                 break
@@ -616,13 +821,13 @@ class Agent:
             # other end's fault.
             blamed = self.diagnose([b[:3] for b in bad], cause)
             spares_blamed = [g for g in blamed if g in swaps.values() and g not in rejected]
-            lost = [g for g in blamed if g in self.rank_map.values() and g not in failed]
+            lost = [g for g in blamed if self._holder.get(g) == job.name and g not in failed]
             if not spares_blamed and not lost:
                 self._alarm(f"{cause}: circuits do not verify and no GPU is to blame",
                             dark=[list(b[:3]) for b in bad])
                 break
             if undo is not None:
-                job.undo(undo)              # decided again below, from the same job
+                circuits.undo(undo)         # decided again below, from the same job
             for g in spares_blamed:
                 rejected.append(g)
                 self._rejected.add(g)
@@ -633,25 +838,34 @@ class Agent:
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        self.rank_map, self._job, self.phase = new_map, job, key
-        self._announce(new_map, cause, changed=None if degraded else
-                       {job.rank_of[s]: s for s in swaps.values()})
+        gone = [g for g in job.rank_map.values() if g not in set(new_map.values())]
+        self._give_back(gone)
+        self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        job.rank_map, job.circuits, job.phase = new_map, circuits, key
+        self._announce(job, cause, changed=None if degraded else
+                       {circuits.rank_of[s]: s for s in swaps.values()})
         steps["announced"] = self.clock() - t0
         return SwapOutcome(tuple(failed), swaps, dict(new_map), degraded, False,
                            tuple(rejected), self.clock() - t0, steps)
 
-    def _announce(self, rank_map: RankMap, cause: str, restart: bool = True,
+    def _announce(self, job: Job, cause: str, restart: bool = True,
                   changed: RankMap | None = None) -> None:
         # the whole map is in the decision before and the restart order after: this entry
         # says what changed (every rank at admission)
+        rank_map = job.rank_map
         if changed is None:
-            before = self._announced
+            before = job.announced
             changed = {r: g for r, g in rank_map.items() if before.get(r) != g}
-        self._announced = dict(rank_map)
-        self.journal.record("rank_map", cause, world=len(rank_map), changed=changed,
-                            defer=restart)
+        job.announced = dict(rank_map)
+        self.journal.record("rank_map", cause, job=job.name, world=len(rank_map),
+                            changed=changed, defer=restart)
         if restart:
-            self.journal.record("restart", cause, rank_map=rank_map)   # durable: all before it
+            # durable: all before it
+            self.journal.record("restart", cause, job=job.name, rank_map=rank_map)
         self.on_rank_map(dict(rank_map))
         if restart:
             self.on_restart(dict(rank_map), cause)
+            self.on_order(job.name, dict(rank_map), cause)
+
+
+ALLOCATIONS = ("best-fit", "first-fit")

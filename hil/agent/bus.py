@@ -96,17 +96,27 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
-def restart_order(journal: Journal) -> dict:
-    """The job's last restart order, whole, from the journal: {seq, rank_map, cause}, seq
-    counting the orders given. A restarted agent publishes exactly what its predecessor did,
-    so a job that missed the order still finds it."""
-    orders = journal.entries(kinds=("restart",))
-    if not orders:
-        return {"seq": 0, "rank_map": {}, "cause": ""}
-    last = orders[-1]
-    rank_map = {int(r): g for r, g in last.details.get("rank_map", {}).items()}
-    return {"seq": len(orders), "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
-            "cause": last.cause}
+NO_ORDER: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}
+
+
+def restart_orders(journal: Journal) -> dict[str, dict]:
+    """Each job's last restart order, whole, from the journal: {job: {seq, rank_map,
+    cause}}, seq counting the orders that job was given. A restarted agent publishes exactly
+    what its predecessor did, so a job that missed its order still finds it. (An order
+    journaled without a job's name is the job admitted last before it.)"""
+    orders: dict[str, dict] = {}
+    admitted = ""
+    for e in journal.entries(kinds=("decision", "restart")):
+        if e.kind == "decision":
+            if e.details.get("action") == "admit":
+                admitted = e.details.get("job") or e.details["plan"]["name"]
+            continue
+        name = e.details.get("job") or admitted
+        rank_map = {int(r): g for r, g in e.details.get("rank_map", {}).items()}
+        orders[name] = {"seq": orders.get(name, NO_ORDER)["seq"] + 1,
+                        "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
+                        "cause": e.cause}
+    return orders
 
 
 def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
@@ -138,7 +148,8 @@ class AgentProcess:
         self._quarantine_s = quarantine_s
         self._health_seen: dict[str, str] = {}
         self._alarms: list[str] = []
-        self._restart: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}
+        self._orders: dict[str, dict] = {}         # job -> its last restart order
+        self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
         self._last_seq = 0
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
@@ -172,8 +183,8 @@ class AgentProcess:
                     self.rig.monitor_of(g), set()).add(a.rx)
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
-                           on_restart=self._on_restart, on_alarm=self._on_alarm)
-        self._restart = restart_order(self.journal)
+                           on_order=self._on_order, on_alarm=self._on_alarm)
+        self._orders = restart_orders(self.journal)
         for entry in self.journal.entries()[-EVENTS_KEPT:]:
             self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
                                  "cause": entry.cause, "latency_s": entry.latency_s,
@@ -186,7 +197,8 @@ class AgentProcess:
             keys=self.rig.server_keys(),
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure,
-                      "rejoin": self._rejoin})
+                      "rejoin": self._rejoin, "release": self._release,
+                      "job_report": self._job_report})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                    telemetry=False)
@@ -268,16 +280,21 @@ class AgentProcess:
             except (AgentError, SwitchError) as e:
                 self._on_alarm(f"failover failed: {e}", {})
 
+    def _order(self, job: str) -> dict:
+        return dict(self._orders.get(job, NO_ORDER))
+
     def _admit(self, args: dict) -> dict:
         try:
             plan = JobPlan.from_dict(args["plan"])
         except (KeyError, PlanError) as e:
             raise AgentError(f"admit needs a job plan: {e}") from None
         rank_map = args.get("rank_map")
+        name = args.get("job") or plan.name
         got = self.agent.admit(plan, None if rank_map is None
-                               else {int(r): g for r, g in rank_map.items()})
-        return {"rank_map": {str(r): g for r, g in got.items()},
-                "restart_seq": self._restart["seq"]}
+                               else {int(r): g for r, g in rank_map.items()}, job=name)
+        self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
+        return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
+                "restart_seq": self._order(name)["seq"]}
 
     def _rejoin(self, args: dict) -> dict:
         """A running job tells a (re)started agent where it stands: its plan, the rank map it
@@ -286,37 +303,54 @@ class AgentProcess:
         is in the published state, and in this answer); a job the journal does not know is
         taken on as it runs; a job waiting for an order with none to come is treated as a
         failure the job saw (the fabric checked, then a restart)."""
-        agent, order = self.agent, self._restart
+        agent = self.agent
         try:
             plan = JobPlan.from_dict(args["plan"])
         except PlanError as e:
             raise AgentError(f"rejoin needs the job's plan: {e}") from None
+        name = args.get("job") or plan.name
+        order = self._order(name)
         rank_map = {int(r): g for r, g in args["rank_map"].items()}
         if args["restart_seq"] < order["seq"]:
-            agent.journal.record("note", f"job {plan.name} rejoined: it has not taken restart "
-                                 f"order {order['seq']}", job=args)
-            return {"rank_map": order["rank_map"], "restart": dict(order)}
-        if agent.plan is None or agent.plan.to_dict() != plan.to_dict() or \
-                agent.rank_map != rank_map:
-            agent.journal.record("note", f"job {plan.name} rejoined on a rank map the journal "
-                                 "does not hold: taken on as it runs", job=args)
-            agent.admit(plan, rank_map)
+            agent.journal.record("note", f"job {name} rejoined: it has not taken restart "
+                                 f"order {order['seq']}", job=name, rejoin=args)
+            return {"job": name, "rank_map": order["rank_map"], "restart": order}
+        known = agent.jobs.get(name)
+        if known is None or known.plan.to_dict() != plan.to_dict() or \
+                known.rank_map != rank_map:
+            agent.journal.record("note", f"job {name} rejoined on a rank map the journal "
+                                 "does not hold: taken on as it runs", job=name, rejoin=args)
+            agent.admit(plan, rank_map, job=name)
         else:
-            agent.journal.record("note", f"job {plan.name} rejoined", state=args["state"])
+            agent.journal.record("note", f"job {name} rejoined", job=name,
+                                 state=args["state"])
         if args["state"] == "failed":
-            agent.on_job_failure("job waiting for a restart order after an agent restart")
-        return {"rank_map": {str(r): g for r, g in agent.rank_map.items()},
-                "restart": dict(self._restart)}
+            agent.on_job_failure("job waiting for a restart order after an agent restart",
+                                 job=name)
+        return {"job": name, "rank_map": {str(r): g for r, g in agent.jobs[name].rank_map.items()},
+                "restart": self._order(name)}
 
     def _phase(self, args: dict) -> dict:
         phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
-        self.agent.on_phase(phase, rnd)
+        self.agent.on_phase(phase, rnd, job=args["job"])
         return {"granted": True, "phase": phase, "round": rnd}
 
     def _job_failure(self, args: dict) -> dict:
         out = self.agent.on_job_failure(args["reason"], args["gpus"],
-                                        [tuple(x) for x in args["links"]])
+                                        [tuple(x) for x in args["links"]], job=args["job"])
         return {"swapped": dict(out.swaps) if out is not None else {}}
+
+    def _release(self, args: dict) -> dict:
+        job = self.agent.job(args["job"])
+        freed = self.agent.release(job.name)
+        self._reports.pop(job.name, None)
+        return {"job": job.name, "released": sorted(freed.values())}
+
+    def _job_report(self, args: dict) -> dict:
+        job = self.agent.job(args["job"])
+        self._reports[job.name] = {k: args[k] for k in ("state", "step", "throughput", "loss",
+                                                          "detail")} | {"t": time.time()}
+        return {"job": job.name}
 
     def _swap(self, args: dict) -> dict:
         gpu = args.get("gpu")
@@ -328,7 +362,7 @@ class AgentProcess:
         with agent._lock:
             agent.journal.record("detected", f"operator asked to swap {gpu} out")
             agent._failed_at[gpu] = agent.clock()      # keep it out of the spares a while
-            out = agent._failover([gpu], "manual swap")
+            out = agent._failover(agent.holder(gpu), [gpu], "manual swap")
         if out is None:
             raise AgentError("no job admitted: nothing to swap")
         return {"swaps": dict(out.swaps), "rank_map": {str(r): g for r, g in
@@ -346,11 +380,11 @@ class AgentProcess:
         return getattr(self.journal, "path", "")
 
     # --- outputs ----------------------------------------------------------------------------
-    def _on_restart(self, rank_map: dict, cause: str) -> None:
-        # the same order a restarted agent derives from the journal (`restart_order`)
-        self._restart = {"seq": self._restart["seq"] + 1,
-                         "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
-                         "cause": cause}
+    def _on_order(self, job: str, rank_map: dict, cause: str) -> None:
+        # the same order a restarted agent derives from the journal (`restart_orders`)
+        self._orders[job] = {"seq": self._order(job)["seq"] + 1,
+                             "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
+                             "cause": cause}
         self._publish()          # the job is waiting for this: send it now
 
     def _on_alarm(self, text: str, details: dict) -> None:
@@ -359,23 +393,37 @@ class AgentProcess:
 
     def _rack(self) -> list[dict]:
         a = self.agent
-        owner = {g: r for r, g in a.rank_map.items()}
+        owner = {g: (j.name, r) for j in a.jobs.values() for r, g in j.rank_map.items()}
         out = []
         for g, atts in a.layout.gpus.items():
-            rank = owner.get(g)
+            job, rank = owner.get(g, (None, None))
             spare = g in a.layout.spares
             role = ("in_use_spare" if spare and rank is not None else
                     "spare" if spare else "active")
             out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
-                        "health": a._health.get(g, "ok"), "role": role, "rank": rank})
+                        "health": a._health.get(g, "ok"), "role": role, "rank": rank,
+                        "job": job})
+        return out
+
+    def _jobs(self) -> dict[str, dict]:
+        out = {}
+        for name, j in self.agent.jobs.items():
+            out[name] = {"plan": j.plan.name, "world": len(j.rank_map),
+                         "rank_map": {str(r): g for r, g in j.rank_map.items()},
+                         "phase": j.phase[0], "round": j.phase[1],
+                         "restart": self._order(name),
+                         "report": dict(self._reports.get(name) or {})}
         return out
 
     def _state(self, events: bool = True) -> dict:
         a = self.agent
+        first = next(iter(a.jobs), None)
         state = {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,
-                 "alarms": list(self._alarms), "restart": dict(self._restart)}
+                 "alarms": list(self._alarms),
+                 "restart": self._order(first) if first else dict(NO_ORDER),
+                 "jobs": self._jobs()}
         if events:
             state["events"] = [dict(e) for e in self._events]
         return state

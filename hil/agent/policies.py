@@ -8,8 +8,6 @@
 """
 from __future__ import annotations
 
-import bisect
-
 from collections.abc import Callable, Iterable, Mapping
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
@@ -155,9 +153,6 @@ class JobCircuits:
             key: circuits_for(layout, self.rank_map, links) for key, links in self.links.items()}
         # (phase, round) -> {rank: the GPU its circuits there still name}
         self.stale: dict[Key, dict[int, str]] = {}
-        self._order = {g: i for i, g in enumerate(layout.gpus)}
-        # GPUs of the rack that hold no rank, in rack order (where spares are looked for)
-        self.free = [g for g in layout.gpus if g not in self.rank_of]
 
     def _circuits(self, rank_map: Mapping[int, str], a: int, b: int):
         try:
@@ -224,8 +219,6 @@ class JobCircuits:
             r = self.rank_of.pop(failed)
             self.rank_map[r] = spare
             self.rank_of[spare] = r
-            self.free.remove(spare)
-            bisect.insort(self.free, failed, key=self._order.__getitem__)
             for key in self.by_rank[r]:
                 if key != now:
                     stale = self.stale.setdefault(key, {})
@@ -245,8 +238,6 @@ class JobCircuits:
             r = self.rank_of.pop(spare)
             self.rank_map[r] = failed
             self.rank_of[failed] = r
-            self.free.remove(failed)
-            bisect.insort(self.free, spare, key=self._order.__getitem__)
         for key, r in marked:
             self.stale[key].pop(r, None)
             if not self.stale[key]:

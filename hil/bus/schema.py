@@ -156,17 +156,20 @@ class LoadCalibration(Args):
 class Admit(Args):
     plan: dict[str, Any]
     rank_map: Annotated[dict[str, Name], _meta(max_length=MAX_RANKS)] | None = None
+    job: Name | None = None                  # the job's name (its plan's name by default)
 
 
 class PhaseArgs(Args):
     phase: Name
     round: Annotated[int, _meta(ge=0, le=1_000_000)] = 0
+    job: Name | None = None                  # which job (the only one when left out)
 
 
 class JobFailure(Args):
     reason: Text = ""
     gpus: Annotated[list[Name], _meta(max_length=MAX_RANKS)] = []
     links: Annotated[list[tuple[Name, Name]], _meta(max_length=MAX_RANKS)] = []  # (src, dst)
+    job: Name | None = None
 
 
 class Rejoin(Args):
@@ -174,6 +177,22 @@ class Rejoin(Args):
     rank_map: Annotated[dict[str, Name], _meta(max_length=MAX_RANKS)]
     restart_seq: Annotated[int, _meta(ge=0)]
     state: Literal["running", "failed"]
+    job: Name | None = None
+
+
+class JobArgs(Args):
+    job: Name | None = None
+
+
+class JobReport(Args):
+    """What a job says of itself (the GUI's job view): its state, its step, its throughput
+    (steps a second) and, for a training job, its loss."""
+    state: Literal["running", "waiting", "failed", "restarting", "stopped", "done"]
+    job: Name | None = None
+    step: Annotated[int, _meta(ge=0)] = 0
+    throughput: Annotated[float, _meta(ge=0.0, le=1e9)] | None = None
+    loss: Annotated[float, _meta(ge=-1e9, le=1e9)] | None = None
+    detail: Text = ""
 
 
 class GpuArgs(Args):
@@ -220,6 +239,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
     Operation("rejoin", Rejoin, False, "a running job tells a (re)started agent where it "
               "stands: plan, rank map, last restart order taken, waiting or not"),
+    Operation("release", JobArgs, False, "a job is done: its GPUs and circuits are freed"),
+    Operation("job_report", JobReport, False, "a job's own state, step, throughput, loss"),
     # GPU monitors
     Operation("rx_power", RxPower, True, "received power at transceivers on output ports"),
     Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),

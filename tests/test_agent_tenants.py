@@ -1,0 +1,155 @@
+"""Several jobs (tenants) on one rail rack: each gets whole servers of one pod; phase switches
+and failovers of one job never move another job's circuits (read off the switches themselves);
+spares are shared; a failure with no spare left degrades only the job it hits."""
+from __future__ import annotations
+
+import pytest
+
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
+from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rack_layout import rail_rack
+
+
+class Switch(CircuitSwitch):
+    """Holds what it is told; counts every port a write changes."""
+
+    def __init__(self, name, n):
+        self.name, self.n, self.c = name, n, {}
+        self.touched: set[int] = set()
+
+    @property
+    def ports(self):
+        return self.n
+
+    def apply(self, circuits):
+        want = check_circuits(circuits, self.n)
+        for i in set(want) | set(self.c):
+            if want.get(i) != self.c.get(i):
+                self.touched |= {i, want.get(i) or self.c[i]}
+        self.c = want
+        return ApplyReport()
+
+    def circuits(self):
+        return dict(self.c)
+
+
+def plan(name: str, servers: int) -> JobPlan:
+    """TP inside each server; across servers (on each rail) a pipeline and a DP ring."""
+    world = 8 * servers
+    phases = [PhaseSpec("tp", "ring", group=8, stride=1)]
+    if servers > 1:
+        phases += [PhaseSpec("pp", "chain", group=servers, stride=8),
+                   PhaseSpec("dp", "ring", group=servers, stride=8)]
+    return JobPlan(name, world, tuple(phases), min_world=8)
+
+
+@pytest.fixture
+def rack(tmp_path):
+    layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)   # 2 pods of 8 servers
+    switches = {s: Switch(s, n) for s, n in layout.switches.items()}
+    with Journal(tmp_path / "j.db") as journal:
+        agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=1e9)
+        yield layout, switches, agent
+
+
+def ports_of(layout, gpus):
+    out: dict[str, set[int]] = {}
+    for g in gpus:
+        for a in layout.gpus[g]:
+            out.setdefault(a.switch, set()).update((a.tx, a.rx))
+    return out
+
+
+def circuits_of(switches, ports):
+    return {s: {i: o for i, o in switches[s].c.items() if i in p or o in p}
+            for s, p in ports.items()}
+
+
+def test_jobs_get_whole_servers_of_one_pod_and_keep_out_of_each_others_ports(rack):
+    layout, switches, agent = rack
+    a = agent.admit(plan("a", 2))
+    b = agent.admit(plan("b", 4))
+    servers = {layout.servers[g] for g in a.values()}, {layout.servers[g] for g in b.values()}
+    assert len(servers[0]) == 2 and len(servers[1]) == 4 and not servers[0] & servers[1]
+    for gpus in (a.values(), b.values()):          # each job in one pod (one set of switches)
+        assert len({frozenset(ports_of(layout, [g])) for g in gpus}) == 8
+        assert len({s.split("-")[1] for g in gpus for s in ports_of(layout, [g])}) == 1
+    with pytest.raises(AgentError, match="name one"):
+        agent.on_phase("pp", 0)
+    agent.on_phase("pp", 0, job="b")
+    b_ports = ports_of(layout, b.values())
+    b_before = circuits_of(switches, b_ports)
+    assert any(b_before.values())
+    for sw in switches.values():
+        sw.touched.clear()
+    # job a switches phases and loses a GPU: b's circuits stay as they were, port for port
+    agent.on_phase("pp", 0, job="a")
+    agent.on_phase("dp", 0, job="a")
+    victim = a[9]
+    out = agent.on_health({"gpu": victim, "state": "failed", "reasons": ["test"]})
+    assert out is not None and victim in out.swaps
+    assert circuits_of(switches, b_ports) == b_before
+    for s, ports in b_ports.items():
+        assert not switches[s].touched & ports, f"{s}: job b's ports were written"
+    assert agent.jobs["b"].rank_map == b
+
+
+def test_a_failure_with_no_spare_left_degrades_only_the_job_it_hits(rack):
+    """Both jobs in one pod (best fit), which has one free server and one spare server: job
+    a's first two failures take them (the failed GPU's server moves: its GPUs share a
+    scale-up fabric), the third finds no spare that reaches its peers and stops job a (it
+    cannot run on 31 ranks); job b keeps its GPUs and its circuits throughout."""
+    layout, switches, agent = rack
+    a = agent.admit(plan("a", 4))
+    b = agent.admit(plan("b", 2))
+    assert len({s.split("-")[1] for g in [*a.values(), *b.values()]
+                for s in ports_of(layout, [g])}) == 1
+    agent.on_phase("dp", 0, job="b")
+    b_ports = ports_of(layout, b.values())
+    b_before = circuits_of(switches, b_ports)
+    outcomes = []
+    for rank in (9, 17, 25):           # the pod's free server and its spare, then nothing
+        outcomes.append(agent.on_health({"gpu": agent.jobs["a"].rank_map[rank],
+                                         "state": "failed", "reasons": ["test"]}))
+    assert [len(o.swaps) for o in outcomes[:2]] == [8, 8]
+    assert not any(o.stopped for o in outcomes[:2]) and outcomes[2].stopped
+    assert any("job 'a'" in e.cause and "stopped" in e.cause
+               for e in agent.journal.entries(kinds=("alarm",)))
+    assert agent.jobs["b"].rank_map == b
+    assert circuits_of(switches, b_ports) == b_before
+
+
+def test_released_jobs_free_their_servers_for_the_next(rack):
+    layout, switches, agent = rack
+    a = agent.admit(plan("a", 4))
+    freed = agent.release("a")
+    assert sorted(freed.values()) == sorted(a.values())
+    assert not any(switches[s].c for s in switches)                # its circuits are down
+    again = agent.admit(plan("c", 7))                               # a whole pod's workers
+    assert len(again) == 56
+    with pytest.raises(AgentError, match="whole free servers in one pod"):
+        agent.admit(plan("d", 8))                                   # no pod has 8 free
+
+
+def test_best_fit_leaves_room_that_first_fit_fragments(tmp_path):
+    """Two pods of 7 working servers, one with 3 free and one with 7 (after a job left): a
+    1-server job goes to the emptier pod by first fit (the first that fits), to the fuller by
+    best fit; then a 7-server job finds a whole pod by best fit only."""
+    results = {}
+    for policy in ("first-fit", "best-fit"):
+        layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
+        switches = {s: Switch(s, n) for s, n in layout.switches.items()}
+        with Journal(tmp_path / f"{policy}.db") as journal:
+            agent = Agent(layout, switches, journal, lambda s, p: -3.0, allocation=policy)
+            agent.admit(plan("x", 4))                   # pod 0: 3 free, pod 1: 7 free
+            agent.admit(plan("z", 4))                   # pod 1: 3 free
+            agent.release("x")                          # pod 0: 7 free, pod 1: 3 free
+            agent.admit(plan("small", 1))
+            try:
+                agent.admit(plan("whole-pod", 7))
+                results[policy] = "placed"
+            except AgentError:
+                results[policy] = "refused"
+    assert results == {"first-fit": "refused", "best-fit": "placed"}
