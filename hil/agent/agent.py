@@ -28,6 +28,7 @@ import bisect
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -138,6 +139,7 @@ class Agent:
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
+        self._pool: ThreadPoolExecutor | None = None     # writes to several switches at once
         self._lock = threading.RLock()
 
     # --- jobs -----------------------------------------------------------------------------
@@ -226,22 +228,52 @@ class Agent:
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
         took: dict[str, dict[str, Any]] = {}
-        for s, c in todo.items():
-            t0 = self.clock()
-            try:
-                rep = self.switches[s].apply(c)
-            except SwitchError as e:
+        failed: list[tuple[str, SwitchError]] = []
+        for s, c, rep in self._write(todo):
+            if isinstance(rep, SwitchError):
                 self._current.pop(s, None)        # unknown now: read back at reconcile
-                self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
-                raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
-            took[s] = {"seconds": self.clock() - t0, "added": _pairs(rep.added),
+                failed.append((s, rep))
+                continue
+            rep, seconds = rep
+            took[s] = {"seconds": seconds, "added": _pairs(rep.added),
                        "removed": _pairs(rep.removed)}
             self._current[s] = dict(c)
             if record:
                 self.journal.record("applied", cause, took[s]["seconds"], switch=s,
                                     added=took[s]["added"], removed=took[s]["removed"],
                                     job=job.name, defer=True)
+        for s, e in failed:
+            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+        if failed:
+            s, e = failed[0]
+            raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
         return took
+
+    def _write(self, todo: dict[str, Circuits]):
+        """Apply each switch's circuits; different switches at once (an OCS moving its
+        mirrors does not wait for another). Yields (switch, circuits, (report, seconds) or
+        the SwitchError it raised), in `todo`'s order."""
+        def one(s: str, c: Circuits):
+            t0 = self.clock()
+            try:
+                return self.switches[s].apply(c), self.clock() - t0
+            except SwitchError as e:
+                return e
+        if len(todo) < 2:
+            for s, c in todo.items():
+                yield s, c, one(s, c)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.switches)),
+                                            thread_name_prefix="switch-write")
+        futures = [(s, c, self._pool.submit(one, s, c)) for s, c in todo.items()]
+        for s, c, f in futures:
+            yield s, c, f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _verify(self, points: list[tuple[str, int, int]], cause: str, since: float
                 ) -> list[tuple[str, int, int, float]]:

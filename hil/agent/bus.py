@@ -208,6 +208,8 @@ class AgentProcess:
         return bound
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.sub is not None:
             self.sub.close()
             self.sub = None
