@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from photonic_testbed.drivers.heater_dac import Forbidden
-from photonic_testbed.drivers.topology import Topology
+from photonic_testbed.common.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -72,19 +71,12 @@ def add_parser(sub) -> None:
 # ---- finding the instruments ----------------------------------------------------------------
 
 def topology_by_name(name: str):
-    from photonic_testbed.drivers.topology import Topology, TopologyError, build
-    path = pathlib.Path(name)
-    if path.suffix == ".json":
-        try:
-            return Topology.from_dict(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, TopologyError) as e:
-            raise CommandFailed(f"cannot read the topology {path}: {e}") from None
-    m = re.fullmatch(r"([a-z]+)(\d+)", name)
-    if not m:
-        raise CommandFailed(f"topology {name!r} is neither a name like benes16 nor a JSON file")
+    """The chip topology a name ("benes16") or a JSON file stands for."""
+    from photonic_testbed.common.topology import TopologyError
+    from photonic_testbed.drivers.mesh import read_topology
     try:
-        return build(m.group(1), int(m.group(2)))
-    except (TopologyError, ValueError) as e:
+        return read_topology(name)
+    except TopologyError as e:
         raise CommandFailed(f"topology {name!r}: {e}") from None
 
 
@@ -228,8 +220,8 @@ def run(args) -> int:
         rig_name, chip_id = "", ""
         if args.endpoints:
             try:
-                ep = json.loads(pathlib.Path(args.endpoints).read_text())
-            except (OSError, json.JSONDecodeError) as e:
+                ep = json.loads(pathlib.Path(args.endpoints).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
                 raise CommandFailed(f"cannot read endpoints {args.endpoints}: {e}") from None
             topology = topology_by_name(args.topology)
         elif pathlib.Path(args.rig).exists():
@@ -249,11 +241,11 @@ def run(args) -> int:
 
 
 def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
-    from photonic_testbed.drivers.mesh import Calibration, CalibrationError
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration
     try:
-        calibration = Calibration.load(path)
+        calibration = read_calibration(path)
         calibration.check_chip(topology.name, chip_id)
-    except (CalibrationError, OSError) as e:
+    except CalibrationError as e:
         raise CommandFailed(f"cannot use {path} for {purpose}: {e}") from None
     return calibration
 
@@ -307,8 +299,8 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
     state = None
     if progress_path.exists() and not args.fresh:
         try:
-            state = json.loads(progress_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            state = json.loads(progress_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
             raise CommandFailed(f"cannot read the saved progress {progress_path}: {e} "
                                 "(use --fresh to start over)") from None
         print(f"continuing from {progress_path} ({len(state.get('fits', {}))} cells swept)",
@@ -340,7 +332,12 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
             raise CommandFailed(f"cannot update {out}: {e}") from None
         print(f"{run_heaters} heaters calibrated again ({', '.join(args.cells)} and the cells "
               f"their light needs); the other {len(cal.heaters) - run_heaters} kept")
-    cal.save(out)
+    from photonic_testbed.drivers.mesh import CalibrationError, write_calibration
+    try:
+        write_calibration(cal, out)
+    except (CalibrationError, OSError) as e:
+        raise CommandFailed(f"cannot write {out}: {e}; progress is saved in "
+                            f"{progress_path}") from None
     progress_path.unlink(missing_ok=True)
     reads = (f"{station.counters.pd_reads} photodiode reads" if method == "monitors" else
              f"{station.counters.meter_reads} power meter reads")

@@ -10,8 +10,9 @@ import pytest
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, CircuitSwitch, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
-from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh
-from photonic_testbed.drivers.topology import Topology, benes, clements, square
+from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh, \
+    read_calibration, write_calibration
+from photonic_testbed.common.topology import Topology, benes, clements, square
 from photonic_testbed.hil.emulator import chip as chip_physics
 from photonic_testbed.hil.emulator.chip import EmulatedChip
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
@@ -66,8 +67,8 @@ def test_calibration_round_trips_through_its_file(tmp_path):
                                              float(rng.uniform(950, 1050))) for ch in range(3)},
                       rng.uniform(0, 0.03, (3, 3)) * (1 - np.eye(3)), "benes4")
     path = tmp_path / "cal.json"
-    cal.save(path)
-    back = Calibration.load(path)
+    write_calibration(cal, path)
+    back = read_calibration(path)
     assert back.heaters == cal.heaters and np.allclose(back.crosstalk, cal.crosstalk)
     phases = {0: 1.0, 1: 2.0, 2: 5.5}
     assert back.phases(back.voltages(phases)) == pytest.approx(phases)
@@ -82,9 +83,9 @@ def test_bad_calibration_files_are_refused_clearly(tmp_path, text):
     path = tmp_path / "cal.json"
     path.write_text(text)
     with pytest.raises(CalibrationError):
-        Calibration.load(path)
+        read_calibration(path)
     with pytest.raises(CalibrationError):
-        Calibration.load(tmp_path / "missing.json")
+        read_calibration(tmp_path / "missing.json")
 
 
 # ---- end to end over the pty -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 
-from photonic_testbed.drivers.topology import build as build_topology
+from photonic_testbed.common.topology import build as build_topology
 from photonic_testbed.hil.emulator.bench_optics import OpticalBench
 from photonic_testbed.hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
 from photonic_testbed.hil.emulator.mesh_chip import make_chip

@@ -12,7 +12,7 @@ from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Mesh
 from photonic_testbed.drivers.routing import RoutingError, benes_route, clements_decompose, route_mesh, \
     route_waveguides, trace_waveguides
-from photonic_testbed.drivers.topology import benes, hexagonal, square
+from photonic_testbed.common.topology import benes, hexagonal, square
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
 NAME = "mesh"
