@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
                       help="instead of calibrating: measure a few cells against this "
                       "calibration file and say whether to recalibrate (exit 0: keep it, "
                       "exit 3: recalibrate)")
+    what.add_argument("--resave", metavar="FILE",
+                      help="instead of calibrating: read this calibration file (an earlier "
+                      "version without a checksum too) and write it again in the current "
+                      "version, with its checksum; needs no rig")
     p.add_argument("--drift-threshold-rad", type=float, default=0.05,
                    help="phase error above which --drift-check advises recalibrating "
                    "(default 0.05 rad)")
@@ -80,27 +84,92 @@ def topology_by_name(name: str):
         raise CommandFailed(f"topology {name!r}: {e}") from None
 
 
-def endpoints_from_rigfile(path: str) -> tuple[dict[str, str], str, str]:
-    """(endpoints like `ptb emulate` writes, topology name, rig name) from a rig file."""
-    from photonic_testbed.hil import rigfile
+def read_rig(path: str):
+    from photonic_testbed.hil import rig as rigfile
     try:
-        rig = rigfile.load(path)
+        return rigfile.load(path)
     except rigfile.RigFileError as e:
         raise CommandFailed(str(e)) from None
+
+
+def endpoints_from_rig(rig) -> tuple[dict[str, str], dict[str, object]]:
+    """(endpoints like `ptb emulate` writes, the rig's device behind each) of a rig file."""
     ep: dict[str, str] = {}
+    used: dict[str, object] = {}
     heaters = rig.chip.heaters if rig.chip and rig.chip.heaters else ""
     for name, dev in rig.devices.items():
         if dev.kind in ("heater_dac", "chip") and (not heaters or name == heaters):
-            ep.setdefault("dac", dev.address)
+            key = "dac"
         elif dev.kind == "switch" and dev.driver.endswith("OpticalCircuitSwitch"):
-            ep.setdefault("ocs", dev.address)
+            key = "ocs"
         elif dev.kind == "power_meter":
-            ep.setdefault("powermeter", dev.address)
+            key = "powermeter"
         elif dev.kind == "laser":
-            ep.setdefault("laser", dev.address)
+            key = "laser"
+        else:
+            continue
+        if key not in ep:
+            ep[key], used[key] = dev.address, dev
     if rig.chip is None:
-        raise CommandFailed(f"rig file {path} names no chip to calibrate")
-    return ep, rig.chip.topology, rig.name
+        raise CommandFailed(f"rig file {rig.path} names no chip to calibrate")
+    return ep, used
+
+
+PROBE_S = 2.0        # how long a service on the bus may take to answer the ping
+
+
+def _serving(endpoint: str, keys) -> bool:
+    """Whether a bus service answers at `endpoint` (read-only `ping`). A refused TCP
+    connection settles it at once; anything listening gets the ping, and any answer (an error
+    too) means a service is there."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from photonic_testbed.hil.bus.client import BusError, ServiceClient, ServiceUnavailable
+    where = urlsplit(endpoint)
+    try:
+        with socket.create_connection((where.hostname, where.port), timeout=PROBE_S):
+            pass
+    except ConnectionRefusedError:
+        return False
+    except (OSError, ValueError):
+        pass                                  # unreachable or slow: let the ping decide
+    client = ServiceClient(endpoint, timeout=PROBE_S, keys=keys)
+    try:
+        client.call("ping")
+        return True
+    except ServiceUnavailable:
+        return False
+    except BusError:
+        return True
+    finally:
+        client.close()
+
+
+def refuse_if_served(rig, used: dict[str, object]) -> None:
+    """One writer per device: refuse to calibrate while a bus service of this rig drives the
+    chip's heater DAC (its `chip` or `heater_dac` service) or another instrument calibration
+    drives (the OCS, the laser, the power meter). Asked before any instrument is opened."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from photonic_testbed.hil.bus.security import KeyFileError
+    try:
+        keys = rig.client_keys()
+    except KeyFileError as e:
+        keys = None
+        log.warning("cannot read this host's bus keys (%s): services that check keys cannot "
+                    "be asked whether they run; the heater DAC's port lock still keeps a "
+                    "second writer out", e)
+    devices = [d for d in used.values() if not d.request.endswith(":0")]
+    with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
+        up = list(pool.map(lambda d: _serving(d.request, keys), devices))
+    running = [d for d, yes in zip(devices, up) if yes]
+    if running:
+        names = "; ".join(f"the {d.kind} service {d.name!r} at {d.request}" for d in running)
+        raise CommandFailed(f"{names} is running on the bus and drives "
+                            f"{'these devices' if len(running) > 1 else 'this device'}: stop "
+                            f"it (stop `ptb serve --rig {rig.path}`) before calibrating, so "
+                            "that one program at a time writes to the chip and its instruments")
 
 
 class Instruments(contextlib.ExitStack):
@@ -198,6 +267,8 @@ def _save_json(path: pathlib.Path, data: dict) -> None:
 # ---- the command ------------------------------------------------------------------------------
 
 def run(args) -> int:
+    if args.resave:
+        return _resave(pathlib.Path(args.resave))
     if bool(args.rig) == bool(args.endpoints):
         raise CommandFailed("give the rig: either --rig NAME_OR_FILE or --endpoints FILE")
     if not 0 <= args.averaging_s <= 10:
@@ -212,7 +283,8 @@ def run(args) -> int:
         raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
     if not 0 < args.drift_threshold_rad < 3.2:
         raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
-    if args.no_monitors and (args.endpoints or pathlib.Path(args.rig).exists()):
+    emulated_here = not args.endpoints and _emulated_here(args.rig)
+    if args.no_monitors and not emulated_here:
         raise CommandFailed("--no-monitors chooses the chip of an emulated rig started by "
                             "this command (--rig NAME); a running rig's chip is as it is")
     progress_path = pathlib.Path(args.progress or f"{out}.progress.json")
@@ -223,13 +295,19 @@ def run(args) -> int:
                 ep = json.loads(pathlib.Path(args.endpoints).read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise CommandFailed(f"cannot read endpoints {args.endpoints}: {e}") from None
-            topology = topology_by_name(args.topology)
-        elif pathlib.Path(args.rig).exists():
-            ep, topo_name, rig_name = endpoints_from_rigfile(args.rig)
-            topology = topology_by_name(topo_name)
+            if not isinstance(ep, dict) or not all(isinstance(v, str) for v in ep.values()):
+                raise CommandFailed(f"endpoints {args.endpoints}: expected a JSON object of "
+                                    "device -> address, as `ptb emulate --endpoints` writes")
+            topology = _feed_forward(topology_by_name(args.topology))
+        elif not emulated_here:
+            rig = read_rig(args.rig)
+            ep, used = endpoints_from_rig(rig)
+            topology = _feed_forward(topology_by_name(rig.chip.topology))
+            rig_name = rig.name
+            refuse_if_served(rig, used)
         else:
             ep, topo_name, rig_name = _start_emulated(stack, args)
-            topology = topology_by_name(topo_name)
+            topology = _feed_forward(topology_by_name(topo_name))
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
             calibration = _load_calibration(out, topology, chip_id, "the drift check")
@@ -250,6 +328,28 @@ def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
     return calibration
 
 
+def _resave(path: pathlib.Path) -> int:
+    """Read a calibration file and write it back in the current version (with a checksum)."""
+    import warnings
+
+    from photonic_testbed.common.calibration import CALIBRATION_VERSION, \
+        UnverifiedCalibrationWarning
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration, \
+        write_calibration
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnverifiedCalibrationWarning)
+            calibration = read_calibration(path)
+        write_calibration(calibration, path)
+    except (CalibrationError, OSError) as e:
+        raise CommandFailed(f"cannot re-save {path}: {e}") from None
+    what = "had its checksum already" if calibration.verified else \
+        "had no checksum: its values were checked one by one, not verified"
+    print(f"{path}: {len(calibration.heaters)} heaters written as version "
+          f"{CALIBRATION_VERSION} with a checksum (the file {what})")
+    return 0
+
+
 def _drift(station, calibration, args) -> int:
     from photonic_testbed.calibration.report import drift_check
     from photonic_testbed.drivers.heater_dac import DACError
@@ -267,26 +367,44 @@ def _drift(station, calibration, args) -> int:
     return 3 if report.recalibrate else 0
 
 
+def _emulated_here(rig_arg: str) -> bool:
+    """Whether --rig names an emulated rig to start here (a name, or a TOML file with an
+    [emulator] table) rather than a rig file."""
+    from photonic_testbed.hil.rig import is_emulator_description
+    return not pathlib.Path(rig_arg).exists() or is_emulator_description(rig_arg)
+
+
+def _feed_forward(topology):
+    """Calibration (calibration.progressive) lights cells from the chip's inputs towards its
+    outputs: a recirculating mesh is refused here, before any instrument is touched."""
+    if topology.recirculating:
+        raise CommandFailed(f"{topology.name} is a recirculating ({topology.kind}) mesh: "
+                            "`ptb calibrate` calibrates feed-forward meshes (benes, clements) "
+                            "only; drive it with the ideal calibration (no calibration file)")
+    return topology
+
+
 def _start_emulated(stack, args):
-    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
-    from photonic_testbed.hil.rigfile import EMULATED_CHIPS
+    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.rig import RigFileError, rig_spec
     try:
         spec = rig_spec(args.rig)
-    except ValueError as e:
-        raise CommandFailed(f"--rig {args.rig!r} is not a file; {e}") from None
-    if args.rig not in EMULATED_CHIPS:
-        raise CommandFailed(f"the emulated rig {args.rig} has no chip to calibrate")
+    except RigFileError as e:
+        raise CommandFailed(f"--rig {args.rig!r}: {e}") from None
+    if not spec.chip_kind:
+        raise CommandFailed(f"the emulated rig {spec.name} has no chip to calibrate")
+    _feed_forward(topology_by_name(spec.chip_topology))
     rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0,
                       chip_monitors=not args.no_monitors)
     try:
         rig.start()
     except OSError as e:
-        raise CommandFailed(f"cannot start the emulated rig {args.rig}: {e}") from None
+        raise CommandFailed(f"cannot start the emulated rig {spec.name}: {e}") from None
     stack.callback(rig.close)
-    print(f"started the emulated rig {args.rig} (seed {args.seed}"
+    print(f"started the emulated rig {spec.name} (seed {args.seed}"
           f"{', chip without photodiodes' if args.no_monitors else ''}) in this process",
           file=sys.stderr)
-    return rig.endpoints, EMULATED_CHIPS[args.rig], args.rig
+    return rig.endpoints, spec.chip_topology, spec.name
 
 
 def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) -> int:

@@ -17,7 +17,8 @@ from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.drivers.routing import benes_cell_states
 from photonic_testbed.common.topology import benes
 from photonic_testbed.hil.emulator.chip import cell_matrix
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 N = 16
 

@@ -15,7 +15,8 @@ from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterC
 from photonic_testbed.common.topology import Topology, benes, clements, square
 from photonic_testbed.hil.emulator import chip as chip_physics
 from photonic_testbed.hil.emulator.chip import EmulatedChip
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 
 def random_circuits(n, seed):

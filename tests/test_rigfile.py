@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.rigfile import RigFileError
+from photonic_testbed.hil.rig import RigFileError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.service import Publisher, ServiceSpec
 from photonic_testbed.hil.bus.supervisor import Manager
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "bus"
 HELP = "bus round trip p50/p99, telemetry msgs/s to one subscriber, restart-to-usable time"
