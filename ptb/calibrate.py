@@ -177,7 +177,7 @@ class Instruments(contextlib.ExitStack):
 
     def open(self, ep: dict[str, str], topology, args):
         from photonic_testbed.calibration.station import Station
-        from photonic_testbed.drivers.heater_dac import DACError, HeaterDAC
+        from photonic_testbed.drivers.heater_dac import DACError, HeaterDAC, PortInUse
         from photonic_testbed.drivers.laser import Laser
         from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
         from photonic_testbed.drivers.power_meter import PowerMeter
@@ -210,6 +210,8 @@ class Instruments(contextlib.ExitStack):
             self.callback(laser.close)
             laser.set_power_mw(args.laser_mw)
             laser.on()
+        except PortInUse as e:
+            raise CommandFailed(f"the heater DAC: {e}") from None
         except (DACError, InstrumentError, OSError) as e:
             raise CommandFailed(f"the {where} at {ep.get(_KEY[where])} does not answer: "
                                 f"{e}") from None
