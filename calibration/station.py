@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from photonic_testbed.drivers.heater_dac import Forbidden
 from photonic_testbed.common.topology import Topology
+from photonic_testbed.drivers.heater_dac import Forbidden
 
 log = logging.getLogger(__name__)
 

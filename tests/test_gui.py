@@ -15,6 +15,7 @@ from PySide6.QtGui import QColor, QImage  # noqa: E402
 from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
 from photonic_testbed.common.calibration import checksum  # noqa: E402
+from photonic_testbed.common.topology import Topology, TopologyError  # noqa: E402
 from photonic_testbed.gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
 from photonic_testbed.gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
                           Commands)
@@ -22,7 +23,6 @@ from photonic_testbed.gui.control import ManualControl, describe_change  # noqa:
 from photonic_testbed.gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
 from photonic_testbed.gui.events import EventsView  # noqa: E402
 from photonic_testbed.gui.model import FabricModel, ModelError  # noqa: E402
-from photonic_testbed.common.topology import Topology, TopologyError  # noqa: E402
 from photonic_testbed.gui.paths import trace  # noqa: E402
 from photonic_testbed.gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
 from photonic_testbed.gui.rack import RackView  # noqa: E402
