@@ -119,7 +119,8 @@ class Calibration:
                                            f"{e.start}: {data[e.start:e.start + 1]!r}): the "
                                            "file is damaged") from None
         try:
-            d = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+            d = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                           parse_float=_finite)
         except (ValueError, RecursionError) as e:
             raise CalibrationFileError(f"calibration {where} is not JSON: {e}") from None
         return cls.from_dict(d, source=where)
@@ -137,9 +138,14 @@ class Calibration:
                    f"({', '.join(map(str, READABLE_VERSIONS))}); version {version!r} is not one")
         if version == CALIBRATION_VERSION:
             if "checksum" not in d:
-                c.fail("checksum", "present in a version 3 file (it is missing)")
+                c.fail("checksum", "a checksum in a version 3 file; it is missing (the file "
+                       "was cut short or edited)")
             content = {k: v for k, v in d.items() if k != "checksum"}
-            if d["checksum"] != checksum(content):
+            try:
+                expected = checksum(content)
+            except CalibrationFileError as e:
+                c.fail("", f"values JSON can carry ({e})")
+            if d["checksum"] != expected:
                 c.fail("checksum", "the SHA-256 of the content: it does not match, so the "
                        "file was changed or damaged after it was written")
             required = set(_TOP)
@@ -306,6 +312,13 @@ def _no_constant(name):
     raise ValueError(f"{name} is not a number a calibration may hold")
 
 
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text} is beyond the largest number a calibration may hold")
+    return x
+
+
 def _plain(value: Any) -> Any:
     """JSON's own types for what a calibration run put in its records (numpy included)."""
     if isinstance(value, Mapping):
@@ -349,11 +362,10 @@ class _Check:
     def keys(self, d: dict, where: str, known, required) -> None:
         extra = sorted(set(d) - set(known))
         if extra:
-            self.fail(where or "keys", f"only the keys {', '.join(sorted(known))}; "
-                      f"{extra[0]!r} is not one")
+            self.fail(where, f"only the keys {', '.join(sorted(known))}; {extra[0]!r} is not one")
         missing = [k for k in sorted(required) if k not in d]
         if missing:
-            self.fail(where or "keys", f"a key {missing[0]!r}; it is missing")
+            self.fail(where, f"a key {missing[0]!r}; it is missing")
 
     def text(self, value: Any, key: str) -> str:
         if not isinstance(value, str) or len(value) > MAX_TEXT:
