@@ -1,9 +1,12 @@
 """`ptb calibrate`: calibrate a chip on a rig and write its calibration file.
 
-The rig is a rig file (hil/rigfile.py: its heater DAC, OCS input selector, power meter and
-laser), an endpoints JSON from `ptb emulate --endpoints`, or, for convenience, the name of an
-emulated rig, which is then started in this process. Progress is saved after every cell (temp
-file + rename) beside the output; Ctrl-C stops, and the same command continues from there.
+The rig is a rig file (hil.rig: its heater DAC, OCS input selector, power meter and laser), an
+endpoints JSON from `ptb emulate --endpoints`, or, for convenience, an emulated rig (a name, or
+a TOML file with an [emulator] table), which is then started in this process. With a rig file,
+the bus services of the devices it drives are asked first: while one runs, nothing is opened
+(one writer per device). Progress is saved after every cell (temp file + rename) beside the
+output; Ctrl-C stops, and the same command continues from there. `--resave FILE` rewrites a
+calibration file of an earlier version with its checksum.
 """
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="calibrate a chip (heater offsets, efficiencies, crosstalk)",
         description="Calibrate the chip of a rig cell by cell through its instruments and write "
-        "the calibration file (docs/calibration.md). --rig takes a rig file (TOML), or the "
-        "name of an emulated rig (e.g. lumion), which is then started inside this process for "
-        "convenience; --endpoints takes the JSON written by `ptb emulate --endpoints`. "
+        "the calibration file (docs/calibration.md). --rig takes a rig file (TOML), or an "
+        "emulated rig (its name, e.g. lumion, or a TOML file with an [emulator] table), which "
+        "is then started inside this process for convenience; --endpoints takes the JSON "
+        "written by `ptb emulate --endpoints`. With a rig file, calibration is refused while a "
+        "bus service of the rig drives the chip or the instruments (stop `ptb serve` first). "
         "Interrupt with Ctrl-C: progress is kept and the same command continues.")
     p.add_argument("--rig", metavar="NAME_OR_FILE",
-                   help="rig file, or an emulated rig's name (started in-process)")
+                   help="rig file, or an emulated rig's name or [emulator] TOML (started "
+                   "in-process)")
     p.add_argument("--endpoints", metavar="FILE", help="endpoints JSON of `ptb emulate`")
     p.add_argument("--topology", default="benes16",
                    help="chip topology with --endpoints (default benes16)")
