@@ -115,12 +115,13 @@ def test_the_file_round_trips_and_the_mesh_refuses_another_chip(seed0, tmp_path)
     write_calibration(cal, path)
     assert not (tmp_path / "cal.json.tmp").exists()
     d = json.loads(path.read_text())
-    assert d["version"] == 2 and d["chip"] == "benes16" and d["rig"] == "lumion"
+    assert d["version"] == 3 and d["chip"] == "benes16" and d["rig"] == "lumion"
     assert d["date"].endswith("Z") and len(d["crosstalk"]) == 56
     assert {"sweep_v", "power", "fit_v", "fit_power", "extinction_db", "cross_extinction_db",
             "splitter_limited"} <= set(d["cells"]["s3r4"])
     back = read_calibration(path)
     assert back.heaters == cal.heaters and np.allclose(back.crosstalk, cal.crosstalk)
+    assert back.verified and back.to_dict() == cal.to_dict()     # exactly what was written
     mesh = Mesh(benes(16), station.dac, path, own_dac=False)
     assert mesh.calibration.chip_id == cal.chip_id
     with pytest.raises(CalibrationError, match="benes8"):

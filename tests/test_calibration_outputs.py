@@ -91,7 +91,7 @@ def test_the_file_says_outputs_and_records_the_meter_fringes(dark_chip, tmp_path
     path = tmp_path / "cal.json"
     write_calibration(cal, path)
     d = json.loads(path.read_text())
-    assert d["version"] == 2 and d["method"] == "outputs" and len(d["crosstalk"]) == 56
+    assert d["version"] == 3 and d["method"] == "outputs" and len(d["crosstalk"]) == 56
     for cell, rec in d["cells"].items():
         assert rec["detector"].startswith("meter:") and rec["sweep"] == "final", cell
         # B / (T + B) over a sweep of more than a period: nearly from 0 to 1

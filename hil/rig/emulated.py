@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import random
 import socket
 import tomllib
 from dataclasses import dataclass, fields
@@ -148,15 +149,41 @@ EMULATED_DEVICES = {
 }
 
 
+# Where rig-file ports are drawn from: below the range the OS hands out for bind(0) and for
+# outgoing connections, so that nothing takes one by chance between the writing of the rig file
+# and the service binding it (an emulator reconnecting to an agent not yet up tries a new local
+# port every 100 ms).
+PORTS_FROM = 10_000
+
+
+def _ephemeral_start() -> int:
+    """The lowest port the OS hands out by itself (Linux says; elsewhere the IANA range)."""
+    try:
+        text = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` different TCP ports the OS says are free now (for endpoints written into a rig
-    file). All are held at once while asked for: ports asked one by one may repeat."""
+    """`count` different TCP ports free now, for endpoints written into a rig file: drawn at
+    random below the OS's ephemeral range (see PORTS_FROM) and each bound while the others are
+    sought, so none repeats; from the OS's own choice (bind to port 0) if that range is full."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    top = _ephemeral_start()
+    draw = random.Random()
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host
-                                                  else socket.AF_INET))
-            s.bind((host, 0))
+        ports: list[int] = []
+        tries = 0
+        while len(ports) < count:
+            tries += 1
+            port = draw.randrange(PORTS_FROM, top) if top > PORTS_FROM + 1000 and \
+                tries <= 50 * count else 0
+            s = stack.enter_context(socket.socket(family))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
             ports.append(s.getsockname()[1])
         return ports
 
