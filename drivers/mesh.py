@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from photonic_testbed.common.calibration import (NOMINAL_P_PI_MW, NOMINAL_R_OHM,  # noqa: F401
-                                                 MAX_FILE_BYTES, Calibration, CalibrationError,
-                                                 CalibrationFileError, HeaterCalibration)
+from photonic_testbed.common.calibration import (MAX_FILE_BYTES, Calibration,  # noqa: F401
+                                                 CalibrationError, CalibrationFileError,
+                                                 HeaterCalibration)
 from photonic_testbed.common.topology import Topology, TopologyError, topology_from_json, \
     topology_named
 from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, SwitchError, \

@@ -177,3 +177,16 @@ def test_one_writer_while_the_chip_service_holds_the_dac(emulated, tmp_path):
     assert "Traceback" not in out, out
     with HeaterDAC(link, timeout=5) as dac:          # the lock went with the service
         assert dac.voltages() == pytest.approx(before, abs=2e-4)
+
+
+def test_calibrate_starts_an_emulator_description_itself(tmp_path):
+    """`ptb calibrate --rig bench.toml` with an [emulator] table: started in this process (as a
+    rig's name is), not read as a rig file."""
+    bench = tmp_path / "bench.toml"
+    bench.write_text(BENCH)
+    cal = tmp_path / "cal.json"
+    code, out = _run("calibrate", "--rig", str(bench), "--out", str(cal), "--cells", "s1r0",
+                     "--no-crosstalk", "--no-monitors")
+    assert code == 0 and "started the emulated rig bench" in out, out
+    written = read_calibration(cal)
+    assert written.chip == "benes8" and written.method == "outputs" and written.verified
