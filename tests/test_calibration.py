@@ -17,7 +17,7 @@ from photonic_testbed.calibration.progressive import Graph
 from photonic_testbed.calibration.report import drift_check, write_report
 from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.common.topology import benes
-from photonic_testbed.drivers.mesh import Calibration, CalibrationError, Mesh, read_calibration, \
+from photonic_testbed.drivers.mesh import CalibrationError, Mesh, read_calibration, \
     write_calibration
 from tests.calibration_score import cell_extinctions, extinction_ok, extinction_scores, \
     heater_errors, lumion_station, permutation_errors, wrapped

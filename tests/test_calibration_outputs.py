@@ -16,7 +16,7 @@ from photonic_testbed.calibration.report import drift_check
 from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.calibration.station import StationError
 from photonic_testbed.common.topology import benes
-from photonic_testbed.drivers.mesh import Calibration, read_calibration, write_calibration
+from photonic_testbed.drivers.mesh import read_calibration, write_calibration
 from tests.calibration_score import extinction_ok, extinction_scores, heater_errors, \
     lumion_station, permutation_errors
 
