@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rig = None
     if args.rig:
-        from photonic_testbed.hil.rigfile import RigFileError, load
+        from photonic_testbed.hil.rig import RigFileError, load
         try:
             rig = load(args.rig)
         except RigFileError as e:

@@ -33,7 +33,7 @@ from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
 from photonic_testbed.hil.bus.mirror import StateSubscriber, clone
 from photonic_testbed.hil.bus.security import ClientKeys
-from photonic_testbed.hil.rigfile import Rig
+from photonic_testbed.hil.rig import Rig
 
 log = logging.getLogger(__name__)
 

@@ -135,7 +135,7 @@ def run(args) -> int:
 
 
 def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
     from photonic_testbed.hil.emulator.control import ControlError, request
 
@@ -209,7 +209,7 @@ def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
                procs: Processes):
     """Calibrate the seeded chip through the rig's instruments (ptb calibrate), then name the
     calibration file in the rig file, so the chip service drives the chip with it."""
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     out = workdir / "calibration.json"
     say(t0, "calibrating the chip (ptb calibrate: fringes, crosstalk, refinement)")
     proc = procs.start("calibrate", "calibrate", "--rig", str(rig_path), "--out", str(out))

@@ -36,7 +36,7 @@ from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import Attachment, RackLayout
-from photonic_testbed.hil.rigfile import Rig, RigFileError
+from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 
