@@ -471,9 +471,8 @@ class Agent:
                              f"({len(self._free)} GPUs free in all)")
         if self.allocation == "best-fit":
             fits.sort()
-        servers = fits[0][2][:need]
-        gpus = [g for s in servers for g in self.layout.server_gpus[s]]
-        return dict(enumerate(gpus))
+        chosen = fits[0][2][:need]
+        return dict(enumerate(g for server in chosen for g in self.layout.server_gpus[server]))
 
     def release(self, job: str | None = None, cause: str = "") -> RankMap:
         """The job is done: its GPUs go back to the rack, its circuits are taken down."""
@@ -484,7 +483,7 @@ class Agent:
     def _release(self, job: Job, cause: str, journal: bool = True) -> RankMap:
         if journal:
             self.journal.record("decision", cause, action="release", job=job.name)
-        empty = {s: {} for s in job.circuits.targets[job.key()]}
+        empty: Targets = {s: {} for s in job.circuits.targets[job.key()]}
         self._apply(job, empty, cause)
         for parts in self._held.values():
             parts.pop(job.name, None)

@@ -216,7 +216,7 @@ class EmulatedChip:
             raise ChipError(f"{len(r)} heater resistances for channels up to "
                             f"{max(self.channels)}")
         with self._lock:
-            self.truth_ = replace(self.truth_, resistance_ohm=r[list(self.channels)])
+            self._truth = replace(self._truth, resistance_ohm=r[list(self.channels)])
             self._p_target = 1000.0 * self._volts ** 2 / self.truth_.resistance_ohm
             self._changed(self._clock(), float(self.truth_.tau_s.max()))
 

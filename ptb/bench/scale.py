@@ -40,7 +40,8 @@ class InstantSwitch(CircuitSwitch):
     """Applies at once, holds what it was told."""
 
     def __init__(self, name: str, n: int):
-        self.name, self._n, self._c = name, n, {}
+        self.name, self._n = name, n
+        self._c: dict[int, int] = {}
 
     @property
     def ports(self) -> int:
