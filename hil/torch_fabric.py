@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed import DistError, DistStoreError, PrefixStore, TCPStore
+from torch.distributed import DistError, PrefixStore, TCPStore
 
 from photonic_testbed.hil import torch_job
 from photonic_testbed.hil.bus.client import BusError
@@ -63,7 +63,10 @@ from photonic_testbed.hil.jobplan import JobPlan, PlanError
 log = logging.getLogger(__name__)
 
 TEXT = pathlib.Path(__file__).with_name("data") / "devils-dictionary.txt"
-STORE_POLL = datetime.timedelta(milliseconds=50)    # store waits look up for aborts this often
+# Store waits never time out on purpose: a TCPStore client whose wait timed out may read the
+# late answer as the reply to its next request. A wait that a new generation must be able to
+# abandon runs on a thread with a client of its own.
+FOREVER_S = 7 * 24 * 3600.0
 
 # Exit codes of a rank process (the controller reads them).
 DONE, STOPPED, SWAPPED_OUT, LOST_STATE = 0, 3, 4, 5
@@ -102,7 +105,7 @@ def serve_store(host: str = "127.0.0.1", port: int = 0) -> tuple[Any, int]:
     return store, store.port
 
 
-def store_client(host: str, port: int, timeout_s: float = 60.0) -> Any:
+def store_client(host: str, port: int, timeout_s: float = FOREVER_S) -> Any:
     return TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
@@ -495,10 +498,8 @@ class Worker:
         n = self.newest
         while not self._stop.is_set():
             try:
-                client.wait([f"gen/{n + 1}"], datetime.timedelta(seconds=1))
-            except DistStoreError:
-                continue                 # not yet
-            except DistError as e:
+                client.wait([f"gen/{n + 1}"])
+            except DistError as e:        # the controller (the store's host) is gone
                 log.error("the job's store is gone: %s", e)
                 self._stop.set()
                 self._wake.set()
@@ -517,15 +518,16 @@ class Worker:
     # --- abortable waits --------------------------------------------------------------------
     def _wait_work(self, work: Any, what: str) -> None:
         try:
-            work.get_future().add_done_callback(lambda _: self._wake.set())
+            fut = work.get_future()
         except RuntimeError:
             # gloo's send/recv have no future and report completion only from wait(): wait
             # on a thread that a newer generation can abandon
             self._in_thread(work.wait, what)
             return
+        fut.add_done_callback(lambda _: self._wake.set())   # called once fut.done()
         while True:
             self._wake.clear()
-            if work.is_completed():
+            if fut.done():
                 break
             self._check(what)
             self._wake.wait(1.0)
@@ -534,21 +536,15 @@ class Worker:
         except RuntimeError as e:
             raise Aborted(f"{what} failed: {str(e).splitlines()[0][:200]}") from None
 
-    def _wait_key(self, store: Any, key: str, what: str) -> None:
-        deadline = time.monotonic() + self.spec.collective_timeout_s
-        while True:
-            self._check(what)
-            try:
-                store.wait([key], STORE_POLL)
-                return
-            except DistStoreError:
-                if time.monotonic() > deadline:
-                    raise Aborted(f"{what}: nothing after {self.spec.collective_timeout_s} s"
-                                  ) from None
+    def _wait_keys(self, keys: list[str], what: str) -> None:
+        """Until the generation's store has `keys` (abandoned if a newer one is ordered)."""
+        self._in_thread(lambda: self.gwait.wait(keys), what)
 
     def _in_thread(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run a blocking call (a group's rendezvous) where a new generation can abandon it."""
+        """Run a blocking call (a rendezvous, a store wait) where a new generation can abandon
+        it (the thread is left to finish or fail by itself)."""
         box: dict[str, Any] = {}
+        done = threading.Event()
 
         def run() -> None:
             try:
@@ -556,18 +552,18 @@ class Worker:
             except (RuntimeError, ValueError) as e:
                 box["error"] = e
             finally:
+                done.set()
                 self._wake.set()
-        t = threading.Thread(target=run, name=what, daemon=True)
-        t.start()
-        while t.is_alive():
+        threading.Thread(target=run, name=what, daemon=True).start()
+        while True:
             self._wake.clear()
-            if not t.is_alive():
+            if done.is_set():
                 break
             self._check(what)
             self._wake.wait(1.0)
         if "error" in box:
             raise Aborted(f"{what} failed: {str(box['error']).splitlines()[0][:200]}")
-        return box["value"]
+        return box.get("value")
 
     # --- the main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -614,14 +610,10 @@ class Worker:
 
     def _order(self, g: int) -> dict:
         """Generation g's order from the store (waiting for it; newer ones skip ahead)."""
-        while True:
-            try:
-                self.store.wait([f"gen/{g}"], datetime.timedelta(seconds=1))
-                break
-            except DistStoreError:
-                if self._stop.is_set():
-                    raise JobStopped("the job's store is gone") from None
-        return json.loads(self.store.get(f"gen/{g}"))
+        try:
+            return json.loads(self.store.get(f"gen/{g}"))   # blocks until it is there
+        except DistError as e:
+            raise JobStopped(f"the job's store is gone: {e}") from None
 
     def _join(self, g: int, rank_map: dict[int, str], rank: int) -> None:
         """Groups of generation g, agreement on the step, state to whoever lacks it."""
@@ -636,8 +628,10 @@ class Worker:
                 raise JobStopped(f"{self.gpu} holds TP shard {self.tp_index} but rank {rank} "
                                  f"is shard {self.roles.tp_index}")
             self._build(self.roles.tp_index)     # a standby taking another shard's place
-        store = store_client(*self.spec.store)
+        store = store_client(*self.spec.store, self.spec.collective_timeout_s)
         self.gstore = PrefixStore(f"pg{g}/", store)
+        self.gwait = PrefixStore(f"pg{g}/", store_client(*self.spec.store,
+                                                        self.spec.collective_timeout_s))
         timeout = self.spec.collective_timeout_s
 
         def groups():
@@ -656,8 +650,7 @@ class Worker:
         self.events.write("rebuilt", gen=g, seconds=t1 - t0)
         # Agreement: each member's completed steps, through the store.
         self.gstore.set(f"step/{rank}", str(self.completed))
-        for r in range(world):
-            self._wait_key(self.gstore, f"step/{r}", "the step agreement")
+        self._wait_keys([f"step/{r}" for r in range(world)], "the step agreement")
         steps = {r: int(v) for r, v in zip(range(world), self.gstore.multi_get(
             [f"step/{r}" for r in range(world)]))}
         target = max(steps.values())
@@ -708,7 +701,7 @@ class Worker:
                     grant = f"{type(e).__name__}: {e}"
             self.gstore.set(f"phase{n}/go", grant)
         else:
-            self._wait_key(self.gstore, f"phase{n}/go", f"the grant of phase {phase}")
+            self._wait_keys([f"phase{n}/go"], f"the grant of phase {phase}")
             grant = self.gstore.get(f"phase{n}/go").decode()
         if grant != "granted":
             raise JobStopped(f"the agent did not grant phase {phase} round {round}: {grant}")
@@ -737,6 +730,7 @@ class Worker:
         if not self._tp_audited:
             self._audit("tp", "tensor-parallel all-reduce")
             self._tp_audited = True
+        self._check("a tensor-parallel all-reduce")
         self._wait_work(self.groups["tp"].allreduce([t]), "a tensor-parallel all-reduce")
 
     def _step(self) -> None:
@@ -757,6 +751,7 @@ class Worker:
             hook += self._enter("dp")
             self._audit("dp", "gradient all-reduce")
             flat = flatten([p.grad for p in self.params])
+            self._check("the gradient all-reduce")
             self._wait_work(self.groups["dp"].allreduce([flat]), "the gradient all-reduce")
             flat.div_(len(self.roles.dp_group))
             unflatten_into(flat, [p.grad for p in self.params])
@@ -764,7 +759,7 @@ class Worker:
         self.completed = step + 1
         t1 = time.perf_counter()
         self.events.write("step", gen=self.gen, rank=self.rank, step=self.completed,
-                          loss=round(float(loss), 5), seconds=t1 - t0, comm_s=t1 - t_comm,
+                          loss=round(loss.item(), 5), seconds=t1 - t0, comm_s=t1 - t_comm,
                           hook_s=hook)
 
     def _train(self) -> None:
@@ -791,19 +786,14 @@ class TorchrunWorker(Worker):
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.env_rank = int(os.environ["RANK"])
         self.env_world = int(os.environ["WORLD_SIZE"])
-        ctrl = store_client(*spec.store)
+        ctrl = store_client(*spec.store, spec.restart_timeout_s)
         # This restart's rank map: the order the agent gave for it (generation = restarts).
         g = self.restart
-        deadline = time.monotonic() + spec.restart_timeout_s
-        while True:
-            try:
-                ctrl.wait([f"gen/{g}"], datetime.timedelta(seconds=1))
-                break
-            except DistStoreError:
-                if time.monotonic() > deadline:
-                    raise torch_job.JobSpecError(f"no rank map for restart {g} within "
-                                                 f"{spec.restart_timeout_s} s") from None
-        order = json.loads(ctrl.get(f"gen/{g}"))
+        try:
+            order = json.loads(ctrl.get(f"gen/{g}"))
+        except DistError:
+            raise torch_job.JobSpecError(f"no rank map for restart {g} within "
+                                         f"{spec.restart_timeout_s} s") from None
         if "stop" in order:
             raise torch_job.JobSpecError(f"the job was stopped: {order['stop']}")
         rank_map = {int(r): str(v) for r, v in order["rank_map"].items()}
@@ -824,11 +814,14 @@ class TorchrunWorker(Worker):
         loaded = self._load_checkpoint()
         self.events.write("ready", restart=self.restart, checkpoint=loaded)
         # torchrun's own store (its rendezvous): a prefix per restart, like init_process_group.
-        store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         t0 = time.time()
         self.gen, self.granted, self._barriers = self.restart, None, 0
         self.rank_map, self.rank, self.world = rank_map, rank, len(rank_map)
-        self.gstore = PrefixStore(f"ptb-r{self.restart}/", store)
+        prefix = f"ptb-r{self.restart}/"
+        timeout = self.spec.collective_timeout_s
+        self.gstore = PrefixStore(prefix, store_client(*master, timeout))
+        self.gwait = PrefixStore(prefix, store_client(*master, timeout))
         self.groups = {}
         for name, mine, all_ in (("tp", self.roles.tp_group, self.roles.tp_groups),
                                  ("dp", self.roles.dp_group, self.roles.dp_groups)):
