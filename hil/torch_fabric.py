@@ -686,10 +686,10 @@ class Worker:
         """Hold the circuits of (phase, round) before its collectives: once every member is
         past the previous phase (a barrier on the store), the last to arrive asks the agent;
         the others wait for its word. Returns the seconds this took (0 when held)."""
+        t0 = time.perf_counter()
         key = (phase, round)
         if self.granted == key:
-            return 0.0
-        t0 = time.perf_counter()
+            return time.perf_counter() - t0
         n = self._barriers
         self._barriers += 1
         if self.gstore.add(f"phase{n}", 1) == self.world:

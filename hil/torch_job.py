@@ -28,6 +28,7 @@ import logging
 import os
 import pathlib
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -203,6 +204,7 @@ class Controller:
         self.fabric = None
         self.agent_state = None
         self.stopped: str | None = None
+        self.interrupted = threading.Event()   # SIGTERM/SIGINT: stop the job cleanly
         self._logs: list = []
 
     # --- generations ------------------------------------------------------------------------
@@ -357,6 +359,8 @@ class Controller:
                     self.stopped = (f"{', '.join(self.lost)} lost and no restart order "
                                     f"within {self.spec.restart_timeout_s:g} s"
                                     + (f"; the agent's alarm: {alarms[-1]}" if alarms else ""))
+                if self.interrupted.is_set():
+                    self.stopped = self.stopped or "stopped by a signal to the controller"
                 if self.stopped:
                     return self._stop(self.stopped)
                 self._ensure()
@@ -424,18 +428,17 @@ class Controller:
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, cwd=self.workdir,
                                 env=dict(os.environ, **self.opt.extra_env))
         self.events.write("spawned", gpu="torchrun", pid=proc.pid, why="torchrun")
-        restarts_seen = 0
+        if self.opt.standalone:
+            # no agent: every restart runs on the same GPUs, ordered up front
+            for _ in range(self.opt.max_restarts):
+                self._publish(self.rank_map, "no agent: torchrun restarts on the same GPUs")
         try:
             while proc.poll() is None:
-                if self.opt.standalone:
-                    # no agent: every restart runs on the same GPUs
-                    restarts = sum(1 for e in read_events(self.workdir)
-                                   if e["kind"] == "started" and e.get("restart", 0) > 0
-                                   and e.get("restart") > restarts_seen)
-                    if restarts:
-                        restarts_seen += 1
-                        self._publish(self.rank_map, "torchrun restarted the workers")
-                else:
+                if self.interrupted.is_set():
+                    proc.terminate()         # torchrun stops its workers
+                    proc.wait(30)
+                    break
+                if not self.opt.standalone:
                     self._agent_orders()
                 time.sleep(0.02)
         finally:
@@ -559,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, options = spec_from_args(args)
         pathlib.Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-        return Controller(spec, options).run()
+        controller = Controller(spec, options)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: controller.interrupted.set())
+        return controller.run()
     except JobSpecError as e:
         print(f"torch job: {e}", file=sys.stderr)
         return STOPPED

@@ -204,3 +204,29 @@ def test_kill_a_rank_standby_takes_its_place_in_place_nothing_lost(tmp_path):
     # and the model learns
     loss = [e["loss"] for e in ev if e["kind"] == "step" and e["gpu"] == "gpu0"]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3, loss
+
+
+def test_torchrun_baseline_restarts_every_worker_from_the_checkpoint(tmp_path):
+    """The same job under torchrun (--max-restarts): a worker killed after step 12, torchrun
+    stops the other and starts both again; they reload the last checkpoint (every 5 steps)
+    and redo the steps since; the run completes."""
+    work = tmp_path / "torchrun"
+    proc = launch(work, "--standalone", "--torchrun", "--world", "2", "--steps", "24",
+                  "--checkpoint-every", "5", "--width", "32", "--batch", "2", "--block", "16",
+                  "--layers", "1")
+    kill_when(proc, work, "gpu1", 12)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    ev = events_of(work)
+    restarts = sorted({e["restart"] for e in ev if e["kind"] == "ready"})
+    assert restarts == [0, 1]
+    ready = [e for e in ev if e["kind"] == "ready" and e["restart"] == 1]
+    assert {e["gpu"] for e in ready} == {"gpu0", "gpu1"}
+    ckpt = {e["checkpoint"] for e in ready}
+    assert len(ckpt) == 1 and ckpt.pop() in (10, 15, 20)
+    killed_at = max(e["step"] for e in ev if e["kind"] == "step" and e["gen"] == 0
+                    and e["gpu"] == "gpu1")
+    first = min(e["step"] for e in ev if e["kind"] == "step" and e["gen"] == 1)
+    assert first == ready[0]["checkpoint"] + 1 <= killed_at + 1     # steps since are redone
+    done = [e for e in ev if e["kind"] == "done" and "digest" in e]
+    assert {e["gpu"] for e in done} == {"gpu0", "gpu1"} and {e["step"] for e in done} == {24}

@@ -11,7 +11,7 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "swap")
 
 
 def _module(name: str):
