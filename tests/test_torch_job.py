@@ -3,7 +3,6 @@ the in-place swap with real rank processes on loopback (gloo, a TCPStore, genera
 process groups), standalone: kill -9 a rank, a warm standby takes its place, nothing is lost."""
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal

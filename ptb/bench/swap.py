@@ -49,6 +49,8 @@ def add_arguments(p) -> None:
                    "processes)")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
                    help="torchrun's checkpoint period in steps (default 10)")
+    p.add_argument("--workdir", help="keep the jobs' events and logs here (default: a "
+                   "temporary folder, removed)")
     p.add_argument("--window", type=float, default=10.0, metavar="S",
                    help="seconds of training for the throughput before and after (default 10)")
 
@@ -58,7 +60,7 @@ def _wait(cond, what: str, timeout: float = 180.0, proc=None):
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise CommandFailed(f"the job's controller stopped (exit {proc.returncode}) "
-                                f"before {what}")
+                                f"before {what}: {_tail(proc.workdir)}")
         got = cond()
         if got:
             return got
@@ -66,14 +68,23 @@ def _wait(cond, what: str, timeout: float = 180.0, proc=None):
     raise CommandFailed(f"{what} did not happen within {timeout:g} s")
 
 
+def _tail(workdir: str, lines: int = 8) -> str:
+    path = os.path.join(workdir, "controller.log")
+    text = open(path).read() if os.path.exists(path) else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def _launch(stack: Stack, workdir: str, *extra: str) -> subprocess.Popen:
     os.makedirs(workdir, exist_ok=True)
     log = open(os.path.join(workdir, "controller.log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
+    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
                              "--workdir", workdir, "--rig", str(stack.workdir / "rig.toml"),
                              "--control", stack.control, "--plan", "dp", "--world", "8",
                              "--steps", "1000000", "--restart-timeout", "120", *MODEL,
                              *extra], stdout=log, stderr=subprocess.STDOUT)
+    log.close()                     # the controller has its own copy
+    proc.workdir = workdir
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -232,8 +243,9 @@ def run(args) -> dict:
     stack = Stack("lumion", quarantine_s=0.0)
     try:
         with tempfile.TemporaryDirectory(prefix="ptb-swap-") as tmp:
-            ip = _in_place(stack, args, os.path.join(tmp, "inplace"))
-            tr = _torchrun(stack, args, os.path.join(tmp, "torchrun"))
+            work = args.workdir or tmp
+            ip = _in_place(stack, args, os.path.join(work, "inplace"))
+            tr = _torchrun(stack, args, os.path.join(work, "torchrun"))
     finally:
         stack.close()
     load1 = os.getloadavg()
