@@ -298,7 +298,8 @@ class Adam:
         self.lr, self.betas, self.eps = lr, betas, eps
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-        self.t = torch.zeros(1)         # steps taken (a tensor: it travels with the state)
+        self.t = torch.zeros(1, device=self.params[0].device)   # steps taken: travels with
+                                                                # the state
 
     @torch.no_grad()
     def step(self) -> None:
@@ -345,7 +346,7 @@ def digest(tensors: list[torch.Tensor]) -> str:
     """SHA-256 of the tensors' bytes: equal digests are bit-equal states."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -468,6 +469,7 @@ class Worker:
             torch_job.emulator_request(spec.control, {"cmd": "register_process",
                                                       "gpu": self.gpu, "pid": os.getpid()})
         self.data = CharText.shipped(spec.block, spec.seed)
+        index = 0                        # the GPU's place on its host: its CUDA device
         self.store = store_client(*spec.store)
         self.newest = int(self.store.get("gen/latest"))
         self._watcher = threading.Thread(target=self._watch, name="generations", daemon=True)
@@ -476,8 +478,11 @@ class Worker:
             from photonic_testbed.hil import rigfile
             from photonic_testbed.hil.fabric_client import Fabric
             rig = rigfile.load(spec.rig)
+            names = [g.name for g in rig.gpus]
+            index = names.index(self.gpu) if self.gpu in names else 0
             self.fabric = Fabric(*rig.agent_endpoints(), keys=rig.client_keys(),
                                  timeout=spec.agent_timeout_s)
+        self.device = device_for(index)
         # The model of the shard this GPU would hold in the current generation (a standby's
         # shard can change when it takes a rank: rebuilt then).
         self._build(0)
@@ -487,7 +492,7 @@ class Worker:
         self.cfg = ModelConfig(self.data.vocab, self.spec.block, self.spec.width,
                                self.spec.layers, self.spec.heads, tp)
         self.tp_index = tp_index
-        self.model = build_model(self.cfg, tp_index, self.spec.seed)
+        self.model = build_model(self.cfg, tp_index, self.spec.seed).to(self.device)
         self.opt = new_optimizer(self.model, self.spec.lr)
         self.params = list(self.model.parameters())
         self.completed = 0
@@ -671,7 +676,7 @@ class Worker:
                     self._wait_work(dp.send([flat], ring.index(dst), g), "the state transfer")
                     moved += flat.numel() * flat.element_size()
                 elif rank == dst:
-                    flat = torch.empty(sum(t.numel() for t in state))
+                    flat = torch.empty(sum(t.numel() for t in state), device=self.device)
                     self._wait_work(dp.recv([flat], ring.index(src), g), "the state transfer")
                     unflatten_into(flat, state)
                     moved += flat.numel() * flat.element_size()
@@ -737,7 +742,8 @@ class Worker:
         step = self.completed
         t0 = time.perf_counter()
         hook = 0.0
-        x, y = self.data.batch(step, self.roles.dp_index, self.spec.batch)
+        x, y = (t.to(self.device) for t in
+                self.data.batch(step, self.roles.dp_index, self.spec.batch))
         self._tp_audited = False
         if "tp" in self.groups:
             hook += self._enter("tp")
