@@ -43,6 +43,7 @@ from photonic_testbed.hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005
+STANDBY_STARTS = 3          # a GPU whose standby failed to start this often gets no more
 DONE, STOPPED, SWAPPED_OUT, LOST_STATE = 0, 3, 4, 5      # the rank processes' exit codes
 PLANS = ("dp", "dp-tp")
 
@@ -183,7 +184,6 @@ class Options:
     torchrun: bool = False           # the restart-all baseline
     max_restarts: int = 100
     python: str = sys.executable
-    stderr_dir: str | None = None
     extra_env: dict = field(default_factory=dict)
 
 
@@ -200,6 +200,7 @@ class Controller:
         self.done: set[str] = set()
         self.lost: list[str] = []
         self.lost_at: float | None = None
+        self.failed_starts: dict[str, int] = {}
         self.orders: queue.Queue = queue.Queue()
         self.fabric = None
         self.agent_state = None
@@ -251,7 +252,8 @@ class Controller:
             if gpu not in self.procs and gpu not in self.done and gpu not in self.lost:
                 self._spawn(gpu, "rank without a process (cold start)")
         for gpu in self._standby_gpus():
-            if gpu not in self.procs and gpu not in self.rank_map.values():
+            if gpu not in self.procs and gpu not in self.rank_map.values() \
+                    and self.failed_starts.get(gpu, 0) < STANDBY_STARTS:
                 self._spawn(gpu, "warm standby")
 
     def _reap(self) -> None:
@@ -263,6 +265,10 @@ class Controller:
             ranked = gpu in self.rank_map.values()
             self.events.write("exit", gpu=gpu, pid=proc.pid, code=code, rank=ranked)
             if not ranked:
+                if code != DONE:
+                    self.failed_starts[gpu] = self.failed_starts.get(gpu, 0) + 1
+                    log.warning("the standby on %s exited (%s); see logs/%s-*.log", gpu, code,
+                                gpu)
                 continue
             if code == DONE:
                 self.done.add(gpu)

@@ -154,3 +154,34 @@ def test_opus_tensor_and_data_parallel_phases_then_clean_stop(tmp_path):
             proc.kill()
             proc.communicate()
         stack.close()
+
+
+def test_torchrun_baseline_restarts_on_the_agents_new_rank_map(tmp_path):
+    """The baseline with the agent: gpu1 fails, torchrun restarts both workers, and the one
+    with rank 1 runs on the GPU the agent ordered in gpu1's place, from the checkpoint."""
+    stack = Stack("lumion", quarantine_s=60.0)
+    proc = None
+    try:
+        work = tmp_path / "torchrun"
+        proc = launch(work, "--rig", str(stack.workdir / "rig.toml"), "--control",
+                      stack.control, "--plan", "dp", "--world", "2", "--steps", "24",
+                      "--torchrun", "--checkpoint-every", "5", *SMALL)
+        wait_event(proc, work, lambda e: e["kind"] == "step" and e["step"] >= 8, "step 8")
+        fail(stack, "gpu1")
+        out = finish(proc)
+        assert proc.returncode == 0, out
+        ev = events_of(work)
+        orders = [e["rank_map"] for e in ev if e["kind"] == "order"]
+        assert orders[0] == {"0": "gpu0", "1": "gpu1"} and len(orders) == 2
+        spare = orders[1]["1"]
+        assert spare not in ("gpu0", "gpu1") and agent_rank_map(stack) == orders[1]
+        ready = {e["gpu"]: e for e in ev if e["kind"] == "ready" and e["restart"] == 1}
+        assert set(ready) == {"gpu0", spare}
+        assert ready[spare]["checkpoint"] in (5, 10, 15, 20)
+        done = {e["gpu"] for e in ev if e["kind"] == "done" and "digest" in e}
+        assert done == {"gpu0", spare}
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        stack.close()
