@@ -265,7 +265,7 @@ class Controller:
             ranked = gpu in self.rank_map.values()
             self.events.write("exit", gpu=gpu, pid=proc.pid, code=code, rank=ranked)
             if not ranked:
-                if code != DONE:
+                if code > 0:        # it failed by itself (a signal is its GPU's failure)
                     self.failed_starts[gpu] = self.failed_starts.get(gpu, 0) + 1
                     log.warning("the standby on %s exited (%s); see logs/%s-*.log", gpu, code,
                                 gpu)
