@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
                    help="a chip without fabrication errors, used uncalibrated (default: the "
                    "seeded, imperfect chip, calibrated first with ptb calibrate)")
     p.add_argument("--workdir", help="keep the rig file, journal and logs here")
+    p.add_argument("--job", choices=("emulated", "torch"), default="emulated",
+                   help="the training job: our emulated step loop (default), or a real "
+                   "PyTorch job whose failed rank a spare replaces in place (needs torch; "
+                   "ptb/demo_torch.py)")
     p.set_defaults(func=run)
 
 
@@ -130,6 +134,9 @@ def run(args) -> int:
                 prefix="ptb-demo-")))
         procs = Processes(workdir)
         stack.callback(procs.close)
+        if args.job == "torch":
+            from photonic_testbed.ptb import demo_torch
+            return demo_torch.demo(args, gpu, workdir, procs)
         return _demo(args, plan, gpu, workdir, procs)
     return 1
 
