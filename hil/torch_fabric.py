@@ -475,7 +475,7 @@ class Worker:
         self._watcher = threading.Thread(target=self._watch, name="generations", daemon=True)
         self._watcher.start()
         if spec.rig:
-            from photonic_testbed.hil import rigfile
+            from photonic_testbed.hil import rig as rigfile
             from photonic_testbed.hil.fabric_client import Fabric
             rig = rigfile.load(spec.rig)
             names = [g.name for g in rig.gpus]

@@ -377,7 +377,7 @@ class Controller:
     def _admit(self) -> dict[int, str]:
         if self.opt.standalone:
             return {r: f"gpu{r}" for r in range(self.plan.world)}
-        from photonic_testbed.hil import rigfile
+        from photonic_testbed.hil import rig as rigfile
         from photonic_testbed.hil.bus.mirror import SubscriberThread
         from photonic_testbed.hil.fabric_client import Fabric
         if not self.spec.rig:

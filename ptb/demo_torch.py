@@ -34,7 +34,8 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
     if importlib.util.find_spec("torch") is None:
         raise CommandFailed("--job torch needs PyTorch: pip install 'photonic-testbed[torch]' "
                             "(torch==2.13.0, the CPU build: about 190 MB)")
-    from photonic_testbed.hil import rigfile, torch_job
+    from photonic_testbed.hil import rig as rigfile
+    from photonic_testbed.hil import torch_job
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
     from photonic_testbed.hil.emulator.control import ControlError, request
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.emulator.control import ControlError, request
 from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
 
