@@ -1,8 +1,8 @@
 """The programmable photonic chip, emulated: 2 x 2 MZI cells set by heaters, light as fields.
 
 The chip is built from a chip-topology description (the dict that common.topology's
-`Topology.describe` gives; the rig passes it in) and listens to the emulated DAC board: `set_voltage(ch, volts)` is the board's
-`on_output` callback. Light is injected at input ports (`set_inputs`), and read at the outputs
+`Topology.describe` gives; the rig passes it in) and listens to the emulated DAC board:
+`set_voltage(ch, volts)` is the board's `on_output` callback. Light is injected at input ports (`set_inputs`), and read at the outputs
 (`transfer`, `output_power_mw`, the 1 % monitor taps `tap_power_mw`) and at the monitor
 photodiode of each cell (`monitor_current_ua`).
 
