@@ -2,9 +2,9 @@
 
 The chip is built from a chip-topology description (the dict that common.topology's
 `Topology.describe` gives; the rig passes it in) and listens to the emulated DAC board:
-`set_voltage(ch, volts)` is the board's `on_output` callback. Light is injected at input ports (`set_inputs`), and read at the outputs
-(`transfer`, `output_power_mw`, the 1 % monitor taps `tap_power_mw`) and at the monitor
-photodiode of each cell (`monitor_current_ua`).
+`set_voltage(ch, volts)` is the board's `on_output` callback. Light is injected at input
+ports (`set_inputs`), and read at the outputs (`transfer`, `output_power_mw`, the 1 % monitor
+taps `tap_power_mw`) and at the monitor photodiode of each cell (`monitor_current_ua`).
 
 A cell, with its hidden truth: coupler of power ratio r1 (bar fraction), the internal phase
 theta on the top arm, coupler r2, and (Clements cells) the external phase phi on the top input:
