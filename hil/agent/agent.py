@@ -86,6 +86,12 @@ class Job:
     phase: Key
     rank_map: RankMap
     announced: RankMap = field(default_factory=dict)
+    ready: Key | None = None        # the phase set up ahead, while the job computed
+
+    def next_key(self, key: Key) -> Key:
+        """The (phase, round) a step runs after `key` (the first again after the last)."""
+        keys = list(self.circuits.targets)
+        return keys[(keys.index(key) + 1) % len(keys)]
 
     def key(self) -> Key:
         targets = self.circuits.targets
@@ -502,7 +508,7 @@ class Agent:
             cause = f"phase {phase} round {round}"
             if len(self.jobs) > 1:
                 cause = f"{j.name}: {cause}"
-            previous, j.phase = j.phase, key
+            previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
             applied = self._apply(j, targets, cause, record=False)
             if self.verify_phases:
@@ -523,6 +529,36 @@ class Agent:
                 return      # the same phase again, nothing moved: no new journal entry
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
                                 job=j.name, applied=applied, prestaged=staged, defer=True)
+
+    def on_phase_done(self, phase: str, round: int = 0, job: str | None = None) -> Key | None:
+        """The job is done with (phase, round)'s links and computes before its next phase:
+        that phase's circuits are set up now, during the compute, so that the job finds them
+        up (and verified, with verify_phases) when it gets there. Returns the phase set up,
+        or None when there is nothing to do (one phase only)."""
+        with self._lock:
+            j = self.job(job)
+            key = (str(phase), int(round))
+            if key not in j.circuits.targets:
+                raise AgentError(f"job {j.name!r} has no phase {phase!r} round {round}")
+            if j.phase != key:
+                return None             # the job is elsewhere (a swap moved it): nothing staged
+            nxt = j.next_key(key)
+            if nxt == key:
+                return None
+            t0 = self.clock()
+            cause = f"phase {nxt[0]} round {nxt[1]} set up ahead"
+            if len(self.jobs) > 1:
+                cause = f"{j.name}: {cause}"
+            targets = j.circuits.refresh(nxt)
+            j.phase = nxt
+            applied = self._apply(j, targets, cause, record=False)
+            if self.verify_phases and self._verify(self._points(targets, None), cause, t0):
+                self._alarm(f"{cause}: circuits do not verify", phase=nxt[0], round=nxt[1])
+                return None
+            j.ready = nxt
+            self.journal.record("phase", cause, self.clock() - t0, phase=nxt[0], round=nxt[1],
+                                job=j.name, applied=applied, ahead=True, defer=True)
+            return nxt
 
     def on_job_event(self, event: Any) -> None:
         """A job event (an object or dict with kind, phase, round, details) from the job."""
@@ -872,7 +908,7 @@ class Agent:
         gone = [g for g in job.rank_map.values() if g not in set(new_map.values())]
         self._give_back(gone)
         self._take(job.name, [g for g in new_map.values() if g not in self._holder])
-        job.rank_map, job.circuits, job.phase = new_map, circuits, key
+        job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
         self._announce(job, cause, changed=None if degraded else
                        {circuits.rank_of[s]: s for s in swaps.values()})
         steps["announced"] = self.clock() - t0
