@@ -1,7 +1,6 @@
 """`ptb journal`: print the agent's journal (optionally following it as it grows)."""
 from __future__ import annotations
 
-import os
 import time
 
 from photonic_testbed.hil.journal import KINDS, Journal, JournalError
@@ -20,19 +19,20 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if not os.path.exists(args.path):
-        raise CommandFailed(f"no journal at {args.path}")
     try:
-        journal = Journal(args.path)
+        journal = Journal(args.path, create=False)
     except JournalError as e:
         raise CommandFailed(str(e)) from None
     kinds = tuple(args.kind) if args.kind else None
     last = args.since
-    with journal:
-        while True:
-            for entry in journal.entries(since=last, kinds=kinds):
-                print(entry.line(), flush=True)
-                last = entry.seq
-            if not args.follow:
-                return 0
-            time.sleep(0.2)
+    try:
+        with journal:
+            while True:
+                for entry in journal.entries(since=last, kinds=kinds):
+                    print(entry.line(), flush=True)
+                    last = entry.seq
+                if not args.follow:
+                    return 0
+                time.sleep(0.2)
+    except JournalError as e:          # damaged while being read
+        raise CommandFailed(str(e)) from None
