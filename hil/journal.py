@@ -57,6 +57,7 @@ KINDS = ("start", "failure", "detected", "decision", "applied", "verified", "ver
          "rank_map", "restart", "phase", "alarm", "reconcile", "note")
 
 
+MAX_SEQ = 2 ** 63 - 1         # SQLite's largest INTEGER
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = {"meta", "events", "intended"}
 
@@ -84,10 +85,13 @@ def _check_file(path: str) -> None:
     """Refuse what is plainly not a journal before SQLite opens it (SQLite would take an empty
     file for a new database, and report other damage only at the first read)."""
     try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise _refuse(path, "it is a directory")
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, "it is not a regular file")
         with open(path, "rb") as f:
             head = f.read(len(_SQLITE_MAGIC))
-    except IsADirectoryError:
-        raise _refuse(path, "it is a directory") from None
     except OSError as e:
         raise JournalError(f"{path}: cannot read the journal: "
                            f"{(e.strerror or str(e)).lower()}") from None
@@ -187,6 +191,8 @@ class Journal:
         if synchronous not in ("FULL", "NORMAL"):
             raise JournalError(f"synchronous is FULL or NORMAL, not {synchronous!r}")
         self.path = os.fspath(path)
+        if not self.path:
+            raise JournalError("the journal's path is empty")
         self._lock = threading.RLock()
         if not _exists(self.path):
             if not create:
@@ -311,6 +317,10 @@ class Journal:
 
     def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
                 limit: int | None = None) -> list[Entry]:
+        if not isinstance(since, int) or not 0 <= since <= MAX_SEQ:
+            raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
+        if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
+            raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
         query = "SELECT seq, ts, kind, cause, latency_s, details FROM events WHERE seq > ?"
         args: list[Any] = [since]
         if kinds:

@@ -1,9 +1,10 @@
 """`ptb journal`: print the agent's journal (optionally following it as it grows)."""
 from __future__ import annotations
 
+import argparse
 import time
 
-from photonic_testbed.hil.journal import KINDS, Journal, JournalError
+from photonic_testbed.hil.journal import KINDS, MAX_SEQ, Journal, JournalError
 from photonic_testbed.ptb.cli import CommandFailed
 
 
@@ -13,9 +14,20 @@ def add_parser(sub) -> None:
                        "configurations, verifications and alarms, with causes and latencies.")
     p.add_argument("path", help="journal database (the agent's --journal file)")
     p.add_argument("--kind", action="append", choices=KINDS, help="only these kinds (repeatable)")
-    p.add_argument("--since", type=int, default=0, help="only entries after this sequence number")
+    p.add_argument("--since", type=_seq, default=0, metavar="SEQ",
+                   help="only entries after this sequence number")
     p.add_argument("--follow", action="store_true", help="keep printing new entries (Ctrl-C)")
     p.set_defaults(func=run)
+
+
+def _seq(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
+    if not 0 <= value <= MAX_SEQ:
+        raise argparse.ArgumentTypeError(f"a sequence number is 0..{MAX_SEQ}, not {text}")
+    return value
 
 
 def run(args) -> int:
