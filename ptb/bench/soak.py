@@ -22,6 +22,7 @@ NAME = "soak"
 HELP = "minutes of repeated GPU failures on the emulated rig; RSS of each process"
 FLAT_MB = 5.0
 RESTART_TIMEOUT_S = 60.0         # generous: the machine may be busy
+CONTROL_TIMEOUT_S = 30.0         # for each request to the emulator's control endpoint
 
 
 def add_arguments(p) -> None:
@@ -73,8 +74,15 @@ def rss_mb(pid: int) -> float:
     return total * 1024 / 1e6
 
 
+def _control(control: str, msg: dict):
+    try:
+        return request(control, msg, timeout_s=CONTROL_TIMEOUT_S)
+    except ControlError as e:
+        raise CommandFailed(f"the emulator's control endpoint, {msg['cmd']}: {e}") from None
+
+
 def _job_restarts(control: str) -> tuple[int, dict]:
-    status = request(control, {"cmd": "job_status"})
+    status = _control(control, {"cmd": "job_status"})
     return int(status["restarts"]), status
 
 
@@ -86,10 +94,7 @@ def run(args) -> dict:
     failures = restarts_seen = 0
     try:
         pids = {name: p.pid for name, p in stack.procs.procs}
-        try:
-            request(stack.control, {"cmd": "job_start", "plan": "dp", "steps": 10 ** 9})
-        except ControlError as e:
-            raise CommandFailed(f"the job did not start: {e}") from None
+        _control(stack.control, {"cmd": "job_start", "plan": "dp", "steps": 10 ** 9})
         t0 = time.monotonic()
         end = t0 + args.warmup + 60 * args.minutes
         next_sample = t0
@@ -109,7 +114,7 @@ def run(args) -> dict:
             if status.get("state") in ("aborted", "done", "stopped"):
                 raise CommandFailed(f"the job {status['state']} after {failures} failures")
             victim = status["rank_map"]["3"]
-            request(stack.control, {"cmd": "fail_gpu", "gpu": victim, "mode": "hard"})
+            _control(stack.control, {"cmd": "fail_gpu", "gpu": victim, "mode": "hard"})
             failures += 1
             deadline = time.monotonic() + RESTART_TIMEOUT_S
             while _job_restarts(stack.control)[0] <= before and time.monotonic() < deadline:
@@ -119,9 +124,9 @@ def run(args) -> dict:
                 raise CommandFailed(f"the job did not restart within {RESTART_TIMEOUT_S:g} s "
                                     f"of failure {failures} ({status['state']})")
             restarts_seen += 1
-            request(stack.control, {"cmd": "heal_gpu", "gpu": victim})
+            _control(stack.control, {"cmd": "heal_gpu", "gpu": victim})
             time.sleep(max(0.0, min(args.period, end - time.monotonic())))
-        status = request(stack.control, {"cmd": "job_status"})
+        status = _control(stack.control, {"cmd": "job_status"})
     finally:
         stack.close()
     rows, notes = [], []
