@@ -509,7 +509,7 @@ class SCPIServer:
         try:
             while not self._stop.is_set() and not session.dropped:
                 if self._idle_too_long(session):
-                    log.info("%s: dropped after %.0f s without a complete line", session.peer,
+                    log.info("%s: dropped after %g s without a complete line", session.peer,
                              self.idle_timeout_s)
                     break
                 try:
