@@ -31,6 +31,8 @@ WINDOW_S = 2.0          # throughput windows before and after the failure
 
 CALIBRATION_TIMEOUT_S = 300
 PEER_TIMEOUT_S = 10.0   # a generous wait for a reply: a busy machine must not fail the demo
+READY_TIMEOUT_S = 300.0  # for a process to come up (imports alone take a minute on a busy VM)
+RESUME_TIMEOUT_S = 120.0  # for the job to resume after the failure (about 0.3 s when idle)
 
 
 def add_parser(sub) -> None:
@@ -106,7 +108,7 @@ class Processes:
             log.close()
 
 
-def _wait(what: str, cond, procs: Processes, timeout: float = 60.0):
+def _wait(what: str, cond, procs: Processes, timeout: float = READY_TIMEOUT_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()
@@ -225,7 +227,7 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
             if s["state"] == "aborted":
                 raise CommandFailed("the job aborted: " + json.dumps(s["events"][-3:]))
             return _restart_after(s, t_fail)
-        _wait("the job's resumption", resumed, procs, timeout=30.0)
+        _wait("the job's resumption", resumed, procs, timeout=RESUME_TIMEOUT_S)
         time.sleep(max(args.seconds, WINDOW_S))
         status = request(control, {"cmd": "job_status"})
         state = agent.call("snapshot")["state"]
