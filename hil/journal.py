@@ -13,7 +13,7 @@ before that commit, so a `kill -9` in between loses only entries whose effect ne
 process.
 
 Opening: a journal is created only where no file exists, and created whole (in a scratch file
-beside it, renamed into place once its schema is written), so a file at the path is always a
+beside it, linked into place once its schema is written), so a file at the path is always a
 complete journal or damage. An existing file is checked before anything reads it: an SQLite
 header, `PRAGMA quick_check`, the journal's tables and schema version. An empty, truncated,
 overwritten or unreadable file, or a directory, is refused with `JournalError`, never re-created:
