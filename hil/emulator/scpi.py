@@ -10,8 +10,8 @@ every slot is taken a newcomer takes the slot of the session idle longest (one i
 command is never cut); only when every session is busy is a newcomer refused. Each client's
 lines run in the order they arrive; every program message unit runs while holding the
 instrument's lock, so units from different clients interleave whole, never half-applied.
-`*OPC?` waits for pending operations without holding the lock. Each client session has its own error queue (what that client got
-wrong is reported to that client).
+`*OPC?` waits for pending operations without holding the lock. Each client session has its
+own error queue (what that client got wrong is reported to that client).
 
 Input handling: a line ends at `\\n` (`\\r\\n` accepted); a line longer than `MAX_LINE` bytes is
 refused (-363 Input buffer overrun) and the input is skipped up to the next newline; bytes
