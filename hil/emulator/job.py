@@ -43,8 +43,8 @@ COMMS_KEPT = 1000            # communications, each with its links' state
 EVENTS_KEPT = 2000           # job events
 RESTARTS_KEPT = 100          # restart records
 
-EVENT_KINDS = ("phase", "stall", "step", "checkpoint", "failure", "restarted", "restart_refused",
-               "aborted", "done")
+EVENT_KINDS = ("phase", "released", "stall", "step", "checkpoint", "failure", "restarted",
+               "restart_refused", "aborted", "done")
 
 
 class JobError(Exception):
@@ -287,6 +287,9 @@ class TrainingJob:
                 self.down_communications += 1
             self.clock.sleep(seconds)
             comm += seconds
+            # done with this round's links: the fabric may set the next round up while the
+            # job computes (Opus)
+            self._emit("released", name, rnd)
         self.step += 1
         self.steps_done += 1
         t_end = self.clock.now()

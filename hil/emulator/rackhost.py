@@ -272,6 +272,9 @@ class RackHost:
                 return
             job.grant(ev.phase, ev.round)
             return
+        if ev.kind == "released":          # the next round's circuits go up meanwhile
+            fabric.done(ev.phase, ev.round)
+            return
         if ev.kind == "failure":
             try:
                 fabric.failure(ev.details.get("reason", ""), ev.details.get("gpus", ()),
