@@ -912,10 +912,13 @@ class Agent:
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        kept = set(new_map.values())             # once: the rank map has thousands of GPUs
-        gone = [g for g in job.rank_map.values() if g not in kept]
-        self._give_back(gone)
-        self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        if degraded:                             # renumbered: work the difference out
+            kept = set(new_map.values())
+            self._give_back([g for g in job.rank_map.values() if g not in kept])
+            self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        else:                                    # what the swap changed, not the rank map
+            self._give_back(list(swaps))
+            self._take(job.name, list(swaps.values()))
         job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
         self._announce(job, cause, changed=None if degraded else
                        {circuits.rank_of[s]: s for s in swaps.values()})
