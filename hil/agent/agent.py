@@ -249,7 +249,7 @@ class Agent:
                                     added=took[s]["added"], removed=took[s]["removed"],
                                     job=job.name, defer=True)
         for s, e in failed:
-            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, during=cause)
         if failed:
             s, e = failed[0]
             raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
@@ -573,7 +573,7 @@ class Agent:
                 self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))
         except AgentError as e:
             # the job's thread delivered this: tell the operator, leave the job to time out
-            self._alarm(f"cannot serve job event {kind!r}: {e}", kind=kind)
+            self._alarm(f"cannot serve job event {kind!r}: {e}", event=kind)
 
     # --- failures ---------------------------------------------------------------------------
     def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
