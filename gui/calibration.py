@@ -150,16 +150,20 @@ class CalibrationView(QWidget):
         self.cells.currentTextChanged.connect(self.show_cell)
         self.plots = pg.GraphicsLayoutWidget()
         self.plots.setBackground("#16181d")
-        self.fringe = self.plots.addPlot(row=0, col=0, colspan=2, title="fringe")
+        # One row of three: each plot gets the dock's full height (two rows left each one
+        # about 40 px in a docked view, with their tick labels on top of each other).
+        self.plots.setMinimumSize(540, 220)
+        self.fringe = self.plots.addPlot(row=0, col=0, title="fringe")
         self.fringe.setLabel("bottom", "heater voltage", units="V")
         self.fringe.setLabel("left", "detector reading")
         self.points = self.fringe.plot([], [], pen=None, symbol="o", symbolSize=5,
                                        symbolBrush="#4fc3f7", symbolPen=None, name="measured")
         self.curve = self.fringe.plot([], [], pen=pg.mkPen("#ff9f1c", width=2), name="fit")
-        self.ext_plot = self.plots.addPlot(row=1, col=0, title="extinction per cell (dB)")
+        self.ext_plot = self.plots.addPlot(row=0, col=1, title="extinction per cell (dB)")
+        self.ext_plot.setLabel("left", "extinction", units="dB")
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush="#81c784")
         self.ext_plot.addItem(self.bars)
-        self.xt_plot = self.plots.addPlot(row=1, col=1, title="thermal crosstalk")
+        self.xt_plot = self.plots.addPlot(row=0, col=2, title="thermal crosstalk")
         self.xt_plot.setAspectLocked(True)
         self.image = pg.ImageItem()
         self.xt_plot.addItem(self.image)
@@ -172,7 +176,11 @@ class CalibrationView(QWidget):
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(left)
         split.addWidget(self.plots)
-        split.setStretchFactor(1, 4)
+        split.setStretchFactor(1, 6)
+        self.cells.setMaximumWidth(130)
+        layout_ = self.plots.ci.layout
+        for col, stretch in ((0, 3), (1, 2), (2, 2)):
+            layout_.setColumnStretchFactor(col, stretch)
         top = QHBoxLayout()
         top.addWidget(self.source, 1)
         layout = QVBoxLayout(self)
@@ -207,7 +215,8 @@ class CalibrationView(QWidget):
                             + (f" — {data['info']}" if data.get("info") else ""))
         ext = [data["cells"][c]["extinction_db"] for c in ids]
         self.bars.setOpts(x=np.arange(len(ids)), height=ext, width=0.8)
-        self.ext_plot.getAxis("bottom").setTicks([[(i, c) for i, c in enumerate(ids)][::8]])
+        step = max(1, -(-len(ids) // 6))          # at most about six labels: they stay apart
+        self.ext_plot.getAxis("bottom").setTicks([[(i, c) for i, c in enumerate(ids)][::step]])
         labels = data.get("crosstalk_labels") or ids
         self.xt_plot.setTitle(f"thermal crosstalk ({len(labels)} "
                               f"{'channels' if data.get('crosstalk_labels') else 'cells'})")
