@@ -120,8 +120,12 @@ def qt_start_problem(env: Mapping[str, str] | None = None, timeout: float = 30.0
         return f"Qt did not start within {timeout:g} s (is the display reachable?)"
     if probe.returncode == 0:
         return None
-    qt_said = "\n".join("  " + line for line in probe.stderr.strip().splitlines()[-6:])
-    how = f"Qt cannot start here (exit {probe.returncode}). Qt said:\n{qt_said}\n"
+    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+    qt_said = "\n".join("  " + line for line in lines[-6:])
+    code = probe.returncode
+    ended = f"aborted by signal {-code}" if code < 0 else f"exit {code}"
+    how = (f"Qt cannot start here ({ended}). Qt said (its guess at a missing library can be "
+           f"wrong):\n{qt_said}\n")
     missing = missing_libraries() if platform in ("", "xcb") else []
     if missing:
         how += ("The X11 (xcb) platform plugin cannot load these system libraries: "

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                    help="a chip without fabrication errors, used uncalibrated (default: the "
                    "seeded, imperfect chip, calibrated first with ptb calibrate)")
     p.add_argument("--workdir", help="keep the rig file, journal and logs here")
+    p.add_argument("--keep-open", action="store_true",
+                   help="keep the GUI (and the rig under it) running after the demo, until "
+                   "its window is closed")
     p.set_defaults(func=run)
 
 
@@ -119,6 +122,8 @@ def _wait(what: str, cond, procs: Processes, timeout: float = 60.0):
 def run(args) -> int:
     if args.seconds <= 0 or args.seconds > 600:
         raise CommandFailed(f"--seconds must be in (0, 600], not {args.seconds:g}")
+    if args.keep_open and args.headless:
+        raise CommandFailed("--keep-open keeps the GUI open: it cannot go with --headless")
     plan, default_gpu = RIG_JOBS[args.rig]
     gpu = args.gpu or default_gpu
     with contextlib.ExitStack() as stack:
@@ -170,9 +175,10 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     try:
         _wait("the agent", agent_up, procs)
         say(t0, f"agent up, journal {journal.name}")
+        gui = None
         if args.gui or (not args.headless and has_display()):
-            procs.start("gui", "gui", "--rig", str(rig_path))
-            say(t0, "GUI opened (ptb gui --rig rig.toml)")
+            from photonic_testbed.ptb.gui import DemoGui
+            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
         try:
             got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
         except ControlError as e:
@@ -202,7 +208,12 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
         state = agent.call("snapshot")["state"]
     finally:
         agent.close()
-    return _report(t0, t_fail, gpu, status, state)
+    code = _report(t0, t_fail, gpu, status, state)
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    elif args.keep_open:
+        say(t0, "--keep-open: no GUI was opened (no display; --gui opens one)")
+    return code
 
 
 def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
