@@ -340,7 +340,7 @@ class OcsMatrixView(SwitchView):
             p.setPen(TEXT)
             p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, y0 - 12),
                        Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, str(n + port))
-            if gpu and s >= 11:
+            if gpu and s >= 6.5 * len(gpu):
                 # Column headers are narrow: the receiver's name goes above its number.
                 p.setPen(PATH)
                 p.drawText(QRectF(x0 + (port - 1) * s - 24, 2, s + 48, y0 - 26),

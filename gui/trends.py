@@ -206,7 +206,10 @@ class TrendsView(QWidget):
                     self._owner[name] = plots[kind]
                 if self._drawn.get(name) != ring.version:
                     t, v = ring.since(t0)
-                    curve.setData(t, np.maximum(v, FLOOR_DBM) if kind == "links" else v)
+                    # A line needs two points: the first samples get a dot too.
+                    curve.setData(t, np.maximum(v, FLOOR_DBM) if kind == "links" else v,
+                                  symbol="o" if len(t) < 3 else None, symbolSize=6,
+                                  symbolPen=None, symbolBrush=curve.opts["pen"].color())
                     self._drawn[name] = ring.version
         self.frames["loss"].setVisible(bool(chosen["loss"]))
         # The window the operator chose, cut to where the data begins.
