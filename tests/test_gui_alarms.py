@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QLabel  # noqa: E402
 
 from photonic_testbed.gui.alarms import (ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook,  # noqa: E402
                                          job_condition)
-from photonic_testbed.gui.events import EventsView, readable  # noqa: E402
+from photonic_testbed.gui.events import readable  # noqa: E402
 from photonic_testbed.gui.jobs import JobsView  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
 from photonic_testbed.gui.model import FabricModel, Job, ModelError  # noqa: E402
