@@ -4,6 +4,7 @@ chooses. Drawn from the model's series (gui/series.py) once a second, not per sa
 busy bus costs the GUI nothing more."""
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -25,6 +26,14 @@ UNITS = {"links": "dBm", "heaters": "mW", "jobs": "steps/s", "loss": ""}
 # Calm colours first: red stays for the threshold and for alarms.
 COLOURS = ("#4fc3f7", "#ffb74d", "#81c784", "#ba68c8", "#fff176", "#f06292", "#4db6ac",
            "#a1887f", "#90a4ae", "#aed581", "#7986cb", "#ffd54f")
+
+
+def nice_top(v: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x 10^k at or above `v` (1 for nothing)."""
+    if not v > 0:
+        return 1.0
+    k = 10 ** math.floor(math.log10(v))
+    return next(m * k for m in (1, 2, 2.5, 5, 10) if v <= m * k * (1 + 1e-12))
 
 
 def line_colour(i: int, n: int):
@@ -106,6 +115,8 @@ class TrendsView(QWidget):
         self.frames["loss"].hide()              # shown once a job reports a loss
         self.curves: dict[str, pg.PlotDataItem] = {}
         self._owner: dict[str, pg.PlotWidget] = {}
+        self._top: dict[str, float] = {}            # series -> largest value drawn
+        self._ranges: dict[tuple, tuple[float, float]] = {}
         self.plots = {"links": self.links, "heaters": self.heaters, "jobs": self.jobs,
                       "loss": self.loss}
         for kind, w in self.plots.items():
@@ -123,6 +134,7 @@ class TrendsView(QWidget):
     def _window_changed(self) -> None:
         self.window_s = float(self.choice.currentData())
         self._drawn.clear()                 # every curve is cut to the new window
+        self._ranges.clear()
         self.refresh()
 
     def set_window(self, seconds: float) -> None:
@@ -194,6 +206,7 @@ class TrendsView(QWidget):
         for name in [n for n in self.curves if n not in wanted]:
             self._owner.pop(name).removeItem(self.curves.pop(name))
             self._drawn.pop(name, None)
+            self._top.pop(name, None)
         for kind, names in chosen.items():
             for i, name in enumerate(names):
                 ring = store.series[name]
@@ -211,23 +224,30 @@ class TrendsView(QWidget):
                                   symbol="o" if len(t) < 3 else None, symbolSize=6,
                                   symbolPen=None, symbolBrush=curve.opts["pen"].color())
                     self._drawn[name] = ring.version
+                    self._top[name] = float(v.max()) if len(v) else 0.0
         self.frames["loss"].setVisible(bool(chosen["loss"]))
-        # The window the operator chose, cut to where the data begins.
-        firsts = [f for names in chosen.values() for n in names
-                  if (f := store.series[n].first()) is not None]
-        start = min(max(t0, min(firsts) - 5.0) if firsts else t0, now - 10.0)
-        heat = [float(np.max(self.curves[n].getData()[1])) for n in chosen["heaters"]
-                if self.curves[n].getData()[1] is not None and
-                len(self.curves[n].getData()[1])]
-        budgets = [mw for mw, _ in self.model.budgets.values() if mw is not None]
-        top = max(heat + budgets, default=0.0)
-        if top > 0:         # from zero, so that the heaters are seen against the budget
-            self.heaters.setYRange(0.0, top * 1.15, padding=0)
         for kind, names in chosen.items():
             legend = plots[kind].getPlotItem().legend
             if legend is not None:
                 legend.setVisible(0 < len(names) <= LEGEND_MAX)
-        self.links.setXRange(start, now, padding=0)
+        # The ranges move in steps, not with every second: the axes, most of what a repaint
+        # costs, are drawn again only when a range changes. The time axis pages by a tenth
+        # of the window, and starts where the data does when there is less than a window.
+        page = self.window_s / 10
+        end = math.ceil(now / page) * page
+        firsts = [f for names in chosen.values() for n in names
+                  if (f := store.series[n].first()) is not None]
+        start = end - self.window_s
+        if firsts:
+            start = min(max(start, min(firsts) - page / 2), end - page)
+        self._range("x", self.links, start, end)
+        # Heaters from zero, against the budget; throughput from zero.
+        budgets = [mw for mw, _ in self.model.budgets.values() if mw is not None]
+        heat = [self._top[n] for n in chosen["heaters"]] + budgets
+        if max(heat, default=0.0) > 0:
+            self._range("y", self.heaters, 0.0, nice_top(max(heat) * 1.1))
+        rates = [self._top[n] for n in chosen["jobs"]]
+        self._range("y", self.jobs, 0.0, nice_top(max(rates, default=0.0) * 1.1))
         n_rx = len(store.names("rx"))
         notes = []
         if n_rx > MAX_LINKS:
@@ -239,6 +259,12 @@ class TrendsView(QWidget):
         if not chosen["jobs"]:
             notes.append("no job report yet")
         self.note.setText("; ".join(notes))
+
+    def _range(self, axis: str, plot: pg.PlotWidget, lo: float, hi: float) -> None:
+        key = (axis, id(plot))
+        if self._ranges.get(key) != (lo, hi):
+            self._ranges[key] = (lo, hi)
+            (plot.setXRange if axis == "x" else plot.setYRange)(lo, hi, padding=0)
 
     def nearest(self, kind: str, x: float, y: float) -> str:
         """The line of plot `kind` nearest to (x, y) in its own units, in words."""
