@@ -30,7 +30,7 @@ import numpy as np
 
 from photonic_testbed.calibration.fringe import FitError, adaptive_sweep
 from photonic_testbed.calibration.station import Station, heater_volts
-from photonic_testbed.drivers.topology import Topology
+from photonic_testbed.common.topology import Topology
 
 log = logging.getLogger(__name__)
 

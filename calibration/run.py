@@ -21,7 +21,7 @@ from photonic_testbed.calibration.crosstalk import extinction_db, measure_crosst
 from photonic_testbed.calibration.outputs import output_calibrator, sweep_from_outputs
 from photonic_testbed.calibration.progressive import Calibrator, CellFit
 from photonic_testbed.calibration.station import Station, StationError
-from photonic_testbed.drivers.mesh import Calibration, HeaterCalibration
+from photonic_testbed.common.calibration import Calibration, HeaterCalibration
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from photonic_testbed.common.topology import Topology
 from photonic_testbed.drivers.heater_dac import Forbidden
-from photonic_testbed.drivers.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ Qontrol board it falls back to one `VVEC` line per module, as the vendor's clien
 """
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import time
@@ -46,6 +47,11 @@ class DACTimeout(DACError):
 
 class DACDisconnected(DACError):
     """The serial link is gone and did not come back within the reconnect deadline."""
+
+
+class PortInUse(DACError):
+    """Another program holds the board's serial port (its exclusive lock): one writer per
+    board, so this one does not open it."""
 
 
 class ProtocolError(DACError):
@@ -115,7 +121,16 @@ class BoardInfo:
 
 
 def _open_pyserial(port: str, timeout: float):
-    return serial.serial_for_url(port, baudrate=BAUD, timeout=timeout, write_timeout=timeout)
+    # exclusive: an advisory lock (flock) on POSIX, so a second program that opens the board
+    # (the chip service and a calibration at once) is refused instead of interleaving its
+    # lines with ours; Windows opens serial ports exclusively anyway.
+    return serial.serial_for_url(port, baudrate=BAUD, timeout=timeout, write_timeout=timeout,
+                                 exclusive=True)
+
+
+def _in_use(e: Exception) -> bool:
+    """Whether opening a port failed on its exclusive lock (another program holds it)."""
+    return getattr(e, "errno", None) in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 class HeaterDAC:
@@ -180,6 +195,10 @@ class HeaterDAC:
         try:
             self._ser = self._open_serial(self.port, self.timeout)
         except (OSError, serial.SerialException) as e:
+            if _in_use(e):
+                raise PortInUse(f"{self.port} is in use: another program holds it (the chip "
+                                "or heater DAC service, or another ptb command?); stop it "
+                                "first: one program at a time writes to the board") from None
             raise DACDisconnected(f"cannot open {self.port}: {e}") from e
         self._rx.clear()
         self._drain()

@@ -21,8 +21,8 @@ import numpy as np
 from scipy import optimize, sparse
 from scipy.sparse import csgraph
 
+from photonic_testbed.common.topology import Topology, benes_stages, cell_id
 from photonic_testbed.drivers.circuit_switch import check_circuits
-from photonic_testbed.drivers.topology import Topology, benes_stages, cell_id
 
 BAR, CROSS = "bar", "cross"
 

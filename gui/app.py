@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             raise GuiUnavailable(problem)
     rig = None
     if args.rig:
-        from photonic_testbed.hil.rigfile import RigFileError, load
+        from photonic_testbed.hil.rig import RigFileError, load
         try:
             rig = load(args.rig)
         except RigFileError as e:

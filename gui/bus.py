@@ -39,7 +39,7 @@ from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
 from photonic_testbed.hil.bus.mirror import StateSubscriber, clone
 from photonic_testbed.hil.bus.security import ClientKeys
-from photonic_testbed.hil.rigfile import Rig, RigFileError
+from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 

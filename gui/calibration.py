@@ -1,9 +1,8 @@
 """Calibration view: per-cell fringes with their fits, extinction per cell, crosstalk matrix.
 
-It reads the chip calibration file that `ptb calibrate` writes (docs/calibration.md, version 2:
-chip, chip id, rig, date, method, per-channel heater fits with uncertainties, the channels'
-crosstalk matrix, per-cell fringes with fits and extinction). `load_calibration` turns a file
-into the dict this view draws (the GUI reads the JSON itself: it never imports drivers/):
+It reads the chip calibration file that `ptb calibrate` writes (docs/calibration.md) with the
+model every layer shares (`common.calibration.Calibration.parse`: the checksum, every field
+checked; the GUI never imports drivers/), and turns it into the dict this view draws:
 
     {"cells": {id: {"sweep_v": [...], "power": [...], "fit_v": [...], "fit_power": [...],
                     "extinction_db": x, "note": "..." (optional)}},
@@ -11,15 +10,14 @@ into the dict this view draws (the GUI reads the JSON itself: it never imports d
      "crosstalk_labels": [...],          optional: default the cells' ids, in order
      "info": "..."}                      optional: what the file says of itself
 
-A version 1 file (heater fits only, drivers/mesh.py) has no fringes: its crosstalk is shown and
-the view says so. A file without `version` is taken to be in the view's own shape (what
-`gui.demo.demo_calibration` makes).
+A file of heater fits only (version 1) has no fringes: its crosstalk is shown and the view says
+so. `set_data` also takes that dict directly (what `gui.demo.demo_calibration` makes).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,14 +27,15 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QListWidget, QP
                                QSplitter, QVBoxLayout, QWidget)
 from PySide6.QtCore import Qt
 
+from photonic_testbed.common.calibration import (MAX_FILE_BYTES, Calibration,
+                                                 CalibrationFileError,
+                                                 UnverifiedCalibrationWarning)
+
 FRINGE_KEYS = ("sweep_v", "power", "fit_v", "fit_power", "extinction_db")
 
 
-class CalibrationFileError(ValueError):
-    """A calibration file that cannot be shown: the message names the file and the field."""
-
-
 def check_calibration(data: Any, where: str = "calibration") -> dict[str, Any]:
+    """The view's dict, checked (CalibrationFileError naming `where` and the field)."""
     if not isinstance(data, Mapping) or not isinstance(data.get("cells"), Mapping):
         raise CalibrationFileError(f"{where}: needs a 'cells' dict")
     for cid, c in data["cells"].items():
@@ -74,69 +73,50 @@ def check_calibration(data: Any, where: str = "calibration") -> dict[str, Any]:
     return dict(data)
 
 
-def _from_file_format(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A version 1 or 2 calibration file (docs/calibration.md) -> the view's dict."""
-    version = data["version"]
-    if version not in (1, 2):
-        raise CalibrationFileError(f"{where}: calibration file version {version!r} is not one "
-                                   "this GUI reads (1, 2)")
-    channels = data.get("channels")
-    if not isinstance(channels, list) or not channels:
-        raise CalibrationFileError(f"{where}: needs a non-empty 'channels' list")
-    labels = []
-    for i, ch in enumerate(channels):
-        if not isinstance(ch, Mapping) or "channel" not in ch:
-            raise CalibrationFileError(f"{where}: channels[{i}] lacks 'channel'")
-        labels.append(f"{ch['channel']}" + (f" {ch['cell']}" if ch.get("cell") else ""))
+def view_of(cal: Calibration) -> dict[str, Any]:
+    """A calibration (common.calibration) -> the view's dict."""
+    labels = [f"{ch}" + (f" {h.cell}" if h.cell else "") for ch, h in sorted(cal.heaters.items())]
     cells: dict[str, Any] = {}
-    if version == 2:
-        raw = data.get("cells")
-        if not isinstance(raw, Mapping):
-            raise CalibrationFileError(f"{where}: a version 2 file needs a 'cells' dict")
-        by_channel = {ch["channel"]: ch for ch in channels}
-        for cid, c in raw.items():
-            if not isinstance(c, Mapping):
-                raise CalibrationFileError(f"{where}: cell {cid!r} is not a dict")
-            cell = {k: c[k] for k in FRINGE_KEYS if k in c}
-            notes = []
-            for ch in c.get("channels", []):
-                fit = by_channel.get(ch, {})
-                if "p_pi_mw" in fit:
-                    notes.append(f"ch {ch}: P_pi {fit['p_pi_mw']:.2f}"
-                                 f" ± {fit.get('p_pi_std_mw', 0.0):.2g} mW, offset "
-                                 f"{fit.get('offset_rad', 0.0):.3f}"
-                                 f" ± {fit.get('offset_std', 0.0):.2g} rad")
-            if "visibility" in c:
-                notes.append(f"visibility {c['visibility']:.4f}")
-            if c.get("splitter_limited"):
-                notes.append(f"splitter-limited (imbalance {c.get('coupler_imbalance', 0):.3f})")
-            if "detector" in c:
-                notes.append(f"read on {c['detector']}")
-            cell["note"] = "; ".join(notes)
-            cells[str(cid)] = cell
-    info = ", ".join(f"{k} {data[k]}" for k in ("chip", "chip_id", "rig", "date", "method")
-                     if data.get(k))
+    for cid, c in cal.cells.items():
+        cell = {k: c[k] for k in FRINGE_KEYS if k in c}
+        notes = []
+        for ch in c.get("channels", []):
+            h = cal.heaters.get(ch)
+            if h is not None:
+                notes.append(f"ch {ch}: P_pi {h.p_pi_mw:.2f} ± {h.p_pi_std_mw:.2g} mW, offset "
+                             f"{h.offset_rad:.3f} ± {h.offset_std:.2g} rad")
+        if "visibility" in c:
+            notes.append(f"visibility {c['visibility']:.4f}")
+        if c.get("splitter_limited"):
+            notes.append(f"splitter-limited (imbalance {c.get('coupler_imbalance', 0):.3f})")
+        if "detector" in c:
+            notes.append(f"read on {c['detector']}")
+        cell["note"] = "; ".join(notes)
+        cells[str(cid)] = cell
+    info = ", ".join(f"{k} {getattr(cal, k)}" for k in ("chip", "chip_id", "rig", "date",
+                                                        "method") if getattr(cal, k))
+    check = "checksum verified" if cal.verified else "no checksum: unverified (older file)"
     out = {"cells": cells, "crosstalk_labels": labels,
-           "info": f"version {version}" + (f": {info}" if info else "")
-           + ("" if version == 2 else " (heater fits only: no fringes)")}
-    if data.get("crosstalk") is not None:
-        out["crosstalk"] = data["crosstalk"]
-    return check_calibration(out, where)
+           "info": check + (f": {info}" if info else "")
+           + ("" if cells else " (heater fits only: no fringes)")}
+    if cal.crosstalk is not None:
+        out["crosstalk"] = cal.crosstalk.tolist()
+    return check_calibration(out, cal.source)
 
 
 def load_calibration(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a calibration file (docs/calibration.md) into the view's dict."""
+    """Read a calibration file (docs/calibration.md) into the view's dict; any problem with
+    it is a CalibrationFileError naming the file."""
     where = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise CalibrationFileError(f"cannot read {where}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CalibrationFileError(f"{where} is not JSON: {e}") from None
-    if isinstance(data, Mapping) and "version" in data:
-        return _from_file_format(data, where)
-    return check_calibration(data, where)
+    with warnings.catch_warnings():
+        # an older file's lack of checksum is said in the view's info line
+        warnings.simplefilter("ignore", UnverifiedCalibrationWarning)
+        return view_of(Calibration.parse(data, where))
 
 
 class CalibrationView(QWidget):

@@ -47,7 +47,7 @@ def describe_change(c: Command, model: FabricModel) -> str:
     if c.action == "set_heater":
         chip, ch = p["switch"], int(p["channel"])
         topo = model.topologies.get(chip)
-        cell = next((x.id for x in topo.cells.values() if ch in x.channels), None) if topo else None
+        cell = next((x.id for x in topo.cells if ch in x.channels), None) if topo else None
         where = f" (cell {cell}, now {model.cells.get(chip, {}).get(cell, {}).get('state', '?')})" \
             if cell else ""
         return (f"{chip}: set heater channel {ch}{where} to {float(p['volts']):.3f} V.\n"

@@ -14,9 +14,10 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer
 
+from photonic_testbed.common.topology import Topology, benes
 from photonic_testbed.gui.commands import Command, CommandResult, Commands
 from photonic_testbed.gui.model import FabricModel
-from photonic_testbed.gui.paths import Topology, trace
+from photonic_testbed.gui.paths import trace
 
 VMAX = 7.0           # the demo heaters' voltage limit
 V_PI = 5.0           # volts for a pi phase shift in the demo's made-up heaters
@@ -24,46 +25,7 @@ V_PI = 5.0           # volts for a pi phase shift in the demo's made-up heaters
 
 def benes_topology(ports: int = 16, name: str | None = None) -> dict[str, Any]:
     """A Benes network of 2x2 cells, drawn in 2 log2(N) - 1 columns, as a topology dict."""
-    if ports < 2 or ports & (ports - 1):
-        raise ValueError(f"a Benes network has a power-of-two number of ports >= 2, not {ports}")
-    cells: list[dict] = []
-    links: list[dict] = []
-
-    def cell(stage: int, row: int) -> str:
-        cid = f"s{stage}r{row}"
-        cells.append({"id": cid, "x": float(stage), "y": float(row), "channels": [len(cells)]})
-        return cid
-
-    def build(n: int, stage: int, row: int, sources: list[list]) -> list[list]:
-        if n == 2:
-            c = cell(stage, row)
-            links.append({"from": sources[0], "to": ["cell", c, 0]})
-            links.append({"from": sources[1], "to": ["cell", c, 1]})
-            return [["cell", c, 2], ["cell", c, 3]]
-        half = n // 2
-        firsts = [cell(stage, row + i) for i in range(half)]
-        for i, c in enumerate(firsts):
-            links.append({"from": sources[2 * i], "to": ["cell", c, 0]})
-            links.append({"from": sources[2 * i + 1], "to": ["cell", c, 1]})
-        upper = build(half, stage + 1, row, [["cell", c, 2] for c in firsts])
-        lower = build(half, stage + 1, row + half // 2, [["cell", c, 3] for c in firsts])
-        last_stage = stage + 2 * int(math.log2(n)) - 2
-        outs = []
-        for j in range(half):
-            c = cell(last_stage, row + j)
-            links.append({"from": upper[j], "to": ["cell", c, 0]})
-            links.append({"from": lower[j], "to": ["cell", c, 1]})
-            outs += [["cell", c, 2], ["cell", c, 3]]
-        return outs
-
-    outs = build(ports, 0, 0, [["port", p] for p in range(1, ports + 1)])
-    for k, end in enumerate(outs):
-        links.append({"from": end, "to": ["port", ports + 1 + k]})
-    cells.sort(key=lambda c: (c["x"], c["y"]))
-    for i, c in enumerate(cells):
-        c["channels"] = [i]
-    return {"kind": "benes", "name": name or f"benes{ports}", "ports": ports,
-            "cells": cells, "links": links}
+    return benes(ports, name).describe()
 
 
 def chip_circuits(topology: dict | Topology, cells: dict) -> dict[int, int]:

@@ -45,7 +45,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from photonic_testbed.gui.paths import Topology, TopologyError
+from photonic_testbed.common.topology import Topology, TopologyError
 from photonic_testbed.gui.series import SeriesStore
 from photonic_testbed.hil.journal import KINDS as JOURNAL_KINDS
 from photonic_testbed.hil.journal import Entry

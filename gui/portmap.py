@@ -422,8 +422,8 @@ class ChipView(SwitchView):
     # --- geometry ----------------------------------------------------------------------
     def _frame(self):
         topo = self.model.topologies[self.name]
-        xs = [c.x for c in topo.cells.values()] or [0.0]
-        ys = [c.y for c in topo.cells.values()] or [0.0]
+        xs = [c.x for c in topo.cells] or [0.0]
+        ys = [c.y for c in topo.cells] or [0.0]
         x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
         m = self._label_width()
         sx = max(1.0, self.width() - 2 * m) / (x_hi - x_lo + 2.6)
@@ -439,7 +439,7 @@ class ChipView(SwitchView):
     def _anchor(self, frame, end: tuple) -> QPointF:
         topo, fx, fy, sx, sy = frame
         if end[0] == "cell":
-            c = topo.cells[end[1]]
+            c = topo.cell(end[1])
             arm = end[2]
             dx = -0.25 if arm in (0, 1) else 0.25
             dy = -0.22 if arm in (0, 2) else 0.22
@@ -447,7 +447,7 @@ class ChipView(SwitchView):
         # A port sits one column outside the cell arm it is linked to.
         for _, other in topo.touching.get(end, ()):
             if other[0] == "cell":
-                c = topo.cells[other[1]]
+                c = topo.cell(other[1])
                 arm = other[2]
                 dx = -1.1 if arm in (0, 1) else 1.1
                 dy = -0.22 if arm in (0, 2) else 0.22
@@ -463,7 +463,7 @@ class ChipView(SwitchView):
 
     def cell_center(self, cid: str) -> QPointF:
         topo, fx, fy, _, _ = self._frame()
-        c = topo.cells[cid]
+        c = topo.cell(cid)
         return QPointF(fx(c.x), fy(c.y))
 
     def paths(self) -> dict[int, LightPath]:
@@ -487,7 +487,7 @@ class ChipView(SwitchView):
             topo = frame[0]
             links = [(self._anchor(frame, a), self._anchor(frame, b)) for a, b in topo.links]
             arms = {(cid, arm): self._anchor(frame, ("cell", cid, arm))
-                    for cid in topo.cells for arm in range(4)}
+                    for cid in (c.id for c in topo.cells) for arm in range(4)}
             ports = {end: self._anchor(frame, end) for end in topo.touching if end[0] == "port"}
             self._geo, self._geo_key = (frame, links, arms, ports), key
         return self._geo
@@ -581,7 +581,8 @@ class ChipView(SwitchView):
         p.setPen(QPen(GRID, 1))
         solid: list[QLineF] = []
         dashed: list[QLineF] = []
-        for cid, c in topo.cells.items():
+        for c in topo.cells:
+            cid = c.id
             st = cells.get(cid, {}).get("state")
             fill = CELL_FILL.get(st, EMPTY)
             flash = self.flashes.level(("cell", cid))

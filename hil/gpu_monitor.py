@@ -44,7 +44,7 @@ from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader
 from photonic_testbed.hil.gpu_health import FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth, classify
-from photonic_testbed.hil.rigfile import GpuConfig, Rig, monitor_device
+from photonic_testbed.hil.rig import GpuConfig, Rig, monitor_device
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,12 @@
 """`ptb calibrate`: calibrate a chip on a rig and write its calibration file.
 
-The rig is a rig file (hil/rigfile.py: its heater DAC, OCS input selector, power meter and
-laser), an endpoints JSON from `ptb emulate --endpoints`, or, for convenience, the name of an
-emulated rig, which is then started in this process. Progress is saved after every cell (temp
-file + rename) beside the output; Ctrl-C stops, and the same command continues from there.
+The rig is a rig file (hil.rig: its heater DAC, OCS input selector, power meter and laser), an
+endpoints JSON from `ptb emulate --endpoints`, or, for convenience, an emulated rig (a name, or
+a TOML file with an [emulator] table), which is then started in this process. With a rig file,
+the bus services of the devices it drives are asked first: while one runs, nothing is opened
+(one writer per device). Progress is saved after every cell (temp file + rename) beside the
+output; Ctrl-C stops, and the same command continues from there. `--resave FILE` rewrites a
+calibration file of an earlier version with its checksum.
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -25,12 +27,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="calibrate a chip (heater offsets, efficiencies, crosstalk)",
         description="Calibrate the chip of a rig cell by cell through its instruments and write "
-        "the calibration file (docs/calibration.md). --rig takes a rig file (TOML), or the "
-        "name of an emulated rig (e.g. lumion), which is then started inside this process for "
-        "convenience; --endpoints takes the JSON written by `ptb emulate --endpoints`. "
+        "the calibration file (docs/calibration.md). --rig takes a rig file (TOML), or an "
+        "emulated rig (its name, e.g. lumion, or a TOML file with an [emulator] table), which "
+        "is then started inside this process for convenience; --endpoints takes the JSON "
+        "written by `ptb emulate --endpoints`. With a rig file, calibration is refused while a "
+        "bus service of the rig drives the chip or the instruments (stop `ptb serve` first). "
         "Interrupt with Ctrl-C: progress is kept and the same command continues.")
     p.add_argument("--rig", metavar="NAME_OR_FILE",
-                   help="rig file, or an emulated rig's name (started in-process)")
+                   help="rig file, or an emulated rig's name or [emulator] TOML (started "
+                   "in-process)")
     p.add_argument("--endpoints", metavar="FILE", help="endpoints JSON of `ptb emulate`")
     p.add_argument("--topology", default="benes16",
                    help="chip topology with --endpoints (default benes16)")
@@ -43,6 +48,10 @@ def add_parser(sub) -> None:
                       help="instead of calibrating: measure a few cells against this "
                       "calibration file and say whether to recalibrate (exit 0: keep it, "
                       "exit 3: recalibrate)")
+    what.add_argument("--resave", metavar="FILE",
+                      help="instead of calibrating: read this calibration file (an earlier "
+                      "version without a checksum too) and write it again in the current "
+                      "version, with its checksum; needs no rig")
     p.add_argument("--drift-threshold-rad", type=float, default=0.05,
                    help="phase error above which --drift-check advises recalibrating "
                    "(default 0.05 rad)")
@@ -72,43 +81,101 @@ def add_parser(sub) -> None:
 # ---- finding the instruments ----------------------------------------------------------------
 
 def topology_by_name(name: str):
-    from photonic_testbed.drivers.topology import Topology, TopologyError, build
-    path = pathlib.Path(name)
-    if path.suffix == ".json":
-        try:
-            return Topology.from_dict(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, TopologyError) as e:
-            raise CommandFailed(f"cannot read the topology {path}: {e}") from None
-    m = re.fullmatch(r"([a-z]+)(\d+)", name)
-    if not m:
-        raise CommandFailed(f"topology {name!r} is neither a name like benes16 nor a JSON file")
+    """The chip topology a name ("benes16") or a JSON file stands for."""
+    from photonic_testbed.common.topology import TopologyError
+    from photonic_testbed.drivers.mesh import read_topology
     try:
-        return build(m.group(1), int(m.group(2)))
-    except (TopologyError, ValueError) as e:
+        return read_topology(name)
+    except TopologyError as e:
         raise CommandFailed(f"topology {name!r}: {e}") from None
 
 
-def endpoints_from_rigfile(path: str) -> tuple[dict[str, str], str, str]:
-    """(endpoints like `ptb emulate` writes, topology name, rig name) from a rig file."""
-    from photonic_testbed.hil import rigfile
+def read_rig(path: str):
+    from photonic_testbed.hil import rig as rigfile
     try:
-        rig = rigfile.load(path)
+        return rigfile.load(path)
     except rigfile.RigFileError as e:
         raise CommandFailed(str(e)) from None
+
+
+def endpoints_from_rig(rig) -> tuple[dict[str, str], dict[str, object]]:
+    """(endpoints like `ptb emulate` writes, the rig's device behind each) of a rig file."""
     ep: dict[str, str] = {}
+    used: dict[str, object] = {}
     heaters = rig.chip.heaters if rig.chip and rig.chip.heaters else ""
     for name, dev in rig.devices.items():
         if dev.kind in ("heater_dac", "chip") and (not heaters or name == heaters):
-            ep.setdefault("dac", dev.address)
+            key = "dac"
         elif dev.kind == "switch" and dev.driver.endswith("OpticalCircuitSwitch"):
-            ep.setdefault("ocs", dev.address)
+            key = "ocs"
         elif dev.kind == "power_meter":
-            ep.setdefault("powermeter", dev.address)
+            key = "powermeter"
         elif dev.kind == "laser":
-            ep.setdefault("laser", dev.address)
+            key = "laser"
+        else:
+            continue
+        if key not in ep:
+            ep[key], used[key] = dev.address, dev
     if rig.chip is None:
-        raise CommandFailed(f"rig file {path} names no chip to calibrate")
-    return ep, rig.chip.topology, rig.name
+        raise CommandFailed(f"rig file {rig.path} names no chip to calibrate")
+    return ep, used
+
+
+PROBE_S = 2.0        # how long a service on the bus may take to answer the ping
+
+
+def _serving(endpoint: str, keys) -> bool:
+    """Whether a bus service answers at `endpoint` (read-only `ping`). A refused TCP
+    connection settles it at once; anything listening gets the ping, and any answer (an error
+    too) means a service is there."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from photonic_testbed.hil.bus.client import BusError, ServiceClient, ServiceUnavailable
+    where = urlsplit(endpoint)
+    try:
+        with socket.create_connection((where.hostname, where.port), timeout=PROBE_S):
+            pass
+    except ConnectionRefusedError:
+        return False
+    except (OSError, ValueError):
+        pass                                  # unreachable or slow: let the ping decide
+    client = ServiceClient(endpoint, timeout=PROBE_S, keys=keys)
+    try:
+        client.call("ping")
+        return True
+    except ServiceUnavailable:
+        return False
+    except BusError:
+        return True
+    finally:
+        client.close()
+
+
+def refuse_if_served(rig, used: dict[str, object]) -> None:
+    """One writer per device: refuse to calibrate while a bus service of this rig drives the
+    chip's heater DAC (its `chip` or `heater_dac` service) or another instrument calibration
+    drives (the OCS, the laser, the power meter). Asked before any instrument is opened."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from photonic_testbed.hil.bus.security import KeyFileError
+    try:
+        keys = rig.client_keys()
+    except KeyFileError as e:
+        keys = None
+        log.warning("cannot read this host's bus keys (%s): services that check keys cannot "
+                    "be asked whether they run; the heater DAC's port lock still keeps a "
+                    "second writer out", e)
+    devices = [d for d in used.values() if not d.request.endswith(":0")]
+    with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
+        up = list(pool.map(lambda d: _serving(d.request, keys), devices))
+    running = [d for d, yes in zip(devices, up) if yes]
+    if running:
+        names = "; ".join(f"the {d.kind} service {d.name!r} at {d.request}" for d in running)
+        raise CommandFailed(f"{names} is running on the bus and drives "
+                            f"{'these devices' if len(running) > 1 else 'this device'}: stop "
+                            f"it (stop `ptb serve --rig {rig.path}`) before calibrating, so "
+                            "that one program at a time writes to the chip and its instruments")
 
 
 class Instruments(contextlib.ExitStack):
@@ -116,7 +183,7 @@ class Instruments(contextlib.ExitStack):
 
     def open(self, ep: dict[str, str], topology, args):
         from photonic_testbed.calibration.station import Station
-        from photonic_testbed.drivers.heater_dac import DACError, HeaterDAC
+        from photonic_testbed.drivers.heater_dac import DACError, HeaterDAC, PortInUse
         from photonic_testbed.drivers.laser import Laser
         from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
         from photonic_testbed.drivers.power_meter import PowerMeter
@@ -149,6 +216,8 @@ class Instruments(contextlib.ExitStack):
             self.callback(laser.close)
             laser.set_power_mw(args.laser_mw)
             laser.on()
+        except PortInUse as e:
+            raise CommandFailed(f"the heater DAC: {e}") from None
         except (DACError, InstrumentError, OSError) as e:
             raise CommandFailed(f"the {where} at {ep.get(_KEY[where])} does not answer: "
                                 f"{e}") from None
@@ -206,6 +275,8 @@ def _save_json(path: pathlib.Path, data: dict) -> None:
 # ---- the command ------------------------------------------------------------------------------
 
 def run(args) -> int:
+    if args.resave:
+        return _resave(pathlib.Path(args.resave))
     if bool(args.rig) == bool(args.endpoints):
         raise CommandFailed("give the rig: either --rig NAME_OR_FILE or --endpoints FILE")
     if not 0 <= args.averaging_s <= 10:
@@ -220,7 +291,8 @@ def run(args) -> int:
         raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
     if not 0 < args.drift_threshold_rad < 3.2:
         raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
-    if args.no_monitors and (args.endpoints or pathlib.Path(args.rig).exists()):
+    emulated_here = not args.endpoints and _emulated_here(args.rig)
+    if args.no_monitors and not emulated_here:
         raise CommandFailed("--no-monitors chooses the chip of an emulated rig started by "
                             "this command (--rig NAME); a running rig's chip is as it is")
     progress_path = pathlib.Path(args.progress or f"{out}.progress.json")
@@ -228,16 +300,22 @@ def run(args) -> int:
         rig_name, chip_id = "", ""
         if args.endpoints:
             try:
-                ep = json.loads(pathlib.Path(args.endpoints).read_text())
-            except (OSError, json.JSONDecodeError) as e:
+                ep = json.loads(pathlib.Path(args.endpoints).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
                 raise CommandFailed(f"cannot read endpoints {args.endpoints}: {e}") from None
-            topology = topology_by_name(args.topology)
-        elif pathlib.Path(args.rig).exists():
-            ep, topo_name, rig_name = endpoints_from_rigfile(args.rig)
-            topology = topology_by_name(topo_name)
+            if not isinstance(ep, dict) or not all(isinstance(v, str) for v in ep.values()):
+                raise CommandFailed(f"endpoints {args.endpoints}: expected a JSON object of "
+                                    "device -> address, as `ptb emulate --endpoints` writes")
+            topology = _feed_forward(topology_by_name(args.topology))
+        elif not emulated_here:
+            rig = read_rig(args.rig)
+            ep, used = endpoints_from_rig(rig)
+            topology = _feed_forward(topology_by_name(rig.chip.topology))
+            rig_name = rig.name
+            refuse_if_served(rig, used)
         else:
             ep, topo_name, rig_name = _start_emulated(stack, args)
-            topology = topology_by_name(topo_name)
+            topology = _feed_forward(topology_by_name(topo_name))
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
             calibration = _load_calibration(out, topology, chip_id, "the drift check")
@@ -249,13 +327,35 @@ def run(args) -> int:
 
 
 def _load_calibration(path: pathlib.Path, topology, chip_id: str, purpose: str):
-    from photonic_testbed.drivers.mesh import Calibration, CalibrationError
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration
     try:
-        calibration = Calibration.load(path)
+        calibration = read_calibration(path)
         calibration.check_chip(topology.name, chip_id)
-    except (CalibrationError, OSError) as e:
+    except CalibrationError as e:
         raise CommandFailed(f"cannot use {path} for {purpose}: {e}") from None
     return calibration
+
+
+def _resave(path: pathlib.Path) -> int:
+    """Read a calibration file and write it back in the current version (with a checksum)."""
+    import warnings
+
+    from photonic_testbed.common.calibration import CALIBRATION_VERSION, \
+        UnverifiedCalibrationWarning
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration, \
+        write_calibration
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnverifiedCalibrationWarning)
+            calibration = read_calibration(path)
+        write_calibration(calibration, path)
+    except (CalibrationError, OSError) as e:
+        raise CommandFailed(f"cannot re-save {path}: {e}") from None
+    what = "had its checksum already" if calibration.verified else \
+        "had no checksum: its values were checked one by one, not verified"
+    print(f"{path}: {len(calibration.heaters)} heaters written as version "
+          f"{CALIBRATION_VERSION} with a checksum (the file {what})")
+    return 0
 
 
 def _drift(station, calibration, args) -> int:
@@ -275,26 +375,44 @@ def _drift(station, calibration, args) -> int:
     return 3 if report.recalibrate else 0
 
 
+def _emulated_here(rig_arg: str) -> bool:
+    """Whether --rig names an emulated rig to start here (a name, or a TOML file with an
+    [emulator] table) rather than a rig file."""
+    from photonic_testbed.hil.rig import is_emulator_description
+    return not pathlib.Path(rig_arg).exists() or is_emulator_description(rig_arg)
+
+
+def _feed_forward(topology):
+    """Calibration (calibration.progressive) lights cells from the chip's inputs towards its
+    outputs: a recirculating mesh is refused here, before any instrument is touched."""
+    if topology.recirculating:
+        raise CommandFailed(f"{topology.name} is a recirculating ({topology.kind}) mesh: "
+                            "`ptb calibrate` calibrates feed-forward meshes (benes, clements) "
+                            "only; drive it with the ideal calibration (no calibration file)")
+    return topology
+
+
 def _start_emulated(stack, args):
-    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
-    from photonic_testbed.hil.rigfile import EMULATED_CHIPS
+    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.rig import RigFileError, rig_spec
     try:
         spec = rig_spec(args.rig)
-    except ValueError as e:
-        raise CommandFailed(f"--rig {args.rig!r} is not a file; {e}") from None
-    if args.rig not in EMULATED_CHIPS:
-        raise CommandFailed(f"the emulated rig {args.rig} has no chip to calibrate")
+    except RigFileError as e:
+        raise CommandFailed(f"--rig {args.rig!r}: {e}") from None
+    if not spec.chip_kind:
+        raise CommandFailed(f"the emulated rig {spec.name} has no chip to calibrate")
+    _feed_forward(topology_by_name(spec.chip_topology))
     rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0,
                       chip_monitors=not args.no_monitors)
     try:
         rig.start()
     except OSError as e:
-        raise CommandFailed(f"cannot start the emulated rig {args.rig}: {e}") from None
+        raise CommandFailed(f"cannot start the emulated rig {spec.name}: {e}") from None
     stack.callback(rig.close)
-    print(f"started the emulated rig {args.rig} (seed {args.seed}"
+    print(f"started the emulated rig {spec.name} (seed {args.seed}"
           f"{', chip without photodiodes' if args.no_monitors else ''}) in this process",
           file=sys.stderr)
-    return rig.endpoints, EMULATED_CHIPS[args.rig], args.rig
+    return rig.endpoints, spec.chip_topology, spec.name
 
 
 def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) -> int:
@@ -307,8 +425,8 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
     state = None
     if progress_path.exists() and not args.fresh:
         try:
-            state = json.loads(progress_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            state = json.loads(progress_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
             raise CommandFailed(f"cannot read the saved progress {progress_path}: {e} "
                                 "(use --fresh to start over)") from None
         print(f"continuing from {progress_path} ({len(state.get('fits', {}))} cells swept)",
@@ -340,7 +458,12 @@ def _calibrate(station, args, out, progress_path, rig_name, chip_id, base=None) 
             raise CommandFailed(f"cannot update {out}: {e}") from None
         print(f"{run_heaters} heaters calibrated again ({', '.join(args.cells)} and the cells "
               f"their light needs); the other {len(cal.heaters) - run_heaters} kept")
-    cal.save(out)
+    from photonic_testbed.drivers.mesh import CalibrationError, write_calibration
+    try:
+        write_calibration(cal, out)
+    except (CalibrationError, OSError) as e:
+        raise CommandFailed(f"cannot write {out}: {e}; progress is saved in "
+                            f"{progress_path}") from None
     progress_path.unlink(missing_ok=True)
     reads = (f"{station.counters.pd_reads} photodiode reads" if method == "monitors" else
              f"{station.counters.meter_reads} power meter reads")

@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--keep-open", action="store_true",
                    help="keep the GUI (and the rig under it) running after the demo, until "
                    "its window is closed")
+    p.add_argument("--job", choices=("emulated", "torch"), default="emulated",
+                   help="the training job: our emulated step loop (default), or a real "
+                   "PyTorch job whose failed rank a spare replaces in place (needs torch; "
+                   "ptb/demo_torch.py)")
     p.set_defaults(func=run)
 
 
@@ -135,12 +139,15 @@ def run(args) -> int:
                 prefix="ptb-demo-")))
         procs = Processes(workdir)
         stack.callback(procs.close)
+        if args.job == "torch":
+            from photonic_testbed.ptb import demo_torch
+            return demo_torch.demo(args, gpu, workdir, procs)
         return _demo(args, plan, gpu, workdir, procs)
     return 1
 
 
 def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
     from photonic_testbed.hil.emulator.control import ControlError, request
 
@@ -220,7 +227,7 @@ def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
                procs: Processes):
     """Calibrate the seeded chip through the rig's instruments (ptb calibrate), then name the
     calibration file in the rig file, so the chip service drives the chip with it."""
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     out = workdir / "calibration.json"
     say(t0, "calibrating the chip (ptb calibrate: fringes, crosstalk, refinement)")
     proc = procs.start("calibrate", "calibrate", "--rig", str(rig_path), "--out", str(out))

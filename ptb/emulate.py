@@ -9,7 +9,8 @@ import threading
 import zmq
 
 from photonic_testbed.hil.emulator.rack import RackError
-from photonic_testbed.hil.emulator.rig import RIGS, EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import RIGS, rig_spec
 from photonic_testbed.ptb.cli import CommandFailed
 
 log = logging.getLogger(__name__)
@@ -80,20 +81,20 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     rig = _start(spec, args)
     with contextlib.closing(rig):
-        from photonic_testbed.hil import rigfile
+        from photonic_testbed.hil import rig as rigfile
         from photonic_testbed.hil.rack_layout import LAYOUTS, layout
         gpus = ()
         if spec.name in LAYOUTS:
             gpus = tuple(rigfile.GpuConfig(g, atts[0].switch, atts[0].tx, g in lay.spares)
                          for lay in [layout(spec.name)] for g, atts in lay.gpus.items())
-        bus_rig = rigfile.for_emulator(spec.name, rig.endpoints, gpus=gpus)
+        bus_rig = rigfile.for_emulator(spec, rig.endpoints, gpus=gpus)
         if gpus:
             try:
                 rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints())
                 rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
             except RackError as e:
                 log.warning("no rack of GPUs: %s", e)
-                bus_rig = rigfile.for_emulator(spec.name, rig.endpoints)
+                bus_rig = rigfile.for_emulator(spec, rig.endpoints)
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         if args.write_rig:

@@ -10,7 +10,7 @@ import threading
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.bus.service import DeviceService, ServiceError
 from photonic_testbed.hil.bus.supervisor import Manager, SupervisorError
-from photonic_testbed.hil.rigfile import RigFileError, load
+from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,12 @@ import time
 import pytest
 import zmq
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
 from photonic_testbed.hil.bus.service import DeviceService
 from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.hil.jobplan import dp_ring
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import layout

@@ -17,7 +17,8 @@ from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
 from photonic_testbed.hil.bus.security import client_keys, generate
 from photonic_testbed.hil.bus.service import ServiceSpec
 from photonic_testbed.hil.bus.supervisor import Manager
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")    # the Qt test needs no display
 
@@ -352,7 +353,7 @@ def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
     restart) is asked again on a fresh socket and answers within the timeout."""
     from photonic_testbed.hil.bus.client import call_many
     from photonic_testbed.hil.bus.server import Server
-    from photonic_testbed.hil.rigfile import free_port
+    from photonic_testbed.hil.rig import free_port
 
     ctx = zmq.Context.instance()
     silent = ctx.socket(zmq.ROUTER)              # takes requests, never answers

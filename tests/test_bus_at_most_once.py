@@ -14,7 +14,8 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import FIRST_ATTEMPT_S, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.bus.service import KINDS, DeviceService, ServiceSpec
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.hil.jobplan import dp_ring
 
 SLOW_S = 2.5 * FIRST_ATTEMPT_S        # the client resends at least twice while it runs
@@ -102,12 +103,14 @@ def _device_args(service: DeviceService, op: str) -> dict:
         return {"volts": [0.5, 0.25], "first": 1}
     if op == "set_laser":
         return {"power_mw": 1.5}
+    if op == "load_calibration":
+        from photonic_testbed.common.calibration import Calibration
+        return {"calibration": Calibration.ideal(range(56), chip="benes16").dumps()}
     raise AssertionError(f"no example arguments for {op}")
 
 
 CHANGING_DEVICE_OPS = sorted({(kind, op) for kind, k in KINDS.items() for op in k.ops
-                              if not schema.OPERATIONS[op].read_only
-                              and op != "load_calibration"})
+                              if not schema.OPERATIONS[op].read_only})
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +180,37 @@ def test_every_server_declares_what_it_offers():
         assert set(kind.ops) <= set(schema.OPERATIONS)
     with pytest.raises(ValueError, match="not declared"):
         Server("x", {}, handlers={"launch": lambda args: None})
+
+
+def test_a_running_chip_takes_a_new_calibration_and_refuses_a_damaged_one(lumion):
+    """load_calibration on the chip service: the circuits made stay made (their heaters
+    derived again with the new file); a damaged file or one for another chip changes
+    nothing."""
+    from photonic_testbed.common.calibration import Calibration
+    spec = ServiceSpec("chip", "chip", lumion.endpoints["dac"], heartbeat=0.2,
+                       telemetry_hz=0.0, options={"topology": "benes16"})
+    service = DeviceService(spec)
+    endpoint = service.bind()[0]
+    try:
+        with serving(service.serve), ServiceClient(endpoint, timeout=10) as c:
+            c.call("apply_circuits", circuits=[[1, 18], [2, 17]])
+            before = c.call("read_heaters")["volts"]
+            shifted = Calibration.ideal(range(56), chip="benes16")
+            for h in shifted.heaters.values():
+                object.__setattr__(h, "offset_rad", 0.3)
+            got = c.call("load_calibration", calibration=shifted.dumps())
+            assert got["heaters_changed"] > 0
+            after = c.call("read_heaters")["volts"]
+            assert after != before
+            assert c.call("read_circuits")["circuits"][:2] == [[1, 18], [2, 17]]
+            text = shifted.dumps()
+            damaged = text.replace('"offset_rad": 0.3', '"offset_rad": 0.4', 1)
+            assert damaged != text
+            with pytest.raises(RemoteError, match="BadRequest.*checksum"):
+                c.call("load_calibration", calibration=damaged)
+            other = Calibration.ideal(range(56), chip="clements8").dumps()
+            with pytest.raises(RemoteError, match="BadRequest"):
+                c.call("load_calibration", calibration=other)
+            assert c.call("read_heaters")["volts"] == after
+    finally:
+        service.close()

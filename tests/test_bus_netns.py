@@ -58,7 +58,7 @@ def namespaces():
 
 CLIENT = textwrap.dedent("""\
     import json, sys
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.bus.client import ServiceClient, ServiceUnavailable
     from photonic_testbed.hil.bus.mirror import StateSubscriber
     from photonic_testbed.hil.bus.security import client_keys

@@ -16,8 +16,9 @@ import pytest
 from photonic_testbed.calibration.progressive import Graph
 from photonic_testbed.calibration.report import drift_check, write_report
 from photonic_testbed.calibration.run import calibrate
-from photonic_testbed.drivers.mesh import Calibration, CalibrationError, Mesh
-from photonic_testbed.drivers.topology import benes
+from photonic_testbed.common.topology import benes
+from photonic_testbed.drivers.mesh import CalibrationError, Mesh, read_calibration, \
+    write_calibration
 from tests.calibration_score import cell_extinctions, extinction_ok, extinction_scores, \
     heater_errors, lumion_station, permutation_errors, wrapped
 
@@ -111,15 +112,16 @@ def test_other_seeds_and_a_stronger_crosstalk_chip(tmp_path, seed, scale):
 def test_the_file_round_trips_and_the_mesh_refuses_another_chip(seed0, tmp_path):
     rig, station, cal = seed0
     path = tmp_path / "cal.json"
-    cal.save(path)
+    write_calibration(cal, path)
     assert not (tmp_path / "cal.json.tmp").exists()
     d = json.loads(path.read_text())
-    assert d["version"] == 2 and d["chip"] == "benes16" and d["rig"] == "lumion"
+    assert d["version"] == 3 and d["chip"] == "benes16" and d["rig"] == "lumion"
     assert d["date"].endswith("Z") and len(d["crosstalk"]) == 56
     assert {"sweep_v", "power", "fit_v", "fit_power", "extinction_db", "cross_extinction_db",
             "splitter_limited"} <= set(d["cells"]["s3r4"])
-    back = Calibration.load(path)
+    back = read_calibration(path)
     assert back.heaters == cal.heaters and np.allclose(back.crosstalk, cal.crosstalk)
+    assert back.verified and back.to_dict() == cal.to_dict()     # exactly what was written
     mesh = Mesh(benes(16), station.dac, path, own_dac=False)
     assert mesh.calibration.chip_id == cal.chip_id
     with pytest.raises(CalibrationError, match="benes8"):
@@ -192,7 +194,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
     text, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert f"continuing from {progress} ({swept} cells swept)" in err
-    cal = Calibration.load(out)
+    cal = read_calibration(out)
     cells = {h.cell for h in cal.heaters.values()}
     assert {"s3r0", "s3r5", "s0r0"} <= cells and len(cells) < 56
     assert not progress.exists()
@@ -200,7 +202,8 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
 
 
 def test_cli_fails_clearly_when_an_instrument_does_not_answer(tmp_path):
-    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.rig import rig_spec
     ep = tmp_path / "endpoints.json"
     with EmulatedRig(rig_spec("lumion"), seed=0, workdir=tmp_path,
                      switching_s=0.0) as rig:
@@ -224,8 +227,9 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 
 def test_cli_reads_a_rig_file(tmp_path):
-    from photonic_testbed.hil import rigfile
-    from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+    from photonic_testbed.hil import rig as rigfile
+    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.rig import rig_spec
     with EmulatedRig(rig_spec("lumion"), seed=3, workdir=tmp_path, switching_s=0.0) as rig:
         path = tmp_path / "rig.toml"
         rigfile.write(path, rigfile.for_emulator("lumion", rig.endpoints))
@@ -233,7 +237,7 @@ def test_cli_reads_a_rig_file(tmp_path):
                     "--cells", "s1r0", "--no-crosstalk")
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    cal = Calibration.load(tmp_path / "c.json")
+    cal = read_calibration(tmp_path / "c.json")
     assert cal.rig == "lumion" and {h.cell for h in cal.heaters.values()} >= {"s1r0", "s0r0"}
     truth = rig.chip.truth()
     ch = benes(16).cell("s1r0").channels[0]
@@ -245,7 +249,8 @@ def test_cli_drift_check_keeps_a_good_file_and_flags_another_chip(seed0, tmp_pat
     (recalibrate) on a chip whose truth differs (another seed: every offset has moved)."""
     _, _, cal = seed0
     path = tmp_path / "cal.json"
-    replace(cal, chip_id="lumion/benes16").save(path)      # the id `ptb calibrate` gives it
+    # the chip id `ptb calibrate` gives it
+    write_calibration(replace(cal, chip_id="lumion/benes16"), path)
     same = _ptb("calibrate", "--rig", "lumion", "--seed", "0", "--drift-check", str(path))
     out = "".join(same.communicate(timeout=120))
     assert same.returncode == 0, out
@@ -288,13 +293,13 @@ def test_a_run_of_a_few_cells_merges_into_the_whole_file(seed0):
 def test_cli_update_writes_the_cells_into_the_file(seed0, tmp_path):
     _, _, cal = seed0
     path = tmp_path / "cal.json"
-    replace(cal, chip_id="lumion/benes16").save(path)
+    write_calibration(replace(cal, chip_id="lumion/benes16"), path)
     proc = _ptb("calibrate", "--rig", "lumion", "--update", str(path), "--cells", "s1r2",
                 "--no-crosstalk")
     text, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "the other" in text and "kept" in text
-    back = Calibration.load(path)
+    back = read_calibration(path)
     assert len(back.heaters) == 56 and "updated" in back.cells["s1r2"]
     assert np.array_equal(back.crosstalk, cal.crosstalk)         # no crosstalk run: kept
     assert not (tmp_path / "cal.json.progress.json").exists()

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
+from photonic_testbed.common.topology import benes, clements
 from photonic_testbed.drivers.routing import benes_cell_states, clements_decompose
-from photonic_testbed.drivers.topology import benes, clements
 from photonic_testbed.hil.emulator.chip import (MONITOR_TAP, NOMINAL_P_PI_MW, OUTPUT_TAP, ChipError,
                                EmulatedChip, cell_matrix)
 
@@ -177,7 +177,7 @@ def test_bad_requests_are_refused_clearly(bad):
 
 
 def test_only_feed_forward_topologies_are_emulated():
-    from photonic_testbed.drivers.topology import square
+    from photonic_testbed.common.topology import square
     with pytest.raises(ChipError, match="feed-forward"):
         EmulatedChip(square(3).describe())
     d = benes(4).describe()

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import BadRequest, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Server
@@ -27,7 +27,7 @@ from photonic_testbed.hil.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtoo
     run_ethtool
 from photonic_testbed.hil.gpu_health import GpuHealth, GpuHealthUnavailable, NvmlHealth
 from photonic_testbed.hil.gpu_monitor import GpuMonitor, GpuMonitorError, map_nvml
-from photonic_testbed.hil.rigfile import GpuConfig, RigFileError
+from photonic_testbed.hil.rig import GpuConfig, RigFileError
 from tests.test_gpu_health import fake_nvml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

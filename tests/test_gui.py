@@ -14,6 +14,8 @@ from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
+from photonic_testbed.common.calibration import checksum  # noqa: E402
+from photonic_testbed.common.topology import Topology, TopologyError  # noqa: E402
 from photonic_testbed.gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
 from photonic_testbed.gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
                           Commands)
@@ -21,7 +23,7 @@ from photonic_testbed.gui.control import ManualControl, describe_change  # noqa:
 from photonic_testbed.gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
 from photonic_testbed.gui.events import EventsView  # noqa: E402
 from photonic_testbed.gui.model import FabricModel, ModelError  # noqa: E402
-from photonic_testbed.gui.paths import Topology, TopologyError, trace  # noqa: E402
+from photonic_testbed.gui.paths import trace  # noqa: E402
 from photonic_testbed.gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
 from photonic_testbed.gui.rack import RackView  # noqa: E402
 from photonic_testbed.gui.window import MainWindow  # noqa: E402
@@ -90,10 +92,10 @@ class ScriptedCommands(Commands):
 # --- pure parts ------------------------------------------------------------------------------
 def test_light_paths_follow_cell_states():
     topo = Topology.from_dict(BENES)
-    bar = {c: {"state": "bar"} for c in topo.cells}
+    bar = {c.id: {"state": "bar"} for c in topo.cells}
     for port in range(1, 17):
         assert trace(topo, bar, port).ends == {16 + port}
-    first = next(c for c in topo.cells if c.startswith("s0"))
+    first = next(c.id for c in topo.cells if c.id.startswith("s0"))
     crossed = {**bar, first: {"state": "cross"}}
     assert trace(topo, crossed, 1).ends == {18} and trace(topo, crossed, 2).ends == {17}
     split = trace(topo, {**bar, first: {"state": "partial"}}, 1)
@@ -255,27 +257,33 @@ def test_events_view_is_live_filterable_and_shows_latency(qtbot, tmp_path):
 
 
 def test_calibration_view_loads_a_file_and_refuses_bad_ones(qtbot, tmp_path):
-    data = demo_calibration(BENES, seed=2)
+    content = {**_file_v2(demo_calibration(BENES, seed=2)), "version": 3}
+    text = json.dumps({**content, "checksum": checksum(content)}, indent=1)
     good = tmp_path / "cal.json"
-    good.write_text(json.dumps(data))
+    good.write_text(text)
     view = CalibrationView()
     qtbot.addWidget(view)
     view.resize(1000, 700)
     view.show()
-    assert view.open(str(good))
-    assert view.cells.count() == 56
+    assert view.open(str(good)), view.error.text()
+    assert view.cells.count() == 56 and "checksum verified" in view.source.text()
     view.cells.setCurrentRow(5)
     rgb = pixels(view, tmp_path / "calibration.png")
     assert_not_blank(rgb, min_colours=20)
     orange = np.all(np.abs(rgb.astype(int) - [0xff, 0x9f, 0x1c]) < 20, axis=2)
     assert orange.sum() > 200, "the fitted fringe is not drawn"
     bad = tmp_path / "bad.json"
-    for text, message in (("{", "not JSON"), ('{"cells": {"a": {}}}', "lacks 'sweep_v'"),
-                          (json.dumps({**data, "crosstalk": [[1.0]]}), "crosstalk is")):
-        bad.write_text(text)
+    tampered = {**content, "crosstalk": [[1.0]]}
+    edited = text.replace('"p_pi_mw": 22.01', '"p_pi_mw": 22.02')
+    assert edited != text
+    for data, message in ((b"{", "not JSON"), (b'{"version": 3\xff}', "not UTF-8"),
+                          (edited.encode(), "checksum"),
+                          (json.dumps({**tampered, "checksum": checksum(tampered)}).encode(),
+                           "crosstalk: expected a 56 x 56 matrix")):
+        bad.write_bytes(data)
         with pytest.raises(CalibrationFileError, match=message):
             load_calibration(bad)
-        assert not view.open(str(bad)) and message.split("'")[0] in view.error.text()
+        assert not view.open(str(bad)) and message in view.error.text()
     with pytest.raises(CalibrationFileError, match="cannot read"):
         load_calibration(tmp_path / "missing.json")
 
@@ -414,7 +422,7 @@ def test_calibration_view_reads_the_calibration_file_format(qtbot, tmp_path):
     view.resize(1000, 700)
     view.show()
     assert view.open(str(path)), view.error.text()
-    assert view.cells.count() == 56
+    assert view.cells.count() == 56 and "no checksum: unverified" in view.source.text()
     assert "chip_id lumion/benes16" in view.source.text() and "rig lumion" in view.source.text()
     view.cells.setCurrentRow(1)
     assert "ch 1: P_pi 22.01 ± 0.01 mW" in view.note.text()
@@ -431,9 +439,9 @@ def test_calibration_view_reads_the_calibration_file_format(qtbot, tmp_path):
     assert view.open(str(path)) and view.cells.count() == 0
     assert "heater fits only" in view.source.text()
     for bad, message in (({**v2, "version": 7}, "version 7"),
-                         ({**v2, "channels": []}, "non-empty 'channels'"),
-                         ({**v2, "crosstalk": [[0.0]]}, r"crosstalk is \(1, 1\)"),
-                         ({**v2, "cells": {"s0r0": {"sweep_v": [1]}}}, "lacks 'power'")):
+                         ({**v2, "channels": []}, "non-empty list of heaters"),
+                         ({**v2, "crosstalk": [[0.0]]}, "crosstalk: expected a 56 x 56"),
+                         ({**v2, "cells": {"s0r0": {"sweep_v": [1]}}}, "a key 'channels'")):
         path.write_text(json.dumps(bad))
         with pytest.raises(CalibrationFileError, match=message):
             load_calibration(path)

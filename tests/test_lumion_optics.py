@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from photonic_testbed.common.topology import benes
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.mesh import Mesh
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.drivers.topology import benes
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 N = 16
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from photonic_testbed.common.topology import Topology, TopologyError, benes, clements, square
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, CircuitSwitch, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
-from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh
-from photonic_testbed.drivers.topology import Topology, benes, clements, square
+from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh, \
+    read_calibration, write_calibration
 from photonic_testbed.hil.emulator import chip as chip_physics
 from photonic_testbed.hil.emulator.chip import EmulatedChip
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 
 def random_circuits(n, seed):
@@ -66,8 +69,8 @@ def test_calibration_round_trips_through_its_file(tmp_path):
                                              float(rng.uniform(950, 1050))) for ch in range(3)},
                       rng.uniform(0, 0.03, (3, 3)) * (1 - np.eye(3)), "benes4")
     path = tmp_path / "cal.json"
-    cal.save(path)
-    back = Calibration.load(path)
+    write_calibration(cal, path)
+    back = read_calibration(path)
     assert back.heaters == cal.heaters and np.allclose(back.crosstalk, cal.crosstalk)
     phases = {0: 1.0, 1: 2.0, 2: 5.5}
     assert back.phases(back.voltages(phases)) == pytest.approx(phases)
@@ -82,9 +85,9 @@ def test_bad_calibration_files_are_refused_clearly(tmp_path, text):
     path = tmp_path / "cal.json"
     path.write_text(text)
     with pytest.raises(CalibrationError):
-        Calibration.load(path)
+        read_calibration(path)
     with pytest.raises(CalibrationError):
-        Calibration.load(tmp_path / "missing.json")
+        read_calibration(tmp_path / "missing.json")
 
 
 # ---- end to end over the pty ---------------------------------------------------------------------
@@ -145,17 +148,61 @@ def test_imperfect_chip_without_calibration_visibly_fails(rig, mesh):
     assert s.mean() < 0.2 and np.median(s) < 0.1 and s.max() < 0.5
     # A calibration that knows the chip (here, read from the truth) fixes it: calibration is
     # both necessary and sufficient.
-    t = rig.chip.truth()
-    cal = Calibration({ch: HeaterCalibration(float(t.offset_rad[i]), float(t.p_pi_mw[i]),
-                                             float(t.resistance_ohm[i]))
-                       for i, ch in enumerate(t.channels)}, t.crosstalk, "benes16", "truth")
-    good = Mesh(benes(16), mesh.dac, cal, own_dac=False)
+    good = Mesh(benes(16), mesh.dac, truth_calibration(rig.chip), own_dac=False)
     good.apply(circuits)
     assert shares(rig.chip, circuits).min() > 0.97
     assert good.circuits() == circuits
 
 
-# ---- a Clements chip, with the DAC board as a plain test double ----------------------------------
+def truth_calibration(chip) -> Calibration:
+    """The calibration that knows the emulated chip (read from its hidden truth)."""
+    t = chip.truth()
+    return Calibration({ch: HeaterCalibration(float(t.offset_rad[i]), float(t.p_pi_mw[i]),
+                                              float(t.resistance_ohm[i]))
+                        for i, ch in enumerate(t.channels)}, t.crosstalk, "benes16", "truth")
+
+
+@pytest.mark.parametrize("rig", [False], indirect=True)
+def test_a_running_mesh_takes_a_new_calibration(rig, mesh, tmp_path):
+    """`Mesh.load_calibration`: the circuits applied stay made, their heaters derived again
+    with the new calibration; a calibration that does not fit is refused before anything
+    changes."""
+    sent = mesh.lines_sent
+    assert mesh.load_calibration(Calibration.ideal(range(56), "benes16")) == 0
+    assert mesh.lines_sent == sent                     # no circuits yet: the heaters stay
+    circuits = random_circuits(16, 1)
+    mesh.apply(circuits)
+    assert shares(rig.chip, circuits).mean() < 0.2     # the ideal calibration scrambles them
+    path = tmp_path / "truth.json"
+    truth = truth_calibration(rig.chip)
+    write_calibration(truth, path)
+    damaged = tmp_path / "damaged.json"
+    damaged.write_bytes(path.read_bytes().replace(b'"p_pi_mw": 2', b'"p_pi_mw": 3', 1))
+    before = mesh.dac.voltages()
+    for wrong, message in ((replace(truth, chip="benes8"), "for chip 'benes8'"),
+                           (Calibration.ideal(range(8), "benes16"), "lacks heater channels"),
+                           (damaged, "checksum"), (tmp_path / "none.json", "cannot read")):
+        with pytest.raises(CalibrationError, match=message):
+            mesh.load_calibration(wrong)
+        assert mesh.dac.voltages() == before and mesh.calibration.source == "ideal"
+    assert mesh.load_calibration(path) > 0
+    assert mesh.calibration.source == str(path) and mesh.calibration.verified
+    assert shares(rig.chip, circuits).min() > 0.97
+    assert mesh.circuits() == circuits
+    sent = mesh.lines_sent
+    assert mesh.load_calibration(path) == 0 and mesh.lines_sent == sent   # same: nothing sent
+
+
+def test_a_mesh_takes_its_topology_by_name():
+    """`Mesh("benes16", dac)` as the docs write it: a name (or a JSON file) is read with
+    `read_topology`."""
+    mesh = Mesh("benes16", WiredDAC(None, 56))
+    assert mesh.topology == benes(16) and mesh.name == "benes16"
+    with pytest.raises(TopologyError, match="KIND\\+SIZE"):
+        Mesh("benes-16", WiredDAC(None, 56))
+
+
+# ---- a Clements chip, with the DAC board as a plain test double -------------------------------
 
 class WiredDAC:
     """Stands in for HeaterDAC: voltages go straight to the chip's heaters."""

@@ -8,15 +8,16 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from photonic_testbed.common.topology import Topology, hexagonal, square
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Calibration, Mesh
 from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, \
     trace_waveguides
-from photonic_testbed.drivers.topology import Topology, hexagonal, square
 from photonic_testbed.hil.emulator.chip import OUTPUT_TAP, ChipError
 from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip, make_chip
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 
 def random_pairs(topology, count, rng):

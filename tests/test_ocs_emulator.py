@@ -19,7 +19,8 @@ from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.drivers.scpi import DataOutOfRange, IllegalParameterValue, UndefinedHeader
 from photonic_testbed.hil.emulator.bench_optics import LASER_INGRESS
 from photonic_testbed.hil.emulator.control import ControlError, request
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -59,6 +59,7 @@ def test_the_wheel_has_one_top_level_name(wheel):
     assert f"{ROOT_NAME}/firmware/rp2040-board/main.py" in names
     assert f"{ROOT_NAME}/firmware/rp2040-board/hal_board.py" in names
     assert f"{ROOT_NAME}/firmware/core.py" in names
+    assert f"{ROOT_NAME}/hil/data/devils-dictionary.txt" in names     # the torch job's text
     assert not any(n.startswith(f"{ROOT_NAME}/firmware/rp2040-board/__init__") for n in names)
     assert not any(n.startswith("tests/") for n in names)
 

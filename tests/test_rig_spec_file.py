@@ -1,7 +1,9 @@
 """`ptb emulate --rig FILE.toml`: an emulated rig described in a file."""
 import pytest
 
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+
+from photonic_testbed.hil.rig import rig_spec
 
 
 def write(tmp_path, text):
@@ -22,7 +24,8 @@ def test_a_file_describes_a_rig_that_starts(tmp_path):
     ("[emulator]\nocs_ports = '8'\n", "emulator.ocs_ports must be int"),
     ("[emulator]\nports = 8\n", "emulator.ports is not a rig field"),
     ("[emulator]\nbase = 'nope'\n", "emulator.base must be one of"),
-    ("[emulator]\nchip_kind = 'benes'\nchip_ports = 8\n", "a chip needs heaters"),
+    ("[emulator]\nchip_kind = 'benes'\nchip_ports = 8\n", "dac_modules to at least 3"),
+    ("[emulator]\nchip_kind = 'benes'\nchip_ports = 12\ndac_modules = 3\n", r"2\^k ports"),
     ("[emulator]\nocs_ports = 5000\n", "must be in 0..1024"),
     ("[devices]\n", r"\[emulator\] table"),
     ("[emulator\n", "not valid TOML"),

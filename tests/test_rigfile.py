@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.rigfile import RigFileError
+from photonic_testbed.hil.rig import RigFileError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -100,6 +100,8 @@ def test_a_good_rig_file(tmp_path):
      r"rig.toml:7: bus.curve: expected true: endpoints off loopback need CURVE"),
     (('switch = "ocs"\nport = 1', 'switch = "oxc"\nport = 1'), r"gpus.switch: expected a device"),
     (('heaters = "heaters"', 'heaters = "dac"'), r"chip.heaters: expected a device name"),
+    (('topology = "benes16"', 'topology = "benes12"'),
+     r"rig.toml:\d+: chip.topology: expected a topology name or a .json file \(a Benes"),
     (('[rig]\nname = "bench-a"\n', ''), r"expected a key 'rig'"),
     (('name = "bench-a"', 'name = bench-a'), r"not valid TOML"),
 ])

@@ -28,6 +28,7 @@ import bisect
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -85,6 +86,12 @@ class Job:
     phase: Key
     rank_map: RankMap
     announced: RankMap = field(default_factory=dict)
+    ready: Key | None = None        # the phase set up ahead, while the job computed
+
+    def next_key(self, key: Key) -> Key:
+        """The (phase, round) a step runs after `key` (the first again after the last)."""
+        keys = list(self.circuits.targets)
+        return keys[(keys.index(key) + 1) % len(keys)]
 
     def key(self) -> Key:
         targets = self.circuits.targets
@@ -138,6 +145,7 @@ class Agent:
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
+        self._pool: ThreadPoolExecutor | None = None     # writes to several switches at once
         self._lock = threading.RLock()
 
     # --- jobs -----------------------------------------------------------------------------
@@ -226,22 +234,52 @@ class Agent:
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
         took: dict[str, dict[str, Any]] = {}
-        for s, c in todo.items():
-            t0 = self.clock()
-            try:
-                rep = self.switches[s].apply(c)
-            except SwitchError as e:
+        failed: list[tuple[str, SwitchError]] = []
+        for s, c, rep in self._write(todo):
+            if isinstance(rep, SwitchError):
                 self._current.pop(s, None)        # unknown now: read back at reconcile
-                self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
-                raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
-            took[s] = {"seconds": self.clock() - t0, "added": _pairs(rep.added),
+                failed.append((s, rep))
+                continue
+            rep, seconds = rep
+            took[s] = {"seconds": seconds, "added": _pairs(rep.added),
                        "removed": _pairs(rep.removed)}
             self._current[s] = dict(c)
             if record:
                 self.journal.record("applied", cause, took[s]["seconds"], switch=s,
                                     added=took[s]["added"], removed=took[s]["removed"],
                                     job=job.name, defer=True)
+        for s, e in failed:
+            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+        if failed:
+            s, e = failed[0]
+            raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
         return took
+
+    def _write(self, todo: dict[str, Circuits]):
+        """Apply each switch's circuits; different switches at once (an OCS moving its
+        mirrors does not wait for another). Yields (switch, circuits, (report, seconds) or
+        the SwitchError it raised), in `todo`'s order."""
+        def one(s: str, c: Circuits):
+            t0 = self.clock()
+            try:
+                return self.switches[s].apply(c), self.clock() - t0
+            except SwitchError as e:
+                return e
+        if len(todo) < 2:
+            for s, c in todo.items():
+                yield s, c, one(s, c)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.switches)),
+                                            thread_name_prefix="switch-write")
+        futures = [(s, c, self._pool.submit(one, s, c)) for s, c in todo.items()]
+        for s, c, f in futures:
+            yield s, c, f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _verify(self, points: list[tuple[str, int, int]], cause: str, since: float
                 ) -> list[tuple[str, int, int, float]]:
@@ -439,9 +477,8 @@ class Agent:
                              f"({len(self._free)} GPUs free in all)")
         if self.allocation == "best-fit":
             fits.sort()
-        servers = fits[0][2][:need]
-        gpus = [g for s in servers for g in self.layout.server_gpus[s]]
-        return dict(enumerate(gpus))
+        chosen = fits[0][2][:need]
+        return dict(enumerate(g for server in chosen for g in self.layout.server_gpus[server]))
 
     def release(self, job: str | None = None, cause: str = "") -> RankMap:
         """The job is done: its GPUs go back to the rack, its circuits are taken down."""
@@ -452,7 +489,7 @@ class Agent:
     def _release(self, job: Job, cause: str, journal: bool = True) -> RankMap:
         if journal:
             self.journal.record("decision", cause, action="release", job=job.name)
-        empty = {s: {} for s in job.circuits.targets[job.key()]}
+        empty: Targets = {s: {} for s in job.circuits.targets[job.key()]}
         self._apply(job, empty, cause)
         for parts in self._held.values():
             parts.pop(job.name, None)
@@ -471,7 +508,7 @@ class Agent:
             cause = f"phase {phase} round {round}"
             if len(self.jobs) > 1:
                 cause = f"{j.name}: {cause}"
-            previous, j.phase = j.phase, key
+            previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
             applied = self._apply(j, targets, cause, record=False)
             if self.verify_phases:
@@ -492,6 +529,36 @@ class Agent:
                 return      # the same phase again, nothing moved: no new journal entry
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
                                 job=j.name, applied=applied, prestaged=staged, defer=True)
+
+    def on_phase_done(self, phase: str, round: int = 0, job: str | None = None) -> Key | None:
+        """The job is done with (phase, round)'s links and computes before its next phase:
+        that phase's circuits are set up now, during the compute, so that the job finds them
+        up (and verified, with verify_phases) when it gets there. Returns the phase set up,
+        or None when there is nothing to do (one phase only)."""
+        with self._lock:
+            j = self.job(job)
+            key = (str(phase), int(round))
+            if key not in j.circuits.targets:
+                raise AgentError(f"job {j.name!r} has no phase {phase!r} round {round}")
+            if j.phase != key:
+                return None             # the job is elsewhere (a swap moved it): nothing staged
+            nxt = j.next_key(key)
+            if nxt == key:
+                return None
+            t0 = self.clock()
+            cause = f"phase {nxt[0]} round {nxt[1]} set up ahead"
+            if len(self.jobs) > 1:
+                cause = f"{j.name}: {cause}"
+            targets = j.circuits.refresh(nxt)
+            j.phase = nxt
+            applied = self._apply(j, targets, cause, record=False)
+            if self.verify_phases and self._verify(self._points(targets, None), cause, t0):
+                self._alarm(f"{cause}: circuits do not verify", phase=nxt[0], round=nxt[1])
+                return None
+            j.ready = nxt
+            self.journal.record("phase", cause, self.clock() - t0, phase=nxt[0], round=nxt[1],
+                                job=j.name, applied=applied, ahead=True, defer=True)
+            return nxt
 
     def on_job_event(self, event: Any) -> None:
         """A job event (an object or dict with kind, phase, round, details) from the job."""
@@ -841,7 +908,7 @@ class Agent:
         gone = [g for g in job.rank_map.values() if g not in set(new_map.values())]
         self._give_back(gone)
         self._take(job.name, [g for g in new_map.values() if g not in self._holder])
-        job.rank_map, job.circuits, job.phase = new_map, circuits, key
+        job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
         self._announce(job, cause, changed=None if degraded else
                        {circuits.rank_of[s]: s for s in swaps.values()})
         steps["announced"] = self.clock() - t0

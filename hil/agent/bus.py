@@ -36,7 +36,7 @@ from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import Attachment, RackLayout
-from photonic_testbed.hil.rigfile import Rig, RigFileError
+from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class AgentProcess:
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
+                      "phase_done": self._phase_done,
                       "job_report": self._job_report})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
@@ -208,6 +209,8 @@ class AgentProcess:
         return bound
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.sub is not None:
             self.sub.close()
             self.sub = None
@@ -335,6 +338,12 @@ class AgentProcess:
         self.agent.on_phase(phase, rnd, job=args["job"])
         return {"granted": True, "phase": phase, "round": rnd}
 
+    def _phase_done(self, args: dict) -> dict:
+        nxt = self.agent.on_phase_done(args["phase"], args["round"], job=args["job"])
+        if nxt is not None:
+            self._publish()          # the job looks for `ready` before it asks
+        return {"ready": list(nxt) if nxt else None}
+
     def _job_failure(self, args: dict) -> dict:
         out = self.agent.on_job_failure(args["reason"], args["gpus"],
                                         [tuple(x) for x in args["links"]], job=args["job"])
@@ -411,6 +420,7 @@ class AgentProcess:
             out[name] = {"plan": j.plan.name, "world": len(j.rank_map),
                          "rank_map": {str(r): g for r, g in j.rank_map.items()},
                          "phase": j.phase[0], "round": j.phase[1],
+                         "ready": list(j.ready) if j.ready else None,
                          "restart": self._order(name),
                          "report": dict(self._reports.get(name) or {})}
         return out

@@ -236,6 +236,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("phase", PhaseArgs, False, "a job's phase boundary; answered once the circuits "
               "are up and verified"),
     Operation("job_failure", JobFailure, False, "a job reports a failure it saw"),
+    Operation("phase_done", PhaseArgs, False, "a job is done with a phase's links and "
+              "computes: the next phase's circuits are set up meanwhile"),
     Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
     Operation("rejoin", Rejoin, False, "a running job tells a (re)started agent where it "
               "stands: plan, rank map, last restart order taken, waiting or not"),

@@ -30,6 +30,7 @@ import zmq
 
 from photonic_testbed.drivers.circuit_switch import CircuitSwitch
 from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.security import server_keys
 from photonic_testbed.hil.bus.server import Server
 
@@ -119,8 +120,10 @@ def _set_laser(laser, args):
 
 def _chip_state(mesh) -> dict:
     volts = list(mesh.dac.commanded)
+    cal = mesh.calibration
     return {"circuits": schema.circuits_to_wire(mesh.circuits()), "ports": mesh.ports,
-            "cells": mesh.cell_states(volts), "volts": volts}
+            "cells": mesh.cell_states(volts), "volts": volts,
+            "calibration": {"chip_id": cal.chip_id, "date": cal.date}}
 
 
 def _chip_apply(mesh, args):
@@ -136,6 +139,22 @@ def _chip_set_heaters(mesh, args):
     volts = list(mesh.dac.commanded)
     return {"lines": lines}, {"volts": volts, "cells": mesh.cell_states(volts),
                               "circuits": schema.circuits_to_wire(mesh.circuits())}
+
+
+def _chip_load_calibration(mesh, args):
+    """A new calibration file (its text) for the running chip: checked (a damaged file, or
+    one for another chip, is refused before anything changes), then the circuits' heaters
+    derived again with it."""
+    from photonic_testbed.common.calibration import Calibration, CalibrationError
+    try:
+        cal = Calibration.parse(args["calibration"], where="sent with load_calibration")
+        changed = mesh.load_calibration(cal)
+    except CalibrationError as e:       # (a CalibrationFileError is one)
+        raise BadRequest(str(e)) from None
+    volts = list(mesh.dac.commanded)
+    return ({"heaters_changed": changed, "chip_id": cal.chip_id, "method": cal.method},
+            {"volts": volts, "cells": functools.partial(mesh.cell_states, volts),
+             "calibration": {"chip_id": cal.chip_id, "date": cal.date}})
 
 
 def _chip_describe(mesh) -> dict:
@@ -180,7 +199,7 @@ KINDS: dict[str, DeviceKind] = {
     "chip": DeviceKind(
         "chip", "photonic_testbed.drivers.mesh:open_chip",
         ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
-             "set_heaters": _chip_set_heaters,
+             "set_heaters": _chip_set_heaters, "load_calibration": _chip_load_calibration,
              "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args)},
         state=_chip_state, describe=_chip_describe,
         telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),

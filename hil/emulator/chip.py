@@ -1,10 +1,10 @@
 """The programmable photonic chip, emulated: 2 x 2 MZI cells set by heaters, light as fields.
 
-The chip is built from a chip-topology description (the dict `drivers.topology` describes; the
-rig passes it in) and listens to the emulated DAC board: `set_voltage(ch, volts)` is the board's
-`on_output` callback. Light is injected at input ports (`set_inputs`), and read at the outputs
-(`transfer`, `output_power_mw`, the 1 % monitor taps `tap_power_mw`) and at the monitor
-photodiode of each cell (`monitor_current_ua`).
+The chip is built from a chip-topology description (the dict that common.topology's
+`Topology.describe` gives; the rig passes it in) and listens to the emulated DAC board:
+`set_voltage(ch, volts)` is the board's `on_output` callback. Light is injected at input
+ports (`set_inputs`), and read at the outputs (`transfer`, `output_power_mw`, the 1 % monitor
+taps `tap_power_mw`) and at the monitor photodiode of each cell (`monitor_current_ua`).
 
 A cell, with its hidden truth: coupler of power ratio r1 (bar fraction), the internal phase
 theta on the top arm, coupler r2, and (Clements cells) the external phase phi on the top input:
@@ -42,6 +42,7 @@ TAP_NOISE_FLOOR_MW = 1e-7     # detector noise floor (-70 dBm), standard deviati
 TAP_RELATIVE_NOISE = 1e-3
 DARK_CURRENT_UA = 1e-3
 MAX_VOLTS = 12.0
+SETTLED_TAUS = 30.0           # a heater this many time constants after a change has settled
 
 
 class ChipError(ValueError):
@@ -89,6 +90,11 @@ class EmulatedChip:
         self._volts = np.zeros(h)
         self._inputs = np.zeros(self.ports)
         self._mix = np.eye(h) + self.truth_.crosstalk
+        # The light is worked out again only when something changed (a heater, the inputs)
+        # or a heater is still warming up: a read of one port costs a lookup, not the chip.
+        self._version = 0
+        self._settled_at = 0.0            # when the last heater change has settled (clock)
+        self._cache: tuple[int, bool, np.ndarray] | None = None
 
     # ---- building ------------------------------------------------------------------------
 
@@ -210,25 +216,62 @@ class EmulatedChip:
             raise ChipError(f"{len(r)} heater resistances for channels up to "
                             f"{max(self.channels)}")
         with self._lock:
-            self.truth_ = replace(self.truth_, resistance_ohm=r[list(self.channels)])
+            self._truth = replace(self._truth, resistance_ohm=r[list(self.channels)])
             self._p_target = 1000.0 * self._volts ** 2 / self.truth_.resistance_ohm
+            self._changed(self._clock(), float(self.truth_.tau_s.max()))
 
     def set_voltage(self, channel: int, volts: float) -> None:
         """A DAC output changed; channels with no heater on this chip are ignored."""
         i = self._chan_index.get(channel)
         if i is None:
             return
+        volts = float(volts)
         with self._lock:
             now = self._clock()
-            p_now = self._heater_power(now)[i]
-            self._volts[i] = volts
-            self._p_start[i] = p_now
+            tau = float(self.truth_.tau_s[i])
+            target, start = float(self._p_target[i]), float(self._p_start[i])
+            decay = math.exp(-max(now - float(self._t_start[i]), 0.0) / tau)
+            self._p_start[i] = target + (start - target) * decay
             self._t_start[i] = now
-            self._p_target[i] = 1000.0 * volts * volts / self.truth_.resistance_ohm[i]
+            self._volts[i] = volts
+            self._p_target[i] = 1000.0 * volts * volts / float(self.truth_.resistance_ohm[i])
+            self._changed(now, tau)
 
     def set_voltages(self, volts: Mapping[int, float]) -> None:
-        for ch, v in volts.items():
-            self.set_voltage(ch, v)
+        """DAC outputs changed: each heater starts towards its new power from the power it
+        has now (what it touches: the changed heaters, not the chip)."""
+        pairs = [(self._chan_index[ch], float(v)) for ch, v in volts.items()
+                 if ch in self._chan_index]
+        if not pairs:
+            return
+        i = np.fromiter((k for k, _ in pairs), dtype=int, count=len(pairs))
+        v = np.fromiter((x for _, x in pairs), dtype=float, count=len(pairs))
+        with self._lock:
+            now = self._clock()
+            tau = self.truth_.tau_s[i]
+            decay = np.exp(-np.maximum(now - self._t_start[i], 0.0) / tau)
+            self._p_start[i] = self._p_target[i] + (self._p_start[i] - self._p_target[i]) * decay
+            self._t_start[i] = now
+            self._volts[i] = v
+            self._p_target[i] = 1000.0 * v * v / self.truth_.resistance_ohm[i]
+            self._changed(now, float(tau.max()))
+
+    @property
+    def truth_(self) -> ChipTruth:
+        return self._truth
+
+    @truth_.setter
+    def truth_(self, truth: ChipTruth) -> None:
+        """A new hidden truth (a test's drifted chip): the light is worked out afresh."""
+        self._truth = truth
+        if hasattr(self, "_version"):
+            with self._lock:
+                self._changed(self._clock(), 0.0)
+
+    def _changed(self, now: float, tau: float) -> None:
+        """Something the light depends on changed (caller holds the lock)."""
+        self._version += 1
+        self._settled_at = max(self._settled_at, now + SETTLED_TAUS * tau)
 
     def _heater_power(self, now: float) -> np.ndarray:
         """Heater powers (mW) as the waveguides feel them now, after the thermal lag."""
@@ -257,7 +300,21 @@ class EmulatedChip:
                            bottom_tap=MONITOR_TAP if self.monitors else 0.0)
 
     def _propagate(self) -> np.ndarray:
-        """Fields on every signal for unit fields at each input: (signals, ports)."""
+        """Fields on every signal for unit fields at each input: (signals, ports). Kept
+        while nothing changes and every heater has settled."""
+        with self._lock:
+            version, now = self._version, self._clock()
+            cached = self._cache
+            if cached is not None and cached[0] == version and cached[1]:
+                return cached[2]
+            settled = now >= self._settled_at
+        f = self._compute_fields()
+        with self._lock:
+            if self._version == version:
+                self._cache = (version, settled, f)
+        return f
+
+    def _compute_fields(self) -> np.ndarray:
         t = self.cell_matrices()
         n = self.ports
         f = np.zeros((n + 2 * len(self.cell_ids), n), dtype=complex)

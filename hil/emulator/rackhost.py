@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
+import signal
 import threading
 import time
 from typing import Any
@@ -40,6 +42,18 @@ log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 0.01        # how often the monitor looks at the GPUs (flapping ones change
                                # by themselves); a fault injected wakes it at once
 JOB_EVENTS_KEPT = 500
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat): with the pid, its identity (a
+    pid may be reused); "" where /proc is not there; None if no such process."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None if pathlib.Path("/proc/self").exists() else ""
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def plan_named(name: str, world: int) -> JobPlan:
@@ -145,9 +159,57 @@ class RackHost:
             control.register("rack_truth" if name == "truth" else name, wrapped)
             if name == "truth" and "truth" not in control.handlers:
                 control.register("truth", wrapped)
+        self._register_processes(control)
         control.register("job_start", self._job_start)
         control.register("job_status", lambda req: self.job_status())
         control.register("job_stop", lambda req: self._stop_job())
+
+    # --- processes on the GPUs (a GPU that falls off the bus takes its process down) -------
+    def _register_processes(self, control: ControlServer) -> None:
+        """`register_process` {gpu, pid}: that process runs on that GPU; `fail_gpu` then
+        SIGKILLs it, as a GPU falling off the bus ends the process using it."""
+        self._processes: dict[str, list[tuple[int, str | None]]] = {}
+        self._processes_lock = threading.Lock()
+        fail = control.handlers["fail_gpu"]
+
+        def fail_and_kill(req: dict) -> Any:
+            got = fail(req)
+            killed = self._kill_processes(str(req.get("gpu")))
+            return {**got, "killed": killed} if isinstance(got, dict) else got
+        control.register("fail_gpu", fail_and_kill)
+        control.register("register_process", self._register_process)
+
+    def _register_process(self, req: dict) -> dict:
+        gpu, pid = req.get("gpu"), req.get("pid")
+        if gpu not in self.layout.gpus:
+            raise ControlError(f"no GPU {gpu!r} in rack {self.layout.name!r}")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+            raise ControlError(f"pid must be another process's id, not {pid!r}")
+        started = _process_start(pid)
+        if started is None:
+            raise ControlError(f"no process {pid}")
+        with self._processes_lock:
+            live = [(p, s) for p, s in self._processes.get(gpu, ()) if _process_start(p) == s]
+            self._processes[gpu] = live + [(pid, started)]
+            return {"gpu": gpu, "pids": [p for p, _ in self._processes[gpu]]}
+
+    def _kill_processes(self, gpu: str) -> list[int]:
+        """SIGKILL the processes registered on `gpu` that are still the ones registered (a
+        reused pid is left alone)."""
+        with self._processes_lock:
+            procs = self._processes.pop(gpu, [])
+        killed = []
+        for pid, started in procs:
+            if _process_start(pid) != started:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if killed:
+            log.info("GPU %s failed: killed its process(es) %s", gpu, killed)
+        return killed
 
     def _kwargs(self, fn):
         def handler(req: dict) -> Any:

@@ -1,8 +1,9 @@
-"""Emulated rigs: which instruments a named rig has, and starting them on real wires.
+"""A running emulated rig: its instruments started on real wires.
 
-`EmulatedRig(spec, seed).start()` brings every instrument of the rig up (the DAC board behind
-a pty; SCPI instruments on loopback sockets) and returns the endpoints a lab script would be
-given. Nothing downstream imports this: it reads the endpoints.
+`EmulatedRig(spec, seed).start()` brings every instrument of a rig's spec up (the DAC board
+behind a pty; SCPI instruments on loopback sockets) and returns the endpoints a lab script would
+be given. What each rig is made of (`RigSpec`, the named `RIGS`, an [emulator] TOML) lives with
+the other rig facts in `hil.rig`. Nothing downstream imports this: it reads the endpoints.
 """
 from __future__ import annotations
 
@@ -13,106 +14,20 @@ import pathlib
 import shutil
 import tempfile
 import time
-import tomllib
-from dataclasses import dataclass
 
-from photonic_testbed.drivers.topology import build as build_topology
+from photonic_testbed.common.topology import build as build_topology
 from photonic_testbed.hil.emulator.bench_optics import OpticalBench
 from photonic_testbed.hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
 from photonic_testbed.hil.emulator.mesh_chip import make_chip
 from photonic_testbed.hil.emulator.control import ControlServer
 from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.hil.rig.emulated import RigSpec
 
 log = logging.getLogger(__name__)
 
 # A PDALL? reads every photodiode of the chain in one pass over the channels: one optical
 # solution serves the pass. A new pass, any heater write, or this age starts a new solution.
 PD_REFRESH_S = 0.002
-
-
-@dataclass(frozen=True)
-class RigSpec:
-    name: str
-    description: str
-    dac_modules: int = 0          # Q8iv modules of 8 channels in the heater DAC chain
-    ocs_ports: int = 0            # N of an N x N Polatis-class OCS (0: none)
-    meter_channels: int = 0       # ports of the N774x power meter (read OCS egress N+1..)
-    laser: bool = False           # an N7776C laser feeding OCS ingress 1
-    chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements
-    chip_ports: int = 0           # N ports; nodes per side for square/hexagonal meshes
-
-
-RIGS = {
-    "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards "
-                      "with monitor photodiodes; laser through a 16 x 16 OCS (input selector) "
-                      "into the chip; 16-port power meter on the chip's output taps",
-                      dac_modules=7, chip_kind="benes", chip_ports=16, ocs_ports=16,
-                      meter_channels=16, laser=True),
-    "hexmesh": RigSpec("hexmesh", "recirculating hexagonal mesh of 4 x 4 nodes (18 cells, "
-                       "16 edge ports) on a chain of 3 Q8iv boards with monitor photodiodes",
-                       dac_modules=3, chip_kind="hexagonal", chip_ports=4),
-    "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
-                    "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
-}
-
-
-def rig_spec(name: str) -> RigSpec:
-    """A named rig, or a TOML file describing one (docs/rigfile.md, "Emulated rigs")."""
-    if name.endswith(".toml") or os.sep in name:
-        return rig_spec_from_file(name)
-    try:
-        return RIGS[name]
-    except KeyError:
-        raise ValueError(f"unknown rig {name!r}; known rigs: {', '.join(sorted(RIGS))}, "
-                         "or a .toml file") from None
-
-
-_SPEC_FIELDS = {"name": str, "description": str, "dac_modules": int, "ocs_ports": int,
-                "meter_channels": int, "laser": bool, "chip_kind": str, "chip_ports": int}
-
-
-def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
-    """Read an `[emulator]` table: `base = "lumion"` (optional) and any RigSpec field."""
-    path = pathlib.Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read the rig file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from None
-    table = data.get("emulator")
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: an emulated rig is described in an [emulator] table")
-    fields = {}
-    base = table.get("base")
-    if base is not None:
-        if base not in RIGS:
-            raise ValueError(f"{path}: emulator.base must be one of {', '.join(sorted(RIGS))}, "
-                             f"not {base!r}")
-        fields = {k: v for k, v in RIGS[base].__dict__.items()
-                  if k not in ("name", "description")}
-    for key, value in table.items():
-        if key == "base":
-            continue
-        want = _SPEC_FIELDS.get(key)
-        if want is None:
-            raise ValueError(f"{path}: emulator.{key} is not a rig field; known: base, "
-                             f"{', '.join(_SPEC_FIELDS)}")
-        if type(value) is not want:
-            raise ValueError(f"{path}: emulator.{key} must be {want.__name__}, "
-                             f"not {type(value).__name__} {value!r}")
-        if want is int and not 0 <= value <= 1024:
-            raise ValueError(f"{path}: emulator.{key} must be in 0..1024, not {value}")
-        fields[key] = value
-    fields.setdefault("name", path.stem)
-    fields.setdefault("description", f"emulated rig from {path.name}")
-    if fields.get("chip_kind") and not fields.get("dac_modules"):
-        raise ValueError(f"{path}: a chip needs heaters: set emulator.dac_modules")
-    if fields.get("chip_kind") and fields.get("ocs_ports") and \
-            fields.get("ocs_ports") != fields.get("chip_ports"):
-        raise ValueError(f"{path}: the OCS is the chip's input selector: emulator.ocs_ports "
-                         "must equal emulator.chip_ports")
-    return RigSpec(**fields)
 
 
 class EmulatedRig:

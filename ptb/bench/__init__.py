@@ -11,7 +11,8 @@ import os
 import platform
 import time
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale")
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
+              "swap")
 
 
 def _module(name: str):

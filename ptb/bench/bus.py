@@ -17,7 +17,8 @@ from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Publisher
 from photonic_testbed.hil.bus.service import ServiceSpec
 from photonic_testbed.hil.bus.supervisor import Manager
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "bus"
 HELP = "bus round trip p50/p99, telemetry msgs/s to one subscriber, restart-to-usable time"

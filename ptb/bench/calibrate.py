@@ -13,12 +13,13 @@ from photonic_testbed.calibration.fringe import fit_fringe
 from photonic_testbed.calibration.progressive import Calibrator, CellFit
 from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.calibration.station import Station, heater_volts
+from photonic_testbed.common.topology import benes
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.drivers.topology import benes
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "calibrate"
 HELP = "full 56-cell chip calibration: wall time, measurements per cell, vs a 256-point sweep"

@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from photonic_testbed.drivers.heater_dac import HeaterDAC
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "dac"
 HELP = "all-channel heater updates: our driver vs the qontrol client (wall time, bytes)"

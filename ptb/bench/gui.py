@@ -73,7 +73,7 @@ def run(args) -> dict:
     from photonic_testbed.gui.demo import benes_topology, chip_circuits
     from photonic_testbed.gui.jobs import JobsView
     from photonic_testbed.gui.model import FabricModel
-    from photonic_testbed.gui.paths import Topology
+    from photonic_testbed.common.topology import Topology
     from photonic_testbed.gui.portmap import PortMapView
     from photonic_testbed.gui.trends import TrendsView
 

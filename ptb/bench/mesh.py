@@ -8,12 +8,13 @@ import time
 
 import numpy as np
 
+from photonic_testbed.common.topology import benes, hexagonal, square
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Mesh
 from photonic_testbed.drivers.routing import RoutingError, benes_route, clements_decompose, \
     route_mesh, route_waveguides, trace_waveguides
-from photonic_testbed.drivers.topology import benes, hexagonal, square
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "mesh"
 HELP = "chip routing: Benes looping, 9x9 mesh MILP, Clements vs the interferometer package"

@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch, format_circuits
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 NAME = "ocs"
 HELP = "32x32 OCS full-permutation reconfigurations: ONLY per map vs ADD/SUB per circuit"

@@ -8,7 +8,7 @@ import pathlib
 import tempfile
 import time
 
-from photonic_testbed.hil import rigfile
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.demo import Processes, _wait

@@ -3,7 +3,8 @@
 It names every device (its kind, driver and address: a serial port or a VISA resource), the
 chip (topology and calibration file), the GPUs and spares and the switch ports they attach to,
 and the bus (endpoints, heartbeat, CurveZMQ keys). Every command that takes `--rig FILE` reads
-it with `load()`, which refuses a bad file with the key, the line and what was expected.
+it with `load()`, which refuses a bad file with the key, the line and what was expected;
+`dumps()` and `write()` give the text that `parse()` reads back as the same rig.
 docs/rigfile.md describes every key.
 """
 from __future__ import annotations
@@ -14,178 +15,16 @@ import os
 import pathlib
 import re
 import tomllib
-from dataclasses import dataclass, field
 
-from photonic_testbed.hil.bus.security import ClientKeys, client_keys
-from photonic_testbed.hil.bus.service import KINDS, ServiceSpec
+from photonic_testbed.common.topology import TopologyError, topology_named
+from photonic_testbed.hil.bus.service import KINDS
+from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
+                                            GpuConfig, Rig, RigFileError)
 
 ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
 NVML_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 # A Linux interface name: at most 15 bytes, no slash or blank, not "." or "..".
 IFACE = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.:@-]{1,15}$")
-
-
-class RigFileError(ValueError):
-    """The rig file is missing, not TOML, or does not say what it must."""
-
-
-@dataclass(frozen=True)
-class DeviceConfig:
-    name: str
-    kind: str
-    address: str
-    driver: str = ""
-    request: str = ""            # endpoint clients connect to for requests
-    publish: str = ""            # endpoint subscribers connect to
-    options: dict = field(default_factory=dict)
-    telemetry_hz: float | None = None
-
-
-@dataclass(frozen=True)
-class ChipConfig:
-    topology: str                # a topology name ("benes16") or a JSON file
-    calibration: str = ""        # calibration file, "" when not calibrated yet
-    heaters: str = ""            # the device that drives the chip's heaters
-    switch: str = ""             # the device that offers the chip as a CircuitSwitch
-
-
-@dataclass(frozen=True)
-class GpuConfig:
-    name: str
-    switch: str
-    port: int
-    spare: bool = False
-    host: str = ""
-    # Which GPU of its host NVML calls it: an index (0, 1, ...) or a UUID ("GPU-8f3c...");
-    # None when nothing monitors this GPU's health on its host (docs/gpu-monitor.md).
-    nvml: int | str | None = None
-    iface: str = ""              # the Linux interface of its transceiver on this switch (DDM)
-    lane: int | None = None      # that transceiver's lane (1-based) on this port; None = all
-
-
-@dataclass(frozen=True)
-class BusConfig:
-    host: str = "127.0.0.1"
-    base_port: int = 5600
-    bind: str = ""               # address services bind ("" = the endpoint's own host)
-    curve: bool = True
-    server_key: str = ""         # server secret certificate (.key_secret)
-    server_public_key: str = ""  # server public certificate (.key), what clients check
-    authorized_keys: str = ""    # folder of client public certificates
-    client_key: str = ""         # this host's client secret certificate
-    heartbeat_s: float = 0.5
-    # The processes that are not device services: the agent (its state and its requests) and
-    # the GPU health monitor of the rack. "" = the default BASE + 2 * (devices + k).
-    agent_request: str = ""
-    agent_publish: str = ""
-    gpus_request: str = ""
-    gpus_publish: str = ""
-
-
-# The bus's non-device processes, in the order their default ports follow the devices'.
-PROCESSES = ("agent", "gpus")
-
-
-@dataclass(frozen=True)
-class Rig:
-    name: str
-    path: pathlib.Path | None
-    bus: BusConfig
-    devices: dict[str, DeviceConfig]
-    chip: ChipConfig | None = None
-    gpus: tuple[GpuConfig, ...] = ()
-    # host -> (request, publish) of that host's GPU monitor ([monitors.HOST]); empty: one
-    # monitor (the bus's gpus endpoints) for every GPU, as the emulated rack has
-    monitors: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def endpoints(self) -> dict[str, tuple[str, str]]:
-        """Device name -> (request endpoint, publish endpoint)."""
-        return {d.name: (d.request, d.publish) for d in self.devices.values()}
-
-    def process_endpoints(self) -> dict[str, tuple[str, str]]:
-        """The agent's and the GPU health monitor's (request, publish) endpoints."""
-        out = {}
-        for k, name in enumerate(PROCESSES):
-            base = self.bus.base_port + 2 * (len(self.devices) + k)
-            out[name] = (getattr(self.bus, f"{name}_request")
-                         or f"tcp://{self.bus.host}:{base}",
-                         getattr(self.bus, f"{name}_publish")
-                         or f"tcp://{self.bus.host}:{base + 1}")
-        return out
-
-    def agent_endpoints(self) -> tuple[str, str]:
-        """Where the agent answers requests and publishes its state (device name `agent`)."""
-        return self.process_endpoints()["agent"]
-
-    def gpus_endpoints(self) -> tuple[str, str]:
-        """Where the rack's GPU health monitor publishes (device name `gpus`)."""
-        return self.process_endpoints()["gpus"]
-
-    def gpu_monitors(self) -> dict[str, tuple[str, str]]:
-        """Device name -> (request, publish) of every GPU health monitor: `gpus-HOST` per host
-        of [monitors], or the one `gpus` of the whole rack."""
-        if self.monitors:
-            return {monitor_device(h): eps for h, eps in self.monitors.items()}
-        return {"gpus": self.gpus_endpoints()}
-
-    def monitor_of(self, gpu: str) -> str:
-        """The device name of the monitor that reports `gpu`'s health and light."""
-        if not self.monitors:
-            return "gpus"
-        host = next((g.host for g in self.gpus if g.name == gpu), None)
-        if host not in self.monitors:
-            raise RigFileError(f"GPU {gpu!r} is on no host of [monitors] "
-                               f"({', '.join(self.monitors)})")
-        return monitor_device(host)
-
-    def bind_endpoint(self, endpoint: str) -> str:
-        """What a process serving `endpoint` binds (the bus's `bind` address if set)."""
-        return self._bind(endpoint)
-
-    def _bind(self, endpoint: str) -> str:
-        if not self.bus.bind:
-            return endpoint
-        port = endpoint.rsplit(":", 1)[1]
-        return f"tcp://{self.bus.bind}:{port}"
-
-    def service_specs(self, names: list[str] | None = None) -> list[ServiceSpec]:
-        names = list(self.devices) if not names else names
-        unknown = [n for n in names if n not in self.devices]
-        if unknown:
-            raise RigFileError(f"no device named {', '.join(unknown)} in the rig; it has: "
-                               f"{', '.join(self.devices)}")
-        specs = []
-        for n in names:
-            d = self.devices[n]
-            options = dict(d.options)
-            if d.kind == "chip":
-                if self.chip is None:
-                    raise RigFileError(f"device {n} is a chip but the rig has no [chip] table "
-                                       "(its topology and calibration)")
-                options.setdefault("topology", self.chip.topology)
-                if self.chip.calibration:
-                    options.setdefault("calibration", self.chip.calibration)
-            specs.append(ServiceSpec(
-                name=d.name, kind=d.kind, address=d.address, driver=d.driver,
-                request=self._bind(d.request), publish=self._bind(d.publish),
-                options=options, heartbeat=self.bus.heartbeat_s,
-                telemetry_hz=d.telemetry_hz,
-                curve_secret=self.bus.server_key if self.bus.curve else None,
-                curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
-        return specs
-
-    def server_keys(self):
-        """The keys a process serving on this rig's bus binds with (None without CURVE)."""
-        if not self.bus.curve:
-            return None
-        from photonic_testbed.hil.bus.security import server_keys
-        return server_keys(self.bus.server_key, self.bus.authorized_keys)
-
-    def client_keys(self) -> ClientKeys | None:
-        """This host's client keys (None when the bus runs without CURVE)."""
-        if not self.bus.curve:
-            return None
-        return client_keys(self.bus.client_key, self.bus.server_public_key)
 
 
 # ---- reading and checking ---------------------------------------------------------------------
@@ -385,6 +224,11 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         topo = ch["topology"]
         if topo.endswith(".json"):
             topo = path(topo)
+        else:
+            try:
+                topology_named(topo)
+            except TopologyError as e:
+                c.fail("chip", "topology", f"a topology name or a .json file ({e})")
         chip = ChipConfig(topo, path(ch.get("calibration", "")), ch.get("heaters", ""),
                           ch.get("switch", ""))
 
@@ -446,11 +290,6 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
     return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors)
-
-
-def monitor_device(host: str) -> str:
-    """The bus device name of a host's GPU monitor."""
-    return f"gpus-{host}"
 
 
 def _check_gpu_monitoring(c: _Checker, g: dict, i: int, before: list[GpuConfig]) -> None:
@@ -565,56 +404,6 @@ def dumps(rig: Rig) -> str:
         out += ["", f"[monitors.{_toml_key(host)}]", f"request = {_toml_value(request)}",
                 f"publish = {_toml_value(publish)}"]
     return "\n".join(out) + "\n"
-
-
-# ---- a rig file for an emulated rig ------------------------------------------------------------
-
-# Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
-EMULATED_DEVICES = {
-    "dac": ("heaters", "heater_dac", ""),         # a rig with a chip serves it as `chip`
-    "ocs": ("ocs", "switch", "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"),
-    "powermeter": ("powermeter", "power_meter", ""),
-    "laser": ("laser", "laser", ""),
-}
-
-
-# Emulated rig name -> the chip topology it carries.
-EMULATED_CHIPS = {"lumion": "benes16"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS says is free now (for endpoints written into a rig file)."""
-    import socket
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def for_emulator(name: str, endpoints: dict[str, str], host: str = "127.0.0.1",
-                 gpus: tuple[GpuConfig, ...] = ()) -> Rig:
-    """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`.
-    A rig with a chip offers it as one `chip` device (the mesh driver owns the heater DAC);
-    `gpus` are the rack's GPUs (emulator's rack layout), with the agent's and the GPU health
-    monitor's endpoints on free ports."""
-    devices = {}
-    topology = EMULATED_CHIPS.get(name)
-    for key, address in endpoints.items():
-        if key not in EMULATED_DEVICES:
-            continue
-        dev, kind, driver = EMULATED_DEVICES[key]
-        if key == "dac" and topology:
-            dev, kind = "chip", "chip"
-        devices[dev] = DeviceConfig(dev, kind, address, driver,
-                                    f"tcp://{host}:{free_port(host)}",
-                                    f"tcp://{host}:{free_port(host)}")
-    if not devices:
-        raise RigFileError(f"the emulated rig {name} has no device the bus can serve")
-    chip = ChipConfig(topology, "", "", "chip" if "chip" in devices else "") if topology \
-        else None
-    procs = {f"{p}_{side}": f"tcp://{host}:{free_port(host)}"
-             for p in PROCESSES for side in ("request", "publish")}
-    return Rig(name, None, BusConfig(host=host, curve=False, **procs), devices, chip,
-               tuple(gpus))
 
 
 def write(path: str | os.PathLike, rig: Rig) -> None:

@@ -15,17 +15,28 @@ on the bus, the GUI draws it, the emulator builds its physics from it):
 `channels` are heater DAC channels, the internal phase first, then the external one if the cell
 has one. A recirculating mesh (square, hexagonal) also carries "nodes" and "edges": its cells
 sit on the edges of a lattice, light turns at the nodes, and port p enters at a boundary node.
+
+`topology_named("benes16")` builds a topology from its name (docs/chip.md lists the forms);
+`topology_from_json(text)` reads a description. Neither touches a file: callers read it.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 KINDS = ("benes", "clements", "square", "hexagonal")
+# Sizes beyond these are typing mistakes, not chips (and would take minutes to build).
+MAX_PORTS = {"benes": 1024, "clements": 256}
+MAX_SIDE = 64                    # nodes per side of a square or hexagonal lattice
 
 
 class TopologyError(ValueError):
-    """A topology cannot be built as asked, or a description does not hold together."""
+    """A topology cannot be built as asked, or a description does not hold together: the
+    message names the faulty cell, link or field."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +47,30 @@ class Cell:
     channels: tuple[int, ...]    # heater channels: internal phase, then external phase
 
 
+def _end(value: Any, cells: Mapping[str, int], ports: int, where: str) -> tuple:
+    """A link end as a tuple ("port", p) or ("cell", id, arm), checked against the chip."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == "port":
+        p = value[1]
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TopologyError(f"{where}: port number {p!r} is not an integer")
+        if not 1 <= p <= ports:
+            raise TopologyError(f"{where}: port {p} is outside 1..{ports}")
+        return ("port", p)
+    if isinstance(value, (list, tuple)) and len(value) == 3 and value[0] == "cell":
+        cell, arm = value[1], value[2]
+        if not isinstance(cell, str) or cell not in cells:
+            raise TopologyError(f"{where}: cell {cell!r} is not in the topology's cells")
+        if isinstance(arm, bool) or arm not in (0, 1, 2, 3):
+            raise TopologyError(f"{where}: arm {arm!r} of cell {cell!r} is not 0..3")
+        return ("cell", cell, int(arm))
+    raise TopologyError(f"{where}: an end is ['port', n] or ['cell', id, arm], not {value!r}")
+
+
 @dataclass(frozen=True)
 class Topology:
+    """A checked chip topology. Every link end names a cell of the chip (arm 0..3) or a port
+    (1..2N; 1..P on a recirculating mesh), and cell ids are unique: a topology that exists
+    holds together, however it was made."""
     kind: str
     name: str
     ports: int
@@ -50,16 +83,34 @@ class Topology:
     # Recirculating meshes only: the waveguides joining cell arms (and ports) at the nodes.
     joins: tuple[tuple[tuple, tuple], ...] = ()
     _index: dict = field(default=None, compare=False, repr=False)
+    # link end -> [(link index, the link's other end)]: where light goes from an end
+    _touching: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise TopologyError(f"unknown topology kind {self.kind!r}; known: {', '.join(KINDS)}")
+            raise TopologyError(f"topology kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if isinstance(self.ports, bool) or not isinstance(self.ports, int) or self.ports < 1:
+            raise TopologyError(f"topology ports must be an integer >= 1, not {self.ports!r}")
         index = {}
         for k, c in enumerate(self.cells):
             if c.id in index:
                 raise TopologyError(f"cell id {c.id!r} appears twice")
             index[c.id] = k
+        highest = self.ports if self.kind in ("square", "hexagonal") else 2 * self.ports
+        links, touching = [], {}
+        for i, (a, b) in enumerate(self.links):
+            a = _end(a, index, highest, f"link #{i} from")
+            b = _end(b, index, highest, f"link #{i} to")
+            links.append((a, b))
+            touching.setdefault(a, []).append((i, b))
+            touching.setdefault(b, []).append((i, a))
+        joins = tuple((_end(a, index, highest, f"join #{i}"), _end(b, index, highest,
+                                                                   f"join #{i}"))
+                      for i, (a, b) in enumerate(self.joins))
+        object.__setattr__(self, "links", tuple(links))
+        object.__setattr__(self, "joins", joins)
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_touching", touching)
 
     @property
     def recirculating(self) -> bool:
@@ -69,6 +120,14 @@ class Topology:
     def channels(self) -> int:
         """Heater channels used (one past the highest channel number)."""
         return 1 + max((ch for c in self.cells for ch in c.channels), default=-1)
+
+    @property
+    def touching(self) -> Mapping[tuple, list[tuple[int, tuple]]]:
+        """Link end -> [(link index, the link's other end)], for tracing light."""
+        return self._touching
+
+    def has_cell(self, cell_id: str) -> bool:
+        return cell_id in self._index
 
     def cell(self, cell_id: str) -> Cell:
         try:
@@ -93,18 +152,51 @@ class Topology:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Topology":
+    def from_dict(cls, d: Any) -> "Topology":
+        """A topology from its description (`describe()`'s shape, e.g. off the bus)."""
+        if not isinstance(d, Mapping):
+            raise TopologyError(f"a topology is a dict, not {type(d).__name__}")
+        missing = [k for k in ("kind", "name", "ports", "cells", "links") if k not in d]
+        if missing:
+            raise TopologyError(f"topology lacks {', '.join(missing)}")
+        if d["kind"] not in KINDS:
+            raise TopologyError(f"topology kind {d['kind']!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(d["cells"], list) or not isinstance(d["links"], list):
+            raise TopologyError("topology cells and links must be lists")
+        cells = []
+        for i, c in enumerate(d["cells"]):
+            try:
+                chans = c["channels"]
+                if not isinstance(chans, list) or not all(
+                        isinstance(ch, int) and not isinstance(ch, bool) and ch >= 0
+                        for ch in chans):
+                    raise ValueError("channels must be a list of heater channels >= 0")
+                cells.append(Cell(str(c["id"]), _number(c["x"]), _number(c["y"]),
+                                  tuple(chans)))
+            except (KeyError, TypeError, ValueError) as e:
+                raise TopologyError(f"cell #{i} ({c!r}) is malformed: {e}") from None
+        links = []
+        for i, link in enumerate(d["links"]):
+            if not isinstance(link, Mapping) or "from" not in link or "to" not in link:
+                raise TopologyError(f"link #{i} needs 'from' and 'to', got {link!r}")
+            links.append((link["from"], link["to"]))
         try:
-            cells = tuple(Cell(str(c["id"]), float(c["x"]), float(c["y"]),
-                               tuple(int(ch) for ch in c["channels"])) for c in d["cells"])
-            links = tuple((tuple(link["from"]), tuple(link["to"])) for link in d["links"])
-            return cls(str(d["kind"]), str(d["name"]), int(d["ports"]), cells, links,
-                       tuple(tuple(n) for n in d.get("nodes", ())),
-                       tuple(tuple(int(v) for v in e) for e in d.get("edges", ())),
-                       tuple(int(n) for n in d.get("port_nodes", ())),
-                       tuple((tuple(a), tuple(b)) for a, b in d.get("joins", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TopologyError(f"not a chip topology description: {e!r}") from None
+            nodes = tuple((_number(x), _number(y)) for x, y in d.get("nodes", ()))
+            edges = tuple((int(a), int(b)) for a, b in d.get("edges", ()))
+            port_nodes = tuple(int(n) for n in d.get("port_nodes", ()))
+            joins = tuple((tuple(a), tuple(b)) for a, b in d.get("joins", ()))
+            ports = d["ports"]
+        except (TypeError, ValueError) as e:
+            raise TopologyError(f"topology nodes, edges, port_nodes or joins malformed: "
+                                f"{e}") from None
+        return cls(str(d["kind"]), str(d["name"]), ports, tuple(cells), tuple(links),
+                   nodes, edges, port_nodes, joins)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite number")
+    return float(value)
 
 
 def cell_id(stage: int, row: int) -> str:
@@ -118,8 +210,10 @@ def benes_stages(n: int) -> int:
 
 
 def _check_power_of_two(n: int) -> None:
-    if not isinstance(n, int) or n < 2 or n & (n - 1):
-        raise TopologyError(f"a Benes network has N = 2^k >= 2 ports, not {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n & (n - 1) or \
+            n > MAX_PORTS["benes"]:
+        raise TopologyError(f"a Benes network has N = 2^k ports, 2..{MAX_PORTS['benes']}, "
+                            f"not {n!r}")
 
 
 def benes(n: int = 16, name: str | None = None) -> Topology:
@@ -166,8 +260,9 @@ def clements_cells(n: int) -> list[tuple[int, int]]:
 def clements(n: int = 8, name: str | None = None) -> Topology:
     """N x N rectangular (Clements) mesh: N columns, N(N-1)/2 cells, two heaters per cell
     (internal theta, external phi on the top input arm)."""
-    if not isinstance(n, int) or n < 2:
-        raise TopologyError(f"a Clements mesh has N >= 2 modes, not {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_PORTS["clements"]:
+        raise TopologyError(f"a Clements mesh has 2..{MAX_PORTS['clements']} modes, "
+                            f"not {n!r}")
     cells = []
     links = []
     last = [("port", m + 1) for m in range(n)]     # what feeds each mode so far
@@ -184,8 +279,10 @@ def clements(n: int = 8, name: str | None = None) -> Topology:
 # ---- Recirculating meshes ------------------------------------------------------------------------
 
 def _lattice(kind: str, rows: int, cols: int, name: str | None) -> Topology:
-    if not (isinstance(rows, int) and isinstance(cols, int)) or rows < 2 or cols < 2:
-        raise TopologyError(f"a {kind} mesh needs at least 2 x 2 nodes, not {rows!r} x {cols!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= MAX_SIDE
+               for v in (rows, cols)):
+        raise TopologyError(f"a {kind} mesh has 2..{MAX_SIDE} nodes a side, not "
+                            f"{rows!r} x {cols!r}")
     node = {(r, c): r * cols + c for r in range(rows) for c in range(cols)}
     edges = []
     for r in range(rows):
@@ -285,4 +382,34 @@ def build(kind: str, size: int) -> Topology:
     try:
         return makers[kind](size)
     except KeyError:
-        raise TopologyError(f"unknown topology kind {kind!r}; known: {', '.join(KINDS)}") from None
+        raise TopologyError(f"topology kind {kind!r} is not one of {', '.join(KINDS)}") from None
+
+
+_NAME = re.compile(r"(benes|clements)(\d{1,5})|(square|hexagonal)(\d{1,3})(?:x(\d{1,3}))?")
+
+
+def topology_named(name: str) -> Topology:
+    """The topology a name stands for: "benes16", "clements8" (N ports), "square9" or
+    "hexagonal4x5" (nodes per side, rows x columns). A lattice's name is always written
+    ROWSxCOLS: topology_named("hexagonal4").name == "hexagonal4x4"."""
+    m = _NAME.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        raise TopologyError(f"a topology is named KIND+SIZE (benes16, clements8, square9, "
+                            f"hexagonal4x5), not {name!r}")
+    if m.group(1):
+        return build(m.group(1), int(m.group(2)))
+    rows = int(m.group(4))
+    cols = int(m.group(5)) if m.group(5) else rows
+    return (square if m.group(3) == "square" else hexagonal)(rows, cols)
+
+
+def topology_from_json(text: str | bytes, where: str = "topology") -> Topology:
+    """A topology from the JSON text of its description (what `describe()` gives)."""
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TopologyError(f"{where} is not a JSON topology: {e}") from None
+    try:
+        return Topology.from_dict(data)
+    except TopologyError as e:
+        raise TopologyError(f"{where}: {e}") from None

@@ -1,0 +1,226 @@
+"""The emulated rigs: what each is made of (`RigSpec`), and the rig file that points at one.
+
+A spec names the instruments a rig has (heater DAC modules, the chip on them, the OCS, the
+power meter, the laser). The named rigs are `RIGS`; a TOML file with an `[emulator]` table
+describes another (docs/rigfile.md, "Emulated rigs"). `hil.emulator.rig.EmulatedRig` starts a
+spec's instruments on their wires; `for_emulator(spec, endpoints)` is the rig file (a `Rig`)
+whose devices are those instruments, chip included, so every command reads it like a lab's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import random
+import socket
+import tomllib
+from dataclasses import dataclass, fields
+
+from photonic_testbed.common.topology import TopologyError, build
+from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
+                                            GpuConfig, Rig, RigFileError)
+
+DAC_MODULE_CHANNELS = 8           # a Q8iv module drives 8 heaters
+
+
+@dataclass(frozen=True)
+class RigSpec:
+    name: str
+    description: str
+    dac_modules: int = 0          # Q8iv modules of 8 channels in the heater DAC chain
+    ocs_ports: int = 0            # N of an N x N Polatis-class OCS (0: none)
+    meter_channels: int = 0       # ports of the N774x power meter (read OCS egress N+1..)
+    laser: bool = False           # an N7776C laser feeding OCS ingress 1
+    chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements,
+    #                               square, hexagonal ("" = none)
+    chip_ports: int = 0           # N ports; nodes per side for square/hexagonal meshes
+
+    @property
+    def chip_topology(self) -> str:
+        """The chip's topology name ("benes16", "hexagonal4x4"), "" without a chip."""
+        return build(self.chip_kind, self.chip_ports).name if self.chip_kind else ""
+
+
+RIGS = {
+    "lumion": RigSpec("lumion", "16 x 16 Benes chip: 56 heaters on a chain of 7 Q8iv boards "
+                      "with monitor photodiodes; laser through a 16 x 16 OCS (input selector) "
+                      "into the chip; 16-port power meter on the chip's output taps",
+                      dac_modules=7, chip_kind="benes", chip_ports=16, ocs_ports=16,
+                      meter_channels=16, laser=True),
+    "hexmesh": RigSpec("hexmesh", "recirculating hexagonal mesh of 4 x 4 nodes (18 cells, "
+                       "16 edge ports) on a chain of 3 Q8iv boards with monitor photodiodes",
+                       dac_modules=3, chip_kind="hexagonal", chip_ports=4),
+    "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
+                    "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
+}
+
+
+def rig_spec(name: str) -> RigSpec:
+    """A named rig, or a TOML file describing one (docs/rigfile.md, "Emulated rigs")."""
+    if name.endswith(".toml") or os.sep in name:
+        return rig_spec_from_file(name)
+    try:
+        return RIGS[name]
+    except KeyError:
+        raise RigFileError(f"unknown rig {name!r}; known rigs: {', '.join(sorted(RIGS))}, "
+                           "or a .toml file") from None
+
+
+_SPEC_FIELDS = {f.name: {"str": str, "int": int, "bool": bool}[f.type]
+                for f in fields(RigSpec)}
+
+
+def _read_toml(path: pathlib.Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RigFileError(f"cannot read the rig file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise RigFileError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RigFileError(f"{path}: not valid TOML: {e}") from None
+
+
+def is_emulator_description(path: str | os.PathLike) -> bool:
+    """Whether a TOML file describes an emulated rig (an [emulator] table) rather than being a
+    rig file; False for a file that cannot be read as TOML (the rig file reader says why)."""
+    try:
+        return "emulator" in _read_toml(pathlib.Path(path))
+    except RigFileError:
+        return False
+
+
+def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
+    """Read an `[emulator]` table: `base = "lumion"` (optional) and any RigSpec field."""
+    path = pathlib.Path(path)
+    table = _read_toml(path).get("emulator")
+    if not isinstance(table, dict):
+        raise RigFileError(f"{path}: an emulated rig is described in an [emulator] table")
+    spec_fields = {}
+    base = table.get("base")
+    if base is not None:
+        if base not in RIGS:
+            raise RigFileError(f"{path}: emulator.base must be one of "
+                               f"{', '.join(sorted(RIGS))}, not {base!r}")
+        spec_fields = {k: v for k, v in RIGS[base].__dict__.items()
+                       if k not in ("name", "description")}
+    for key, value in table.items():
+        if key == "base":
+            continue
+        want = _SPEC_FIELDS.get(key)
+        if want is None:
+            raise RigFileError(f"{path}: emulator.{key} is not a rig field; known: base, "
+                               f"{', '.join(_SPEC_FIELDS)}")
+        if type(value) is not want:
+            raise RigFileError(f"{path}: emulator.{key} must be {want.__name__}, "
+                               f"not {type(value).__name__} {value!r}")
+        if want is int and not 0 <= value <= 1024:
+            raise RigFileError(f"{path}: emulator.{key} must be in 0..1024, not {value}")
+        spec_fields[key] = value
+    spec_fields.setdefault("name", path.stem)
+    spec_fields.setdefault("description", f"emulated rig from {path.name}")
+    spec = RigSpec(**spec_fields)
+    if spec.chip_kind:
+        try:
+            topology = build(spec.chip_kind, spec.chip_ports)
+        except TopologyError as e:
+            raise RigFileError(f"{path}: emulator.chip_kind and chip_ports: {e}") from None
+        heaters = spec.dac_modules * DAC_MODULE_CHANNELS
+        if heaters < topology.channels:
+            need = -(-topology.channels // DAC_MODULE_CHANNELS)
+            raise RigFileError(f"{path}: the chip {topology.name} has {topology.channels} "
+                               f"heaters: set emulator.dac_modules to at least {need} (it "
+                               f"drives {heaters})")
+        if spec.ocs_ports and spec.ocs_ports != topology.ports:
+            raise RigFileError(f"{path}: the OCS is the chip's input selector: "
+                               f"emulator.ocs_ports must equal the chip's {topology.ports} "
+                               "ports")
+    return spec
+
+
+# ---- the rig file of an emulated rig -----------------------------------------------------------
+
+# Endpoint keys that `ptb emulate` reports -> (device name, kind, driver) in the rig file.
+EMULATED_DEVICES = {
+    "dac": ("heaters", "heater_dac", ""),         # a rig with a chip serves it as `chip`
+    "ocs": ("ocs", "switch", "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"),
+    "powermeter": ("powermeter", "power_meter", ""),
+    "laser": ("laser", "laser", ""),
+}
+
+
+# Where rig-file ports are drawn from: below the range the OS hands out for bind(0) and for
+# outgoing connections, so that nothing takes one by chance between the writing of the rig file
+# and the service binding it (an emulator reconnecting to an agent not yet up tries a new local
+# port every 100 ms).
+PORTS_FROM = 10_000
+
+
+def _ephemeral_start() -> int:
+    """The lowest port the OS hands out by itself (Linux says; elsewhere the IANA range)."""
+    try:
+        text = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different TCP ports free now, for endpoints written into a rig file: drawn at
+    random below the OS's ephemeral range (see PORTS_FROM) and each bound while the others are
+    sought, so none repeats; from the OS's own choice (bind to port 0) if that range is full."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    top = _ephemeral_start()
+    draw = random.Random()
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        tries = 0
+        while len(ports) < count:
+            tries += 1
+            port = draw.randrange(PORTS_FROM, top) if top > PORTS_FROM + 1000 and \
+                tries <= 50 * count else 0
+            s = stack.enter_context(socket.socket(family))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS says is free now."""
+    return free_ports(1, host)[0]
+
+
+def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "127.0.0.1",
+                 gpus: tuple[GpuConfig, ...] = ()) -> Rig:
+    """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`
+    (`spec` a RigSpec, or a name or file `rig_spec` reads). A rig with a chip offers it as one
+    `chip` device (the mesh driver owns the heater DAC) and names its topology in [chip];
+    `gpus` are the rack's GPUs (emulator's rack layout), with the agent's and the GPU health
+    monitor's endpoints on free ports."""
+    if not isinstance(spec, RigSpec):
+        spec = rig_spec(spec)
+    topology = spec.chip_topology
+    served = {k: a for k, a in endpoints.items() if k in EMULATED_DEVICES}
+    ports = iter(free_ports(2 * (len(served) + len(PROCESSES)), host))
+    devices = {}
+    for key, address in served.items():
+        dev, kind, driver = EMULATED_DEVICES[key]
+        if key == "dac" and topology:
+            dev, kind = "chip", "chip"
+        devices[dev] = DeviceConfig(dev, kind, address, driver, f"tcp://{host}:{next(ports)}",
+                                    f"tcp://{host}:{next(ports)}")
+    if not devices:
+        raise RigFileError(f"the emulated rig {spec.name} has no device the bus can serve")
+    chip = None
+    if topology:
+        if "chip" not in devices:
+            raise RigFileError(f"the emulated rig {spec.name} has a chip but no heater DAC "
+                               "endpoint (dac) to drive it")
+        chip = ChipConfig(topology, "", "", "chip")
+    procs = {f"{p}_{side}": f"tcp://{host}:{next(ports)}"
+             for p in PROCESSES for side in ("request", "publish")}
+    return Rig(spec.name, None, BusConfig(host=host, curve=False, **procs), devices, chip,
+               tuple(gpus))

@@ -1,0 +1,180 @@
+"""What a rig is made of, as values: devices, the chip, GPUs, GPU monitors and the bus.
+
+`hil.rig.file` reads and writes these from the rig file (TOML, docs/rigfile.md);
+`hil.rig.emulated` makes them for the emulated rigs.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+
+from photonic_testbed.hil.bus.security import ClientKeys, client_keys
+from photonic_testbed.hil.bus.service import ServiceSpec
+
+
+class RigFileError(ValueError):
+    """The rig file is missing, not TOML, or does not say what it must."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: str
+    kind: str
+    address: str
+    driver: str = ""
+    request: str = ""            # endpoint clients connect to for requests
+    publish: str = ""            # endpoint subscribers connect to
+    options: dict = field(default_factory=dict)
+    telemetry_hz: float | None = None
+
+
+@dataclass(frozen=True)
+class ChipConfig:
+    topology: str                # a topology name ("benes16") or a JSON file
+    calibration: str = ""        # calibration file, "" when not calibrated yet
+    heaters: str = ""            # the device that drives the chip's heaters
+    switch: str = ""             # the device that offers the chip as a CircuitSwitch
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    name: str
+    switch: str
+    port: int
+    spare: bool = False
+    host: str = ""
+    # Which GPU of its host NVML calls it: an index (0, 1, ...) or a UUID ("GPU-8f3c...");
+    # None when nothing monitors this GPU's health on its host (docs/gpu-monitor.md).
+    nvml: int | str | None = None
+    iface: str = ""              # the Linux interface of its transceiver on this switch (DDM)
+    lane: int | None = None      # that transceiver's lane (1-based) on this port; None = all
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    host: str = "127.0.0.1"
+    base_port: int = 5600
+    bind: str = ""               # address services bind ("" = the endpoint's own host)
+    curve: bool = True
+    server_key: str = ""         # server secret certificate (.key_secret)
+    server_public_key: str = ""  # server public certificate (.key), what clients check
+    authorized_keys: str = ""    # folder of client public certificates
+    client_key: str = ""         # this host's client secret certificate
+    heartbeat_s: float = 0.5
+    # The processes that are not device services: the agent (its state and its requests) and
+    # the GPU health monitor of the rack. "" = the default BASE + 2 * (devices + k).
+    agent_request: str = ""
+    agent_publish: str = ""
+    gpus_request: str = ""
+    gpus_publish: str = ""
+
+
+# The bus's non-device processes, in the order their default ports follow the devices'.
+PROCESSES = ("agent", "gpus")
+
+
+@dataclass(frozen=True)
+class Rig:
+    name: str
+    path: pathlib.Path | None
+    bus: BusConfig
+    devices: dict[str, DeviceConfig]
+    chip: ChipConfig | None = None
+    gpus: tuple[GpuConfig, ...] = ()
+    # host -> (request, publish) of that host's GPU monitor ([monitors.HOST]); empty: one
+    # monitor (the bus's gpus endpoints) for every GPU, as the emulated rack has
+    monitors: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def endpoints(self) -> dict[str, tuple[str, str]]:
+        """Device name -> (request endpoint, publish endpoint)."""
+        return {d.name: (d.request, d.publish) for d in self.devices.values()}
+
+    def process_endpoints(self) -> dict[str, tuple[str, str]]:
+        """The agent's and the GPU health monitor's (request, publish) endpoints."""
+        out = {}
+        for k, name in enumerate(PROCESSES):
+            base = self.bus.base_port + 2 * (len(self.devices) + k)
+            out[name] = (getattr(self.bus, f"{name}_request")
+                         or f"tcp://{self.bus.host}:{base}",
+                         getattr(self.bus, f"{name}_publish")
+                         or f"tcp://{self.bus.host}:{base + 1}")
+        return out
+
+    def agent_endpoints(self) -> tuple[str, str]:
+        """Where the agent answers requests and publishes its state (device name `agent`)."""
+        return self.process_endpoints()["agent"]
+
+    def gpus_endpoints(self) -> tuple[str, str]:
+        """Where the rack's GPU health monitor publishes (device name `gpus`)."""
+        return self.process_endpoints()["gpus"]
+
+    def gpu_monitors(self) -> dict[str, tuple[str, str]]:
+        """Device name -> (request, publish) of every GPU health monitor: `gpus-HOST` per host
+        of [monitors], or the one `gpus` of the whole rack."""
+        if self.monitors:
+            return {monitor_device(h): eps for h, eps in self.monitors.items()}
+        return {"gpus": self.gpus_endpoints()}
+
+    def monitor_of(self, gpu: str) -> str:
+        """The device name of the monitor that reports `gpu`'s health and light."""
+        if not self.monitors:
+            return "gpus"
+        host = next((g.host for g in self.gpus if g.name == gpu), None)
+        if host not in self.monitors:
+            raise RigFileError(f"GPU {gpu!r} is on no host of [monitors] "
+                               f"({', '.join(self.monitors)})")
+        return monitor_device(host)
+
+    def bind_endpoint(self, endpoint: str) -> str:
+        """What a process serving `endpoint` binds (the bus's `bind` address if set)."""
+        return self._bind(endpoint)
+
+    def _bind(self, endpoint: str) -> str:
+        if not self.bus.bind:
+            return endpoint
+        port = endpoint.rsplit(":", 1)[1]
+        return f"tcp://{self.bus.bind}:{port}"
+
+    def service_specs(self, names: list[str] | None = None) -> list[ServiceSpec]:
+        names = list(self.devices) if not names else names
+        unknown = [n for n in names if n not in self.devices]
+        if unknown:
+            raise RigFileError(f"no device named {', '.join(unknown)} in the rig; it has: "
+                               f"{', '.join(self.devices)}")
+        specs = []
+        for n in names:
+            d = self.devices[n]
+            options = dict(d.options)
+            if d.kind == "chip":
+                if self.chip is None:
+                    raise RigFileError(f"device {n} is a chip but the rig has no [chip] table "
+                                       "(its topology and calibration)")
+                options.setdefault("topology", self.chip.topology)
+                if self.chip.calibration:
+                    options.setdefault("calibration", self.chip.calibration)
+            specs.append(ServiceSpec(
+                name=d.name, kind=d.kind, address=d.address, driver=d.driver,
+                request=self._bind(d.request), publish=self._bind(d.publish),
+                options=options, heartbeat=self.bus.heartbeat_s,
+                telemetry_hz=d.telemetry_hz,
+                curve_secret=self.bus.server_key if self.bus.curve else None,
+                curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
+        return specs
+
+    def server_keys(self):
+        """The keys a process serving on this rig's bus binds with (None without CURVE)."""
+        if not self.bus.curve:
+            return None
+        from photonic_testbed.hil.bus.security import server_keys
+        return server_keys(self.bus.server_key, self.bus.authorized_keys)
+
+    def client_keys(self) -> ClientKeys | None:
+        """This host's client keys (None when the bus runs without CURVE)."""
+        if not self.bus.curve:
+            return None
+        return client_keys(self.bus.client_key, self.bus.server_public_key)
+
+
+def monitor_device(host: str) -> str:
+    """The bus device name of a host's GPU monitor."""
+    return f"gpus-{host}"

@@ -1,0 +1,212 @@
+"""`ptb demo --job torch`: the stack with a real PyTorch training job in the loop.
+
+The same processes as `ptb demo` (emulated rig, services, agent, the GUI when there is a
+display), then the job's controller (`python -m photonic_testbed.hil.torch_job launch`) with a
+rank process on each GPU of the rank map and a warm standby on each spare. After `--seconds`
+of training one GPU fails (the emulator takes its process down) and the timeline is printed:
+the failure, the agent's detection, circuits applied and verified, the restart order, the
+survivors abandoning their all-reduce, the new communicator, the state sent to the spare and
+its first step; then the loss and throughput before and after.
+
+- lumion: data-parallel over 8 ranks with 2 spares: the spare takes the rank in place.
+- opus: tensor-parallel pairs inside data-parallel rings (the agent switches the OCS's rails
+  between the two phases every step); opus has no spare and a 2-D job cannot run on 7 ranks:
+  the job stops cleanly with the agent's reason.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.demo import WINDOW_S, Processes, _calibrate, _wait, has_display, say
+
+PLANS = {"lumion": "dp", "opus": "dp-tp"}
+MODEL = ("--width", "64", "--layers", "2", "--batch", "4", "--block", "32")
+
+
+def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
+    if importlib.util.find_spec("torch") is None:
+        raise CommandFailed("--job torch needs PyTorch: pip install 'photonic-testbed[torch]' "
+                            "(torch==2.13.0, the CPU build: about 190 MB)")
+    from photonic_testbed.hil import rig as rigfile
+    from photonic_testbed.hil import torch_job
+    from photonic_testbed.hil.bus.client import BusError, ServiceClient
+    from photonic_testbed.hil.emulator.control import ControlError, request
+
+    t0 = time.monotonic()
+    rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
+    journal = workdir / "journal.db"
+    for stale in (rig_path, eps_path, workdir / "services.json"):
+        stale.unlink(missing_ok=True)
+    procs.start("emulate", "emulate", "--rig", args.rig, "--seed", str(args.seed),
+                *(["--ideal-chip"] if args.ideal_chip else []),
+                "--write-rig", str(rig_path), "--endpoints", str(eps_path))
+    _wait("the emulator", lambda: rig_path.exists() and eps_path.exists(), procs)
+    rig = rigfile.load(rig_path)
+    if rig.chip is not None and not args.ideal_chip:
+        rig = _calibrate(t0, rig, rig_path, workdir, procs)
+    control = json.loads(eps_path.read_text())["control"]
+    say(t0, f"emulated rig {args.rig}: {len(rig.gpus)} GPUs "
+            f"({sum(g.spare for g in rig.gpus)} spares)")
+    served = workdir / "services.json"
+    procs.start("serve", "serve", "--rig", str(rig_path), "--endpoints", str(served))
+    _wait("the device services", served.exists, procs)
+    procs.start("agent", "agent", "--rig", str(rig_path), "--journal", str(journal))
+    agent = ServiceClient(rig.agent_endpoints()[0], timeout=2.0)
+
+    def agent_up():
+        try:
+            return agent.call("ping", timeout=0.5)
+        except BusError:
+            return None
+    try:
+        _wait("the agent", agent_up, procs)
+        say(t0, "bus services and agent up")
+        gui = None
+        if args.gui or (not args.headless and has_display()):
+            from photonic_testbed.ptb.gui import DemoGui
+            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
+        plan = PLANS[args.rig]
+        job_dir = workdir / "torch-job"
+        with open(workdir / "torch-job.log", "w") as log:     # the child keeps its copy
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch", "--workdir",
+                 str(job_dir), "--rig", str(rig_path), "--control", control, "--plan", plan,
+                 "--world", "8", "--steps", "1000000", "--restart-timeout", "10", *MODEL],
+                stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        procs.procs.append(("torch-job", proc))        # stopped (SIGTERM) with the others
+
+        def events():
+            return torch_job.read_events(job_dir) if (job_dir / "events").exists() else []
+
+        def standbys_ready(ev):
+            spares = {g.name for g in rig.gpus if g.spare}
+            return spares <= {e["gpu"] for e in ev if e["kind"] == "ready"}
+        _wait("the job's first steps", lambda: (lambda ev: any(
+            e["kind"] == "step" for e in ev) and standbys_ready(ev))(events()), procs,
+            timeout=300)
+        order = next(e for e in events() if e["kind"] == "order")
+        say(t0, f"PyTorch job ({plan}, 8 ranks) admitted: ranks on "
+                f"{', '.join(order['rank_map'].values())}; warm standbys ready")
+        time.sleep(args.seconds)
+        procs.check()
+        t_fail = time.time()
+        try:
+            request(control, {"cmd": "fail_gpu", "gpu": gpu})
+        except ControlError as e:
+            raise CommandFailed(f"cannot fail {gpu}: {e}") from None
+        say(t0, f"failure injected: {gpu} goes dark and its rank process dies")
+        if plan == "dp":
+            _wait("the spare's first step", lambda: torch_job.swap_timeline(
+                events(), t_fail, gpu)["first_step"], procs, timeout=120)
+            time.sleep(max(args.seconds, WINDOW_S))
+        else:
+            _wait_exit(proc, 120)
+        state = agent.call("snapshot")["state"]
+    finally:
+        agent.close()
+    code = _report(t_fail, gpu, events(), state, proc, workdir)
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    return code
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise CommandFailed(f"the job did not stop within {timeout:g} s") from None
+
+
+def _report(t_fail: float, gpu: str, ev: list[dict], agent: dict, proc, workdir) -> int:
+    from photonic_testbed.hil import torch_job
+    journal = [e for e in agent["events"] if e["ts"] >= t_fail]
+
+    def first(kind):
+        return next((e for e in journal if e["kind"] == kind), None)
+    tl = torch_job.swap_timeline(ev, t_fail, gpu)
+    rows = [("failure injected", t_fail, f"{gpu} dark, its process killed")]
+    for kind, name in (("detected", "detected by the agent"), ("applied", "circuits applied"),
+                       ("verified", "verified by light"), ("restart", "restart ordered")):
+        e = first(kind)
+        if e:
+            what = {"detected": e["cause"], "restart": "new rank map published"}.get(kind, "")
+            if kind == "verified":
+                dbm = e["details"].get("dbm", {})
+                what = (f"{len(dbm)} receivers, min {min(dbm.values()):.1f} dBm" if dbm
+                        else "")
+            if kind == "applied":
+                d = e["details"]
+                what = (f"{d.get('switch')}: +{len(d.get('added', []))} "
+                        f"-{len(d.get('removed', []))} circuits")
+            rows.append((name, e["ts"], what))
+    if tl["aborted"]:
+        rows.append(("survivors abandon all-reduce", tl["aborted"], "no collective timeout"))
+    if tl["order"]:
+        rows.append(("job's new generation", tl["order"]["t"],
+                     f"generation {tl['order']['gen']}: {gpu} -> {tl['spare']}"))
+    if tl["rebuilt"]:
+        rows.append(("communicator rebuilt", tl["rebuilt"], "fresh store prefix"))
+    if tl["transferred"]:
+        rows.append(("state transferred", tl["transferred"],
+                     f"{tl['bytes'] / 1e6:.2f} MB to {tl['spare']} from its ring peer "
+                     f"(step {tl['target_step']})"))
+    if tl["first_step"]:
+        rows.append(("first step on the spare", tl["first_step"],
+                     f"step {tl['first_step_no']} (the interrupted one, redone)"))
+    rows.sort(key=lambda r: r[1])
+    print()
+    print("timeline (from the failure; each line: time since the failure, since the line "
+          "before)")
+    last = t_fail
+    for name, ts, what in rows:
+        print(f"  {name:<30} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
+              f"{what}")
+        last = ts
+    for a in agent["alarms"]:
+        print(f"  alarm: {a}")
+    print()
+    before = [e for e in ev if e["kind"] == "step" and e["t"] < t_fail]
+    t_start = min((e["t"] for e in before), default=t_fail)
+    w0 = max(t_start, t_fail - WINDOW_S)
+    loss_before = [e["loss"] for e in before if e["t"] >= w0]
+    print(f"loss: {statistics.mean(e['loss'] for e in before[:8]):.3f} at the start, "
+          f"{statistics.mean(loss_before):.3f} just before the failure", end="")
+    resumed = tl["first_step"]
+    if resumed:
+        after = [e for e in ev if e["kind"] == "step" and e["t"] >= resumed]
+        t_end = max(e["t"] for e in after)
+        print(f", {statistics.mean(e['loss'] for e in after):.3f} after "
+              f"({len(after)} rank-steps)")
+        print(f"throughput: {torch_job.steps_per_s(ev, w0, t_fail):.2f} steps/s before, "
+              f"{torch_job.steps_per_s(ev, resumed, t_end):.2f} after")
+        order = tl["order"]["rank_map"]
+        ok = gpu not in order.values() and agent["rank_map"] == order
+        print(f"ranks now on {', '.join(order.values())}")
+        print("demo " + ("succeeded: the spare took the failed rank's place in place" if ok
+                         else "FAILED: the job did not resume on a spare"))
+        return 0 if ok else 1
+    print()
+    tp = sorted(1e3 * e["latency_s"] for e in agent["events"]
+                if e["kind"] == "phase" and e["latency_s"] is not None)
+    if tp:
+        print(f"rail switches (tp <-> dp) in the agent's last entries: {len(tp)}, median "
+              f"{tp[len(tp) // 2]:.2f} ms, max {tp[-1]:.2f} ms")
+    hook = [e["hook_s"] / e["seconds"] for e in before if e["seconds"] > 0]
+    if hook:
+        print(f"phase barrier + grant per step: {100 * statistics.median(hook):.1f} % of the "
+              f"step time (median; includes waiting for the slowest rank)")
+    stop = next((e for e in ev if e.get("role") == "controller" and e["kind"] == "stopped"),
+                None)
+    ok = proc.returncode == torch_job.STOPPED and stop is not None
+    if stop:
+        print(f"job stopped cleanly: {stop['reason']}")
+    print("demo " + ("succeeded: no spare, and the 2-D job cannot shrink; it stopped cleanly"
+                     if ok else f"FAILED: the job ended with exit {proc.returncode}"))
+    return 0 if ok else 1
