@@ -530,7 +530,8 @@ class ChipView(SwitchView):
             if self._label_box(topo, end, pt).adjusted(-4, -2, 4, 2).contains(pos) or \
                     math.dist((pt.x(), pt.y()), (pos.x(), pos.y())) < 10:
                 return port_text(self.model, self.name, end[1])
-        for cid, c in topo.cells.items():
+        for c in topo.cells:
+            cid = c.id
             if abs(fx(c.x) - pos.x()) <= 0.25 * sx and abs(fy(c.y) - pos.y()) <= 0.3 * sy:
                 st = self.model.cells.get(self.name, {}).get(cid, {})
                 through = sorted(f"{a} → {self.model.switches[self.name].circuits.get(a, '?')}"

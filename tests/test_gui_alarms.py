@@ -355,7 +355,7 @@ def test_chip_ports_carry_gpu_names_and_receiver_powers(qtbot, tmp_path):
     mark = view.receiver_mark(18)
     assert near(colour_at(rgb, mark.center()), power_colour(-6.0), 12)
     assert view.receiver_mark(20) is None                 # no GPU on that port
-    cell = next(iter(model.topologies["benes16"].cells))
+    cell = model.topologies["benes16"].cells[0].id
     assert f"cell {cell}" in view.tooltip_at(view.cell_center(cell))
 
 
@@ -433,7 +433,7 @@ def test_the_start_up_check_names_missing_libraries_and_their_packages():
 
 
 def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
-    from photonic_testbed.hil import rigfile
+    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.ptb.demo import Processes
     from photonic_testbed.ptb.gui import DemoGui
     path = tmp_path / "rig.toml"
