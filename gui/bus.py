@@ -262,7 +262,7 @@ class BusFabric(Commands):
                                    "value": {"mw": float(budget), "why": ""}})
         else:
             self.model.post_delta({"op": "budget", "name": device, "value": {
-                "mw": None, "why": "its describe gives no power_budget_mw"}})
+                "mw": None, "why": "not in its describe"}})
 
     def _agent(self, state: dict, ops: list | None) -> None:
         if self._touched(ops, "rack"):

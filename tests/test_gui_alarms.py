@@ -378,8 +378,8 @@ def test_trends_follow_the_window_and_the_heater_budget(qtbot, tmp_path):
     assert len(t) <= 61 and t[0] >= now - 61
     assert "budget unknown" not in view.budget_note.toPlainText()
     model.apply_delta({"op": "budget", "name": "chip", "value": {
-        "mw": None, "why": "its describe gives no power_budget_mw"}})
-    assert "chip: its describe gives no power_budget_mw" in view.budget_note.toPlainText()
+        "mw": None, "why": "not in its describe"}})
+    assert "budget unknown — chip: not in its describe" in view.budget_note.toPlainText()
     model.apply_delta({"op": "budget", "name": "chip", "value": {"mw": 1500.0, "why": ""}})
     assert view.budget_note.toPlainText() == "" and view.budget_lines["chip"].value() == 1500.0
     view.refresh()
