@@ -123,9 +123,10 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(self.docks["jobs"], self.docks["rack"], Qt.Orientation.Vertical)
         self.splitDockWidget(self.docks["trends"], self.docks["events"],
                              Qt.Orientation.Horizontal)
-        self.tabifyDockWidget(self.docks["events"], self.docks["calibration"])
+        # The calibration's three plots side by side need the wider of the two bottom areas.
+        self.tabifyDockWidget(self.docks["trends"], self.docks["calibration"])
         self.tabifyDockWidget(self.docks["rack"], self.docks["control"])
-        self.docks["events"].raise_()
+        self.docks["trends"].raise_()
         self.docks["rack"].raise_()
         self._default_state = self.saveState(LAYOUT_VERSION)
         self.services = ServiceStatus(model, self.statusBar())
