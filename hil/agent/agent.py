@@ -630,7 +630,14 @@ class Agent:
                 self.journal.record("note", f"{cause}: no job admitted, nothing to do")
                 return None
             j = self.job(job)
-            lost = [g for g in dict.fromkeys(gpus) if self._holder.get(g) == j.name]
+            named = list(dict.fromkeys(gpus))
+            lost = [g for g in named if self._holder.get(g) == j.name]
+            if named and not lost and not links:
+                # every GPU it names has been replaced already (the report crossed the order
+                # that replaced them): the job has its order; nothing more to do
+                self.journal.record("note", f"{cause}: {', '.join(named)} already replaced, "
+                                    "the job's restart order stands", job=j.name)
+                return None
             self.reconcile(cause)                  # belief against the switches first
             dark = self._dark_links(links)
             blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []

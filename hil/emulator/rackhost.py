@@ -17,6 +17,7 @@ the bus, faults and truth on the control endpoint, and the training job.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pathlib
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 0.01        # how often the monitor looks at the GPUs (flapping ones change
                                # by themselves); a fault injected wakes it at once
-JOB_EVENTS_KEPT = 500
+JOB_EVENTS_KEPT = 500         # job events job_status returns
+STATUS_STEPS = 500            # steps job_status returns (at most ~50 steps/s: ~10 s of them)
 
 
 def _process_start(pid: int) -> str | None:
@@ -85,7 +87,7 @@ class RackHost:
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
-        self.job_events: list[dict] = []
+        self.job_events: collections.deque[dict] = collections.deque(maxlen=JOB_EVENTS_KEPT)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()            # one job start at a time
@@ -250,7 +252,7 @@ class RackHost:
             job = TrainingJob(job_plan, rank_map, self.rack, self.clock,
                               checkpoint_every=checkpoint_every, restart_s=restart_s,
                               grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
-            self.job_events = []
+            self.job_events = collections.deque(maxlen=JOB_EVENTS_KEPT)
             job.subscribe(self._on_event)
             fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
             self.job, self.fabric = job, fabric
@@ -271,6 +273,9 @@ class RackHost:
                 return
             job.grant(ev.phase, ev.round)
             return
+        if ev.kind == "released":          # the next round's circuits go up meanwhile
+            fabric.done(ev.phase, ev.round)
+            return
         if ev.kind == "failure":
             try:
                 fabric.failure(ev.details.get("reason", ""), ev.details.get("gpus", ()),
@@ -280,19 +285,23 @@ class RackHost:
         with self._events_lock:
             self.job_events.append({"kind": ev.kind, "t": ev.t + self._offset, "step": ev.step,
                                     "details": dict(ev.details)})
-            del self.job_events[:-JOB_EVENTS_KEPT]
 
     def job_status(self) -> dict:
+        """The job's state, its running totals, its restart records (the job's own, bounded),
+        its last steps ([step, world, t_start, t_end]) and events; times in Unix seconds."""
         job = self.job
         if job is None:
             return {"state": "none"}
         with self._events_lock:
             events = list(self.job_events)
+        records = list(job.records)[-STATUS_STEPS:]        # list(): one atomic copy
         return {"state": job.state, "step": job.step, "restarts": job.restarts,
+                "steps_done": job.steps_done,
                 "rank_map": {str(r): g for r, g in job.rank_map.items()},
+                "restart_records": [r.to_dict(self._offset) for r in list(job.restart_records)],
                 "steps": [[r.step, r.world, r.t_start + self._offset, r.t_end + self._offset]
-                          for r in job.records[-2000:]],
-                "down_communications": sum(1 for c in job.communications if not c.all_up),
+                          for r in records],
+                "down_communications": job.down_communications,
                 "events": events}
 
     def _stop_job(self) -> dict:

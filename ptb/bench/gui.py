@@ -14,24 +14,38 @@ import time
 
 import numpy as np
 
+from photonic_testbed.ptb.bench import SEED, integer, number
+
 NAME = "gui"
 HELP = ("port map fps and change-to-repaint latency under a stream of state changes, with the "
         "trends and the job view on screen (offscreen)")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--duration", type=float, default=10.0,
+    p.add_argument("--duration", type=number(0, 7 * 86400, above=True), default=10.0,
                    help="seconds of updates (default %(default)s; the issue's check is 600)")
-    p.add_argument("--rate", type=float, default=100.0,
+    p.add_argument("--rate", type=number(0, 1e6, above=True), default=100.0,
                    help="state changes per second, split between the OCS and the chip")
-    p.add_argument("--ocs-ports", type=int, default=64)
-    p.add_argument("--size", default="1600x800", help="port map size in pixels, WxH")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ocs-ports", type=integer(2, 1024), default=64)
+    p.add_argument("--size", type=_size, default="1600x800", help="port map size in pixels, WxH")
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--portmap-only", action="store_true",
                    help="the port map alone, without the banner, trends and job view (the "
                    "measurement before the cockpit)")
-    p.add_argument("--links", type=int, default=16,
+    p.add_argument("--links", type=integer(0, 1024), default=16,
                    help="GPU links whose received power the trends draw (default 16)")
+
+
+def _size(text: str) -> str:
+    """--size WxH, each side 100..8000 pixels."""
+    import argparse
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is WxH in pixels, not {text!r}") from None
+    if not (100 <= w <= 8000 and 100 <= h <= 8000):
+        raise argparse.ArgumentTypeError(f"each side must be 100..8000 pixels, not {text}")
+    return f"{w}x{h}"
 
 
 def rss_mib() -> float:
