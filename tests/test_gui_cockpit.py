@@ -132,7 +132,9 @@ def test_each_view_opens_on_the_live_rig(qtbot, window, rig, tmp_path):
     t, v = win.trends.curve_data(f"rx/{ring[0]}")
     assert len(t) >= 2 and v[-1] > LIMITS.link_dbm
     assert win.trends.curve_data("heater/chip")[1][-1] >= 0
-    assert "budget unknown" in win.trends.budget_note.toPlainText()
+    # the chip's describe gives its board's power budget: a line at it, no "unknown" note
+    assert "chip" in win.trends.budget_lines
+    assert "budget unknown" not in win.trends.budget_note.toPlainText()
     assert_not_blank(pixels(win.trends, tmp_path / "trends.png"), min_colours=20)
     # The chip's ports carry the GPUs' names, and a receiver's mark its power colour.
     chip = win.portmap.views["chip"]
