@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from photonic_testbed.common.topology import benes
+from photonic_testbed.common.topology import benes, topology_named
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
@@ -27,21 +27,31 @@ N = 16
 def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: bool = True):
     """The lumion rig (zero delays) and a calibration Station on its wires; `monitors=False`:
     its chip has no cell photodiodes."""
+    with rig_station("lumion", seed, tmp_path, crosstalk_scale, monitors) as (rig, station):
+        yield rig, station
+
+
+@contextmanager
+def rig_station(name: str, seed: int, tmp_path, crosstalk_scale: float = 1.0,
+                monitors: bool = True):
+    """An emulated rig with a chip (zero delays) and a calibration Station on its wires."""
     from photonic_testbed.calibration.station import Station
-    with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
+    spec = rig_spec(name)
+    topology = topology_named(spec.chip_topology)
+    with EmulatedRig(spec, seed=seed, workdir=tmp_path, switching_s=0.0,
                      crosstalk_scale=crosstalk_scale, chip_monitors=monitors) as rig:
         ep = rig.endpoints
         dac = HeaterDAC(ep["dac"])
         dac.open()
         selector = OpticalCircuitSwitch(ep["ocs"])
-        meter = PowerMeter(ep["powermeter"], ports=N)
-        for port in range(1, N + 1):
+        meter = PowerMeter(ep["powermeter"], ports=topology.ports)
+        for port in range(1, topology.ports + 1):
             meter.set_averaging_time(port, 0.0)
         laser = Laser(ep["laser"])
         laser.set_power_mw(1.0)
         laser.on()
         try:
-            yield rig, Station(benes(N), dac, selector, meter)
+            yield rig, Station(topology, dac, selector, meter)
         finally:
             for d in (dac, selector, meter, laser):
                 d.close()
@@ -174,3 +184,68 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- recirculating meshes (the hexmesh rig) ----------------------------------------------------
+
+def random_circuits(topology, sets: int, pairs: int, seed: int = 5) -> list[dict[int, int]]:
+    """`sets` sets of `pairs` circuits each (port pairs {a: b}, a < b) that the waveguides of a
+    recirculating mesh can make."""
+    from photonic_testbed.drivers.routing import RoutingError, route_waveguides
+    rng = np.random.default_rng(seed)
+    out: list[dict[int, int]] = []
+    for _ in range(50 * sets):
+        if len(out) == sets:
+            break
+        ports = rng.choice(np.arange(1, topology.ports + 1), 2 * pairs, replace=False)
+        circuits = {int(min(ports[2 * i], ports[2 * i + 1])): int(max(ports[2 * i],
+                                                                       ports[2 * i + 1]))
+                    for i in range(pairs)}
+        try:
+            route_waveguides(topology, circuits.items())
+        except RoutingError:
+            continue
+        out.append(circuits)
+    if len(out) < sets:
+        raise AssertionError(f"only {len(out)} routable sets of {pairs} circuits found")
+    return out
+
+
+def circuit_scores(rig, dac, calibration, circuit_sets) -> dict:
+    """Each set of circuits made on a recirculating chip by the Mesh with `calibration`, and
+    with the oracle's settings of the same cell states: each end of each circuit lit alone, the
+    power leaving by its other end and the most leaving by any other port (dB of the light put
+    in), ours and the oracle's: per set, an array over its circuit ends."""
+    from photonic_testbed.drivers.mesh import Mesh
+    topology = topology_named(rig.spec.chip_topology)
+    mesh = Mesh(topology, dac, calibration, own_dac=False)
+    res: dict[str, list] = {"ours_main": [], "oracle_main": [], "ours_xt": [], "oracle_xt": []}
+    for circuits in circuit_sets:
+        thetas = {cid: theta for cid, (theta, _) in mesh.cell_phases(circuits).items()}
+        for who in ("ours", "oracle"):
+            if who == "ours":
+                mesh.apply(circuits)
+            else:
+                dac.set_voltages(rig.chip.oracle_voltages(thetas))
+            power = np.abs(rig.chip.fields()) ** 2          # (port out, port in)
+            main, other = [], []
+            for a, b in circuits.items():
+                for src, dst in ((a, b), (b, a)):
+                    col = power[:, src - 1].copy()
+                    main.append(col[dst - 1])
+                    col[dst - 1] = 0.0
+                    other.append(col.max())
+            res[f"{who}_main"].append(_db(np.array(main)))
+            res[f"{who}_xt"].append(_db(np.array(other)))
+        mesh._active = None
+    return res
+
+
+def circuit_errors(rig, dac, calibration, circuit_sets) -> tuple[float, float]:
+    """Over the sets of circuits: the largest |intended output - the oracle's| (dB) of any
+    circuit end, and the largest excess of a set's worst light at another port over the
+    oracle's worst (dB)."""
+    s = circuit_scores(rig, dac, calibration, circuit_sets)
+    main = max(float(np.abs(o - r).max()) for o, r in zip(s["ours_main"], s["oracle_main"]))
+    xt = max(float(o.max() - r.max()) for o, r in zip(s["ours_xt"], s["oracle_xt"]))
+    return main, xt
