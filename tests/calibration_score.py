@@ -146,46 +146,6 @@ def permutation_errors(rig, dac, calibration, perms: int) -> tuple[float, float]
     return main, xt
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tests.calibration_score`: calibrate a seeded lumion chip through its wires
-    and print its scores against the truth (BENCHMARKS.md and docs/calibration.md quote it)."""
-    import argparse
-    import tempfile
-
-    from photonic_testbed.calibration.run import calibrate
-    p = argparse.ArgumentParser(prog="python -m tests.calibration_score",
-                                description=main.__doc__)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--crosstalk-scale", type=float, default=1.0)
-    p.add_argument("--method", choices=("monitors", "outputs"), default="monitors")
-    p.add_argument("--perms", type=int, default=100, help="random permutations scored")
-    args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, \
-            lumion_station(args.seed, tmp, crosstalk_scale=args.crosstalk_scale,
-                           monitors=args.method == "monitors") as (rig, station):
-        cal = calibrate(station, rig="lumion", method=args.method)
-        err, eff, _ = heater_errors(rig, cal)
-        print(f"seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, {args.method}: offsets "
-              f"median {np.median(err):.4f} max {err.max():.4f} rad ({(err > 0.02).sum()} "
-              f"above 0.02); efficiency max {eff.max() * 100:.2f} %")
-        for state, (ours, oracle) in extinction_scores(rig, station.dac, cal).items():
-            print(f"{state} extinction: {extinction_ok(ours, oracle).sum()}/{len(ours)} cells "
-                  "within 1 dB of the oracle or >= 40 dB")
-        for label, c in (("compensated", cal), ("without compensation", cal.without_crosstalk())):
-            s = permutation_scores(rig, station.dac, c, perms=args.perms)
-            main_db = np.abs(s["ours_main"] - s["oracle_main"]).max()
-            xt_db = (s["ours_xt"].max(axis=1) - s["oracle_xt"].max(axis=1)).max()
-            print(f"{args.perms} permutations, {label}: intended outputs within {main_db:.4f} "
-                  f"dB of the oracle's, worst crosstalk within {xt_db:.3f} dB (mean worst "
-                  f"{s['ours_xt'].max(axis=1).mean():.1f} dB, the oracle "
-                  f"{s['oracle_xt'].max(axis=1).mean():.1f} dB)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # ---- recirculating meshes (the hexmesh rig) ----------------------------------------------------
 
 def random_circuits(topology, sets: int, pairs: int, seed: int = 5) -> list[dict[int, int]]:
@@ -249,3 +209,65 @@ def circuit_errors(rig, dac, calibration, circuit_sets) -> tuple[float, float]:
     main = max(float(np.abs(o - r).max()) for o, r in zip(s["ours_main"], s["oracle_main"]))
     xt = max(float(o.max() - r.max()) for o, r in zip(s["ours_xt"], s["oracle_xt"]))
     return main, xt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.calibration_score`: calibrate a seeded chip (the lumion rig's, or the
+    hexmesh rig's) through its wires and print its scores against the truth (BENCHMARKS.md
+    and docs/calibration.md quote it)."""
+    import argparse
+    import tempfile
+    import time
+
+    from photonic_testbed.calibration.run import calibrate
+    p = argparse.ArgumentParser(prog="python -m tests.calibration_score",
+                                description=main.__doc__)
+    p.add_argument("--rig", choices=("lumion", "hexmesh"), default="lumion")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--crosstalk-scale", type=float, default=1.0)
+    p.add_argument("--method", choices=("monitors", "outputs"), default="monitors")
+    p.add_argument("--perms", type=int, default=100,
+                   help="random permutations scored (hexmesh: sets of 1..3 circuits)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, \
+            rig_station(args.rig, args.seed, tmp, crosstalk_scale=args.crosstalk_scale,
+                        monitors=args.method == "monitors") as (rig, station):
+        t0 = time.perf_counter()
+        cal = calibrate(station, rig=args.rig, method=args.method)
+        wall = time.perf_counter() - t0
+        err, eff, _ = heater_errors(rig, cal)
+        print(f"{args.rig} seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, "
+              f"{args.method}: offsets median {np.median(err):.4f} max {err.max():.4f} rad "
+              f"({(err > 0.02).sum()} above 0.02); efficiency max {eff.max() * 100:.2f} %; "
+              f"{wall:.1f} s, {station.counters.pd_reads} photodiode reads")
+        for state, (ours, oracle) in extinction_scores(rig, station.dac, cal).items():
+            print(f"{state} extinction: {extinction_ok(ours, oracle).sum()}/{len(ours)} cells "
+                  "within 1 dB of the oracle or >= 40 dB")
+        if args.rig == "hexmesh":
+            truth = rig.chip.truth()
+            k = cal.crosstalk - truth.crosstalk
+            print(f"crosstalk matrix: rms error {np.sqrt(np.mean(k ** 2)):.1e}, worst "
+                  f"{np.abs(k).max():.1e} (largest coupling {truth.crosstalk.max():.3f})")
+            topology = station.topology
+            sets = [c for n in (1, 2, 3) for c in
+                    random_circuits(topology, -(-args.perms // 3), n, seed=n)][:args.perms]
+            for label, c in (("compensated", cal), ("without compensation",
+                                                    cal.without_crosstalk())):
+                main_db, xt_db = circuit_errors(rig, station.dac, c, sets)
+                print(f"{len(sets)} sets of circuits, {label}: intended outputs within "
+                      f"{main_db:.4f} dB of the oracle's, the most light at another port within "
+                      f"{xt_db:.3f} dB of the oracle's")
+            return 0
+        for label, c in (("compensated", cal), ("without compensation", cal.without_crosstalk())):
+            s = permutation_scores(rig, station.dac, c, perms=args.perms)
+            main_db = np.abs(s["ours_main"] - s["oracle_main"]).max()
+            xt_db = (s["ours_xt"].max(axis=1) - s["oracle_xt"].max(axis=1)).max()
+            print(f"{args.perms} permutations, {label}: intended outputs within {main_db:.4f} "
+                  f"dB of the oracle's, worst crosstalk within {xt_db:.3f} dB (mean worst "
+                  f"{s['ours_xt'].max(axis=1).mean():.1f} dB, the oracle "
+                  f"{s['oracle_xt'].max(axis=1).mean():.1f} dB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
