@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.rig} seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, "
               f"{args.method}: offsets median {np.median(err):.4f} max {err.max():.4f} rad "
               f"({(err > 0.02).sum()} above 0.02); efficiency max {eff.max() * 100:.2f} %; "
-              f"{wall:.1f} s, {station.counters.pd_reads} photodiode reads")
+              f"{wall:.1f} s, {station.counters.pd_reads} photodiode reads, "
+              f"{station.counters.serial_commands} serial commands in all, "
+              f"{station.counters.selector_switches} selector switches: about "
+              f"{station.lab_time_s():.0f} s in a lab")
         for state, (ours, oracle) in extinction_scores(rig, station.dac, cal).items():
             print(f"{state} extinction: {extinction_ok(ours, oracle).sum()}/{len(ours)} cells "
                   "within 1 dB of the oracle or >= 40 dB")
