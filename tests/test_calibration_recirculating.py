@@ -251,6 +251,32 @@ def test_a_run_of_a_few_cells_merges_into_the_whole_file(hexmesh0):
     assert main <= 0.2 and xt <= 1.0
 
 
+def test_a_resumed_run_rebuilds_what_the_refinements_changed(tmp_path):
+    """Three crosstalk passes with refinements between them, each rescaling the rows it
+    corrects: a run continued from progress saved in the middle of the load checks gives the
+    cells checked before it the same offsets and crosstalk rows."""
+    import copy
+    snapshots = []
+
+    def keep(state):
+        if 0 < len(state.get("loaded", {})) < 3:
+            snapshots.append(copy.deepcopy(state))
+
+    with rig_station("hexmesh", 2, tmp_path) as (rig, station):
+        whole = calibrate(station, cells=["e4"], on_checkpoint=keep)
+        saved = snapshots[-1]
+        assert {"refined_pass1", "refined_pass2", "crosstalk3"} <= set(saved)
+        resumed = calibrate(station, cells=["e4"], state=copy.deepcopy(saved))
+    chans = sorted(whole.heaters)
+    assert chans == sorted(resumed.heaters) and len(chans) >= 3
+    for cell in saved["loaded"]:
+        ch = HEX.cell(cell).channels[0]
+        row = chans.index(ch)
+        assert resumed.heaters[ch].offset_rad == pytest.approx(whole.heaters[ch].offset_rad,
+                                                               abs=1e-12)
+        assert np.allclose(resumed.crosstalk[row], whole.crosstalk[row], rtol=0, atol=1e-15)
+
+
 # ---- a square mesh, described for the emulator ---------------------------------------------------
 
 SQUARE = """\
