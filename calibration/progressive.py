@@ -1,4 +1,8 @@
-"""Progressive calibration of a feed-forward mesh (Benes, Clements) with cell monitor photodiodes.
+"""Progressive calibration of a mesh with cell monitor photodiodes.
+
+Written here for a feed-forward mesh (Benes); a recirculating (square, hexagonal) mesh is
+calibrated the same way with its routes from `calibration.recirculating.MeshGraph` (light both
+ways, loops: a route there also carries the cell's own light out of the chip).
 
 Order: stage by stage from the inputs. A cell of stage s is reachable once every cell before it
 is calibrated: the run traces a path back from one of the cell's input arms to a chip input,
@@ -23,14 +27,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from photonic_testbed.calibration.fringe import FitError, adaptive_sweep
 from photonic_testbed.calibration.station import Station, heater_volts
 from photonic_testbed.common.topology import Topology
+
+if TYPE_CHECKING:
+    from photonic_testbed.calibration.recirculating import MeshGraph
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,11 @@ class CalibrationRunError(RuntimeError):
     """The calibration cannot go on (a cell shows no fringe, the topology is not supported)."""
 
 
+class UnlitArm(CalibrationRunError):
+    """The cell cannot be lit on this input arm, or on either (a recirculating mesh: the arm is
+    at a free end, or no way in crosses calibrated cells only)."""
+
+
 @dataclass(frozen=True)
 class Route:
     port: int                     # chip input to light
@@ -63,8 +77,9 @@ class Graph:
 
     def __init__(self, topology: Topology):
         if topology.recirculating:
-            raise CalibrationRunError(f"{topology.name}: progressive calibration is for "
-                                      "feed-forward meshes (benes, clements)")
+            raise CalibrationRunError(f"{topology.name}: Graph is for feed-forward meshes "
+                                      "(benes, clements); a recirculating one's routes are "
+                                      "calibration.recirculating.MeshGraph's")
         self.topology = topology
         self.source: dict[tuple[str, int], tuple] = {}
         self.sink: dict[tuple[str, int], tuple] = {}
@@ -75,6 +90,17 @@ class Graph:
                 self.sink[(a[1], int(a[2]))] = tuple(b)
         xs = sorted({c.x for c in topology.cells})
         self.stages = [[c.id for c in topology.cells if c.x == x] for x in xs]
+        self.unreachable: list[str] = []
+        self.retry_later = False       # a cell whose sweep fails stops the run
+
+    def order(self) -> list[str]:
+        """Cells in calibration order: stage by stage from the inputs."""
+        return [c for stage in self.stages for c in stage]
+
+    def needs(self, cell: str) -> set[str]:
+        """The cells that must be calibrated before `cell` (its route's)."""
+        route = self.route(cell)
+        return set(route.cells) | set(route.away)
 
     @staticmethod
     def state_for(in_arm: int, out_arm: int) -> str:
@@ -175,7 +201,6 @@ class Calibrator:
                  on_progress: Callable[[str, int, int], None] | None = None,
                  on_checkpoint: Callable[[dict], None] | None = None):
         self.station = station
-        self.graph = Graph(station.topology)
         self.p_max_mw = p_max_mw
         self.p_pi_range_mw = p_pi_range_mw
         self.sweep_fine_rounds = SWEEP_FINE_ROUNDS
@@ -185,6 +210,13 @@ class Calibrator:
         self.state = state if state is not None else {}
         self.state.setdefault("fits", {})
         self.state.setdefault("crosstalk", {})
+        self.graph: Graph | MeshGraph
+        if station.topology.recirculating:
+            # routes through the cells calibrated so far (calibration.recirculating)
+            from photonic_testbed.calibration.recirculating import MeshGraph
+            self.graph = MeshGraph(station.topology, known=lambda: self.state["fits"].keys())
+        else:
+            self.graph = Graph(station.topology)
         self.channels = station.channels
         if any(len(c.channels) != 1 for c in station.topology.cells):
             raise CalibrationRunError("the monitor-photodiode method calibrates one internal "
@@ -207,10 +239,12 @@ class Calibrator:
     # ---- heaters -------------------------------------------------------------------------
 
     def _powers(self) -> np.ndarray:
+        """Every heater channel's power (mW), 0..the chip's highest (the crosstalk matrix's
+        size; channels of the DAC beyond the chip drive nothing)."""
         v = self.station.commanded()
         r = self.r_ohm
         return np.array([1000.0 * v[ch] ** 2 / r[ch] if ch in r else 0.0
-                         for ch in range(len(v))])
+                         for ch in range(1 + max(self.channels))])
 
     def phase_of(self, cell: str, powers: np.ndarray) -> float:
         """The phase the current estimate predicts for `cell` under heater powers `powers`."""
@@ -328,39 +362,60 @@ class Calibrator:
         return {cid: ua - dark.get(cid, 0.0) for cid, ua in readings.items()}
 
     def order(self, cells: list[str] | None = None) -> list[str]:
-        """Cells in calibration order (stage by stage); a subset keeps what it needs first."""
-        flat = [c for stage in self.graph.stages for c in stage]
+        """Cells in calibration order (the graph's: stage by stage on a feed-forward mesh); a
+        subset keeps what it needs first."""
+        flat = self.graph.order()
         if cells is None:
+            if self.graph.unreachable:
+                raise CalibrationRunError(
+                    f"{self.station.topology.name}: cells {', '.join(self.graph.unreachable)} "
+                    "cannot be lit on an input arm from any port through the waveguides: "
+                    "their photodiodes never see a fringe")
             return flat
         need = set()
         for c in cells:
             if c not in self.channel_of:
                 raise CalibrationRunError(f"no cell {c!r} on {self.station.topology.name}")
             need.add(c)
-            need.update(self.graph.route(c).cells)
-            need.update(self.graph.route(c).away)
         changed = True
         while changed:
             changed = False
             for c in list(need):
-                r = self.graph.route(c)
-                extra = (set(r.cells) | set(r.away)) - need
+                extra = self.graph.needs(c) - need
                 if extra:
                     need |= extra
                     changed = True
         return [c for c in flat if c in need]
 
     def calibrate_cells(self, cells: list[str] | None = None) -> None:
+        """Sweep the cells in order. On a recirculating mesh (`graph.retry_later`) a cell
+        whose fringe cannot be fitted yet (light of its own comes back through cells not yet
+        calibrated) waits and is swept again once the others are: the run stops only when
+        every cell left fails in turn."""
         self.prepare()
-        todo = self.order(cells)
-        total = len(todo)
-        for k, cell in enumerate(todo):
-            if cell in self.state["fits"]:
-                self.on_progress(cell, k + 1, total)
-                continue
-            self.state["fits"][cell] = self.sweep_cell(cell).to_dict()
-            self.on_checkpoint(self.state)
-            self.on_progress(cell, k + 1, total)
+        queue = deque(self.order(cells))
+        total, done = len(queue), 0
+        failed: list[CalibrationRunError] = []     # since the last cell swept
+        while queue:
+            cell = queue.popleft()
+            if cell not in self.state["fits"]:
+                try:
+                    self.state["fits"][cell] = self.sweep_cell(cell).to_dict()
+                except CalibrationRunError as e:
+                    if not self.graph.retry_later:
+                        raise
+                    failed.append(e)
+                    if len(failed) > len(queue):
+                        # the first fringe that failed, rather than a cell that waited for it
+                        raise next((f for f in failed if not isinstance(f, UnlitArm)),
+                                   failed[0]) from None
+                    log.info("%s: %s; swept again once more cells are calibrated", cell, e)
+                    queue.append(cell)
+                    continue
+                self.on_checkpoint(self.state)
+            failed.clear()
+            done += 1
+            self.on_progress(cell, done, total)
 
     def sweep_cell(self, cell: str) -> CellFit:
         st = self.station

@@ -38,6 +38,14 @@ def summary(cal: Calibration) -> str:
             lines.append(f"cross extinction at the monitors: median "
                          f"{np.median(list(cross.values())):.1f} dB, worst {cross[worst]:.1f} dB "
                          f"({worst})")
+        if any(c.get("extinction_from") == "settings" for c in cells.values()):
+            # (a recirculating mesh: a cell whose input arm is at a free end cannot be lit on it)
+            bar = sorted(cid for cid, c in cells.items() if c.get("extinction_from") != "settings")
+            cross = sorted(cid for cid, c in cells.items() if "cross_extinction_db" not in c)
+            if bar or cross:
+                lines.append(f"extinction not measured at the settings (the input arm cannot be "
+                             f"lit): bar {', '.join(bar) or 'none'}; cross "
+                             f"{', '.join(cross) or 'none'} (bar: the fringe's estimate)")
         lines.append(f"splitter-limited cells (< 35 dB whatever the phase): "
                      f"{', '.join(limited) if limited else 'none'}")
         meas = [c.get("measurements", 0) for c in cells.values()]
@@ -163,13 +171,16 @@ def calibrator_from(station, calibration: Calibration):
         h = calibration.heaters[ch]
         rec = calibration.cells.get(c.id, {})
         n = 1 + max(station.channels)
-        route = cal.graph.route(c.id)
         amp = max(rec.get("fit_power", [1.0])) - min(rec.get("fit_power", [0.0]))
         mean = (max(rec.get("fit_power", [1.0])) + min(rec.get("fit_power", [0.0]))) / 2
         cal.state["fits"][c.id] = CellFit(
-            c.id, ch, route.arm, h.offset_rad, h.offset_std, math.pi / h.p_pi_mw, 0.0,
+            c.id, ch, 0, h.offset_rad, h.offset_std, math.pi / h.p_pi_mw, 0.0,
             mean, amp / 2, 0.0, [0.0] * n, [], [], [], rec.get("detector", "pd"),
             0).to_dict()
+    # the arm each cell is lit on, once every cell is known (a recirculating mesh's routes
+    # run through the calibrated cells)
+    for cell, fit in cal.state["fits"].items():
+        fit["arm"] = cal.graph.route(cell).arm
     if calibration.crosstalk is not None:
         n = 1 + max(station.channels)
         k = np.zeros((n, n))

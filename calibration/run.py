@@ -69,7 +69,17 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
                          on_checkpoint=on_checkpoint)
         cal.calibrate_cells(cells)
     if crosstalk:
-        measure_crosstalk(cal, radius=radius,
+        between = None
+        if refine and station.topology.recirculating:
+            # a hexagonal mesh's sweeps see light come back through cells not yet calibrated
+            # (efficiencies some % off on a chip of strong crosstalk), and the crosstalk's
+            # quadrature points stand on them: refined after the first pass, the second
+            # pass measures with the efficiencies right (docs/calibration.md)
+            def between(npass: int) -> None:
+                refine_offsets(cal, key=f"refined_pass{npass + 1}",
+                               on_progress=lambda c, k, n: progress("refine", c, k, n))
+        passes = 3 if station.topology.recirculating else 2
+        measure_crosstalk(cal, radius=radius, between=between, passes=passes,
                           on_progress=lambda c, k, n: progress("crosstalk", c, k, n))
         if refine:
             # from the outputs, a second round of four-step checks halves the offsets' error
@@ -101,15 +111,25 @@ def splitter_estimate(fit: CellFit) -> dict:
             "coupler_imbalance": imbalance, "splitter_limited": ext < SPLITTER_LIMIT_DB}
 
 
-def measured_extinction(bar_db: float, cross_db: float) -> dict:
+def measured_extinction(bar_db: float | None, cross_db: float | None,
+                        estimate: dict | None = None) -> dict:
     """The record's fields from the measured bar and cross extinctions (dB): the coupler
     errors behind them, |r1 - r2| ~ sqrt(bar leak) and |r1 + r2 - 1| ~ sqrt(cross leak),
-    and whether either limits the cell."""
-    return {"extinction_db": bar_db, "cross_extinction_db": cross_db,
-            "coupler_imbalance": math.sqrt(10.0 ** (-bar_db / 10.0)),
-            "coupler_sum_error": math.sqrt(10.0 ** (-cross_db / 10.0)),
-            "splitter_limited": min(bar_db, cross_db) < SPLITTER_LIMIT_DB,
-            "extinction_from": "settings"}
+    and whether either limits the cell. One not measured (None: its input arm could not be
+    lit) leaves the fringe's `estimate` (splitter_estimate) in its place."""
+    out = dict(estimate or {})
+    if bar_db is not None:
+        out.update({"extinction_db": bar_db, "extinction_from": "settings",
+                    "coupler_imbalance": math.sqrt(10.0 ** (-bar_db / 10.0))})
+    if cross_db is not None:
+        out.update({"cross_extinction_db": cross_db,
+                    "coupler_sum_error": math.sqrt(10.0 ** (-cross_db / 10.0))})
+    measured = [db for db in (bar_db, cross_db) if db is not None]
+    if measured:
+        limited = min(measured) < SPLITTER_LIMIT_DB
+        out["splitter_limited"] = limited or (bar_db is None and
+                                              bool(out.get("splitter_limited", False)))
+    return out
 
 
 def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "",
@@ -139,7 +159,8 @@ def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "",
                         **splitter_estimate(f)}
         measured = cal.state.get("extinction", {}).get(c.id)
         if measured is not None:
-            record[c.id].update(measured_extinction(measured["bar_db"], measured["cross_db"]))
+            record[c.id].update(measured_extinction(measured.get("bar_db"),
+                                                    measured.get("cross_db"), record[c.id]))
     chans = sorted(heaters)
     k = k_std = None
     if cal.crosstalk is not None:

@@ -3,7 +3,8 @@
 A `Station` is a chip's heater DAC (which also reads the cells' monitor photodiodes), the input
 selector that brings the laser to one chip input (an OCS: ingress `laser_ingress` -> egress
 `ocs.ports + k` is chip input k) and the power meter on the chip's output taps (meter port m
-reads output N + m). It counts what it does, for the benchmark and the lab-time estimate.
+reads output N + m; on a recirculating mesh, port m). It counts what it does, for the
+benchmark and the lab-time estimate.
 """
 from __future__ import annotations
 
@@ -144,13 +145,15 @@ class Station:
         return {cid: float(pd[ch]) for cid, ch in self.pd_channel.items()}
 
     def outputs_mw(self) -> dict[int, float]:
-        """Chip output port (N+1..2N) -> mW read on its tap."""
+        """Chip output port (N+1..2N; 1..P on a recirculating mesh, whose ports are inputs and
+        outputs both) -> mW read on its tap."""
         if self.meter is None:
             raise StationError("this station has no power meter on the chip outputs")
         n = self.topology.ports
         power = self.meter.read_power(list(range(1, n + 1)))
         self.counters.meter_reads += 1
-        return {n + m: float(p) for m, p in power.items()}
+        first = 0 if self.topology.recirculating else n
+        return {first + m: float(p) for m, p in power.items()}
 
     def lab_time_s(self, serial_s: float = 1e-3, meter_s: float = 10e-3,
                    switch_s: float = 25e-3) -> float:

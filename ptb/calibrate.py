@@ -306,16 +306,16 @@ def run(args) -> int:
             if not isinstance(ep, dict) or not all(isinstance(v, str) for v in ep.values()):
                 raise CommandFailed(f"endpoints {args.endpoints}: expected a JSON object of "
                                     "device -> address, as `ptb emulate --endpoints` writes")
-            topology = _feed_forward(topology_by_name(args.topology))
+            topology = topology_by_name(args.topology)
         elif not emulated_here:
             rig = read_rig(args.rig)
             ep, used = endpoints_from_rig(rig)
-            topology = _feed_forward(topology_by_name(rig.chip.topology))
+            topology = topology_by_name(rig.chip.topology)
             rig_name = rig.name
             refuse_if_served(rig, used)
         else:
             ep, topo_name, rig_name = _start_emulated(stack, args)
-            topology = _feed_forward(topology_by_name(topo_name))
+            topology = topology_by_name(topo_name)
         chip_id = f"{rig_name}/{topology.name}" if rig_name else topology.name
         if args.drift_check:
             calibration = _load_calibration(out, topology, chip_id, "the drift check")
@@ -382,16 +382,6 @@ def _emulated_here(rig_arg: str) -> bool:
     return not pathlib.Path(rig_arg).exists() or is_emulator_description(rig_arg)
 
 
-def _feed_forward(topology):
-    """Calibration (calibration.progressive) lights cells from the chip's inputs towards its
-    outputs: a recirculating mesh is refused here, before any instrument is touched."""
-    if topology.recirculating:
-        raise CommandFailed(f"{topology.name} is a recirculating ({topology.kind}) mesh: "
-                            "`ptb calibrate` calibrates feed-forward meshes (benes, clements) "
-                            "only; drive it with the ideal calibration (no calibration file)")
-    return topology
-
-
 def _start_emulated(stack, args):
     from photonic_testbed.hil.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import RigFileError, rig_spec
@@ -401,7 +391,6 @@ def _start_emulated(stack, args):
         raise CommandFailed(f"--rig {args.rig!r}: {e}") from None
     if not spec.chip_kind:
         raise CommandFailed(f"the emulated rig {spec.name} has no chip to calibrate")
-    _feed_forward(topology_by_name(spec.chip_topology))
     rig = EmulatedRig(spec, seed=args.seed, switching_s=0.0,
                       chip_monitors=not args.no_monitors)
     try:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from photonic_testbed.common.topology import benes
+from photonic_testbed.common.topology import benes, topology_named
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
@@ -27,8 +27,18 @@ N = 16
 def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: bool = True):
     """The lumion rig (zero delays) and a calibration Station on its wires; `monitors=False`:
     its chip has no cell photodiodes."""
+    with rig_station("lumion", seed, tmp_path, crosstalk_scale, monitors) as (rig, station):
+        yield rig, station
+
+
+@contextmanager
+def rig_station(name: str, seed: int, tmp_path, crosstalk_scale: float = 1.0,
+                monitors: bool = True):
+    """An emulated rig with a chip (zero delays) and a calibration Station on its wires."""
     from photonic_testbed.calibration.station import Station
-    with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
+    spec = rig_spec(name)
+    topology = topology_named(spec.chip_topology)
+    with EmulatedRig(spec, seed=seed, workdir=tmp_path, switching_s=0.0,
                      crosstalk_scale=crosstalk_scale, chip_monitors=monitors) as rig:
         ep = rig.endpoints
         # generous timeouts: the emulator shares this process's CPU, on a machine that may be
@@ -36,14 +46,14 @@ def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: 
         dac = HeaterDAC(ep["dac"], timeout=10.0)
         dac.open()
         selector = OpticalCircuitSwitch(ep["ocs"], timeout_s=10.0)
-        meter = PowerMeter(ep["powermeter"], ports=N, timeout_s=10.0)
-        for port in range(1, N + 1):
+        meter = PowerMeter(ep["powermeter"], ports=topology.ports, timeout_s=10.0)
+        for port in range(1, topology.ports + 1):
             meter.set_averaging_time(port, 0.0)
         laser = Laser(ep["laser"], timeout_s=10.0)
         laser.set_power_mw(1.0)
         laser.on()
         try:
-            yield rig, Station(benes(N), dac, selector, meter)
+            yield rig, Station(topology, dac, selector, meter)
         finally:
             for d in (dac, selector, meter, laser):
                 d.close()
@@ -138,31 +148,121 @@ def permutation_errors(rig, dac, calibration, perms: int) -> tuple[float, float]
     return main, xt
 
 
+# ---- recirculating meshes (the hexmesh rig) ----------------------------------------------------
+
+def random_circuits(topology, sets: int, pairs: int, seed: int = 5) -> list[dict[int, int]]:
+    """`sets` sets of `pairs` circuits each (port pairs {a: b}, a < b) that the waveguides of a
+    recirculating mesh can make."""
+    from photonic_testbed.drivers.routing import RoutingError, route_waveguides
+    rng = np.random.default_rng(seed)
+    out: list[dict[int, int]] = []
+    for _ in range(50 * sets):
+        if len(out) == sets:
+            break
+        ports = rng.choice(np.arange(1, topology.ports + 1), 2 * pairs, replace=False)
+        circuits = {int(min(ports[2 * i], ports[2 * i + 1])): int(max(ports[2 * i],
+                                                                       ports[2 * i + 1]))
+                    for i in range(pairs)}
+        try:
+            route_waveguides(topology, circuits.items())
+        except RoutingError:
+            continue
+        out.append(circuits)
+    if len(out) < sets:
+        raise AssertionError(f"only {len(out)} routable sets of {pairs} circuits found")
+    return out
+
+
+def circuit_scores(rig, dac, calibration, circuit_sets) -> dict:
+    """Each set of circuits made on a recirculating chip by the Mesh with `calibration`, and
+    with the oracle's settings of the same cell states: each end of each circuit lit alone, the
+    power leaving by its other end and the most leaving by any other port (dB of the light put
+    in), ours and the oracle's: per set, an array over its circuit ends."""
+    from photonic_testbed.drivers.mesh import Mesh
+    topology = topology_named(rig.spec.chip_topology)
+    mesh = Mesh(topology, dac, calibration, own_dac=False)
+    res: dict[str, list] = {"ours_main": [], "oracle_main": [], "ours_xt": [], "oracle_xt": []}
+    for circuits in circuit_sets:
+        thetas = {cid: theta for cid, (theta, _) in mesh.cell_phases(circuits).items()}
+        for who in ("ours", "oracle"):
+            if who == "ours":
+                mesh.apply(circuits)
+            else:
+                dac.set_voltages(rig.chip.oracle_voltages(thetas))
+            power = np.abs(rig.chip.fields()) ** 2          # (port out, port in)
+            main, other = [], []
+            for a, b in circuits.items():
+                for src, dst in ((a, b), (b, a)):
+                    col = power[:, src - 1].copy()
+                    main.append(col[dst - 1])
+                    col[dst - 1] = 0.0
+                    other.append(col.max())
+            res[f"{who}_main"].append(_db(np.array(main)))
+            res[f"{who}_xt"].append(_db(np.array(other)))
+        mesh._active = None
+    return res
+
+
+def circuit_errors(rig, dac, calibration, circuit_sets) -> tuple[float, float]:
+    """Over the sets of circuits: the largest |intended output - the oracle's| (dB) of any
+    circuit end, and the largest excess of a set's worst light at another port over the
+    oracle's worst (dB)."""
+    s = circuit_scores(rig, dac, calibration, circuit_sets)
+    main = max(float(np.abs(o - r).max()) for o, r in zip(s["ours_main"], s["oracle_main"]))
+    xt = max(float(o.max() - r.max()) for o, r in zip(s["ours_xt"], s["oracle_xt"]))
+    return main, xt
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tests.calibration_score`: calibrate a seeded lumion chip through its wires
-    and print its scores against the truth (BENCHMARKS.md and docs/calibration.md quote it)."""
+    """`python -m tests.calibration_score`: calibrate a seeded chip (the lumion rig's, or the
+    hexmesh rig's) through its wires and print its scores against the truth (BENCHMARKS.md
+    and docs/calibration.md quote it)."""
     import argparse
     import tempfile
+    import time
 
     from photonic_testbed.calibration.run import calibrate
     p = argparse.ArgumentParser(prog="python -m tests.calibration_score",
                                 description=main.__doc__)
+    p.add_argument("--rig", choices=("lumion", "hexmesh"), default="lumion")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--crosstalk-scale", type=float, default=1.0)
     p.add_argument("--method", choices=("monitors", "outputs"), default="monitors")
-    p.add_argument("--perms", type=int, default=100, help="random permutations scored")
+    p.add_argument("--perms", type=int, default=100,
+                   help="random permutations scored (hexmesh: sets of 1..3 circuits)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, \
-            lumion_station(args.seed, tmp, crosstalk_scale=args.crosstalk_scale,
-                           monitors=args.method == "monitors") as (rig, station):
-        cal = calibrate(station, rig="lumion", method=args.method)
+            rig_station(args.rig, args.seed, tmp, crosstalk_scale=args.crosstalk_scale,
+                        monitors=args.method == "monitors") as (rig, station):
+        t0 = time.perf_counter()
+        cal = calibrate(station, rig=args.rig, method=args.method)
+        wall = time.perf_counter() - t0
         err, eff, _ = heater_errors(rig, cal)
-        print(f"seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, {args.method}: offsets "
-              f"median {np.median(err):.4f} max {err.max():.4f} rad ({(err > 0.02).sum()} "
-              f"above 0.02); efficiency max {eff.max() * 100:.2f} %")
+        print(f"{args.rig} seed {args.seed}, crosstalk x{args.crosstalk_scale:g}, "
+              f"{args.method}: offsets median {np.median(err):.4f} max {err.max():.4f} rad "
+              f"({(err > 0.02).sum()} above 0.02); efficiency max {eff.max() * 100:.2f} %; "
+              f"{wall:.1f} s, {station.counters.pd_reads} photodiode reads, "
+              f"{station.counters.serial_commands} serial commands in all, "
+              f"{station.counters.selector_switches} selector switches: about "
+              f"{station.lab_time_s():.0f} s in a lab")
         for state, (ours, oracle) in extinction_scores(rig, station.dac, cal).items():
             print(f"{state} extinction: {extinction_ok(ours, oracle).sum()}/{len(ours)} cells "
                   "within 1 dB of the oracle or >= 40 dB")
+        if args.rig == "hexmesh":
+            truth = rig.chip.truth()
+            k = cal.crosstalk - truth.crosstalk
+            print(f"crosstalk matrix: rms error {np.sqrt(np.mean(k ** 2)):.1e}, worst "
+                  f"{np.abs(k).max():.1e} (largest coupling {truth.crosstalk.max():.3f})")
+            topology = station.topology
+            sets = [c for n in (1, 2, 3) for c in
+                    random_circuits(topology, -(-args.perms // 3), n, seed=n)][:args.perms]
+            for label, c in (("compensated", cal), ("without compensation",
+                                                    cal.without_crosstalk())):
+                main_db, xt_db = circuit_errors(rig, station.dac, c, sets)
+                print(f"{len(sets)} sets of circuits, {label}: intended outputs within "
+                      f"{main_db:.4f} dB of the oracle's, the most light at another port within "
+                      f"{xt_db:.3f} dB of the oracle's")
+            return 0
         for label, c in (("compensated", cal), ("without compensation", cal.without_crosstalk())):
             s = permutation_scores(rig, station.dac, c, perms=args.perms)
             main_db = np.abs(s["ours_main"] - s["oracle_main"]).max()

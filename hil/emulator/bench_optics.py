@@ -8,6 +8,8 @@ With a chip (the `lumion` rig, docs/chip.md), the OCS is the chip's input select
   laser output  -> OCS ingress 1
   OCS egress N+k -> chip input k (k = 1..N; the OCS is N x N for an N-port chip)
   chip output N+m's 1 % monitor tap -> power meter port m
+A recirculating chip (the `hexmesh` rig) has ports 1..P that are inputs and outputs both: egress
+P+k lights port k, and meter port m reads the tap of the light leaving port m.
 
 `OpticalBench.start()` serves each instrument on its own loopback port and registers the
 control handlers (drop, reboot, stick, switching_time, truth) with a `ControlServer`.
@@ -18,6 +20,7 @@ import logging
 from typing import Any
 
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
+from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
 from photonic_testbed.hil.emulator.scpi import SCPIServer
@@ -70,12 +73,17 @@ class OpticalBench:
         """Bring the chip's input light up to date with the laser and the selector."""
         self.chip.set_inputs(self.chip_light_in())
 
+    def meter_output(self, channel: int) -> int:
+        """The chip port whose 1 % tap power meter port `channel` reads: output N + channel of
+        a feed-forward chip, port `channel` of a recirculating one (its ports are not split)."""
+        return channel if isinstance(self.chip, RecirculatingChip) else self.chip.ports + channel
+
     def meter_light(self, channel: int) -> float:
         """mW reaching power meter port `channel`: what leaves its OCS egress, or with a chip,
-        its output N+channel's monitor tap."""
+        the monitor tap of the chip port it reads (`meter_output`)."""
         if self.chip is not None:
             self.light_chip()
-            return self.chip.tap_power_mw(self.chip.ports + channel)
+            return self.chip.tap_power_mw(self.meter_output(channel))
         return self.physics.transfer(self.light_in())[self.meter_egress(channel)]
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -163,8 +171,8 @@ class OpticalBench:
             else:
                 self.light_chip()
                 out["chip_inputs"] = {str(k): v for k, v in self.chip.inputs.items()}
-                out["powermeter"] = {m: {"chip_output": self.chip.ports + m,
-                                         "mw": self.chip.tap_power_mw(self.chip.ports + m)}
+                out["powermeter"] = {m: {"chip_output": self.meter_output(m),
+                                         "mw": self.chip.tap_power_mw(self.meter_output(m))}
                                      for m in range(1, self.meter_channels + 1)}
         if self.laser is not None:
             s = self.laser.state

@@ -11,6 +11,8 @@ to and s is the light injected from the ports: (I - T_all J) x = T_all s.
 
 Ports 1..P are not split into inputs and outputs: `transfer({port: mW})` gives the mW leaving
 every port 1..P (after its 1 % monitor tap), the injecting port included (light can come back).
+On a rig's optical bench the input selector lights port k and power meter port m reads the tap
+of port m (`bench_optics.OpticalBench.meter_output`).
 """
 from __future__ import annotations
 
@@ -86,8 +88,9 @@ class RecirculatingChip(EmulatedChip):
         return sparse.csr_array((np.concatenate([vals, vals]), (rows, cols)),
                                 shape=(4 * c, 4 * c))
 
-    def _propagate(self) -> np.ndarray:
-        """Fields leaving every cell arm for a unit field at each port: (4 cells, ports)."""
+    def _compute_fields(self) -> np.ndarray:
+        """Fields leaving every cell arm for a unit field at each port: (4 cells, ports); the
+        base class's `_propagate` keeps them while nothing changes."""
         t = self._scatter()
         m = (sparse.identity(t.shape[0], format="csc") - (t @ self._join)).tocsc()
         s = np.zeros((t.shape[0], self.ports), dtype=complex)

@@ -48,8 +48,11 @@ RIGS = {
                       dac_modules=7, chip_kind="benes", chip_ports=16, ocs_ports=16,
                       meter_channels=16, laser=True),
     "hexmesh": RigSpec("hexmesh", "recirculating hexagonal mesh of 4 x 4 nodes (18 cells, "
-                       "16 edge ports) on a chain of 3 Q8iv boards with monitor photodiodes",
-                       dac_modules=3, chip_kind="hexagonal", chip_ports=4),
+                       "16 edge ports) on a chain of 3 Q8iv boards with monitor photodiodes; "
+                       "laser through a 16 x 16 OCS (input selector) into any edge port; "
+                       "16-port power meter on the edge ports' taps",
+                       dac_modules=3, chip_kind="hexagonal", chip_ports=4, ocs_ports=16,
+                       meter_channels=16, laser=True),
     "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
                     "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
 }
