@@ -227,7 +227,8 @@ class _Link:
 def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison = Comparison(),
            timeout_s: float = DEFAULT_TIMEOUT_S, pace: bool = False) -> ReplayReport:
     """Play the session's client side against the devices at `wires` (device name -> Wire)."""
-    missing = sorted(set(session.devices) - set(wires))
+    used = {e.device for e in session.events}
+    missing = sorted(used - set(wires))
     if missing:
         raise ReplayError(f"no address for {', '.join(missing)} (the session's devices: "
                           f"{', '.join(session.devices)})")

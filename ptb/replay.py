@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from photonic_testbed.ptb.cli import CommandFailed
 
@@ -79,7 +80,8 @@ def run(args) -> int:
         return _as_device(session, args)
     try:
         given, _ = device_wires(args.endpoints, args.rig, args.devices)
-        wires = {name: given.get(name) or session.wire(name) for name in session.devices}
+        wires = {name: given.get(name) or session.wire(name) for name in session.devices
+                 if any(e.device == name for e in session.events)}
     except SessionError as e:
         raise CommandFailed(str(e)) from None
     try:
@@ -135,12 +137,15 @@ _RIG_NAMES = {"chip": "dac", "heaters": "dac"}
 
 
 def replay_on_emulator(session_path: str | os.PathLike, *, rig: str = "lumion", seed: int = 0,
-                       control: list[dict] | tuple[dict, ...] = (), timeout_s: float = 2.0,
+                       control: list[dict] | tuple[dict, ...] = (),
+                       prepare: Callable[[dict], None] | None = None, timeout_s: float = 2.0,
                        ignore: tuple[str, ...] = (), rel_tol: float = 0.0):
-    """Replay a session against a freshly started emulated rig (`rig`, `seed`), after sending
-    the `control` requests (faults, docs/control.md) to its control endpoint. The session's
-    devices are found by endpoint key (dac, ocs, ...) or by the device names an emulated rig
-    file gives them (chip, heaters, powermeter, ...). Returns the ReplayReport."""
+    """Replay a session against a freshly started emulated rig (`rig`, `seed`), after
+    `prepare(endpoints)` (what the recording's bench had that the session does not say, e.g.
+    the laser on) and the `control` requests (faults, docs/control.md) to its control
+    endpoint. The session's devices are found by endpoint key (dac, ocs, ...) or by the device
+    names an emulated rig file gives them (chip, heaters, powermeter, ...). Returns the
+    ReplayReport."""
     from photonic_testbed.hil.emulator.control import request
     from photonic_testbed.hil.emulator.rig import EmulatedRig
     from photonic_testbed.hil.replayer import replay
@@ -152,12 +157,14 @@ def replay_on_emulator(session_path: str | os.PathLike, *, rig: str = "lumion", 
             _wait_for_power_up(emulated.dac)
         endpoints = emulated.endpoints
         wires = {}
-        for name in session.devices:
+        for name in {e.device for e in session.events}:
             key = name if name in endpoints else _RIG_NAMES.get(name, name)
             if key not in endpoints:
                 raise ValueError(f"the session's device {name!r} is not on the emulated rig "
                                  f"{rig} (it has {', '.join(endpoints)})")
             wires[name] = parse_address(endpoints[key], 5025)
+        if prepare is not None:
+            prepare(dict(endpoints))
         for req in control:
             request(endpoints["control"], req)
         return replay(session, wires, comparison=Comparison(tuple(ignore), rel_tol),
