@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 
 from photonic_testbed.ptb.cli import CommandFailed
@@ -38,6 +39,9 @@ def add_parser(sub) -> None:
                    help="write the --rig file with the relays as the devices' addresses")
     p.add_argument("--listen", default="127.0.0.1", metavar="HOST",
                    help="where the socket relays listen (default 127.0.0.1)")
+    p.add_argument("--run", metavar="COMMAND",
+                   help="run this shell command (the client) once the relays are up, and "
+                   "stop recording when it ends; exit with its exit code")
     p.add_argument("--link-dir", metavar="DIR",
                    help="where the serial relays' pty links are made (default: a temporary "
                    "folder, removed on exit)")
@@ -80,15 +84,36 @@ def run(args) -> int:
         print(f"recording to {args.out}")
         for name, address in addresses.items():
             print(f"  {name:<11} {address}  (relays {wires[name].address})")
-        print(READY_LINE, flush=True)
-        while not stop.wait(0.2):
-            pass
+        if args.run:
+            code = _run_client(args.run, stop)
+        else:
+            print(READY_LINE, flush=True)
+            while not stop.wait(0.2):
+                pass
+            code = 0
     finally:
         recorder.close()
     counts = recorder.writer.counts
     print(f"stopped: {counts['client']} bytes from clients, {counts['device']} from devices, "
           f"written to {args.out}", flush=True)
-    return 0
+    return code
+
+
+def _run_client(command: str, stop: threading.Event) -> int:
+    """Run the client's command to its end (Ctrl-C passes it on); its exit code."""
+    print(f"running the client: {command}", flush=True)
+    proc = subprocess.Popen(["bash", "-c", command])
+    while proc.poll() is None:
+        if stop.wait(0.1):
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if proc.returncode:
+        print(f"the client exited {proc.returncode}", flush=True)
+    return proc.returncode
 
 
 def _write_atomic(path: str, text: str) -> None:
