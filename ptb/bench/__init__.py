@@ -12,7 +12,7 @@ import platform
 import time
 
 BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
-              "swap")
+              "swap", "record")
 
 
 def _module(name: str):
