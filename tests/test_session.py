@@ -254,11 +254,10 @@ def test_replay_names_an_answer_that_changed_and_a_device_that_hung_up(tmp_path)
 
 def test_replay_refuses_a_device_it_cannot_reach(tmp_path):
     session = Session.parse(_text(_data(0.1, "ocs", "client", "a?\n")))
-    with pytest.raises(ReplayError, match="no address for dac"):
-        replay(session, {"ocs": Wire("tcp", host="127.0.0.1", port=1)})
+    with pytest.raises(ReplayError, match="no address for ocs"):     # the dac is not used
+        replay(session, {"dac": Wire("serial", path="/dev/null")})
     with pytest.raises(ReplayError, match="cannot connect to TCPIP::127.0.0.1::1::SOCKET"):
-        replay(session, {"ocs": Wire("tcp", host="127.0.0.1", port=1),
-                         "dac": Wire("serial", path="/dev/null")})
+        replay(session, {"ocs": Wire("tcp", host="127.0.0.1", port=1)})
 
 
 def test_the_serial_relay_passes_bytes_both_ways_and_keeps_the_port_locked(tmp_path):
@@ -289,3 +288,38 @@ def test_the_serial_relay_passes_bytes_both_ways_and_keeps_the_port_locked(tmp_p
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_ptb_record_relays_a_rig_file_and_runs_the_client(tmp_path):
+    """`ptb record --rig r.toml --write-rig rec.toml --run CLIENT`: the client finds the relays
+    in the rig file written, the recording stops when it ends, its exit code is the command's."""
+    import subprocess
+    import sys
+    from photonic_testbed.hil import rig as rigfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    device = EchoDevice()
+    try:
+        (tmp_path / "r.toml").write_text(
+            '[rig]\nname = "bench"\n[bus]\ncurve = false\n'
+            f'[devices.laser]\nkind = "laser"\naddress = "TCPIP::127.0.0.1::{device.port}'
+            '::SOCKET"\n')
+        client = ("import socket, sys; from photonic_testbed.hil import rig; "
+                  "from photonic_testbed.hil.session import parse_address; "
+                  "w = parse_address(rig.load('rec.toml').devices['laser'].address); "
+                  "s = socket.create_connection((w.host, w.port)); s.sendall(b'p?\\n'); "
+                  "assert s.makefile('rb').readline() == b'p!\\r\\n'; sys.exit(7)")
+        done = subprocess.run(
+            [sys.executable, "-m", "photonic_testbed.ptb", "record", "--rig", "r.toml",
+             "--write-rig", "rec.toml", "--out", "s.jsonl", "--run",
+             f'{sys.executable} -c "{client}"'],
+            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+            text=True, timeout=120)
+    finally:
+        device.close()
+    assert done.returncode == 7, done.stdout + done.stderr
+    assert "the client exited 7" in done.stdout and "written to s.jsonl" in done.stdout
+    assert rigfile.load(tmp_path / "rec.toml").devices["laser"].address != \
+        rigfile.load(tmp_path / "r.toml").devices["laser"].address
+    session = Session.load(tmp_path / "s.jsonl")
+    assert session.complete
+    assert [(x.sent, x.answer) for x in session.exchanges()] == [(b"p?\n", b"p!\r\n")]
