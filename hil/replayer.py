@@ -227,11 +227,10 @@ class _Link:
 def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison = Comparison(),
            timeout_s: float = DEFAULT_TIMEOUT_S, pace: bool = False) -> ReplayReport:
     """Play the session's client side against the devices at `wires` (device name -> Wire)."""
-    used = {e.device for e in session.events}
-    missing = sorted(used - set(wires))
+    missing = [d for d in session.used if d not in wires]
     if missing:
-        raise ReplayError(f"no address for {', '.join(missing)} (the session's devices: "
-                          f"{', '.join(session.devices)})")
+        raise ReplayError(f"no address for {', '.join(missing)} (the devices the session "
+                          f"used: {', '.join(session.used)})")
     exchanges = session.exchanges()
     report = ReplayReport(session.where, "client", len(exchanges))
     links: dict[tuple[str, int], _Link] = {}
@@ -268,6 +267,8 @@ def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison =
     try:
         for what, item in session.script():
             if isinstance(item, tuple):              # open or close
+                if item[0] not in session.used:
+                    continue                         # a device nothing was said to
                 if what == "open":
                     open_link(item)
                     continue

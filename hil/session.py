@@ -235,6 +235,12 @@ class Session:
                 out.append(("exchange", by_start[(ev.device, ev.conn, ev.line)]))
         return out
 
+    @property
+    def used(self) -> list[str]:
+        """The devices something was said to or by (in the header's order)."""
+        said = {e.device for e in self.events if e.kind == "data"}
+        return [d for d in self.devices if d in said]
+
     def wire(self, device: str) -> Wire:
         d = self.devices[device]
         return parse_address(d["address"], SCPI_PORT)

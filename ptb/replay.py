@@ -80,8 +80,7 @@ def run(args) -> int:
         return _as_device(session, args)
     try:
         given, _ = device_wires(args.endpoints, args.rig, args.devices)
-        wires = {name: given.get(name) or session.wire(name) for name in session.devices
-                 if any(e.device == name for e in session.events)}
+        wires = {name: given.get(name) or session.wire(name) for name in session.used}
     except SessionError as e:
         raise CommandFailed(str(e)) from None
     try:
@@ -157,7 +156,7 @@ def replay_on_emulator(session_path: str | os.PathLike, *, rig: str = "lumion", 
             _wait_for_power_up(emulated.dac)
         endpoints = emulated.endpoints
         wires = {}
-        for name in {e.device for e in session.events}:
+        for name in session.used:
             key = name if name in endpoints else _RIG_NAMES.get(name, name)
             if key not in endpoints:
                 raise ValueError(f"the session's device {name!r} is not on the emulated rig "

@@ -35,7 +35,7 @@ START_S = 60                      # generous: a busy 2-core machine starts proce
 SEED = 3
 # The qontrol client waits this long for each answer (and once, at start, for stale bytes):
 # generous, so that a busy machine does not make it retry and change the session.
-QONTROL_TIMEOUT_S = 2.0
+QONTROL_TIMEOUT_S = 1.0
 
 
 def _ptb(*args) -> subprocess.Popen:
