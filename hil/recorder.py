@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import pathlib
+import queue
 import selectors
 import shutil
 import socket
@@ -122,6 +123,7 @@ class Recorder:
         self._relays: list[_Relay] = []
         self._conns: dict[str, int] = {}
         self._wake_r, self._wake_w = os.pipe()
+        self._connected: queue.SimpleQueue = queue.SimpleQueue()   # (device, client, socket)
         self.exchanges_relayed = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -157,6 +159,10 @@ class Recorder:
             self._thread = None
         for relay in list(self._relays):
             self._close_relay(relay, "recorder")
+        while not self._connected.empty():
+            _, client, dev = self._connected.get()
+            client.close()
+            dev.close()
         for s in self._listeners.values():
             s.close()
         self._listeners.clear()
@@ -237,6 +243,12 @@ class Recorder:
             client, _ = self._listeners[name].accept()
         except BlockingIOError:
             return
+        # The device is connected to on a thread of its own: one that does not answer must
+        # not hold up the relaying of the others (the client's first bytes wait in its socket).
+        threading.Thread(target=self._connect, args=(name, client), name=f"recorder-{name}",
+                         daemon=True).start()
+
+    def _connect(self, name: str, client: socket.socket) -> None:
         wire = self.devices[name]
         try:
             dev = socket.create_connection((wire.host, wire.port), timeout=CONNECT_TIMEOUT_S)
@@ -248,9 +260,20 @@ class Recorder:
         for s in (client, dev):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
-        self._conns[name] = self._conns.get(name, 0) + 1
-        self._add_relay(_Relay(name, self._conns[name], _Side(client.fileno(), "client", client),
-                               _Side(dev.fileno(), name, dev)))
+        self._connected.put((name, client, dev))
+        try:
+            os.write(self._wake_w, b"c")
+        except OSError:                  # closing: close() will not see this relay
+            client.close()
+            dev.close()
+
+    def _add_connected(self) -> None:
+        while not self._connected.empty():
+            name, client, dev = self._connected.get()
+            self._conns[name] = self._conns.get(name, 0) + 1
+            self._add_relay(_Relay(name, self._conns[name],
+                                   _Side(client.fileno(), "client", client),
+                                   _Side(dev.fileno(), name, dev)))
 
     # ---- the relay -----------------------------------------------------------------------
 
@@ -262,6 +285,11 @@ class Recorder:
             for key, mask in ready:
                 what, obj = key.data
                 if what == "wake":
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    self._add_connected()
                     continue
                 if what == "accept":
                     self._accept(obj)
