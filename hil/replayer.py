@@ -12,7 +12,7 @@ line is named where it belongs.
 listens where a client expects it (a pty link for serial devices, a loopback socket for the
 others), checks that the client sends what the recording has it send, byte for byte however
 it is split into writes, and answers with the recorded answer. It stops answering on a
-connection at the first difference and reports it.
+connection at the first difference (closing it, for a socket) and reports it.
 
 Both give a `ReplayReport`: `ok`, `first` (the first differing exchange), `describe()`.
 """
