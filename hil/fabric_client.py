@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,7 +56,10 @@ class Fabric:
         self._rank_map: dict[int, str] = {}
         self._waiting = False                     # a failure reported, no order taken since
         self._incarnation: str | None = None      # the agent's, as last seen
+        self._ready: tuple[str, int] | None = None   # a phase the agent set up ahead
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fabric-done")
         self.rejoins = 0
+        self.ahead = 0                            # phases found set up ahead
         # A plain subscriber on our own thread: only the `restart` key matters here, so no
         # copy of the agent's state (its events) is made per delta.
         self._stop = threading.Event()
@@ -97,9 +101,31 @@ class Fabric:
         return rank_map
 
     def phase(self, name: str, round: int = 0, timeout: float | None = None) -> dict:
-        """Block until the agent says the circuits of (phase, round) are ready."""
+        """Block until the agent says the circuits of (phase, round) are ready; at once when
+        the agent has already set them up ahead (after `done`) and says so in its state."""
+        with self._cond:
+            ready = self._ready == (name, int(round))
+            self._ready = None
+        if ready:
+            self.ahead += 1
+            return {"granted": True, "phase": name, "round": int(round), "ahead": True}
         return self._client().call("phase", phase=name, round=int(round), job=self.job,
                                    timeout=timeout)
+
+    def done(self, name: str, round: int = 0) -> None:
+        """The job is done with (phase, round)'s links and computes before its next phase:
+        the agent sets that phase's circuits up meanwhile (Opus's insight: a rail is
+        reconfigured while the job computes). Returns at once: the request goes out on the
+        client's own thread."""
+        with self._cond:
+            self._ready = None
+        self._background.submit(self._done, name, int(round))
+
+    def _done(self, name: str, round: int) -> None:
+        try:
+            self._client().call("phase_done", phase=name, round=round, job=self.job)
+        except BusError as e:        # the next phase() asks, as without it
+            log.warning("phase_done %s/%d not taken: %s", name, round, e)
 
     def failure(self, reason: str, gpus: Any = (), links: Any = ()) -> dict:
         with self._cond:
@@ -124,6 +150,9 @@ class Fabric:
         restarted = self._incarnation is not None and incarnation != self._incarnation
         self._incarnation = incarnation
         mine = (state.get("jobs") or {}).get(self.job) if self.job else None
+        ready = (mine or {}).get("ready")
+        with self._cond:
+            self._ready = (str(ready[0]), int(ready[1])) if ready else None
         self._take_order((mine or state).get("restart") or {})
         if restarted and self._plan is not None:
             self._rejoin()
@@ -170,6 +199,7 @@ class Fabric:
             return self._orders.pop(0) if self._orders else None
 
     def close(self) -> None:
+        self._background.shutdown(wait=True)
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._sub.close()

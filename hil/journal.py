@@ -11,12 +11,22 @@ switch moves (`set_intended`), the restart order before the job hears it, an ala
 read of the journal (`entries`, `intended`, `flush`, `close`). Nothing acts on a deferred entry
 before that commit, so a `kill -9` in between loses only entries whose effect never left the
 process.
+
+Opening: a journal is created only where no file exists, and created whole (in a scratch file
+beside it, linked into place once its schema is written), so a file at the path is always a
+complete journal or damage. An existing file is checked before anything reads it: an SQLite
+header, `PRAGMA quick_check`, the journal's tables and schema version. An empty, truncated,
+overwritten or unreadable file, or a directory, is refused with `JournalError`, never re-created:
+the journal is the agent's memory of what the switches should hold, and an empty one would make
+it forget silently. Any later SQLite failure is a `JournalError` too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,8 +60,108 @@ KINDS = ("start", "failure", "detected", "decision", "applied", "verified", "ver
          "rank_map", "restart", "phase", "alarm", "reconcile", "note", "diagnosis")
 
 
+MAX_SEQ = 2 ** 63 - 1         # SQLite's largest INTEGER
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_TABLES = {"meta", "events", "intended"}
+
+
 class JournalError(Exception):
-    """The journal file cannot be used (wrong schema version, not a journal, unwritable)."""
+    """The journal file cannot be used (missing folder, empty, damaged, not a journal, wrong
+    schema version, unreadable, unwritable); the message says which and what to do."""
+
+
+@contextlib.contextmanager
+def _sqlite_errors(path: str, doing: str):
+    """Turn SQLite's failures into a JournalError that names the file."""
+    try:
+        yield
+    except sqlite3.DatabaseError as e:      # includes OperationalError, IntegrityError
+        raise JournalError(f"{path}: {doing} failed: {e}") from e
+
+
+def _refuse(path: str, why: str) -> JournalError:
+    return JournalError(f"{path} is not a usable journal: {why}. A new journal is created only "
+                        f"where no file exists: move this one aside to start afresh")
+
+
+def _check_file(path: str) -> None:
+    """Refuse what is plainly not a journal before SQLite opens it (SQLite would take an empty
+    file for a new database, and report other damage only at the first read)."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise _refuse(path, "it is a directory")
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, "it is not a regular file")
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as e:
+        raise JournalError(f"{path}: cannot read the journal: "
+                           f"{(e.strerror or str(e)).lower()}") from None
+    if not head:
+        raise _refuse(path, "the file is empty (0 bytes; truncated?)")
+    if head != _SQLITE_MAGIC:
+        raise _refuse(path, "no SQLite header (overwritten or damaged)")
+
+
+def _exists(path: str) -> bool:
+    """Whether anything is at `path`; a path that cannot be looked at is an error, not absent
+    (os.path.exists would say False, and a new journal would hide the old one)."""
+    try:
+        os.lstat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise JournalError(f"{path}: cannot reach the journal: "
+                           f"{(e.strerror or str(e)).lower()}") from None
+
+
+def _create(path: str) -> None:
+    """Make a new, complete journal at `path` (which does not exist): written in a scratch file
+    beside it and linked into place, so a crash leaves either no journal or a whole one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        if not stat.S_ISDIR(os.stat(folder).st_mode):
+            raise JournalError(f"{path}: cannot create the journal: {folder} is not a folder")
+    except OSError as e:
+        why = "no folder" if isinstance(e, (FileNotFoundError, NotADirectoryError)) else \
+            (e.strerror or str(e)).lower() + " at"
+        raise JournalError(f"{path}: cannot create the journal: {why} {folder}") from None
+    scratch = f"{path}.new-{os.getpid()}"
+    for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(leftover)
+    try:
+        db = sqlite3.connect(scratch, isolation_level=None)
+        try:
+            with _sqlite_errors(path, "creating the journal"):
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
+                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        finally:
+            db.close()                      # checkpoints and removes the scratch WAL
+        try:
+            os.link(scratch, path)          # fails if another process created it meanwhile
+        except FileExistsError:
+            pass
+        except OSError:                     # a filesystem without hard links
+            if not os.path.exists(path):
+                os.replace(scratch, path)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except PermissionError:
+        raise JournalError(f"{path}: cannot create the journal: permission denied in "
+                           f"{folder}") from None
+    except sqlite3.DatabaseError as e:
+        raise JournalError(f"{path}: cannot create the journal: {e}") from None
+    finally:
+        for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
 
 
 @dataclass(frozen=True)
@@ -75,34 +185,68 @@ class Entry:
 class Journal:
     """Append-only event log plus the intended circuits per switch. Thread-safe."""
 
-    def __init__(self, path: str | os.PathLike, synchronous: str = "FULL"):
+    def __init__(self, path: str | os.PathLike, synchronous: str = "FULL", *,
+                 create: bool = True):
         """`synchronous` FULL (default) syncs every commit to the disk; NORMAL (WAL) still
         survives a kill -9 of the process (the commit is in the OS's hands) but may lose the
-        last commits on a power loss or OS crash, for a fsync less per event."""
+        last commits on a power loss or OS crash, for a fsync less per event. `create`: make a
+        new journal if no file is at `path` (else that is a JournalError too)."""
         if synchronous not in ("FULL", "NORMAL"):
             raise JournalError(f"synchronous is FULL or NORMAL, not {synchronous!r}")
         self.path = os.fspath(path)
+        if not self.path:
+            raise JournalError("the journal's path is empty")
         self._lock = threading.RLock()
+        if not _exists(self.path):
+            if not create:
+                raise JournalError(f"no journal at {self.path}")
+            _create(self.path)
+        _check_file(self.path)
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                        timeout=5.0)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] != str(SCHEMA_VERSION):
-                raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
-                                   f"reads schema {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as e:
-            raise JournalError(f"{self.path} is not a usable journal: {e}") from e
+            raise JournalError(f"{self.path}: cannot open the journal: {e}") from None
+        try:
+            self._check_contents()
+            with _sqlite_errors(self.path, "opening the journal"):
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(f"PRAGMA synchronous={synchronous}")
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _check_contents(self) -> None:
+        """Integrity (quick_check: every page readable and well formed), then the journal's own
+        tables and schema version."""
+        try:
+            problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+            tables = {r[0] for r in self._db.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.DatabaseError as e:
+            raise _refuse(self.path, f"damaged ({e})") from None
+        if problems != ["ok"]:
+            raise _refuse(self.path, "damaged (integrity check: " + "; ".join(problems[:3])
+                          + (f"; {len(problems) - 3} more" if len(problems) > 3 else "") + ")")
+        if not _TABLES <= tables:
+            raise _refuse(self.path, "an SQLite file without the journal's tables "
+                          f"(missing {', '.join(sorted(_TABLES - tables))})")
+        with _sqlite_errors(self.path, "reading the schema version"):
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None:
+            raise _refuse(self.path, "no schema version recorded")
+        if row[0] != str(SCHEMA_VERSION):
+            raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
+                               f"reads schema {SCHEMA_VERSION}")
 
     def close(self) -> None:
         with self._lock:
-            if self._db.in_transaction:
-                self._db.execute("COMMIT")
-            self._db.close()
+            try:
+                with _sqlite_errors(self.path, "committing the last entries"):
+                    if self._db.in_transaction:
+                        self._db.execute("COMMIT")
+            finally:
+                self._db.close()
 
     def __enter__(self) -> "Journal":
         return self
@@ -112,7 +256,7 @@ class Journal:
 
     def flush(self) -> None:
         """Make the deferred entries durable (one transaction, one sync)."""
-        with self._lock:
+        with self._lock, _sqlite_errors(self.path, "committing"):
             if self._db.in_transaction:
                 self._db.execute("COMMIT")
 
@@ -127,7 +271,7 @@ class Journal:
         if kind not in KINDS:
             raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
         text = orjson.dumps(details, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
-        with self._lock:
+        with self._lock, _sqlite_errors(self.path, f"recording {kind!r}"):
             self._begin()
             try:
                 cur = self._db.execute(
@@ -151,7 +295,7 @@ class Journal:
         """`set_intended` for several switches in one transaction and one sync (a phase switch
         that moves every rail's OCS)."""
         rows = {name: sorted(circuits) for name, circuits in switches.items()}
-        with self._lock:
+        with self._lock, _sqlite_errors(self.path, "recording intended circuits"):
             self._begin()
             self._db.execute("SAVEPOINT intended")
             try:
@@ -179,13 +323,17 @@ class Journal:
             return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
-        with self._lock:
+        with self._lock, _sqlite_errors(self.path, "reading the intended circuits"):
             self.flush()
             rows = self._db.execute("SELECT switch, circuits FROM intended").fetchall()
         return {name: [tuple(p) for p in json.loads(text)] for name, text in rows}
 
     def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
                 limit: int | None = None) -> list[Entry]:
+        if not isinstance(since, int) or not 0 <= since <= MAX_SEQ:
+            raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
+        if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
+            raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
         query = "SELECT seq, ts, kind, cause, latency_s, details FROM events WHERE seq > ?"
         args: list[Any] = [since]
         if kinds:
@@ -195,7 +343,7 @@ class Journal:
         if limit is not None:
             query += " LIMIT ?"
             args.append(int(limit))
-        with self._lock:
+        with self._lock, _sqlite_errors(self.path, "reading the entries"):
             self.flush()
             rows = self._db.execute(query, args).fetchall()
         return [Entry(seq, ts, kind, cause, lat, json.loads(det))

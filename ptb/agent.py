@@ -44,7 +44,7 @@ def run(args) -> int:
     try:
         try:
             request, publish = proc.start()
-        except (AgentError, RigFileError, KeyFileError, OSError) as e:
+        except (AgentError, RigFileError, KeyFileError, JournalError, OSError) as e:
             raise CommandFailed(str(e)) from None
         print(f"agent of rig {rig.name}: requests {request}  publishes {publish}")
         print("running; Ctrl-C to stop", flush=True)

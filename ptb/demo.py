@@ -30,6 +30,9 @@ WINDOW_S = 2.0          # throughput windows before and after the failure
 
 
 CALIBRATION_TIMEOUT_S = 300
+PEER_TIMEOUT_S = 10.0   # a generous wait for a reply: a busy machine must not fail the demo
+READY_TIMEOUT_S = 300.0  # for a process to come up (imports alone take a minute on a busy VM)
+RESUME_TIMEOUT_S = 120.0  # for the job to resume after the failure (about 0.3 s when idle)
 
 
 def add_parser(sub) -> None:
@@ -51,6 +54,9 @@ def add_parser(sub) -> None:
                    help="a chip without fabrication errors, used uncalibrated (default: the "
                    "seeded, imperfect chip, calibrated first with ptb calibrate)")
     p.add_argument("--workdir", help="keep the rig file, journal and logs here")
+    p.add_argument("--keep-open", action="store_true",
+                   help="keep the GUI (and the rig under it) running after the demo, until "
+                   "its window is closed")
     p.add_argument("--job", choices=("emulated", "torch"), default="emulated",
                    help="the training job: our emulated step loop (default), or a real "
                    "PyTorch job whose failed rank a spare replaces in place (needs torch; "
@@ -109,7 +115,7 @@ class Processes:
             log.close()
 
 
-def _wait(what: str, cond, procs: Processes, timeout: float = 60.0):
+def _wait(what: str, cond, procs: Processes, timeout: float = READY_TIMEOUT_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()
@@ -120,15 +126,40 @@ def _wait(what: str, cond, procs: Processes, timeout: float = 60.0):
     raise CommandFailed(f"{what} did not happen within {timeout:g} s")
 
 
+def _gpu_to_fail(rig: str, gpu: str | None) -> str:
+    """The GPU the demo fails: one the job runs on (a worker of the rig's rack, not a spare),
+    checked before anything starts."""
+    from photonic_testbed.hil.rack_layout import layout
+    workers = layout(rig).workers
+    gpu = RIG_JOBS[rig][1] if gpu is None else gpu
+    if gpu not in workers:
+        spares = layout(rig).spares
+        why = "is a spare, which the job does not run on" if gpu in spares \
+            else f"is not in the {rig} rack"
+        raise CommandFailed(f"--gpu {gpu!r} {why}; the job runs on {', '.join(workers)}"
+                            + (f" (spares: {', '.join(spares)})" if spares else ""))
+    return gpu
+
+
 def run(args) -> int:
-    if args.seconds <= 0 or args.seconds > 600:
+    if not 0 < args.seconds <= 600:          # also refuses nan
         raise CommandFailed(f"--seconds must be in (0, 600], not {args.seconds:g}")
-    plan, default_gpu = RIG_JOBS[args.rig]
-    gpu = args.gpu or default_gpu
+    if args.keep_open and args.headless:
+        raise CommandFailed("--keep-open keeps the GUI open: it cannot go with --headless")
+    if args.seed < 0:
+        raise CommandFailed(f"--seed must be >= 0, not {args.seed}")
+    plan = RIG_JOBS[args.rig][0]
+    gpu = _gpu_to_fail(args.rig, args.gpu)
+    if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise CommandFailed(f"--workdir {args.workdir} is not a folder")
     with contextlib.ExitStack() as stack:
         if args.workdir:
             workdir = pathlib.Path(args.workdir).resolve()
-            workdir.mkdir(parents=True, exist_ok=True)
+            try:
+                workdir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CommandFailed(f"cannot make --workdir {args.workdir}: "
+                                    f"{e.strerror or e}") from None
         else:
             workdir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="ptb-demo-")))
@@ -145,6 +176,7 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
     from photonic_testbed.hil.emulator.control import ControlError, request
+    from photonic_testbed.hil.journal import Journal
 
     t0 = time.monotonic()
     rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
@@ -167,49 +199,70 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     _wait("the device services", served.exists, procs)
     say(t0, f"bus services up: {', '.join(json.loads(served.read_text()))}")
     procs.start("agent", "agent", "--rig", str(rig_path), "--journal", str(journal))
-    agent = ServiceClient(rig.agent_endpoints()[0], timeout=2.0)
+    agent = ServiceClient(rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S)
 
     def agent_up():
         try:
-            return agent.call("ping", timeout=0.5)
+            return agent.call("ping", timeout=PEER_TIMEOUT_S / 2)
         except BusError:
             return None
     try:
         _wait("the agent", agent_up, procs)
         say(t0, f"agent up, journal {journal.name}")
+        gui = None
         if args.gui or (not args.headless and has_display()):
-            procs.start("gui", "gui", "--rig", str(rig_path))
-            say(t0, "GUI opened (ptb gui --rig rig.toml)")
+            from photonic_testbed.ptb.gui import DemoGui
+            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
         try:
             got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
         except ControlError as e:
             raise CommandFailed(f"the job did not start: {e}") from None
-        say(t0, f"job {got['plan']} admitted: ranks on {', '.join(got['rank_map'].values())}")
+        ranks_on = list(got["rank_map"].values())
+        say(t0, f"job {got['plan']} admitted: ranks on {', '.join(ranks_on)}")
+        if gpu not in ranks_on:
+            raise CommandFailed(f"the job runs on {', '.join(ranks_on)}, not on {gpu}: "
+                                f"failing it would not touch the job")
         time.sleep(args.seconds)
         procs.check()
-        status = request(control, {"cmd": "job_status"})
-        if status["step"] == 0:
+        before = request(control, {"cmd": "job_status"})
+        if before["step"] == 0:
             raise CommandFailed(f"the job made no step in {args.seconds:g} s "
-                                f"({status['state']}); agent log:\n{procs.tail('agent')}")
-        say(t0, f"job running: {status['step']} steps done")
+                                f"({before['state']}); agent log:\n{procs.tail('agent')}")
+        say(t0, f"job running: {before['step']} steps done")
+        with Journal(journal, create=False) as j:      # where the agent's entries start
+            seq = max((e.seq for e in j.entries()), default=0)
         t_fail = time.time()
         request(control, {"cmd": "fail_gpu", "gpu": gpu, "mode": "hard"})
         say(t0, f"failure injected: {gpu} goes dark (Xid 79, fallen off the bus)")
 
         def resumed():
             s = request(control, {"cmd": "job_status"})
-            r = [e for e in s["events"] if e["kind"] == "restarted" and e["t"] >= t_fail]
-            steps = [x for x in s["steps"] if r and x[3] > r[0]["t"]]
             if s["state"] == "aborted":
                 raise CommandFailed("the job aborted: " + json.dumps(s["events"][-3:]))
-            return s if len(steps) >= 1 else None
-        _wait("the job's resumption", resumed, procs, timeout=30.0)
+            return _restart_after(s, t_fail)
+        _wait("the job's resumption", resumed, procs, timeout=RESUME_TIMEOUT_S)
         time.sleep(max(args.seconds, WINDOW_S))
         status = request(control, {"cmd": "job_status"})
         state = agent.call("snapshot")["state"]
+        with Journal(journal, create=False) as j:       # the agent's own record of it
+            entries = [{"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                        "latency_s": e.latency_s, "details": e.details}
+                       for e in j.entries(since=seq)]
     finally:
         agent.close()
-    return _report(t0, t_fail, gpu, status, state)
+    code = _report(t0, t_fail, gpu, before, status, entries, state)
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    elif args.keep_open:
+        say(t0, "--keep-open: no GUI was opened (no display; --gui opens one)")
+    return code
+
+
+def _restart_after(status: dict, t: float) -> dict | None:
+    """The job's own record of the first restart taken after `t` that has resumed (its first
+    step done), or None."""
+    return next((r for r in status.get("restart_records", ())
+                 if r["t"] >= t and r["resumed_t"] is not None), None)
 
 
 def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
@@ -236,23 +289,25 @@ def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
     return rigfile.load(rig_path)
 
 
-def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> int:
-    events = [e for e in agent["events"] if e["ts"] >= t_fail]
-
+def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
+            events: list[dict], agent: dict) -> int:
+    """The timeline and throughput, from the agent's journal entries since the failure
+    (`events`), the job's own restart record and its running totals (`before`: the job's status
+    just before the failure; `status`: at the end)."""
     def first(kind, after=t_fail):
         return next((e for e in events if e["kind"] == kind and e["ts"] >= after), None)
     detected = first("detected")
     applied = first("applied", detected["ts"] if detected else t_fail)
     verified = first("verified", detected["ts"] if detected else t_fail)
     restart = first("restart", detected["ts"] if detected else t_fail)
-    job_ev = [e for e in status["events"] if e["t"] >= t_fail]
-    restarted = next((e for e in job_ev if e["kind"] == "restarted"), None)
-    step_after = next((s for s in status["steps"] if restarted and s[3] > restarted["t"]), None)
+    restarted = _restart_after(status, t_fail)
     print()
     print("timeline (from the failure; each line: time since the failure, since the line "
           "before)")
     last = t_fail
     rows = [("failure injected", t_fail, f"{gpu} dark")]
+    if restarted and restarted["failed_t"] is not None:
+        rows.append(("job saw it fail", restarted["failed_t"], restarted["failure"]))
     if detected:
         rows.append(("detected by the agent", detected["ts"], detected["cause"]))
     for e in events:
@@ -276,9 +331,11 @@ def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> in
                      and "new rank map published"))
     if restarted:
         rows.append(("job restarted", restarted["t"],
-                     f"from checkpoint, {restarted['details'].get('lost_steps', 0)} steps redone"))
-    if step_after:
-        rows.append(("job resumed (first step)", step_after[3], f"step {step_after[0]}"))
+                     f"from the checkpoint at step {restarted['from_step']}, "
+                     f"{restarted['lost_steps']} steps redone"))
+        rows.append(("job resumed (first step)", restarted["resumed_t"],
+                     f"step {restarted['resumed_step']}"))
+    rows.sort(key=lambda r: r[1])
     for name, ts, what in rows:
         print(f"  {name:<26} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
               f"{what or ''}")
@@ -286,25 +343,29 @@ def _report(t0: float, t_fail: float, gpu: str, status: dict, agent: dict) -> in
     for e in agent["alarms"]:
         print(f"  alarm: {e}")
 
-    steps = status["steps"]
-
-    def rate(a, b):
-        n = sum(1 for s in steps if a <= s[3] < b)
-        return n / (b - a) if b > a else 0.0
-    resume = step_after[3] if step_after else t_fail
-    t_end = steps[-1][3] if steps else resume
+    # steps/s: before, from the last steps the job reported just before the failure; during
+    # and after, from its running count of steps done and its restart record
+    n_before = sum(1 for s in before["steps"] if t_fail - WINDOW_S <= s[3] < t_fail)
+    resume = restarted["resumed_t"] if restarted else t_fail
+    t_end = status["steps"][-1][3] if status["steps"] else resume
+    during = after = 0.0
+    if restarted:
+        done_in_outage = restarted["resumed_steps_done"] - 1 - before["steps_done"]
+        during = max(0, done_in_outage) / (resume - t_fail) if resume > t_fail else 0.0
+        if t_end > resume:
+            after = (status["steps_done"] - restarted["resumed_steps_done"]) / (t_end - resume)
     print()
     print("job throughput (steps/s)")
-    print(f"  before  {rate(t_fail - WINDOW_S, t_fail):7.1f}   ({WINDOW_S:g} s before the failure)")
-    print(f"  during  {rate(t_fail, resume):7.1f}   ({1e3 * (resume - t_fail):.0f} ms outage)")
-    print(f"  after   {rate(resume, t_end):7.1f}   ({t_end - resume:.1f} s after)")
+    print(f"  before  {n_before / WINDOW_S:7.1f}   ({WINDOW_S:g} s before the failure)")
+    print(f"  during  {during:7.1f}   ({1e3 * (resume - t_fail):.0f} ms outage)")
+    print(f"  after   {after:7.1f}   ({t_end - resume:.1f} s after)")
     rank_map = status["rank_map"]
     phases = [e for e in agent["events"] if e["kind"] == "phase" and e["latency_s"] is not None]
     if phases:
         lat = sorted(1e3 * e["latency_s"] for e in phases)
         print(f"phase switches in the last {len(agent['events'])} journal entries: "
               f"{len(lat)}, median {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms")
-    ok = bool(step_after) and gpu not in rank_map.values()
+    ok = bool(restarted) and gpu not in rank_map.values()
     print()
     print(f"ranks now on {', '.join(rank_map.values())}; communications over a down link: "
           f"{status['down_communications']}")

@@ -1,10 +1,10 @@
 """`ptb journal`: print the agent's journal (optionally following it as it grows)."""
 from __future__ import annotations
 
-import os
+import argparse
 import time
 
-from photonic_testbed.hil.journal import KINDS, Journal, JournalError
+from photonic_testbed.hil.journal import KINDS, MAX_SEQ, Journal, JournalError
 from photonic_testbed.ptb.cli import CommandFailed
 
 
@@ -14,25 +14,37 @@ def add_parser(sub) -> None:
                        "configurations, verifications and alarms, with causes and latencies.")
     p.add_argument("path", help="journal database (the agent's --journal file)")
     p.add_argument("--kind", action="append", choices=KINDS, help="only these kinds (repeatable)")
-    p.add_argument("--since", type=int, default=0, help="only entries after this sequence number")
+    p.add_argument("--since", type=_seq, default=0, metavar="SEQ",
+                   help="only entries after this sequence number")
     p.add_argument("--follow", action="store_true", help="keep printing new entries (Ctrl-C)")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    if not os.path.exists(args.path):
-        raise CommandFailed(f"no journal at {args.path}")
+def _seq(text: str) -> int:
     try:
-        journal = Journal(args.path)
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
+    if not 0 <= value <= MAX_SEQ:
+        raise argparse.ArgumentTypeError(f"a sequence number is 0..{MAX_SEQ}, not {text}")
+    return value
+
+
+def run(args) -> int:
+    try:
+        journal = Journal(args.path, create=False)
     except JournalError as e:
         raise CommandFailed(str(e)) from None
     kinds = tuple(args.kind) if args.kind else None
     last = args.since
-    with journal:
-        while True:
-            for entry in journal.entries(since=last, kinds=kinds):
-                print(entry.line(), flush=True)
-                last = entry.seq
-            if not args.follow:
-                return 0
-            time.sleep(0.2)
+    try:
+        with journal:
+            while True:
+                for entry in journal.entries(since=last, kinds=kinds):
+                    print(entry.line(), flush=True)
+                    last = entry.seq
+                if not args.follow:
+                    return 0
+                time.sleep(0.2)
+    except JournalError as e:          # damaged while being read
+        raise CommandFailed(str(e)) from None

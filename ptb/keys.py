@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 
 from photonic_testbed.hil.bus.security import KeyFileError, generate
 from photonic_testbed.ptb.cli import CommandFailed
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 
 
 def add_parser(sub) -> None:
@@ -20,16 +23,51 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _check_names(names: list[str]) -> None:
+    """Each NAME becomes a file name in DIR: a plain name, each once."""
+    for name in names:
+        if not NAME.fullmatch(name):
+            raise CommandFailed(f"key name {name!r}: use letters, digits, '_', '-' and '.', "
+                                f"not starting with '.' (it names NAME.key in DIR)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CommandFailed(f"key name(s) given twice: {', '.join(twice)}")
+
+
+def _os_error(what: str, e: OSError) -> CommandFailed:
+    return CommandFailed(f"cannot {what}: {e.strerror or e}")
+
+
 def run(args) -> int:
+    _check_names(args.names)
     folder = pathlib.Path(args.dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CommandFailed(f"--dir {folder} exists and is not a folder") from None
+    except OSError as e:
+        raise _os_error(f"make the key folder {folder}", e) from None
+    for name in args.names:                 # refuse before writing any
+        for suffix in (".key", ".key_secret"):
+            if (folder / (name + suffix)).exists():
+                raise CommandFailed(f"{folder / (name + suffix)} exists; refusing to "
+                                    f"overwrite it")
     for name in args.names:
         try:
             public, secret = generate(folder, name)
         except KeyFileError as e:
             raise CommandFailed(str(e)) from None
+        except OSError as e:
+            raise _os_error(f"write {name}'s keys in {folder}", e) from None
         print(f"{name}: public {public}, secret {secret}")
         if args.authorize:
-            (folder / "authorized").mkdir(exist_ok=True)
-            shutil.copy(public, folder / "authorized" / public.name)
+            try:
+                (folder / "authorized").mkdir(exist_ok=True)
+                shutil.copy(public, folder / "authorized" / public.name)
+            except FileExistsError:
+                raise CommandFailed(f"{folder / 'authorized'} exists and is not a folder") \
+                    from None
+            except OSError as e:
+                raise _os_error(f"list {name} in {folder / 'authorized'}", e) from None
             print(f"  listed in {folder / 'authorized'}")
     return 0

@@ -165,6 +165,10 @@ def test_every_route_reaches_its_cell_from_a_chip_input():
 
 # ---- the command line ----------------------------------------------------------------------------
 
+# instruments that answer get a generous timeout: the default (2 s) fails on a busy machine
+PEER_TIMEOUT = ("--timeout-s", "10")
+
+
 def _ptb(*args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
@@ -176,7 +180,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
     out = tmp_path / "cal.json"
     progress = tmp_path / "cal.json.progress.json"
     args = ("calibrate", "--rig", "lumion", "--out", str(out), "--cells", "s3r0", "s3r5",
-            "--no-crosstalk")
+            "--no-crosstalk", *PEER_TIMEOUT)
     proc = _ptb(*args)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -185,7 +189,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "progress is saved" in err and not out.exists()
     swept = len(json.loads(progress.read_text())["fits"])
@@ -219,10 +223,10 @@ def test_cli_fails_clearly_when_an_instrument_does_not_answer(tmp_path):
 
 def test_cli_refuses_bad_arguments(tmp_path):
     proc = _ptb("calibrate", "--out", str(tmp_path / "c.json"))
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "--rig" in err
     proc = _ptb("calibrate", "--rig", "nosuchrig", "--out", str(tmp_path / "c.json"))
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "unknown rig" in err
 
 
@@ -234,7 +238,7 @@ def test_cli_reads_a_rig_file(tmp_path):
         path = tmp_path / "rig.toml"
         rigfile.write(path, rigfile.for_emulator("lumion", rig.endpoints))
         proc = _ptb("calibrate", "--rig", str(path), "--out", str(tmp_path / "c.json"),
-                    "--cells", "s1r0", "--no-crosstalk")
+                    "--cells", "s1r0", "--no-crosstalk", *PEER_TIMEOUT)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     cal = read_calibration(tmp_path / "c.json")
@@ -251,11 +255,13 @@ def test_cli_drift_check_keeps_a_good_file_and_flags_another_chip(seed0, tmp_pat
     path = tmp_path / "cal.json"
     # the chip id `ptb calibrate` gives it
     write_calibration(replace(cal, chip_id="lumion/benes16"), path)
-    same = _ptb("calibrate", "--rig", "lumion", "--seed", "0", "--drift-check", str(path))
+    same = _ptb("calibrate", "--rig", "lumion", "--seed", "0", "--drift-check", str(path),
+                *PEER_TIMEOUT)
     out = "".join(same.communicate(timeout=120))
     assert same.returncode == 0, out
     assert "calibration still good" in out
-    other = _ptb("calibrate", "--rig", "lumion", "--seed", "5", "--drift-check", str(path))
+    other = _ptb("calibrate", "--rig", "lumion", "--seed", "5", "--drift-check", str(path),
+                 *PEER_TIMEOUT)
     out = "".join(other.communicate(timeout=120))
     assert other.returncode == 3, out
     assert "recalibrate" in out
@@ -295,7 +301,7 @@ def test_cli_update_writes_the_cells_into_the_file(seed0, tmp_path):
     path = tmp_path / "cal.json"
     write_calibration(replace(cal, chip_id="lumion/benes16"), path)
     proc = _ptb("calibrate", "--rig", "lumion", "--update", str(path), "--cells", "s1r2",
-                "--no-crosstalk")
+                "--no-crosstalk", *PEER_TIMEOUT)
     text, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "the other" in text and "kept" in text

@@ -10,7 +10,7 @@ from photonic_testbed.drivers.heater_dac import DACDisconnected, DACError, Heate
 from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
 
 
-def wait_until(predicate, timeout=2.0, step=0.01):
+def wait_until(predicate, timeout=10.0, step=0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -105,7 +105,7 @@ def test_a_different_board_on_the_port_is_refused(tmp_path):
     link = tmp_path / "dac"
     first = EmulatedDACBoard(link, modules=2, seed=1)
     first.start()
-    dac = HeaterDAC(str(link), reconnect_timeout=2.0)
+    dac = HeaterDAC(str(link), reconnect_timeout=10.0)
     dac.open()
     dac.set_voltage(0, 1.0)
     first.close()
@@ -124,7 +124,7 @@ def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
     with HeaterDAC(str(dac_board.link)) as dac:
         dac.set_voltages([2.0] * 56)
         dac.set_watchdog(50)
-        assert wait_until(lambda: max(dac_board.outputs) == 0.0, timeout=3.0)
+        assert wait_until(lambda: max(dac_board.outputs) == 0.0, timeout=10.0)
         # the host speaks again: normal service resumes
         dac.set_watchdog(0)
         dac.set_voltage(3, 1.0)
@@ -132,7 +132,7 @@ def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
 
 
 def test_garbage_on_the_line_is_answered_and_the_board_keeps_serving(dac_board):
-    with serial.Serial(str(dac_board.link), 115200, timeout=1.0) as raw:
+    with serial.Serial(str(dac_board.link), 115200, timeout=10.0) as raw:
         raw.reset_input_buffer()
         raw.write(b"\xff\xfe\x00garbage\n" + b"x" * 1000 + b"\nid?\n")
         lines = []

@@ -14,10 +14,7 @@ DOCS = sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")])
 # Docs written for an API that another change of issue 14 brings: doc -> (what it waits for,
 # the error it fails with until then). Any other failure fails; once the doc passes, the test
 # fails until its entry here goes.
-PENDING = {
-    "docs/api.md": ("Mesh takes a topology by its name (Mesh('benes16', dac, 'cal.json'))",
-                    "'str' object has no attribute 'recirculating'"),
-}
+PENDING: dict[str, tuple[str, str]] = {}      # doc -> (why it cannot run yet, its error)
 
 
 def test_every_doc_is_found():

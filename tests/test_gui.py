@@ -189,7 +189,7 @@ def test_chip_view_draws_the_light_path_of_a_changed_circuit(qtbot, tmp_path):
     assert near(colour_at(before, view.link_midpoint(sorted(lit)[3])), circuit_colour(1, 16))
     # Cross the first cell: input 1 now reaches output 18, drawn from the new cell states.
     first = "s0r0"
-    with qtbot.waitSignal(view.painted, timeout=2000):
+    with qtbot.waitSignal(view.painted, timeout=10000):
         model.apply_delta({"seq": 2, "op": "cells", "name": "benes16",
                            "value": {first: {"state": "cross", "theta": 3.14}}})
         model.apply_delta({"seq": 3, "op": "switch", "value": {"name": "benes16",

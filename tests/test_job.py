@@ -165,3 +165,72 @@ def test_wall_clock_thread_runs_and_stops():
     job2.start(100)
     job2.close()                     # stops a job waiting for its grant
     assert job2.state == "stopped"
+
+
+# ---- bounded history and the job's own restart records (issue 15, items 7 and 8) -------------
+
+def _fail_every(job, rack, every: int):
+    """Fail gpu3 every `every` steps done (redone ones included, so the job gets past each
+    failure); each is answered by healing it and restarting on the same rank map (as an agent
+    that swapped it back would)."""
+    def on(ev):
+        if ev.kind == "step" and job.steps_done % every == 0 and not rack.faults.gpus:
+            rack.faults.fail_gpu("gpu3")
+        if ev.kind == "failure":
+            rack.faults.clear()
+            job.restart(dict(RANKS), "healed")
+    job.subscribe(on)
+
+
+def test_a_long_run_with_repeated_failures_keeps_bounded_history():
+    plan = dp_ring(8, compute_s=0.01)
+    kept = {"records_kept": 40, "comms_kept": 30, "events_kept": 60, "restarts_kept": 4}
+    job, rack, _ = make(plan, gated=False, checkpoint_every=5, **kept)
+    _fail_every(job, rack, 7)
+    steps = []
+    job.subscribe(lambda ev: ev.kind == "step" and steps.append(ev.step))
+    assert job.run(400) == "done"
+    assert job.restarts > 4 * kept["restarts_kept"]                # more happened than is kept
+    assert len(job.records) == kept["records_kept"]
+    assert len(job.communications) == kept["comms_kept"]
+    assert len(job.log) == kept["events_kept"]
+    assert len(job.restart_records) == kept["restarts_kept"]
+    # what is kept is the latest; the running totals count the whole run
+    assert job.records[-1].step == 400 and job.log[-1].kind == "done"
+    assert job.steps_done == len(steps) > 400                     # redone steps count again
+    assert job.down_communications == 0
+
+
+def test_default_history_is_bounded():
+    from photonic_testbed.hil.emulator import job as job_module
+    plan = dp_ring(8, compute_s=0.0)
+    job, _, _ = make(plan, gated=False)
+    for ring, kept in ((job.records, job_module.RECORDS_KEPT),
+                       (job.communications, job_module.COMMS_KEPT),
+                       (job.log, job_module.EVENTS_KEPT),
+                       (job.restart_records, job_module.RESTARTS_KEPT)):
+        assert ring.maxlen == kept and 0 < kept <= 10_000
+    with pytest.raises(JobError, match="records_kept"):
+        make(plan, records_kept=0)
+
+
+def test_restart_records_say_when_the_job_failed_restarted_and_resumed():
+    plan = dp_ring(8, compute_s=0.01)
+    job, rack, _ = make(plan, gated=False, checkpoint_every=4, restart_s=0.5)
+    _fail_every(job, rack, 6)
+    assert job.run(20) == "done"
+    records = list(job.restart_records)
+    assert len(records) == job.restarts >= 3
+    failures = [e for e in job.log if e.kind == "failure"]
+    restarted = [e for e in job.log if e.kind == "restarted"]
+    for rec, fail, back in zip(records, failures, restarted):
+        assert rec.failed_t == fail.t and rec.failure == "GPU(s) gpu3 failed"
+        assert rec.t == back.t and rec.t >= rec.failed_t + 0.5       # the checkpoint reload
+        assert rec.cause == "healed" and rec.rank_map == RANKS
+        assert rec.lost_steps == back.details["lost_steps"] and rec.from_step % 4 == 0
+        first = next(r for r in job.records if r.t_end > rec.t)
+        assert (rec.resumed_t, rec.resumed_step) == (first.t_end, first.step)
+        assert rec.resumed_step == rec.from_step + 1
+    d = records[0].to_dict(offset=100.0)
+    assert d["t"] == records[0].t + 100.0 and d["failed_t"] == records[0].failed_t + 100.0
+    assert d["rank_map"] == {str(r): g for r, g in RANKS.items()}

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,3 +120,186 @@ def test_a_file_that_is_not_a_journal_is_refused(tmp_path):
     bad.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(JournalError, match="not a usable journal"):
         Journal(bad)
+
+
+# ---- damaged journals (issue 15, item 6) ----------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _journal_with_entries(path, n=300) -> None:
+    """A real journal spanning several pages."""
+    with Journal(path) as j:
+        for k in range(n):
+            j.record("note", cause="filler", k=k, text="x" * 40)
+        j.set_intended("ocs", [(1, 33)], cause="test")
+
+
+def _page_size(path) -> int:
+    return int.from_bytes(pathlib.Path(path).read_bytes()[16:18], "big")
+
+
+def _zero_page(path, page: int) -> None:
+    size = _page_size(path)
+    with open(path, "r+b") as f:
+        f.seek(page * size)
+        f.write(b"\0" * size)
+
+
+def _truncate(path):
+    open(path, "wb").close()
+
+
+def _zero_first_page(path):
+    _zero_page(path, 0)
+
+
+def _zero_last_page(path):
+    _zero_page(path, os.path.getsize(path) // _page_size(path) - 1)
+
+
+def _zero_middle_pages(path):
+    pages = os.path.getsize(path) // _page_size(path)
+    for p in range(1, pages):
+        _zero_page(path, p)
+
+
+def _garbage(path):
+    import random
+    rng = random.Random(7)
+    pathlib.Path(path).write_bytes(bytes(rng.randrange(256) for _ in range(20000)))
+
+
+def _garbage_after_header(path):
+    import random
+    rng = random.Random(8)
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[100:] = bytes(rng.randrange(256) for _ in range(len(data) - 100))
+    pathlib.Path(path).write_bytes(bytes(data))
+
+
+def _directory(path):
+    os.unlink(path)
+    os.mkdir(path)
+
+
+def _other_sqlite_file(path):
+    import sqlite3
+    os.unlink(path)
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE songs (title TEXT)")
+    db.commit()
+    db.close()
+
+
+DAMAGE = {"truncated to 0 bytes": (_truncate, "empty"),
+          "first page zeroed": (_zero_first_page, "no SQLite header"),
+          "last page zeroed": (_zero_last_page, "damaged"),
+          "every page but the first zeroed": (_zero_middle_pages, "damaged"),
+          "random garbage": (_garbage, "no SQLite header"),
+          "garbage after a good header": (_garbage_after_header, "damaged"),
+          "a directory in its place": (_directory, "is a directory"),
+          "another program's SQLite file": (_other_sqlite_file, "without the journal's tables")}
+
+
+def _damaged(tmp_path, name):
+    path = tmp_path / "journal.db"
+    _journal_with_entries(path)
+    DAMAGE[name][0](path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(DAMAGE))
+def test_an_empty_or_damaged_journal_is_refused_never_recreated(tmp_path, name):
+    path = _damaged(tmp_path, name)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    size = os.path.getsize(path) if path.is_file() else None
+    with pytest.raises(JournalError, match=DAMAGE[name][1]) as err:
+        j = Journal(path)
+        # what the agent does at start: every read must fail the same way if open did not
+        j.entries(kinds=("restart",))
+        j.intended()
+    assert str(path) in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before      # nothing made beside it
+    if size is not None:
+        assert os.path.getsize(path) == size                          # nor rewritten
+
+
+def test_an_unreadable_journal_is_refused():
+    """Checked in child processes; as root (which reads any file) they run as nobody, in a
+    folder they may enter, so that it is the file's (or its folder's) permissions that stop
+    them. A journal in a folder that cannot be entered is refused too, not taken as absent."""
+    import tempfile
+    as_nobody = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root reads any file, and setpriv is missing to run as nobody")
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # a folder every user may enter (pytest's own are its owner's only)
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o755)
+        path = pathlib.Path(folder) / "journal.db"
+        _journal_with_entries(path, 3)
+        os.chmod(path, 0)
+        locked = pathlib.Path(folder) / "locked"
+        locked.mkdir(mode=0)
+        try:
+            for journal in (path, locked / "journal.db"):
+                for args in (["-c", "from photonic_testbed.hil.journal import Journal; "
+                                    "import sys; Journal(sys.argv[1])", str(journal)],
+                             ["-m", "photonic_testbed.ptb", "journal", str(journal)]):
+                    out = subprocess.run([*as_nobody, sys.executable, *args], cwd=ROOT,
+                                         env=env, capture_output=True, text=True, timeout=120)
+                    assert out.returncode == 1, out
+                    assert "permission denied" in out.stderr, out.stderr
+                assert "Traceback" not in out.stderr          # ptb journal: the message only
+        finally:
+            os.chmod(path, 0o600)
+            os.chmod(locked, 0o700)
+        assert os.listdir(locked) == []
+
+
+def test_a_new_journal_only_where_no_file_exists(tmp_path):
+    path = tmp_path / "fresh.db"
+    with Journal(path) as j:
+        assert j.entries() == [] and j.intended() == {}
+        j.record("note", cause="first")
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("fresh.db-")) \
+        == ["fresh.db"]
+    with Journal(path) as j:
+        assert [e.cause for e in j.entries()] == ["first"]
+    with pytest.raises(JournalError, match="no folder"):
+        Journal(tmp_path / "missing" / "j.db")
+
+
+def _run_ptb(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["truncated to 0 bytes", "last page zeroed", "random garbage",
+                                  "a directory in its place"])
+def test_ptb_journal_refuses_a_damaged_journal(tmp_path, name):
+    path = _damaged(tmp_path, name)
+    out = _run_ptb("journal", str(path))
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr + out.stdout
+    assert out.stdout == ""
+    assert out.stderr.startswith("ptb journal: ") and DAMAGE[name][1] in out.stderr
+
+
+@pytest.mark.parametrize("name", ["truncated to 0 bytes", "every page but the first zeroed"])
+def test_ptb_agent_refuses_a_damaged_journal(tmp_path, name):
+    from photonic_testbed.hil import rig as rigfile
+    path = _damaged(tmp_path, name)
+    size = os.path.getsize(path)
+    rig = rigfile.for_emulator("opus", {"ocs": "TCPIP::127.0.0.1::1::SOCKET"},
+                               gpus=(rigfile.GpuConfig("gpu0", "ocs", 1, False),))
+    rigfile.write(tmp_path / "rig.toml", rig)
+    out = _run_ptb("agent", "--rig", str(tmp_path / "rig.toml"), "--journal", str(path))
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr + out.stdout
+    assert out.stderr.startswith("ptb agent: ") and DAMAGE[name][1] in out.stderr
+    assert os.path.getsize(path) == size                  # left as found, for a person

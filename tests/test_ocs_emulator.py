@@ -41,7 +41,7 @@ def moves(rig) -> int:
 
 @pytest.fixture
 def ocs(rig):
-    with OpticalCircuitSwitch(rig.endpoints["ocs"], timeout_s=2.0) as d:
+    with OpticalCircuitSwitch(rig.endpoints["ocs"], timeout_s=10.0) as d:
         yield d
 
 
@@ -184,7 +184,7 @@ def test_stuck_port_ignores_moves(rig, ocs):
 
 def test_plain_pyvisa_sessions_drive_each_instrument(rig):
     rm = pyvisa.ResourceManager("@py")
-    kw = dict(read_termination="\r\n", write_termination="\r\n", timeout=2000)
+    kw = dict(read_termination="\r\n", write_termination="\r\n", timeout=10000)
     ocs = rm.open_resource(rig.endpoints["ocs"], **kw)
     pm = rm.open_resource(rig.endpoints["powermeter"], **kw)
     laser = rm.open_resource(rig.endpoints["laser"], **kw)
@@ -235,7 +235,7 @@ def test_plain_pyvisa_sessions_drive_each_instrument(rig):
 
 def test_two_clients_are_served_concurrently_with_their_own_error_queues(rig):
     rm = pyvisa.ResourceManager("@py")
-    kw = dict(read_termination="\r\n", write_termination="\n", timeout=2000)
+    kw = dict(read_termination="\r\n", write_termination="\n", timeout=10000)
     a = rm.open_resource(rig.endpoints["ocs"], **kw)
     b = rm.open_resource(rig.endpoints["ocs"], **kw)
     try:
@@ -319,7 +319,7 @@ def test_ptb_emulate_opus_prints_and_writes_endpoints_then_frees_ports(tmp_path)
         for key in ("ocs", "powermeter", "laser"):
             assert endpoints[key].startswith("TCPIP::127.0.0.1::")
             s = rm.open_resource(endpoints[key], read_termination="\r\n",
-                                 write_termination="\n", timeout=2000)
+                                 write_termination="\n", timeout=10000)
             assert s.query("*IDN?")
             s.close()
         assert request(endpoints["control"], {"cmd": "ping"}) == "pong"

@@ -11,7 +11,8 @@ import pytest
 
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.emulator.control import ControlError, request
-from photonic_testbed.hil.emulator.rig import EmulatedRig, rig_spec
+from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.rig import rig_spec
 
 
 @pytest.fixture

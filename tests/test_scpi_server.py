@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -237,26 +238,6 @@ def _valid_matching(state: dict[int, int], n: int) -> bool:
             and len(set(state.values())) == len(state))
 
 
-def test_connections_beyond_the_limit_are_refused_and_others_still_served(ocs_server):
-    from photonic_testbed.hil.emulator.scpi import MAX_CLIENTS
-    clients = [Client(ocs_server) for _ in range(MAX_CLIENTS)]
-    try:
-        assert clients[-1].query("*IDN?").startswith("Polatis")
-        extra = Client(ocs_server)
-        extra.sock.settimeout(5)
-        try:
-            extra.send(b"*IDN?\n")
-            assert extra.sock.recv(100) == b""          # closed by the server, unanswered
-        except ConnectionError:
-            pass
-        finally:
-            extra.close()
-        assert clients[0].query("*IDN?").startswith("Polatis")
-    finally:
-        for c in clients:
-            c.close()
-
-
 @settings(max_examples=400, deadline=None)
 @given(lines=st.lists(lines_for(OCS_LINES), min_size=1, max_size=4))
 def test_fuzz_ocs_state_changes_only_through_valid_commands(lines):
@@ -319,3 +300,115 @@ def test_relative_headers_after_a_semicolon():
     assert laser.state.unit == 1 and laser.state.on
     assert laser.execute(session, ":SOUR0:WAV 1560nm;WAV?") == "+1.56000000E-006"
     assert not session.errors
+
+
+# ---- idle and slow clients (issue 15, item 5) -----------------------------------------------
+
+def _served(server: SCPIServer) -> str:
+    """*IDN? on a fresh connection; generous timeout (the machine may be busy)."""
+    c = Client(server)
+    c.sock.settimeout(30)
+    try:
+        return c.query("*IDN?")
+    finally:
+        c.close()
+
+
+def _closed_by_server(sock: socket.socket, within_s: float = 60.0) -> bool:
+    """True once the server has closed `sock` (EOF or reset), polling up to `within_s`."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(100) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except ConnectionError:
+            return True
+    return False
+
+
+def test_idle_connections_cannot_lock_out_another_client(ocs_server):
+    """MAX_CLIENTS connections that send nothing: a newcomer is still served (the longest idle
+    one makes room), as many times as newcomers come."""
+    from photonic_testbed.hil.emulator.scpi import MAX_CLIENTS
+    idle = [socket.create_connection((ocs_server.host, ocs_server.port), timeout=5)
+            for _ in range(MAX_CLIENTS)]
+    try:
+        for _ in range(3):
+            assert _served(ocs_server).startswith("Polatis")
+        assert ocs_server.clients <= MAX_CLIENTS
+        # the ones that made room were cut, the others are still open
+        assert _closed_by_server(idle[0])
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_idle_and_trickling_connections_are_dropped_after_the_idle_timeout():
+    """A silent client, and one that trickles bytes without ever ending a line, are both cut
+    after the idle timeout; a client that keeps sending whole lines is not."""
+    phys = OCSPhysics(8, seed=1, switching_s=0.0)
+    idle_s = 2.0
+    with SCPIServer(OCSInstrument(phys), name="ocs", idle_timeout_s=idle_s) as server:
+        silent = socket.create_connection((server.host, server.port), timeout=5)
+        trickle = socket.create_connection((server.host, server.port), timeout=5)
+        active = Client(server)
+        active.sock.settimeout(30)
+        try:
+            # a client that keeps talking is not idle, however long it stays connected
+            trickling = True
+            start = time.monotonic()
+            while time.monotonic() - start < 2.5 * idle_s:
+                assert active.query("*IDN?").startswith("Polatis")
+                if trickling:
+                    try:
+                        trickle.sendall(b"*")     # a byte at a time: never a whole line
+                    except OSError:
+                        trickling = False         # cut by the server
+                time.sleep(0.05)
+            assert _closed_by_server(silent)
+            assert _closed_by_server(trickle)
+            assert active.query("*IDN?").startswith("Polatis")
+        finally:
+            for s in (silent, trickle):
+                s.close()
+            active.close()
+
+
+class _GateInstrument(Instrument):
+    """An instrument whose `WAIT?` blocks until the test opens the gate (without the lock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.command("WAIT?", lambda s, sfx, arg: "1" if self.gate.wait(60) else "0",
+                     locked=False)
+
+
+def test_busy_sessions_are_never_cut_to_make_room():
+    """When every session is in the middle of a command, a newcomer is refused rather than one
+    of them cut; once they are done the newcomer can connect."""
+    from photonic_testbed.hil.emulator.scpi import MAX_CLIENTS
+    inst = _GateInstrument()
+    with SCPIServer(inst, name="gate") as server:
+        busy = [Client(server) for _ in range(MAX_CLIENTS)]
+        try:
+            for c in busy:
+                c.sock.settimeout(60)
+                c.send(b"WAIT?\n")
+            deadline = time.monotonic() + 30
+            while server.busy_clients < MAX_CLIENTS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.busy_clients == MAX_CLIENTS
+            extra = socket.create_connection((server.host, server.port), timeout=5)
+            assert _closed_by_server(extra)
+            extra.close()
+            inst.gate.set()
+            assert [c.line() for c in busy] == ["1"] * MAX_CLIENTS
+            assert _served(server) == inst.idn
+        finally:
+            inst.gate.set()
+            for c in busy:
+                c.close()

@@ -86,6 +86,12 @@ class Job:
     phase: Key
     rank_map: RankMap
     announced: RankMap = field(default_factory=dict)
+    ready: Key | None = None        # the phase set up ahead, while the job computed
+
+    def next_key(self, key: Key) -> Key:
+        """The (phase, round) a step runs after `key` (the first again after the last)."""
+        keys = list(self.circuits.targets)
+        return keys[(keys.index(key) + 1) % len(keys)]
 
     def key(self) -> Key:
         targets = self.circuits.targets
@@ -243,7 +249,7 @@ class Agent:
                                     added=took[s]["added"], removed=took[s]["removed"],
                                     job=job.name, defer=True)
         for s, e in failed:
-            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, during=cause)
         if failed:
             s, e = failed[0]
             raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
@@ -502,7 +508,7 @@ class Agent:
             cause = f"phase {phase} round {round}"
             if len(self.jobs) > 1:
                 cause = f"{j.name}: {cause}"
-            previous, j.phase = j.phase, key
+            previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
             applied = self._apply(j, targets, cause, record=False)
             if self.verify_phases:
@@ -524,6 +530,36 @@ class Agent:
             self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
                                 job=j.name, applied=applied, prestaged=staged, defer=True)
 
+    def on_phase_done(self, phase: str, round: int = 0, job: str | None = None) -> Key | None:
+        """The job is done with (phase, round)'s links and computes before its next phase:
+        that phase's circuits are set up now, during the compute, so that the job finds them
+        up (and verified, with verify_phases) when it gets there. Returns the phase set up,
+        or None when there is nothing to do (one phase only)."""
+        with self._lock:
+            j = self.job(job)
+            key = (str(phase), int(round))
+            if key not in j.circuits.targets:
+                raise AgentError(f"job {j.name!r} has no phase {phase!r} round {round}")
+            if j.phase != key:
+                return None             # the job is elsewhere (a swap moved it): nothing staged
+            nxt = j.next_key(key)
+            if nxt == key:
+                return None
+            t0 = self.clock()
+            cause = f"phase {nxt[0]} round {nxt[1]} set up ahead"
+            if len(self.jobs) > 1:
+                cause = f"{j.name}: {cause}"
+            targets = j.circuits.refresh(nxt)
+            j.phase = nxt
+            applied = self._apply(j, targets, cause, record=False)
+            if self.verify_phases and self._verify(self._points(targets, None), cause, t0):
+                self._alarm(f"{cause}: circuits do not verify", phase=nxt[0], round=nxt[1])
+                return None
+            j.ready = nxt
+            self.journal.record("phase", cause, self.clock() - t0, phase=nxt[0], round=nxt[1],
+                                job=j.name, applied=applied, ahead=True, defer=True)
+            return nxt
+
     def on_job_event(self, event: Any) -> None:
         """A job event (an object or dict with kind, phase, round, details) from the job."""
         get = (event.get if isinstance(event, Mapping)
@@ -537,7 +573,7 @@ class Agent:
                 self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))
         except AgentError as e:
             # the job's thread delivered this: tell the operator, leave the job to time out
-            self._alarm(f"cannot serve job event {kind!r}: {e}", kind=kind)
+            self._alarm(f"cannot serve job event {kind!r}: {e}", event=kind)
 
     # --- failures ---------------------------------------------------------------------------
     def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
@@ -594,7 +630,14 @@ class Agent:
                 self.journal.record("note", f"{cause}: no job admitted, nothing to do")
                 return None
             j = self.job(job)
-            lost = [g for g in dict.fromkeys(gpus) if self._holder.get(g) == j.name]
+            named = list(dict.fromkeys(gpus))
+            lost = [g for g in named if self._holder.get(g) == j.name]
+            if named and not lost and not links:
+                # every GPU it names has been replaced already (the report crossed the order
+                # that replaced them): the job has its order; nothing more to do
+                self.journal.record("note", f"{cause}: {', '.join(named)} already replaced, "
+                                    "the job's restart order stands", job=j.name)
+                return None
             self.reconcile(cause)                  # belief against the switches first
             dark = self._dark_links(links)
             blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []
@@ -869,10 +912,14 @@ class Agent:
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        gone = [g for g in job.rank_map.values() if g not in set(new_map.values())]
-        self._give_back(gone)
-        self._take(job.name, [g for g in new_map.values() if g not in self._holder])
-        job.rank_map, job.circuits, job.phase = new_map, circuits, key
+        if degraded:                             # renumbered: work the difference out
+            kept = set(new_map.values())
+            self._give_back([g for g in job.rank_map.values() if g not in kept])
+            self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        else:                                    # what the swap changed, not the rank map
+            self._give_back(list(swaps))
+            self._take(job.name, list(swaps.values()))
+        job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
         self._announce(job, cause, changed=None if degraded else
                        {circuits.rank_of[s]: s for s in swaps.values()})
         steps["announced"] = self.clock() - t0

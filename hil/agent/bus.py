@@ -198,6 +198,7 @@ class AgentProcess:
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
+                      "phase_done": self._phase_done,
                       "job_report": self._job_report})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
@@ -337,6 +338,12 @@ class AgentProcess:
         self.agent.on_phase(phase, rnd, job=args["job"])
         return {"granted": True, "phase": phase, "round": rnd}
 
+    def _phase_done(self, args: dict) -> dict:
+        nxt = self.agent.on_phase_done(args["phase"], args["round"], job=args["job"])
+        if nxt is not None:
+            self._publish()          # the job looks for `ready` before it asks
+        return {"ready": list(nxt) if nxt else None}
+
     def _job_failure(self, args: dict) -> dict:
         out = self.agent.on_job_failure(args["reason"], args["gpus"],
                                         [tuple(x) for x in args["links"]], job=args["job"])
@@ -375,7 +382,8 @@ class AgentProcess:
         a = self.agent
         return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
-                "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None}
+                "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
+                "verify_dbm": a.verify_dbm, "quarantine_s": a.quarantine_s}
 
     @property
     def journal_path(self) -> str:
@@ -413,6 +421,7 @@ class AgentProcess:
             out[name] = {"plan": j.plan.name, "world": len(j.rank_map),
                          "rank_map": {str(r): g for r, g in j.rank_map.items()},
                          "phase": j.phase[0], "round": j.phase[1],
+                         "ready": list(j.ready) if j.ready else None,
                          "restart": self._order(name),
                          "report": dict(self._reports.get(name) or {})}
         return out
@@ -423,7 +432,7 @@ class AgentProcess:
         state = {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,
-                 "alarms": list(self._alarms),
+                 "alarms": list(self._alarms), "spares": a.spares(),
                  "restart": self._order(first) if first else dict(NO_ORDER),
                  "jobs": self._jobs()}
         if events:

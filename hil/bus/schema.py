@@ -236,6 +236,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("phase", PhaseArgs, False, "a job's phase boundary; answered once the circuits "
               "are up and verified"),
     Operation("job_failure", JobFailure, False, "a job reports a failure it saw"),
+    Operation("phase_done", PhaseArgs, False, "a job is done with a phase's links and "
+              "computes: the next phase's circuits are set up meanwhile"),
     Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
     Operation("rejoin", Rejoin, False, "a running job tells a (re)started agent where it "
               "stands: plan, rank map, last restart order taken, waiting or not"),
@@ -323,12 +325,17 @@ def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
     return out
 
 
+# each message type's required fields (msgspec's introspection is slow: worked out once)
+_REQUIRED = {name: frozenset(f.name for f in msgspec.structs.fields(cls) if f.required)
+             for name, cls in MESSAGES.items()}
+
+
 def make(type_: str, **fields) -> dict:
     """A message dict, checked against its type (a bug here must not reach the wire); fields
     given as None are left out where the type allows."""
     cls = MESSAGES[type_]
     msg = {"v": VERSION, "type": type_}
-    required = {f.name for f in msgspec.structs.fields(cls) if f.required}
+    required = _REQUIRED[type_]
     msg.update({k: v for k, v in fields.items() if v is not None or k in required})
     if type_ == "request":
         msg.setdefault("args", {})            # as `decode` gives it

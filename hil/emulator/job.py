@@ -16,13 +16,20 @@ if given, a queue.Queue.
 
 Time is a clock (`hil.emulator.clock`): `SimClock` makes a run deterministic and instant for
 tests; `WallClock` with `start()` runs the loop in a thread for demos.
+
+History is bounded, so a job may run for days: the last `RECORDS_KEPT` steps, `COMMS_KEPT`
+communications, `EVENTS_KEPT` events and `RESTARTS_KEPT` restart records are kept (rings);
+running totals (`steps_done`, `down_communications`, `restarts`) count the whole run. Each
+restart is the job's own record (`RestartRecord`): when it failed and why, when it restarted,
+on which rank map, from which checkpoint, and when its first step after the restart completed.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from photonic_testbed.hil.emulator.clock import WallClock
@@ -31,8 +38,13 @@ from photonic_testbed.hil.jobplan import JobPlan, PlanError, round_robin_matchin
 
 log = logging.getLogger(__name__)
 
-EVENT_KINDS = ("phase", "stall", "step", "checkpoint", "failure", "restarted", "restart_refused",
-               "aborted", "done")
+RECORDS_KEPT = 2000          # steps (what throughput() and job_status read)
+COMMS_KEPT = 1000            # communications, each with its links' state
+EVENTS_KEPT = 2000           # job events
+RESTARTS_KEPT = 100          # restart records
+
+EVENT_KINDS = ("phase", "released", "stall", "step", "checkpoint", "failure", "restarted",
+               "restart_refused", "aborted", "done")
 
 
 class JobError(Exception):
@@ -75,6 +87,30 @@ class StepRecord:
     wait_s: float
 
 
+@dataclass
+class RestartRecord:
+    """One restart, as the job lived it (times on the job's clock)."""
+    t: float                       # the restart was taken (checkpoint reloaded, new rank map)
+    cause: str                     # what the agent said
+    rank_map: dict[int, str]
+    lost_steps: int                # steps redone (since the checkpoint)
+    from_step: int                 # the checkpoint it resumed from
+    failed_t: float | None = None  # the failure it answers (None: ordered without one)
+    failure: str = ""
+    resumed_t: float | None = None   # the first step after it completed ...
+    resumed_step: int | None = None
+    resumed_steps_done: int | None = None   # ... and steps_done then
+
+    def to_dict(self, offset: float = 0.0) -> dict[str, Any]:
+        """JSON-able, times shifted by `offset` (e.g. the clock's offset to Unix time)."""
+        d = asdict(self)
+        d["rank_map"] = {str(r): g for r, g in self.rank_map.items()}
+        for k in ("t", "failed_t", "resumed_t"):
+            if d[k] is not None:
+                d[k] += offset
+        return d
+
+
 class _Restart(Exception):
     pass
 
@@ -96,9 +132,16 @@ class TrainingJob:
                  grant_timeout_s: float = 1.0, link_timeout_s: float = 1.0,
                  restart_timeout_s: float = 30.0, poll_s: float = 0.001, gated: bool = True,
                  matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings,
-                 events: queue.Queue | None = None):
+                 events: queue.Queue | None = None, records_kept: int = RECORDS_KEPT,
+                 comms_kept: int = COMMS_KEPT, events_kept: int = EVENTS_KEPT,
+                 restarts_kept: int = RESTARTS_KEPT):
         if checkpoint_every < 1:
             raise JobError("checkpoint_every must be >= 1 step")
+        kept = {"records_kept": records_kept, "comms_kept": comms_kept,
+                "events_kept": events_kept, "restarts_kept": restarts_kept}
+        for name, n in kept.items():
+            if not isinstance(n, int) or n < 1:
+                raise JobError(f"{name} must be an int >= 1, not {n!r}")
         self.plan = plan
         self.rack = rack
         self.clock = clock or rack.clock or WallClock()
@@ -116,10 +159,16 @@ class TrainingJob:
         self.step = 0                 # completed steps
         self.checkpoint = 0           # step of the last checkpoint
         self.state = "idle"
-        self.records: list[StepRecord] = []
-        self.communications: list[Communication] = []
-        self.log: list[JobEvent] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=records_kept)
+        self.communications: collections.deque[Communication] = collections.deque(
+            maxlen=comms_kept)
+        self.log: collections.deque[JobEvent] = collections.deque(maxlen=events_kept)
+        self.restart_records: collections.deque[RestartRecord] = collections.deque(
+            maxlen=restarts_kept)
         self.restarts = 0
+        self.steps_done = 0           # steps completed in all (redone ones count again)
+        self.down_communications = 0  # communications that ran over a down link, in all
+        self._failure: tuple[float, str] | None = None    # the last failure, not yet answered
         self._listeners: list[Callable[[JobEvent], None]] = []
         self._lock = threading.Lock()
         self._granted: tuple[str, int] | None = None
@@ -229,15 +278,27 @@ class TrainingJob:
             wait += self.clock.now() - t0 - c
             rates = [state[p].rate_gbps for p in pairs]
             seconds = max((spec.bytes * 8 / (r * 1e9) for r in rates), default=0.0)
-            self.communications.append(Communication(
+            comm_record = Communication(
                 self.clock.now(), self.step + 1, name, rnd,
                 tuple((a, b, state[(a, b)].up, state[(a, b)].rate_gbps) for a, b in pairs),
-                seconds))
+                seconds)
+            self.communications.append(comm_record)
+            if not comm_record.all_up:
+                self.down_communications += 1
             self.clock.sleep(seconds)
             comm += seconds
+            # done with this round's links: the fabric may set the next round up while the
+            # job computes (Opus)
+            self._emit("released", name, rnd)
         self.step += 1
-        self.records.append(StepRecord(self.step, len(self.rank_map), t_start, self.clock.now(),
+        self.steps_done += 1
+        t_end = self.clock.now()
+        self.records.append(StepRecord(self.step, len(self.rank_map), t_start, t_end,
                                        compute, comm, wait))
+        last = self.restart_records[-1] if self.restart_records else None
+        if last is not None and last.resumed_t is None:
+            last.resumed_step, last.resumed_steps_done = self.step, self.steps_done
+            last.resumed_t = t_end            # last: a reader that sees it sees the rest
         self._emit("step", seconds=self.clock.now() - t_start)
         if self.step % self.checkpoint_every == 0:
             self.checkpoint = self.step
@@ -260,18 +321,27 @@ class TrainingJob:
         self.rank_map, self._links = new, links
         self.step = self.checkpoint
         self.restarts += 1
+        failed_t, failure = self._failure or (None, "")
+        self._failure = None
+        self.restart_records.append(RestartRecord(self.clock.now(), cause, dict(new), lost,
+                                                  self.checkpoint, failed_t, failure))
         self.state = "running"
         self._emit("restarted", rank_map=dict(new), cause=cause, lost_steps=lost)
 
     def _fail(self, f: _Failure) -> bool:
         """Report the failure, wait for a new rank map; False if none came (job aborted)."""
         self.state = "failed"
+        if self._failure is None:         # a refused restart answers nothing: keep the first
+            self._failure = (self.clock.now(), f.reason)
         log.warning("job %s failed at step %d: %s", self.plan.name, self.step, f.reason)
         self._emit("failure", reason=f.reason, gpus=f.gpus, links=[list(p) for p in f.links])
         try:
             got = self._wait(lambda: self._pending is not None, self.restart_timeout_s)
         except _Restart:
             got = True
+        except _Stopped:                # stopped while it waited for a restart order
+            self.state = "stopped"
+            return False
         if not got:
             self.state = "aborted"
             self._emit("aborted", reason=f"no restart within {self.restart_timeout_s} s")
@@ -321,5 +391,5 @@ class TrainingJob:
 
     def throughput(self, t0: float, t1: float) -> float:
         """Steps completed per second in [t0, t1) (redone steps count again)."""
-        n = sum(1 for r in self.records if t0 <= r.t_end < t1)
+        n = sum(1 for r in list(self.records) if t0 <= r.t_end < t1)
         return n / (t1 - t0) if t1 > t0 else 0.0

@@ -17,6 +17,7 @@ the bus, faults and truth on the control endpoint, and the training job.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pathlib
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 0.01        # how often the monitor looks at the GPUs (flapping ones change
                                # by themselves); a fault injected wakes it at once
-JOB_EVENTS_KEPT = 500
+JOB_EVENTS_KEPT = 500         # job events job_status returns
+STATUS_STEPS = 500            # steps job_status returns (at most ~50 steps/s: ~10 s of them)
 
 
 def _process_start(pid: int) -> str | None:
@@ -85,7 +87,7 @@ class RackHost:
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
-        self.job_events: list[dict] = []
+        self.job_events: collections.deque[dict] = collections.deque(maxlen=JOB_EVENTS_KEPT)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()            # one job start at a time
@@ -250,11 +252,12 @@ class RackHost:
             job = TrainingJob(job_plan, rank_map, self.rack, self.clock,
                               checkpoint_every=checkpoint_every, restart_s=restart_s,
                               grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
-            self.job_events = []
+            self.job_events = collections.deque(maxlen=JOB_EVENTS_KEPT)
             job.subscribe(self._on_event)
             fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
             self.job, self.fabric = job, fabric
             job.start(steps)
+            self._start_reporter(job, fabric)
         return {"plan": job_plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
                 "steps": steps}
 
@@ -270,6 +273,9 @@ class RackHost:
                 return
             job.grant(ev.phase, ev.round)
             return
+        if ev.kind == "released":          # the next round's circuits go up meanwhile
+            fabric.done(ev.phase, ev.round)
+            return
         if ev.kind == "failure":
             try:
                 fabric.failure(ev.details.get("reason", ""), ev.details.get("gpus", ()),
@@ -279,26 +285,94 @@ class RackHost:
         with self._events_lock:
             self.job_events.append({"kind": ev.kind, "t": ev.t + self._offset, "step": ev.step,
                                     "details": dict(ev.details)})
-            del self.job_events[:-JOB_EVENTS_KEPT]
 
     def job_status(self) -> dict:
+        """The job's state, its running totals, its restart records (the job's own, bounded),
+        its last steps ([step, world, t_start, t_end]) and events; times in Unix seconds."""
         job = self.job
         if job is None:
             return {"state": "none"}
         with self._events_lock:
             events = list(self.job_events)
+        records = list(job.records)[-STATUS_STEPS:]        # list(): one atomic copy
         return {"state": job.state, "step": job.step, "restarts": job.restarts,
+                "steps_done": job.steps_done,
                 "rank_map": {str(r): g for r, g in job.rank_map.items()},
+                "restart_records": [r.to_dict(self._offset) for r in list(job.restart_records)],
                 "steps": [[r.step, r.world, r.t_start + self._offset, r.t_end + self._offset]
-                          for r in job.records[-2000:]],
-                "down_communications": sum(1 for c in job.communications if not c.all_up),
+                          for r in records],
+                "down_communications": job.down_communications,
                 "events": events}
 
     def _stop_job(self) -> dict:
         job, fabric = self.job, self.fabric
         if job is not None:
             job.close()
+        self._stop_reporter()
         if fabric is not None:
             fabric.close()
         self.fabric = None
         return {"state": job.state if job is not None else "none"}
+
+    # --- the job's own reports (the GUI's job view) ---------------------------------------
+    def _start_reporter(self, job: TrainingJob, fabric: Fabric, period_s: float = 0.5,
+                        window_s: float = 2.0) -> None:
+        """The job tells the agent how it is doing (`Fabric.report`, which the agent
+        publishes under `jobs.NAME.report`): every `period_s`, and at once when its state
+        changes (a failure, a restart). Throughput: steps a second over the last `window_s`
+        (redone steps after a restart count again, as the job does them)."""
+        states = {"running": "running", "failed": "failed", "restarting": "restarting",
+                  "stopped": "stopped", "done": "done", "aborted": "failed"}
+        stop = threading.Event()
+
+        def detail(state: str) -> str:
+            if job.state == "aborted":
+                return "aborted: no restart order came"
+            if state in ("failed", "restarting"):
+                with self._events_lock:
+                    last = next((e for e in reversed(self.job_events)
+                                 if e["kind"] in ("failure", "restarted")), None)
+                if last is not None:
+                    return str(last["details"].get("reason") or last["details"].get("cause")
+                               or "")
+            return f"{job.restarts} restart(s)" if job.restarts else ""
+
+        def run() -> None:
+            seen: list[tuple[float, int]] = []      # (time, step) over the window
+            sent_state, sent_at = None, -1e9
+            while True:
+                stopping = stop.wait(0.05)
+                state = states.get(job.state)
+                now = time.monotonic()
+                if seen and job.step < seen[-1][1]:
+                    seen.clear()                    # restarted from its checkpoint
+                seen.append((now, job.step))
+                while now - seen[0][0] > window_s:
+                    seen.pop(0)
+                final = state in ("stopped", "done") or job.state == "aborted"
+                due = state != sent_state or now - sent_at >= period_s
+                if state is not None and due and not (final and state == sent_state):
+                    span = now - seen[0][0]
+                    rate = max(0, seen[-1][1] - seen[0][1]) / span if span > 0.2 else None
+                    if state != "running":
+                        rate = 0.0 if state != "done" else rate
+                    try:
+                        fabric.report(state, job.step, rate, None, detail(state))
+                    except BusError as e:       # the agent is down: said again next period
+                        log.debug("job report not delivered: %s", e)
+                    sent_state, sent_at = state, time.monotonic()
+                if stopping or (final and state == sent_state):
+                    return
+
+        thread = threading.Thread(target=run, name="job-report", daemon=True)
+        self._reporter = (stop, thread)
+        thread.start()
+
+    def _stop_reporter(self) -> None:
+        """Stop the reports (after the last one, of the state the job ended in)."""
+        got = getattr(self, "_reporter", None)
+        if got is not None:
+            stop, thread = got
+            stop.set()
+            thread.join(timeout=10.0)
+            self._reporter = None

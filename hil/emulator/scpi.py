@@ -4,11 +4,14 @@ Each emulated instrument (OCS, power meter, laser) is an `Instrument` with a com
 by `SCPIServer` on a raw socket exactly as a lab instrument serves port 5025.
 
 Serving: one thread per client, so several clients are served concurrently (as on a real LAN
-instrument, where a second socket session is allowed). Each client's lines run in the order they
-arrive; every program message unit runs while holding the instrument's lock, so units from
-different clients interleave whole, never half-applied. `*OPC?` waits for pending operations
-without holding the lock. Each client session has its own error queue (what that client got
-wrong is reported to that client).
+instrument, where a second socket session is allowed). Sessions are a bounded resource that silent
+clients must not hold: a session that completes no line for `IDLE_TIMEOUT_S` is dropped, and when
+every slot is taken a newcomer takes the slot of the session idle longest (one in the middle of a
+command is never cut); only when every session is busy is a newcomer refused. Each client's
+lines run in the order they arrive; every program message unit runs while holding the
+instrument's lock, so units from different clients interleave whole, never half-applied.
+`*OPC?` waits for pending operations without holding the lock. Each client session has its
+own error queue (what that client got wrong is reported to that client).
 
 Input handling: a line ends at `\\n` (`\\r\\n` accepted); a line longer than `MAX_LINE` bytes is
 refused (-363 Input buffer overrun) and the input is skipped up to the next newline; bytes
@@ -32,8 +35,9 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024        # bytes in one program message (a full 32x32 ONLY is ~200 bytes)
 ERROR_QUEUE_LEN = 30
-MAX_CLIENTS = 16            # sessions served at once; a further connection is refused
+MAX_CLIENTS = 16            # sessions served at once (threads); see SCPIServer._admit
 SEND_TIMEOUT_S = 5.0        # a client that reads nothing for this long is dropped
+IDLE_TIMEOUT_S = 300.0      # a session that completes no line for this long is dropped
 IDLE_POLL_S = 0.05          # how often a client thread notices that the server is closing
 
 ERROR_TEXT = {
@@ -126,7 +130,9 @@ class Session:
     def __init__(self, peer: str):
         self.peer = peer
         self.errors: list[str] = []
-        self.dropped = False          # cut by a fault: serve nothing more, reset the socket
+        self.dropped = False          # cut (fault, idle, or to make room): serve nothing more
+        self.busy = False             # running a line or sending its reply: never cut for room
+        self.last_active = time.monotonic()   # when its last line was done (or it connected)
 
     def push_error(self, entry: str) -> None:
         if len(self.errors) >= ERROR_QUEUE_LEN:
@@ -323,8 +329,11 @@ class SCPIServer:
     """Serves an `Instrument` on a loopback TCP port (0 = an ephemeral port)."""
 
     def __init__(self, instrument: Instrument, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "scpi"):
+                 name: str = "scpi", idle_timeout_s: float = IDLE_TIMEOUT_S):
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, not {idle_timeout_s!r}")
         self.instrument = instrument
+        self.idle_timeout_s = idle_timeout_s
         self.name = name
         self.host = host
         self._want_port = port
@@ -385,8 +394,15 @@ class SCPIServer:
 
     @property
     def clients(self) -> int:
+        """Sessions being served (not counting ones already cut and closing)."""
         with self._clients_lock:
-            return len(self._clients)
+            return sum(not s.dropped for s in self._clients.values())
+
+    @property
+    def busy_clients(self) -> int:
+        """Sessions in the middle of a command."""
+        with self._clients_lock:
+            return sum(s.busy and not s.dropped for s in self._clients.values())
 
     def drop_clients(self) -> int:
         """Cut every client's TCP connection now (a reset, as when a cable or a switch fails)."""
@@ -424,21 +440,61 @@ class SCPIServer:
                 if not self._stop.is_set():
                     log.exception("%s: accept failed", self.name)
                 return
-            if self.clients >= MAX_CLIENTS:
-                log.warning("%s: refused a connection from %s:%s: %d clients already",
+            session = Session(f"{self.name} {addr[0]}:{addr[1]}")
+            if not self._admit(conn, session):
+                log.warning("%s: refused a connection from %s:%s: all %d sessions are busy",
                             self.name, addr[0], addr[1], MAX_CLIENTS)
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(IDLE_POLL_S)
-            session = Session(f"{self.name} {addr[0]}:{addr[1]}")
-            with self._clients_lock:
-                self._clients[conn] = session
             t = threading.Thread(target=self._serve, args=(conn, session),
                                  name=f"{self.name}-client", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
             log.info("%s: client connected", session.peer)
+
+    def _admit(self, conn: socket.socket, session: Session) -> bool:
+        """Give the newcomer a session slot; when all are taken, cut the session idle longest
+        (so silent clients can never lock others out); refuse only if every session is busy."""
+        with self._clients_lock:
+            live = [(s, c) for c, s in self._clients.items() if not s.dropped]
+            victim = None
+            if len(live) >= MAX_CLIENTS:
+                idle = [(s, c) for s, c in live if not s.busy]
+                if not idle:
+                    return False
+                victim = min(idle, key=lambda sc: sc[0].last_active)
+                victim[0].dropped = True        # under the lock: it cannot turn busy now
+            self._clients[conn] = session
+        if victim is not None:
+            log.warning("%s: cut (idle %.1f s) to make room for a new connection",
+                        victim[0].peer, time.monotonic() - victim[0].last_active)
+            self._abort(victim[1])
+        return True
+
+    def _start_line(self, session: Session) -> bool:
+        """Mark the session busy unless it has been cut; False if it has."""
+        with self._clients_lock:
+            if session.dropped:
+                return False
+            session.busy = True
+            return True
+
+    def _end_line(self, session: Session) -> None:
+        with self._clients_lock:
+            session.busy = False
+            session.last_active = time.monotonic()
+
+    def _idle_too_long(self, session: Session) -> bool:
+        """True (and the session marked cut) once it has completed no line for the timeout."""
+        with self._clients_lock:
+            if session.busy or session.dropped:
+                return False
+            if time.monotonic() - session.last_active > self.idle_timeout_s:
+                session.dropped = True
+                return True
+            return False
 
     def _take_drop_rule(self, line: str, when: str) -> bool:
         for i, (rx, w) in enumerate(self._drop_rules):
@@ -451,7 +507,11 @@ class SCPIServer:
         buf = bytearray()
         skipping = False
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not session.dropped:
+                if self._idle_too_long(session):
+                    log.info("%s: dropped after %g s without a complete line", session.peer,
+                             self.idle_timeout_s)
+                    break
                 try:
                     data = conn.recv(65536)
                 except socket.timeout:
@@ -485,32 +545,18 @@ class SCPIServer:
                     line = raw.rstrip(b"\r").decode("latin-1").strip()
                     if not line:
                         continue
-                    if session.dropped:
+                    if not self._start_line(session):
                         return
-                    if self._drop_rules and self._take_drop_rule(line, "before"):
-                        log.info("%s: connection cut before %r (fault injected)",
-                                 session.peer, line[:60])
-                        return
-                    reply = self.instrument.execute(session, line)
-                    if self._drop_rules and self._take_drop_rule(line, "after"):
-                        log.info("%s: connection cut after %r (fault injected)",
-                                 session.peer, line[:60])
-                        return
-                    if reply is not None:
-                        out = reply.encode("ascii", "replace") + b"\r\n"
-                        try:
-                            conn.settimeout(SEND_TIMEOUT_S)
-                            conn.sendall(out)
-                            conn.settimeout(IDLE_POLL_S)
-                        except OSError:
-                            log.info("%s: client vanished (or stopped reading) before its "
-                                     "reply", session.peer)
+                    try:
+                        if not self._run_line(conn, session, line):
                             return
-                        self.bytes_out += len(out)
+                    finally:
+                        self._end_line(session)
         except Exception:
             log.exception("%s: unexpected failure serving this client; dropping it", session.peer)
         finally:
             with self._clients_lock:
+                session.dropped = True
                 self._clients.pop(conn, None)
             try:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -518,3 +564,25 @@ class SCPIServer:
                 pass
             conn.close()
             log.info("%s: client disconnected", session.peer)
+
+    def _run_line(self, conn: socket.socket, session: Session, line: str) -> bool:
+        """Run one line and send its reply; False when the connection is to be closed."""
+        if self._drop_rules and self._take_drop_rule(line, "before"):
+            log.info("%s: connection cut before %r (fault injected)", session.peer, line[:60])
+            return False
+        reply = self.instrument.execute(session, line)
+        if self._drop_rules and self._take_drop_rule(line, "after"):
+            log.info("%s: connection cut after %r (fault injected)", session.peer, line[:60])
+            return False
+        if reply is not None:
+            out = reply.encode("ascii", "replace") + b"\r\n"
+            try:
+                conn.settimeout(SEND_TIMEOUT_S)
+                conn.sendall(out)
+                conn.settimeout(IDLE_POLL_S)
+            except OSError:
+                log.info("%s: client vanished (or stopped reading) before its reply",
+                         session.peer)
+                return False
+            self.bytes_out += len(out)
+        return True

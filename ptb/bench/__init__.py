@@ -2,17 +2,53 @@
 
 Each benchmark module has `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> dict`;
 the dict holds a `rows` list (what the table prints) and anything else worth keeping.
+Arguments are checked when they are parsed (`integer`, `number`, `SEED`: a bad value is a usage
+error, never a crash minutes into a run), and so is the JSON file's folder.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import math
 import os
 import platform
 import time
 
+from photonic_testbed.ptb.cli import CommandFailed
+
 BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
-              "swap", "record")
+              "swap", "soak", "record")
+
+
+def integer(lo: int, hi: int):
+    """An argparse type: an int in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}..{hi}, not {text}")
+        return value
+    return parse
+
+
+def number(lo: float, hi: float, *, above: bool = False):
+    """An argparse type: a finite float in [lo, hi] (in (lo, hi] with `above`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value > hi or value < lo or (above and value == lo):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if above else '>='} {lo:g} and <= {hi:g}, not {text}")
+        return value
+    return parse
+
+
+SEED = integer(0, 2 ** 32 - 1)
 
 
 def _module(name: str):
@@ -50,7 +86,19 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
 
 
+def _check_json(path: str) -> None:
+    """Refuse a results file that cannot be written before the benchmark runs for minutes."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CommandFailed(f"--json {path} is a folder")
+    if not os.path.isdir(folder):
+        raise CommandFailed(f"--json {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise CommandFailed(f"--json {path}: cannot write in {folder}")
+
+
 def _run(mod, args) -> int:
+    _check_json(args.json)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result = mod.run(args)
     result = {"benchmark": mod.NAME, "started": started, "machine": machine(), **result}
@@ -58,8 +106,11 @@ def _run(mod, args) -> int:
     for line in result.get("notes", ()):
         print(line)
     tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.json)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.json)
+    except OSError as e:
+        raise CommandFailed(f"cannot write {args.json}: {e.strerror or e}") from None
     print(f"results written to {args.json}")
     return 0

@@ -19,16 +19,19 @@ from photonic_testbed.hil.bus.service import ServiceSpec
 from photonic_testbed.hil.bus.supervisor import Manager
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench import SEED, integer
 
 NAME = "bus"
 HELP = "bus round trip p50/p99, telemetry msgs/s to one subscriber, restart-to-usable time"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--requests", type=int, default=5000, help="round trips per operation")
-    p.add_argument("--telemetry", type=int, default=200_000, help="telemetry messages sent")
-    p.add_argument("--restarts", type=int, default=5, help="service kills to time")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=integer(10, 10 ** 7), default=5000,
+                   help="round trips per operation")
+    p.add_argument("--telemetry", type=integer(1, 10 ** 9), default=200_000,
+                   help="telemetry messages sent")
+    p.add_argument("--restarts", type=integer(1, 1000), default=5, help="service kills to time")
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:

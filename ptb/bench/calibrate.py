@@ -20,6 +20,7 @@ from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench import SEED, integer
 
 NAME = "calibrate"
 HELP = "full 56-cell chip calibration: wall time, measurements per cell, vs a 256-point sweep"
@@ -27,8 +28,8 @@ N = 16
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--naive-points", type=int, default=256,
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--naive-points", type=integer(8, 100_000), default=256,
                    help="points of the fixed sweep compared with (default 256)")
 
 

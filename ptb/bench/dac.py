@@ -10,14 +10,19 @@ import numpy as np
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench import SEED, integer
 
 NAME = "dac"
 HELP = "all-channel heater updates: our driver vs the qontrol client (wall time, bytes)"
+# qontrol waits this long for each reply; its default (0.1 s) fails on a busy machine. A reply
+# that comes sooner ends the wait, so the timed path is unchanged.
+QONTROL_RESPONSE_TIMEOUT_S = 2.0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--updates", type=int, default=50, help="full updates per client")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--updates", type=integer(1, 10 ** 6), default=50,
+                   help="full updates per client")
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def _measure(rig, apply, vectors):
@@ -50,7 +55,8 @@ def run(args) -> dict:
         result = {"channels": n, "updates": args.updates,
                   "ours": {"median_s": ours_t, "bytes": ours_b}}
         if qontrol is not None:
-            q = qontrol.QXOutput(serial_port_name=port, response_timeout=0.1)
+            q = qontrol.QXOutput(serial_port_name=port,
+                                 response_timeout=QONTROL_RESPONSE_TIMEOUT_S)
             try:
                 def per_channel(v):
                     for ch, x in enumerate(v):

@@ -23,6 +23,7 @@ from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.control import request
 from photonic_testbed.hil.jobplan import dp_ring
 from photonic_testbed.hil.journal import Journal
+from photonic_testbed.ptb.bench import integer
 from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
 
 NAME = "failover"
@@ -33,7 +34,8 @@ LUMION_S = 1.0              # LUMION's failover to a resumed job: about 1 s
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--runs", type=int, default=200, help="failovers (default %(default)s)")
+    p.add_argument("--runs", type=integer(1, 10 ** 6), default=200,
+                   help="failovers (default %(default)s)")
 
 
 def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:

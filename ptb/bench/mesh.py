@@ -15,15 +15,18 @@ from photonic_testbed.drivers.routing import RoutingError, benes_route, clements
     route_mesh, route_waveguides, trace_waveguides
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench import SEED, integer
 
 NAME = "mesh"
 HELP = "chip routing: Benes looping, 9x9 mesh MILP, Clements vs the interferometer package"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per Benes size")
-    p.add_argument("--mesh-trials", type=int, default=5, help="random 16-pair requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=integer(1, 10 ** 5), default=20,
+                   help="timed runs per Benes size")
+    p.add_argument("--mesh-trials", type=integer(1, 10 ** 5), default=5,
+                   help="random 16-pair requests")
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def _median_time(fn, repeats):

@@ -10,15 +10,16 @@ import numpy as np
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch, format_circuits
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench import SEED, integer
 
 NAME = "ocs"
 HELP = "32x32 OCS full-permutation reconfigurations: ONLY per map vs ADD/SUB per circuit"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--reconfigurations", type=int, default=1000,
+    p.add_argument("--reconfigurations", type=integer(1, 10 ** 7), default=1000,
                    help="random full permutations per client (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def _one(ocs: OpticalCircuitSwitch, line: str) -> None:

@@ -13,6 +13,7 @@ import time
 
 from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.jobplan import dp_tp
+from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.stack import Stack, percentile
 
 NAME = "phase"
@@ -22,11 +23,11 @@ HEATER_SETTLE_S = 10e-6
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--runs", type=int, default=200, help="phase switches per case "
+    p.add_argument("--runs", type=integer(1, 10 ** 6), default=200, help="phase switches per case "
                    "(default %(default)s)")
     p.add_argument("--realistic", action="store_true",
                    help="also measure the OCS at 25 ms per move")
-    p.add_argument("--gap-ms", type=float, default=5.0,
+    p.add_argument("--gap-ms", type=number(0, 10_000), default=5.0,
                    help="the job's compute between two phase events (default %(default)s ms;"
                    " 0: back to back)")
 

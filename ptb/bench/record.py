@@ -1,11 +1,11 @@
 """What `ptb record` adds to a round trip: `id?` to the heater DAC (serial) and `*IDN?` to the OCS
 (pyvisa, raw socket), directly and through the recorder, interleaved in the same run.
 
-Two identical emulated rigs run as `ptb emulate` processes (a serial port has one reader, so
-the recorded and the direct client cannot share one board); `ptb record` relays the second
-one and writes its session; the clients run in this process and alternate, one direct round
-trip then one recorded (the order swapped every round), so that the machine's load falls on
-both alike."""
+Two identical emulated lumion rigs run as `ptb emulate` processes (a serial port has one
+reader, so the recorded and the direct client cannot share one board); `ptb record` relays the
+second one and writes its session; the clients run in this process and alternate, one direct
+round trip then one recorded (the order swapped every round), so that the machine's load falls
+on both alike."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from photonic_testbed.ptb.bench import integer
+
 NAME = "record"
 HELP = "round trips of id? (DAC) and *IDN? (OCS) through ptb record vs direct"
 
@@ -25,9 +27,9 @@ START_S = 60
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--rounds", type=int, default=2000,
+    p.add_argument("--rounds", type=integer(10, 10 ** 6), default=2000,
                    help="round trips per device and path (default %(default)s)")
-    p.add_argument("--rig", default="lumion", help="the emulated rig (default lumion)")
+
 
 
 def _start(args: list[str], ready: pathlib.Path, cwd: pathlib.Path) -> subprocess.Popen:
@@ -101,14 +103,12 @@ def _stats(ts: list[float]) -> tuple[float, float]:
 
 
 def run(args) -> dict:
-    if args.rounds < 10:
-        raise SystemExit("--rounds must be at least 10")
     work = pathlib.Path(tempfile.mkdtemp(prefix="ptb-bench-record-"))
     procs = []
     try:
         for side in ("direct", "recorded"):
             (work / side).mkdir()
-            procs.append(_start(["emulate", "--rig", args.rig, "--seed", "0", "--endpoints",
+            procs.append(_start(["emulate", "--rig", "lumion", "--seed", "0", "--endpoints",
                                  "e.json"], work / side / "e.json", work / side))
         procs.append(_start(["record", "--endpoints", str(work / "recorded" / "e.json"),
                              "--write-endpoints", str(work / "relays.json"), "--out",
@@ -148,7 +148,7 @@ def run(args) -> dict:
         path.rmdir() if path.is_dir() else path.unlink()
     os.rmdir(work)
     worst = max(r["added_median_s"] for r in results.values())
-    return {"rounds": args.rounds, "rig": args.rig, "results": results, "rows": rows,
+    return {"rounds": args.rounds, "rig": "lumion", "results": results, "rows": rows,
             "session_lines": lines,
             "notes": [f"worst added median: {worst * 1e3:.3f} ms per exchange (goal <= 1 ms); "
                       f"the session held {lines} lines"]}

@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plans", nargs="+", default=["dp-tp-pp", "all-to-all"],
                    choices=["dp-tp-pp", "all-to-all"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", type=int, default=3000,
+                   help="events of the fragmentation stream (0: skip it)")
+    p.add_argument("--pods", type=int, default=8, help="pods of 32 servers (default: 2,048 GPUs)")
 
 
 class InstantSwitch(CircuitSwitch):
@@ -127,16 +130,109 @@ def run(args) -> dict:
                              "failover p99 ms": f"{np.percentile(f, 99):.3f}",
                              "phase p50 ms": f"{np.percentile(p, 50):.3f}",
                              "phase p99 ms": f"{np.percentile(p, 99):.3f}"})
+        frag = []
+        if args.stream:
+            stream = _stream(args.seed, args.stream, args.pods)
+            frag = [fragmentation(p, stream, args.pods, Path(d))
+                    for p in ("first-fit", "best-fit")]
     notes = []
+    for f in frag:
+        notes.append(f"fragmentation, {f['policy']}: {f['fragmented']} of {f['asked']} "
+                     f"admissions refused although enough whole servers were free "
+                     f"({f['fragmentation']:.1%}); {f['refused']} refused in all")
+    if len(frag) == 2 and frag[0]["fragmented"]:
+        cut = 1 - frag[1]["fragmented"] / frag[0]["fragmented"]
+        notes.append(f"best fit cuts fragmentation by {cut:.0%} against first fit on the same "
+                     "stream (Morphlux: up to 70 %)")
     for kind, got in raw.items():
         sizes = [g["gpus"] for g in got]
         fo = _exponent(sizes, [statistics.median(g["failover"]) for g in got])
         ph = _exponent(sizes, [statistics.median(g["phase"]) for g in got])
         notes.append(f"{kind}: growth exponent over {sizes[0]}..{sizes[-1]} GPUs: failover "
                      f"{fo:.2f}, phase switch {ph:.2f} (goal <= 1.2; <= 2 ms at 2,048)")
-    return {"rows": rows, "notes": notes,
+    return {"rows": rows, "notes": notes, "fragmentation": frag,
             "raw": {k: [{**g, "failover": g["failover"], "phase": g["phase"]} for g in v]
                     for k, v in raw.items()},
             "exponents": {k: _exponent([g["gpus"] for g in v],
                                        [statistics.median(g["failover"]) for g in v])
                           for k, v in raw.items()}}
+
+
+# ---- fragmentation: an admission stream, best fit against first fit --------------------------
+
+def _stream(seed: int, events: int, pods: int) -> list[tuple]:
+    """A seeded stream of admissions (a job of k servers), completions and GPU failures:
+    [("admit", job, servers) | ("end", job) | ("fail", index)]. Sizes lean small (as a
+    cluster's do); jobs end in arrival-independent order; load keeps the rack mostly full."""
+    rnd = random.Random(seed)
+    sizes, weights = [1, 2, 4, 8, 16], [30, 25, 20, 15, 10]
+    out: list[tuple] = []
+    live: list[int] = []
+    capacity = 31 * pods
+    used = 0
+    sized: dict[int, int] = {}
+    for n in range(events):
+        r = rnd.random()
+        if r < 0.05:
+            out.append(("fail", rnd.randrange(10**9)))
+        elif live and (used > 0.85 * capacity or r < 0.45):
+            job = live.pop(rnd.randrange(len(live)))
+            used -= sized.pop(job)
+            out.append(("end", job))
+        else:
+            k = rnd.choices(sizes, weights)[0]
+            live.append(n)
+            sized[n] = k
+            used += k
+            out.append(("admit", n, k))
+    return out
+
+
+def fragmentation(policy: str, stream: list[tuple], pods: int, workdir: Path) -> dict:
+    """Play the stream with one allocation policy. A refusal while enough whole servers were
+    free (in the rack, though in no single pod) is fragmentation."""
+    layout = rail_rack(f"frag-{policy}", 32 * pods, rails=8, spare_servers=1, pod=32)
+    switches = {s: InstantSwitch(s, n) for s, n in layout.switches.items()}
+    journal = Journal(workdir / f"frag-{policy}.db", "NORMAL")
+    agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=0.0,
+                  allocation=policy)
+    admitted = refused = fragmented = 0
+    stranded: list[int] = []
+    names: dict[int, str] = {}
+    try:
+        for ev in stream:
+            if ev[0] == "admit":
+                _, job, k = ev
+                free_servers = sum(
+                    1 for s, gpus in layout.server_gpus.items()
+                    if all(not agent.holds_rank(g) and g not in layout.spares for g in gpus))
+                try:
+                    agent.admit(plan_for("dp-tp-pp", k) if k % 4 == 0 else
+                                JobPlan(f"j{job}", 8 * k, (PhaseSpec("tp", "ring", group=8,
+                                                                     stride=1),)
+                                        + ((PhaseSpec("dp", "ring", group=k, stride=8),)
+                                           if k > 1 else ())), job=f"j{job}")
+                    names[job] = f"j{job}"
+                    admitted += 1
+                except Exception:
+                    refused += 1
+                    if free_servers >= k:
+                        fragmented += 1
+                        stranded.append(free_servers)
+            elif ev[0] == "end":
+                name = names.pop(ev[1], None)
+                if name is not None:
+                    agent.release(name)
+            else:
+                held = [g for g in layout.gpus if agent.holds_rank(g)]
+                if held:
+                    g = held[ev[1] % len(held)]
+                    agent.on_health({"gpu": g, "state": "failed", "reasons": ["stream"]})
+                    agent.on_health({"gpu": g, "state": "ok"})      # repaired at once
+    finally:
+        journal.close()
+    asked = admitted + refused
+    return {"policy": policy, "asked": asked, "admitted": admitted, "refused": refused,
+            "fragmented": fragmented,
+            "fragmentation": fragmented / asked if asked else 0.0,
+            "stranded_servers_mean": statistics.mean(stranded) if stranded else 0.0}

@@ -14,6 +14,9 @@ from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.demo import Processes, _wait
 
 
+PEER_TIMEOUT_S = 10.0        # a process that answers answers sooner: only a busy machine waits
+
+
 class Stack:
     def __init__(self, rig: str, switching_ms: float = 0.0, quarantine_s: float = 0.0,
                  journal_sync: str = "full"):
@@ -36,7 +39,7 @@ class Stack:
             self.procs.start("agent", "agent", "--rig", str(rig_path), "--journal",
                              str(self.journal), "--quarantine", str(quarantine_s),
                              "--journal-sync", journal_sync)
-            with ServiceClient(self.rig.agent_endpoints()[0], timeout=0.5) as c:
+            with ServiceClient(self.rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S) as c:
                 def up():
                     try:
                         return c.call("ping")
@@ -59,7 +62,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def wait_for(cond, timeout: float = 10.0):
+def wait_for(cond, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()
