@@ -22,7 +22,7 @@ import pathlib
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from photonic_testbed.ptb.cli import CommandFailed
@@ -45,6 +45,9 @@ SCPI_KINDS = (
     (lambda maker, model: re.match(r"^N774\d", model) is not None, "power_meter", ""),
     (lambda maker, model: re.match(r"^N777\d", model) is not None, "laser", ""),
 )
+# The ports of Keysight's N774x meters, by model (what the driver's `ports` option must say; it
+# defaults to an N7744A's 4): known from the *IDN? reply, so nothing more is asked.
+METER_PORTS = {"N7744A": 4, "N7745A": 8, "N7747A": 2, "N7748A": 4}
 DEVICE_NAMES = {"heater_dac": "heaters", "switch": "ocs", "power_meter": "powermeter",
                 "laser": "laser"}
 
@@ -59,11 +62,14 @@ class Probe:
     kind: str = ""
     driver: str = ""
     detail: str = ""
+    options: dict = field(default_factory=dict)     # the driver's, as far as the answer says
 
     def line(self) -> str:
         asked = "id?" if self.via == "serial" else "*IDN?"
         if self.status == "found":
             what = f"{asked} -> {self.answer}"
+            if "ports" in self.options:
+                what += f" ({self.options['ports']} ports, by its model)"
         elif self.status == "unknown":
             what = f"{asked} -> {self.answer!r}: not a device this stack drives"
         else:
@@ -216,6 +222,8 @@ def probe_scpi(resource: str, via: str, timeout_s: float) -> Probe:
     for rule, kind, driver in SCPI_KINDS:
         if rule(maker, model):
             probe.status, probe.kind, probe.driver = "found", kind, driver
+            if kind == "power_meter" and model.upper() in METER_PORTS:
+                probe.options = {"ports": METER_PORTS[model.upper()]}
             return probe
     probe.status = "unknown"
     return probe
@@ -271,7 +279,8 @@ def skeleton(probes: list[Probe], name: str, chip: str = "", base_port: int | No
     for k, (dev, kind, p) in enumerate(named):
         devices[dev] = rigfile.DeviceConfig(dev, kind, p.address, p.driver,
                                             f"tcp://{host}:{ports[2 * k]}",
-                                            f"tcp://{host}:{ports[2 * k + 1]}")
+                                            f"tcp://{host}:{ports[2 * k + 1]}",
+                                            options=dict(p.options))
     first = 2 * len(named)
     proc = [f"tcp://{host}:{port}" for port in ports[first:]]      # agent, then gpus
     bus = rigfile.BusConfig(host=host, base_port=base_port or 5600, curve=False,

@@ -3,6 +3,7 @@ how it reports what does not, and the rig file it writes: on the emulated lumion
 it finds every device, and `ptb serve` runs that rig file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -53,13 +54,15 @@ def test_the_skeleton_names_devices_by_kind_and_offers_the_chip():
                      "OpticalCircuitSwitch"),
               _found("switch", "TCPIP::b::5025::SOCKET", "photonic_testbed.drivers.ocs:"
                      "OpticalCircuitSwitch"),
-              _found("power_meter", "TCPIP::c::5025::SOCKET"),
+              dataclasses.replace(_found("power_meter", "TCPIP::c::5025::SOCKET"),
+                                  options={"ports": 8}),
               Probe("tcp", "TCPIP::d::5025::SOCKET", "silent")]
     rig = skeleton(probes, "bench-a", base_port=6000)
     assert [(d.name, d.kind) for d in rig.devices.values()] == [
         ("heaters", "heater_dac"), ("ocs", "switch"), ("ocs2", "switch"),
         ("powermeter", "power_meter")]
     assert rig.devices["ocs2"].request == "tcp://127.0.0.1:6004" and not rig.bus.curve
+    assert rig.devices["powermeter"].options == {"ports": 8}
     assert rig.agent_endpoints() == ("tcp://127.0.0.1:6008", "tcp://127.0.0.1:6009")
     again = rigfile.parse(rigfile.dumps(rig))
     assert again.devices == rig.devices and again.chip is None
@@ -182,6 +185,8 @@ def test_an_instrument_is_asked_idn_and_nothing_else():
             ("found", "switch"), ("found", "power_meter"), ("silent", ""), ("unknown", ""),
             ("error", "")]
         assert probes[0].driver == "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
+        assert probes[1].options == {"ports": 8}        # an N7745A: 8 ports, by its model
+        assert "(8 ports, by its model)" in probes[1].line()
         assert "no answer to *IDN? within 0.5 s" in probes[2].detail
         assert "connection refused" in probes[4].detail
         for fake in (polatis, keysight, silent, other):
