@@ -24,6 +24,9 @@ COMMANDS = {
     "gui": "open the operator's desktop GUI",
     "calibrate": "calibrate a chip (heater offsets, efficiencies, crosstalk)",
     "gpus": "run this host's GPU health monitor (NVML + DDM) on the bus",
+    "discover": "find a bench's devices and write a rig file skeleton",
+    "record": "record a session between clients and devices (pty and TCP relays)",
+    "replay": "replay a recorded session against devices, or as the devices",
 }
 
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import signal
 import threading
 
 import zmq
 
+from photonic_testbed.hil.emulator.chip import ChipError
 from photonic_testbed.hil.emulator.rack import RackError
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import RIGS, rig_spec
@@ -33,6 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--ideal-chip", action="store_true",
                    help="a chip without fabrication errors (its ideal calibration fits): "
                    "what the demo runs until the chip is calibrated")
+    p.add_argument("--chip-from", metavar="CALIBRATION",
+                   help="a digital twin: the chip's hidden truth from a measured calibration "
+                   "file (offsets, P_pi, resistances, crosstalk, extinctions); the rig file "
+                   "written names it as the chip's calibration")
     p.add_argument("--job", metavar="PLAN", choices=("dp", "dp-tp"),
                    help="start the emulated training job (dp or dp-tp) once the agent "
                    "answers; otherwise the control endpoint's job_start starts it")
@@ -41,13 +48,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _twin_calibration(spec, path: str):
+    """The calibration a twin's chip is built from, checked against the rig's chip."""
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration
+    if not spec.chip_topology:
+        raise CommandFailed(f"--chip-from: the rig {spec.name} has no chip")
+    try:
+        cal = read_calibration(path)
+        cal.check_chip(spec.chip_topology)
+    except CalibrationError as e:
+        raise CommandFailed(f"--chip-from: {e}") from None
+    return cal
+
+
 def _start(spec, args) -> EmulatedRig:
+    cal = _twin_calibration(spec, args.chip_from) if getattr(args, "chip_from", None) else None
     rig = EmulatedRig(spec, seed=args.seed, port_base=args.port_base,
                       switching_s=args.switching_ms / 1000,
-                      ideal_chip=getattr(args, "ideal_chip", False))
+                      ideal_chip=getattr(args, "ideal_chip", False), chip_calibration=cal)
     try:
         rig.start()
-    except (OSError, zmq.ZMQError) as e:
+    except (OSError, zmq.ZMQError, ChipError) as e:
         hint = (f" (is a port in {args.port_base}..{args.port_base + 3} already in use?)"
                 if args.port_base is not None else "")
         raise CommandFailed(f"cannot start the {spec.name} rig: {e}{hint}") from None
@@ -95,11 +116,16 @@ def run(args) -> int:
             except RackError as e:
                 log.warning("no rack of GPUs: %s", e)
                 bus_rig = rigfile.for_emulator(spec, rig.endpoints)
+        if rig.chip_calibration is not None and bus_rig.chip is not None:
+            bus_rig = dataclasses.replace(bus_rig, chip=dataclasses.replace(
+                bus_rig.chip, calibration=os.path.abspath(args.chip_from)))
         if args.endpoints:
             rig.write_endpoints(args.endpoints)
         if args.write_rig:
             rigfile.write(args.write_rig, bus_rig)
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
+        if rig.chip_calibration is not None:
+            print(f"  chip: the twin of {args.chip_from} ({len(rig.chip.channels)} heaters)")
         for name, where in rig.endpoints.items():
             if name == "dac" and rig.dac is not None:
                 # the pty itself, and the stable link (like /dev/serial/by-id) that the

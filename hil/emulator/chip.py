@@ -66,6 +66,8 @@ class ChipTruth:
 class EmulatedChip:
     """A feed-forward mesh of MZI cells (Benes, Clements) with seeded imperfections."""
 
+    _truth: ChipTruth
+
     def __init__(self, topology: Mapping, *, seed: int = 0, ideal: bool = False,
                  resistances: Sequence[float] | None = None, monitors: bool = True,
                  ideal_loss_db: float = 0.0, noise: bool | None = None,
@@ -206,6 +208,65 @@ class EmulatedChip:
         np.fill_diagonal(k, 0.0)
         return ChipTruth(self.cell_ids, couplers, loss, self.channels, offset, p_pi, r, k, tau)
 
+    @classmethod
+    def from_calibration(cls, topology: Mapping, calibration, *, seed: int = 0,
+                         **kwargs) -> "EmulatedChip":
+        """A digital twin: the chip whose hidden truth is a measured calibration's (a
+        `common.calibration.Calibration`, see `truth_from_calibration`); `crosstalk_scale`
+        scales the file's crosstalk (what if it were twice as strong)."""
+        scale = kwargs.pop("crosstalk_scale", 1.0)
+        chip = cls(topology, seed=seed, **kwargs)
+        truth = chip.truth_from_calibration(calibration, seed)
+        chip.truth_ = replace(truth, crosstalk=truth.crosstalk * scale)
+        return chip
+
+    def truth_from_calibration(self, calibration, seed: int = 0) -> ChipTruth:
+        """This chip's hidden truth taken from a measured calibration: each heater's offset,
+        P_pi and resistance, the crosstalk matrix (zero where the file has none), and each
+        cell's couplers from its bar and cross extinctions. An extinction fixes |r1 - r2|
+        and |r1 + r2 - 1| (docs/calibration.md, step 7), not their signs: those, a cell's
+        missing extinction, the losses and the thermal lags come from `seed`."""
+        heaters = calibration.heaters
+        missing = [ch for ch in self.channels if ch not in heaters]
+        extra = sorted(set(heaters) - set(self.channels))
+        if missing or extra:
+            raise ChipError(f"the calibration's heaters ({len(heaters)}) are not this chip's "
+                            f"({len(self.channels)}): " + (f"no channel {missing[:5]}"
+                                                          if missing else
+                                                          f"channels {extra[:5]} are not on it"))
+        drawn = self._draw_truth(seed, False, None, 0.0)
+        hs = [heaters[ch] for ch in self.channels]
+        k = np.zeros((len(self.channels), len(self.channels)))
+        if calibration.crosstalk is not None:
+            at = [sorted(heaters).index(ch) for ch in self.channels]
+            k = np.asarray(calibration.crosstalk, dtype=float)[np.ix_(at, at)].copy()
+            np.fill_diagonal(k, 0.0)
+        else:
+            log.warning("the calibration has no crosstalk: the twin has none")
+        rng = np.random.default_rng([seed, 0x7F1])
+        couplers = drawn.couplers.copy()
+        for i, cid in enumerate(self.cell_ids):
+            record = calibration.cells.get(cid, {})
+            bar, cross = record.get("extinction_db"), record.get("cross_extinction_db")
+            signs = rng.choice([-1.0, 1.0], 2)
+            if bar is None and cross is None:
+                continue
+            r1, r2 = drawn.couplers[i]
+            # couplers' power odds x = r / (1 - r): x1 / x2 = rho_bar^(+-2), x1 x2 =
+            # rho_cross^(+-2), rho = (1 + q) / (1 - q), q = 10^(-dB / 20)
+            rho_b = _odds_ratio(bar) if bar is not None else \
+                math.sqrt(r1 * (1 - r2) / (r2 * (1 - r1)))
+            rho_c = _odds_ratio(cross) if cross is not None else \
+                math.sqrt(r1 * r2 / ((1 - r1) * (1 - r2)))
+            x1 = rho_b ** signs[0] * rho_c ** signs[1]
+            x2 = rho_c ** signs[1] / rho_b ** signs[0]
+            couplers[i] = (x1 / (1 + x1), x2 / (1 + x2))
+        return replace(drawn, couplers=couplers,
+                       offset_rad=np.mod([h.offset_rad for h in hs], 2 * math.pi),
+                       p_pi_mw=np.array([h.p_pi_mw for h in hs], dtype=float),
+                       resistance_ohm=np.array([h.r_ohm for h in hs], dtype=float),
+                       crosstalk=k)
+
     # ---- the heaters (the DAC board's on_output callback) ----------------------------------
 
     def set_resistances(self, resistances: Sequence[float]) -> None:
@@ -262,10 +323,12 @@ class EmulatedChip:
 
     @truth_.setter
     def truth_(self, truth: ChipTruth) -> None:
-        """A new hidden truth (a test's drifted chip): the light is worked out afresh."""
+        """A new hidden truth (a test's drifted chip, a twin's): the light is worked out
+        afresh, with the new crosstalk."""
         self._truth = truth
         if hasattr(self, "_version"):
             with self._lock:
+                self._mix = np.eye(len(self.channels)) + truth.crosstalk
                 self._changed(self._clock(), 0.0)
 
     def _changed(self, now: float, tau: float) -> None:
@@ -444,6 +507,13 @@ class EmulatedChip:
         if (volts > MAX_VOLTS).any():
             raise ChipError(f"setting these cells needs more than {MAX_VOLTS} V")
         return {self.channels[i]: float(v) for i, v in zip(sel, volts)}
+
+
+def _odds_ratio(extinction_db: float) -> float:
+    """sqrt of a cell's odds ratio behind an extinction: (1 + q) / (1 - q), q = 10^(-dB/20);
+    extinctions below 0.1 dB are taken as 0.1 dB (a cell that does not switch at all)."""
+    q = 10.0 ** (-max(float(extinction_db), 0.1) / 20.0)
+    return (1.0 + q) / (1.0 - q)
 
 
 def _state_phases(cid: str, st) -> tuple[float, float]:

@@ -17,10 +17,10 @@ import time
 
 from photonic_testbed.common.topology import build as build_topology
 from photonic_testbed.hil.emulator.bench_optics import OpticalBench
-from photonic_testbed.hil.emulator.chip import NOMINAL_R_OHM, EmulatedChip
+from photonic_testbed.hil.emulator.chip import NOMINAL_R_OHM, ChipError, EmulatedChip
 from photonic_testbed.hil.emulator.mesh_chip import make_chip
 from photonic_testbed.hil.emulator.control import ControlServer
-from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard, heater_resistances
 from photonic_testbed.hil.rig.emulated import RigSpec
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EmulatedRig:
     def __init__(self, spec: RigSpec, seed: int = 0, workdir: str | os.PathLike | None = None,
                  port_base: int | None = None, switching_s: float = 0.025,
                  ideal_chip: bool = False, crosstalk_scale: float = 1.0,
-                 chip_monitors: bool = True):
+                 chip_monitors: bool = True, chip_calibration=None):
         self.spec = spec
         self.seed = seed
         # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2,
@@ -49,6 +49,8 @@ class EmulatedRig:
         self.chip: EmulatedChip | None = None
         self.crosstalk_scale = crosstalk_scale   # scales the chip's thermal crosstalk
         self.chip_monitors = chip_monitors       # False: no cell photodiodes (outputs only)
+        # A measured calibration (common.calibration.Calibration): the chip is its twin
+        self.chip_calibration = chip_calibration
         self._own_dir = workdir is None
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
@@ -63,6 +65,10 @@ class EmulatedRig:
                 on_output = self._heater_changed if self.chip is not None else None
                 resistances = ([NOMINAL_R_OHM] * self.spec.dac_modules * 8
                                if self.chip is not None and self.ideal_chip else None)
+                if self.chip is not None and self.chip_calibration is not None:
+                    resistances = heater_resistances(self.spec.dac_modules * 8, self.seed)
+                    for ch, r in zip(self.chip.channels, self.chip.truth_.resistance_ohm):
+                        resistances[ch] = float(r)
                 photocurrent = (self._photocurrent
                                 if self.chip is not None and self.chip.monitors else None)
                 self.dac = EmulatedDACBoard(self.workdir / "dac", modules=self.spec.dac_modules,
@@ -115,8 +121,17 @@ class EmulatedRig:
         chip's inputs through the OCS (the input selector) and the power meter reads the chip's
         output taps; tests may also light inputs directly (`chip.inject(port, mw)`)."""
         topology = build_topology(self.spec.chip_kind, self.spec.chip_ports).describe()
-        self.chip = make_chip(topology, seed=self.seed, ideal=self.ideal_chip,
-                              crosstalk_scale=self.crosstalk_scale, monitors=self.chip_monitors)
+        if self.chip_calibration is not None:
+            if topology["kind"] not in ("benes", "clements"):
+                raise ChipError(f"a twin is built for a feed-forward chip (calibrated), not "
+                                f"{topology['name']}")
+            self.chip = EmulatedChip.from_calibration(
+                topology, self.chip_calibration, seed=self.seed,
+                crosstalk_scale=self.crosstalk_scale, monitors=self.chip_monitors)
+        else:
+            self.chip = make_chip(topology, seed=self.seed, ideal=self.ideal_chip,
+                                  crosstalk_scale=self.crosstalk_scale,
+                                  monitors=self.chip_monitors)
         self._pd_cells = {cell["channels"][0]: cell["id"] for cell in topology["cells"]
                           if cell["channels"]}
         self._pd_cache = None
