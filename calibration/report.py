@@ -40,12 +40,14 @@ def summary(cal: Calibration) -> str:
                          f"({worst})")
         if any(c.get("extinction_from") == "settings" for c in cells.values()):
             # (a recirculating mesh: a cell whose input arm is at a free end cannot be lit on it)
-            bar = sorted(cid for cid, c in cells.items() if c.get("extinction_from") != "settings")
-            cross = sorted(cid for cid, c in cells.items() if "cross_extinction_db" not in c)
-            if bar or cross:
+            unlit_bar = sorted(cid for cid, c in cells.items()
+                               if c.get("extinction_from") != "settings")
+            unlit_cross = sorted(cid for cid, c in cells.items()
+                                 if "cross_extinction_db" not in c)
+            if unlit_bar or unlit_cross:
                 lines.append(f"extinction not measured at the settings (the input arm cannot be "
-                             f"lit): bar {', '.join(bar) or 'none'}; cross "
-                             f"{', '.join(cross) or 'none'} (bar: the fringe's estimate)")
+                             f"lit): bar {', '.join(unlit_bar) or 'none'}; cross "
+                             f"{', '.join(unlit_cross) or 'none'} (bar: the fringe's estimate)")
         lines.append(f"splitter-limited cells (< 35 dB whatever the phase): "
                      f"{', '.join(limited) if limited else 'none'}")
         meas = [c.get("measurements", 0) for c in cells.values()]
