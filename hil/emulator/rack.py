@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from photonic_testbed.hil.emulator.clock import WallClock
 from photonic_testbed.hil.gpu_health import GpuHealth, classify
-from photonic_testbed.hil.rack_layout import RackLayout
+from photonic_testbed.hil.rack_layout import Attachment, RackLayout
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,17 @@ class EmulatedRack:
         self.faults = RackFaults(self)
         self._listeners: list[Callable[[GpuHealth], None]] = []
         self._last: dict[str, str] = {g: "ok" for g in layout.gpus}
+        # Only GPUs with a fault, or not ok when last looked at, can change state by
+        # themselves: poll() looks at those, not the rack (2,048 GPUs every 10 ms otherwise).
+        self._not_ok: set[str] = set()
+        self._order = {g: i for i, g in enumerate(layout.gpus)}
+        # switch -> the GPUs cabled to it with their transceiver there, in rack order: the
+        # optics of one switch cost its own GPUs, not the rack's
+        self._on_switch: dict[str, list[tuple[str, Attachment]]] = {s: [] for s in
+                                                                    layout.switches}
+        for gpu, atts in layout.gpus.items():
+            for a in atts:
+                self._on_switch[a.switch].append((gpu, a))
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
@@ -237,11 +248,16 @@ class EmulatedRack:
         """Health of every GPU whose state changed since the last poll; tells the listeners."""
         changed = []
         with self._lock:
-            for g in self.layout.gpus:
-                h = self.gpu_health(g)
-                if h.state != self._last[g]:
-                    self._last[g] = h.state
-                    changed.append(h)
+            look = set(self.faults.gpus) | self._not_ok
+            for g in sorted(look, key=self._order.__getitem__):
+                state = self.gpu_state(g)
+                if state != self._last[g]:
+                    self._last[g] = state
+                    changed.append(self.gpu_health(g))
+                if state == "ok":
+                    self._not_ok.discard(g)
+                else:
+                    self._not_ok.add(g)
         for h in changed:
             log.info("GPU %s is %s: %s", h.gpu, h.state, "; ".join(h.reasons) or "-")
             for listener in list(self._listeners):
@@ -276,14 +292,24 @@ class EmulatedRack:
         phys = self.physics[switch]
         cut = self.faults.fibres
         out: dict[int, dict[str, float]] = {}
-        for gpu, atts in self.layout.gpus.items():
-            for a in atts:
-                if a.switch != switch or self._dead(gpu, switch, "tx") or (switch, a.tx) in cut:
-                    continue
-                for port, p in phys.transfer({a.tx: mw(self.launch_dbm)}).items():
-                    if p > 0 and (switch, port) not in cut:
-                        out.setdefault(port, {})[gpu] = out.get(port, {}).get(gpu, 0.0) + p
+        for gpu, a in self._on_switch[switch]:
+            if self._dead(gpu, switch, "tx") or (switch, a.tx) in cut:
+                continue
+            for port, p in phys.transfer({a.tx: mw(self.launch_dbm)}).items():
+                if p > 0 and (switch, port) not in cut:
+                    heard = out.setdefault(port, {})
+                    heard[gpu] = heard.get(gpu, 0.0) + p
         return out
+
+    def launch_mw(self, switch: str) -> dict[int, float]:
+        """{input port: mW} the live transmitters cabled to `switch` launch into it (a cut
+        input fibre launches nothing)."""
+        cut = self.faults.fibres
+        inputs: dict[int, float] = {}
+        for gpu, a in self._on_switch.get(switch, ()):
+            if not self._dead(gpu, switch, "tx") and (switch, a.tx) not in cut:
+                inputs[a.tx] = inputs.get(a.tx, 0.0) + mw(self.launch_dbm)
+        return inputs
 
     def port_powers_dbm(self, switch: str, ports: list[int]) -> dict[int, float]:
         """Total light at the far end of several output fibres, with one `transfer`: the
@@ -292,12 +318,7 @@ class EmulatedRack:
         for p in ports:
             self.faults._port(switch, p)
         cut = self.faults.fibres
-        inputs: dict[int, float] = {}
-        for gpu, atts in self.layout.gpus.items():
-            for a in atts:
-                if a.switch == switch and not self._dead(gpu, switch, "tx") \
-                        and (switch, a.tx) not in cut:
-                    inputs[a.tx] = inputs.get(a.tx, 0.0) + mw(self.launch_dbm)
+        inputs = self.launch_mw(switch)
         out = self.physics[switch].transfer(inputs) if inputs else {}
         return {p: DARK_DBM if (switch, p) in cut else dbm(out.get(p, 0.0)) for p in ports}
 
@@ -306,11 +327,12 @@ class EmulatedRack:
         self.faults._port(switch, port)
         return dbm(sum(self._light(switch).get(port, {}).values()))
 
-    def _links(self, switch: str, light: dict[int, dict[str, float]]) -> list[LinkTruth]:
+    def _links(self, switch: str, light: dict[int, dict[str, float]],
+               dsts: set[str] | None = None) -> list[LinkTruth]:
+        """What every receiver on `switch` (those of `dsts` only, when given) hears."""
         out = []
-        for dst, atts in self.layout.gpus.items():
-            a = next((x for x in atts if x.switch == switch), None)
-            if a is None:
+        for dst, a in self._on_switch[switch]:
+            if dsts is not None and dst not in dsts:
                 continue
             heard = light.get(a.rx, {})
             total = sum(heard.values())
@@ -349,14 +371,26 @@ class EmulatedRack:
         return best
 
     def link_map(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], LinkTruth | None]:
-        """The best link for each (src, dst) pair, computing the optics once."""
+        """The best link for each (src, dst) pair, computing the optics once, and only of
+        the switches the pairs share and the receivers they name (a job's round on a
+        2,048-GPU rack costs its own links, not every receiver of every switch)."""
         best: dict[tuple[str, str], LinkTruth | None] = {p: None for p in pairs}
-        for t in self.links():
-            key = (t.src, t.dst)
-            if key in best:
-                b = best[key]
-                if b is None or (t.up, t.rate_gbps) > (b.up, b.rate_gbps):
-                    best[key] = t
+        dsts: dict[str, set[str]] = {}
+        gpus = self.layout.gpus
+        for src, dst in best:
+            if src not in gpus or dst not in gpus:
+                continue
+            theirs = {a.switch for a in gpus[src]}
+            for a in gpus[dst]:
+                if a.switch in theirs:
+                    dsts.setdefault(a.switch, set()).add(dst)
+        for switch, wanted in dsts.items():
+            for t in self._links(switch, self._light(switch), wanted):
+                key = (t.src, t.dst)
+                if key in best:
+                    b = best[key]
+                    if b is None or (t.up, t.rate_gbps) > (b.up, b.rate_gbps):
+                        best[key] = t
         return best
 
     # --- control endpoint -------------------------------------------------------------------
