@@ -905,7 +905,8 @@ class Agent:
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        gone = [g for g in job.rank_map.values() if g not in set(new_map.values())]
+        kept = set(new_map.values())             # once: the rank map has thousands of GPUs
+        gone = [g for g in job.rank_map.values() if g not in kept]
         self._give_back(gone)
         self._take(job.name, [g for g in new_map.values() if g not in self._holder])
         job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
