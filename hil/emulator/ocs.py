@@ -4,12 +4,14 @@ Physics (`OCSPhysics`): an N x N switch, ingress ports 1..N, egress N+1..2N. Eac
 hidden insertion loss drawn from the seed (0.5-0.75 dB, so a path loses ~1-1.5 dB). A move takes
 `switching_s` (default 25 ms), during which the ports it touches carry no light. A stuck port
 ignores moves: the controller still reports what it was told, but the light keeps its old path.
-`reboot()` loses the volatile state (every circuit). `moves` counts circuits made or broken.
+`reboot()` loses the volatile state (every circuit). `moves` counts circuits made or broken,
+`port_moves` how many of them touched each port.
 
 SCPI (`OCSInstrument`): the Polatis dialect; see docs/instruments.md.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import re
@@ -47,6 +49,7 @@ class OCSPhysics:
         self.stuck: set[int] = set()
         self._dark_until: dict[int, float] = {}
         self.moves = 0
+        self.port_moves: collections.Counter[int] = collections.Counter()   # moves per port
 
     # ---- state changes (all-or-nothing; callers validated the ports) -------------------------
 
@@ -72,6 +75,9 @@ class OCSPhysics:
             for p in (i, e):
                 self._dark_until[p] = until
         self.moves += len(remove) + len(add)
+        for pairs in (remove, add):
+            self.port_moves.update(pairs.keys())
+            self.port_moves.update(pairs.values())
 
     def connect(self, pairs: dict[int, int]) -> None:
         with self.lock:

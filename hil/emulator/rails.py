@@ -10,8 +10,9 @@ their light once the rack is attached (`light_from`).
 Control handlers (docs/control.md), each naming its switch as `device`: `drop`, `reboot`,
 `stick`, `switching_time` (every switch when `device` is left out), and `switch_circuits`
 `{switches?: [names]}`: the circuits each switch holds as the emulator sees them (`commanded`,
-what its controller reports; `actual`, where the light goes), so a test checks the switches
-themselves rather than what the agent believes.
+what its controller reports; `actual`, where the light goes) and the circuits made or broken on
+each port so far (`port_moves`), so a test checks the switches themselves rather than what the
+agent believes.
 """
 from __future__ import annotations
 
@@ -143,5 +144,6 @@ class RailSwitches:
             phys = self.physics[self._switch({"device": name})]
             with phys.lock:
                 out[name] = {"commanded": sorted(phys.commanded.items()),
-                             "actual": sorted(phys.actual.items()), "moves": phys.moves}
+                             "actual": sorted(phys.actual.items()), "moves": phys.moves,
+                             "port_moves": sorted(phys.port_moves.items())}
         return out
