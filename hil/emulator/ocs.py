@@ -147,6 +147,22 @@ class OCSPhysics:
                 out[e] += mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)
         return out
 
+    def contributions(self, inputs: dict[int, float]) -> dict[int, dict[int, float]]:
+        """{ingress: {egress: mW}}: what each input alone delivers, right now (the switch is
+        linear in power, so these add up to `transfer(inputs)`), in one pass over the inputs
+        rather than one `transfer` per input."""
+        now = time.monotonic()
+        out: dict[int, dict[int, float]] = {}
+        with self.lock:
+            for i, mw in inputs.items():
+                e = self.actual.get(i)
+                if e is None or mw <= 0:
+                    continue
+                if self._dark_until.get(i, 0.0) > now or self._dark_until.get(e, 0.0) > now:
+                    continue
+                out[i] = {e: mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)}
+        return out
+
     def port_power_mw(self, port: int) -> float:
         """Light at a port: what arrives at an ingress, what leaves an egress."""
         inputs = self.light_in()
