@@ -232,7 +232,7 @@ class AgentProcess:
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
                       "phase_done": self._phase_done,
-                      "job_report": self._job_report})
+                      "job_report": self._job_report, "relay_ping": self._relay_ping})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                    telemetry=False)
@@ -370,6 +370,15 @@ class AgentProcess:
         phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
         self.agent.on_phase(phase, rnd, job=args["job"])
         return {"granted": True, "phase": phase, "round": rnd}
+
+    def _relay_ping(self, args: dict) -> dict:
+        """A `ping_device` to a switch's service, through the same client a phase switch
+        uses: the bare process hops job -> agent -> service -> device and back."""
+        sw = self.switches.get(args["device"])
+        if sw is None:
+            raise AgentError(f"no switch {args['device']!r}; the agent drives "
+                             f"{', '.join(self.switches)}")
+        return sw.client.call("ping_device")
 
     def _phase_done(self, args: dict) -> dict:
         nxt = self.agent.on_phase_done(args["phase"], args["round"], job=args["job"])
