@@ -7,7 +7,13 @@ model queues to the Qt main thread:
     device kind `switch`   -> a switch of kind "ocs" (circuits, ports)
     device kind `chip`     -> a switch of kind "chip", its topology (the service's `describe`,
                               asked once per service incarnation) and its cell states
-    device `agent`         -> the rack, the journal (events) and the alarms
+    device `agent`         -> the rack, the jobs (with their own reports), the journal
+                              (events) and the alarms
+    GPU monitors (`gpus`)  -> their connection state; every `rx_period_s` one `rx_power`
+                              request per monitor reads the GPUs' receivers (the trends),
+                              except on switches whose own port monitors publish power
+    telemetry              -> `total_power_mw` of a chip or heater DAC (heater power trend),
+                              an OCS's `power_dbm` (its matrix, and its GPUs' receivers)
     every device           -> its connection state in the status bar
 
 It never waits on the network on the Qt thread. Mirrors resynchronise by themselves (snapshot +
@@ -33,12 +39,31 @@ from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
 from photonic_testbed.hil.bus.mirror import StateSubscriber, clone
 from photonic_testbed.hil.bus.security import ClientKeys
-from photonic_testbed.hil.rig import Rig
+from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 
 AGENT = "agent"
+MONITOR = "gpu_monitor"
 DOWN_AFTER_S = 3.0          # a service not reached this long after start shows as down
+RX_PERIOD_S = 1.0           # how often the GPUs' receivers are read for the trends
+PORT_TELEMETRY_S = 5.0      # a switch whose port powers came this recently reports its own
+HEATER_KINDS = ("chip", "heater_dac")
+
+
+def link_sources(rig: Rig) -> list[str]:
+    """The services the received-power trend comes from: the GPU monitors, and the OCSes
+    (kind `switch`) that GPUs are cabled to, whose port monitors publish power."""
+    out = set()
+    for g in rig.gpus:
+        device = rig.devices.get(g.switch)
+        if device is not None and device.kind == "switch":
+            out.add(g.switch)
+        try:
+            out.add(rig.monitor_of(g.name))
+        except RigFileError:
+            pass
+    return sorted(out)
 
 
 def _circuits(wire: Any) -> dict[int, int]:
@@ -55,7 +80,7 @@ class BusFabric(Commands):
 
     def __init__(self, model: FabricModel, rig: Rig, *, timeout: float = 5.0,
                  keys: ClientKeys | None = None, poll_s: float = 0.05,
-                 down_after_s: float = DOWN_AFTER_S):
+                 down_after_s: float = DOWN_AFTER_S, rx_period_s: float = RX_PERIOD_S):
         self.model = model
         self.rig = rig
         self.timeout = timeout
@@ -66,9 +91,16 @@ class BusFabric(Commands):
         self.kinds: dict[str, str] = {n: d.kind for n, d in rig.devices.items()}
         self.endpoints[AGENT] = rig.agent_endpoints()
         self.kinds[AGENT] = AGENT
+        if rig.gpus:
+            for name, eps in rig.gpu_monitors().items():
+                self.endpoints[name] = eps
+                self.kinds[name] = MONITOR
+        self.rx_period_s = rx_period_s
+        self._port_power_at: dict[str, float] = {}      # switch -> last port power telemetry
+        self._rx_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._states: dict[str, dict] = {}            # latest mirrored state per device
-        self._topology_asked: dict[str, str | None] = {}
+        self._described: dict[str, str | None] = {}
         self._last_event = -1
         self._alarms: list[str] = []
         self._stop = threading.Event()
@@ -88,6 +120,10 @@ class BusFabric(Commands):
         self._thread = threading.Thread(target=self._run, name="gui-bus-subscriber",
                                         daemon=True)
         self._thread.start()
+        if self.rx_period_s > 0 and self.rig.gpus:
+            self._rx_thread = threading.Thread(target=self._poll_rx, name="gui-bus-rx",
+                                               daemon=True)
+            self._rx_thread.start()
         return self
 
     def _run(self) -> None:
@@ -144,6 +180,8 @@ class BusFabric(Commands):
                 self._switch(device, "ocs", state, ops)
             elif kind == "chip":
                 self._chip(device, state, ops)
+            elif kind == "heater_dac":
+                self._describe_once(device, state)
             elif kind == AGENT:
                 self._agent(state, ops)
         except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -152,13 +190,26 @@ class BusFabric(Commands):
                 "state": "connected", "detail": f"state not understood: {e}"}})
 
     def _on_telemetry(self, device: str, msg: dict) -> None:
-        """An OCS's port power monitors colour its matrix (after its first state)."""
-        power = msg.get("values", {}).get("power_dbm")
+        """An OCS's port power monitors colour its matrix (after its first state) and give
+        its GPUs' received power; a chip's or DAC's total heater power goes to its trend."""
+        values = msg.get("values", {})
+        kind = self.kinds.get(device)
+        t = msg.get("t", time.time())
+        if kind in HEATER_KINDS and isinstance(values.get("total_power_mw"), (int, float)):
+            self.model.post_delta({"op": "samples", "value": {
+                f"heater/{device}": [[t, values["total_power_mw"]]]}})
+        power = values.get("power_dbm")
         with self._lock:
-            known = device in self._states
-        if self.kinds.get(device) != "switch" or not known or not isinstance(power, dict):
+            state = self._states.get(device)
+        if kind != "switch" or state is None or not isinstance(power, dict) or not power:
             return
         self.model.post_delta({"op": "switch", "value": {"name": device, "power_dbm": power}})
+        self._port_power_at[device] = time.monotonic()
+        n = int(state.get("ports", 0))
+        rx = {f"rx/{g.name}": [[t, power[str(n + g.port)]]] for g in self.rig.gpus
+              if g.switch == device and isinstance(power.get(str(n + g.port)), (int, float))}
+        if rx:
+            self.model.post_delta({"op": "samples", "value": rx})
 
     @staticmethod
     def _touched(ops: list | None, *keys: str) -> bool:
@@ -171,25 +222,47 @@ class BusFabric(Commands):
                 "circuits": _circuits(state.get("circuits"))}})
 
     def _chip(self, device: str, state: dict, ops: list | None) -> None:
-        incarnation = state.get("version", "").split(":")[0] or None
-        if self._topology_asked.get(device, "?") != incarnation:
-            self._topology_asked[device] = incarnation
-            self._worker.submit(self._fetch_topology, device)
+        self._describe_once(device, state)
         self._switch(device, "chip", state, ops)
         if self._touched(ops, "cells"):
             self.model.post_delta({"op": "cells", "name": device,
                                    "value": clone(state.get("cells", {}))})
+        if self._touched(ops, "drift"):
+            # A drift check the chip's service publishes (docs/gui.md); none publish it yet.
+            self.model.post_delta({"op": "drift", "name": device,
+                                   "value": clone(state.get("drift"))})
 
-    def _fetch_topology(self, device: str) -> None:
+    def _describe_once(self, device: str, state: dict) -> None:
+        """Ask `describe` once per service incarnation (topology, heater budget)."""
+        incarnation = state.get("version", "").split(":")[0] or None
+        if self._described.get(device, "?") != incarnation:
+            self._described[device] = incarnation
+            self._worker.submit(self._fetch_describe, device)
+
+    def _fetch_describe(self, device: str) -> None:
         try:
             described = self._client(device).call("describe")
-            # The service's describe wraps the driver's under "device".
-            topology = described.get("topology") or described["device"]["topology"]
-        except (BusError, KeyError, TypeError, AttributeError) as e:
-            log.warning("%s: no topology from describe: %s", device, e)
-            self._topology_asked[device] = None        # ask again with the next state
+        except BusError as e:
+            log.warning("%s: no answer to describe: %s", device, e)
+            self._described[device] = None        # ask again with the next state
             return
-        self.model.post_delta({"op": "topology", "name": device, "value": topology})
+        # The service's describe wraps the driver's under "device".
+        inner = described.get("device") if isinstance(described.get("device"), dict) else {}
+        if self.kinds.get(device) == "chip":
+            topology = described.get("topology") or inner.get("topology")
+            if topology is None:
+                log.warning("%s: describe gives no topology", device)
+                self._described[device] = None
+            else:
+                self.model.post_delta({"op": "topology", "name": device, "value": topology})
+        heaters = inner.get("heaters") if isinstance(inner.get("heaters"), dict) else inner
+        budget = heaters.get("power_budget_mw", described.get("power_budget_mw"))
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            self.model.post_delta({"op": "budget", "name": device,
+                                   "value": {"mw": float(budget), "why": ""}})
+        else:
+            self.model.post_delta({"op": "budget", "name": device, "value": {
+                "mw": None, "why": "not in its describe"}})
 
     def _agent(self, state: dict, ops: list | None) -> None:
         if self._touched(ops, "rack"):
@@ -207,12 +280,66 @@ class BusFabric(Commands):
                     self.model.post_delta({"op": "journal", "value": clone(new)})
             if seqs:
                 self._last_event = max(self._last_event, max(seqs))
+        if self._touched(ops, "jobs"):
+            self.model.post_delta({"op": "jobs", "value": clone(state.get("jobs") or {})})
         if self._touched(ops, "alarms"):
             alarms = [str(a) for a in state.get("alarms", [])]
-            if alarms != self._alarms:
+            if alarms != self._alarms or ops is None:
                 self._alarms = alarms
+                self.model.post_delta({"op": "alarms", "value": list(alarms)})
                 detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
                 self._service(AGENT, "connected", detail)
+
+    # ---- received power ------------------------------------------------------------------
+    def _poll_rx(self) -> None:
+        """The GPUs' receivers, read every `rx_period_s` for the trends: one `rx_power` per
+        monitor and switch (what the agent reads per event), on a thread and clients of its
+        own so that a monitor that is down delays no command."""
+        clients: dict[str, ServiceClient] = {}
+        try:
+            while not self._stop.wait(self.rx_period_s):
+                self._read_rx(clients)
+        except Exception:
+            log.exception("the GUI's receiver reading stopped")
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def _read_rx(self, clients: dict[str, ServiceClient]) -> None:
+        asks: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        now = time.monotonic()
+        for g in self.rig.gpus:
+            if now - self._port_power_at.get(g.switch, -1e9) < PORT_TELEMETRY_S:
+                continue                    # that switch's own port monitors report it
+            state = self.state(g.switch)
+            if state is None or "ports" not in state:
+                continue
+            try:
+                monitor = self.rig.monitor_of(g.name)
+            except RigFileError:
+                continue
+            if not self._alive.get(monitor):
+                continue
+            asks.setdefault((monitor, g.switch), []).append((g.name, int(state["ports"]) + g.port))
+        samples = {}
+        for (monitor, switch), items in asks.items():
+            client = clients.get(monitor)
+            if client is None:
+                client = clients[monitor] = ServiceClient(
+                    self.endpoints[monitor][0], timeout=min(self.timeout, 2.0), keys=self.keys)
+            try:
+                got = client.call("rx_power", switch=switch, ports=[p for _, p in items])
+            except BusError as e:
+                log.info("no received power from %s for %s: %s", monitor, switch, e)
+                continue
+            t = time.time()
+            dbm = got.get("dbm", {}) if isinstance(got, dict) else {}
+            for gpu, port in items:
+                v = dbm.get(str(port))
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    samples[f"rx/{gpu}"] = [[t, v]]
+        if samples:
+            self.model.post_delta({"op": "samples", "value": samples})
 
     def state(self, device: str) -> dict | None:
         """A copy of the latest mirrored state of `device` (any thread)."""
@@ -294,6 +421,8 @@ class BusFabric(Commands):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        if self._rx_thread is not None:
+            self._rx_thread.join(timeout=5.0)
         try:
             self._worker.submit(self._close_clients)
         except RuntimeError:

@@ -25,13 +25,14 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QListWidget, QPushButton,
                                QSplitter, QVBoxLayout, QWidget)
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 
 from photonic_testbed.common.calibration import (MAX_FILE_BYTES, Calibration,
                                                  CalibrationFileError,
                                                  UnverifiedCalibrationWarning)
 
 FRINGE_KEYS = ("sweep_v", "power", "fit_v", "fit_power", "extinction_db")
+TITLE = "9pt"
 
 
 def check_calibration(data: Any, where: str = "calibration") -> dict[str, Any]:
@@ -130,16 +131,24 @@ class CalibrationView(QWidget):
         self.cells.currentTextChanged.connect(self.show_cell)
         self.plots = pg.GraphicsLayoutWidget()
         self.plots.setBackground("#16181d")
-        self.fringe = self.plots.addPlot(row=0, col=0, colspan=2, title="fringe")
+        # One row of three: each plot gets the dock's full height (two rows left each one
+        # about 40 px in a docked view, with their tick labels on top of each other).
+        self.plots.setMinimumSize(540, 220)
+        # Titles in a small font: a plot is at least as wide as its title.
+        self.fringe = self.plots.addPlot(row=0, col=0)
+        self.fringe.setTitle("fringe", size=TITLE)
         self.fringe.setLabel("bottom", "heater voltage", units="V")
         self.fringe.setLabel("left", "detector reading")
         self.points = self.fringe.plot([], [], pen=None, symbol="o", symbolSize=5,
                                        symbolBrush="#4fc3f7", symbolPen=None, name="measured")
         self.curve = self.fringe.plot([], [], pen=pg.mkPen("#ff9f1c", width=2), name="fit")
-        self.ext_plot = self.plots.addPlot(row=1, col=0, title="extinction per cell (dB)")
-        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush="#81c784")
+        self.ext_plot = self.plots.addPlot(row=0, col=1)
+        self.ext_plot.setTitle("extinction per cell", size=TITLE)
+        self.ext_plot.setLabel("left", "extinction", units="dB")
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush="#81c784", pen=None)
         self.ext_plot.addItem(self.bars)
-        self.xt_plot = self.plots.addPlot(row=1, col=1, title="thermal crosstalk")
+        self.xt_plot = self.plots.addPlot(row=0, col=2)
+        self.xt_plot.setTitle("thermal crosstalk", size=TITLE)
         self.xt_plot.setAspectLocked(True)
         self.image = pg.ImageItem()
         self.xt_plot.addItem(self.image)
@@ -152,7 +161,11 @@ class CalibrationView(QWidget):
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(left)
         split.addWidget(self.plots)
-        split.setStretchFactor(1, 4)
+        split.setStretchFactor(1, 6)
+        self.cells.setMaximumWidth(90)
+        layout_ = self.plots.ci.layout
+        for col, stretch in ((0, 4), (1, 3), (2, 4)):
+            layout_.setColumnStretchFactor(col, stretch)
         top = QHBoxLayout()
         top.addWidget(self.source, 1)
         layout = QVBoxLayout(self)
@@ -178,6 +191,17 @@ class CalibrationView(QWidget):
         self.set_data(data, os.path.basename(path))
         return True
 
+    def _cell_ticks(self) -> None:
+        """Cell names under the extinction bars, as many as the plot's width leaves apart."""
+        ids = list(self.data["cells"]) if self.data else []
+        room = max(3, int(self.ext_plot.vb.width() // 45))
+        step = max(1, -(-len(ids) // room))
+        self.ext_plot.getAxis("bottom").setTicks([[(i, c) for i, c in enumerate(ids)][::step]])
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        QTimer.singleShot(0, self._cell_ticks)        # once the plots have their new sizes
+
     def set_data(self, data: dict[str, Any], source: str = "") -> None:
         data = check_calibration(data)
         self.data = data
@@ -187,9 +211,10 @@ class CalibrationView(QWidget):
                             + (f" — {data['info']}" if data.get("info") else ""))
         ext = [data["cells"][c]["extinction_db"] for c in ids]
         self.bars.setOpts(x=np.arange(len(ids)), height=ext, width=0.8)
-        self.ext_plot.getAxis("bottom").setTicks([[(i, c) for i, c in enumerate(ids)][::8]])
+        self.ext_plot.setXRange(-4, len(ids) + 0.5, padding=0)    # the first label in view
+        self._cell_ticks()
         labels = data.get("crosstalk_labels") or ids
-        self.xt_plot.setTitle(f"thermal crosstalk ({len(labels)} "
+        self.xt_plot.setTitle(size=TITLE, title=f"crosstalk ({len(labels)} "
                               f"{'channels' if data.get('crosstalk_labels') else 'cells'})")
         if data.get("crosstalk") is not None:
             xt = np.asarray(data["crosstalk"], dtype=float)
@@ -204,7 +229,7 @@ class CalibrationView(QWidget):
         else:                              # a file of heater fits only: no fringe to show
             self.points.setData([], [])
             self.curve.setData([], [])
-            self.fringe.setTitle("no fringes in this file")
+            self.fringe.setTitle("no fringes in this file", size=TITLE)
             self.note.clear()
 
     def show_cell(self, cid: str) -> None:
@@ -213,5 +238,6 @@ class CalibrationView(QWidget):
         c = self.data["cells"][cid]
         self.points.setData(c["sweep_v"], c["power"])
         self.curve.setData(c["fit_v"], c["fit_power"])
-        self.fringe.setTitle(f"fringe of {cid}: extinction {c['extinction_db']:.1f} dB")
+        self.fringe.setTitle(f"fringe of {cid}: extinction {c['extinction_db']:.1f} dB",
+                             size=TITLE)
         self.note.setText(c.get("note", ""))

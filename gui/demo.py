@@ -107,12 +107,19 @@ class DemoFabric(QObject):
         self.power = {p: self.rng.uniform(-12, -3) for p in range(1, 129)}
         self.rack: list[dict[str, Any]] = [
             {"name": f"gpu{i:02d}", "port": i + 1, "switch": self.OCS, "health": "ok",
-             "role": "active" if i < 14 else "spare", "rank": i if i < 14 else None}
+             "role": "active" if i < 14 else "spare", "rank": i if i < 14 else None,
+             "job": "dp" if i < 14 else None}
             for i in range(16)]
         self.journal_seq = 0
         self.journal: list[dict] = []
         self.services = {s: {"state": "connected", "detail": "demo"} for s in
-                         ("bus", "agent", self.OCS, self.CHIP, "powermeter")}
+                         ("bus", "agent", "gpus", self.OCS, self.CHIP, "powermeter")}
+        # Which demo services the views' data comes from (MainWindow's `sources`).
+        self.sources = {"trend:links": [self.OCS], "trend:heaters": [self.CHIP]}
+        self.step_count = 0
+        self.outage = 0                 # ticks left of the job's outage after a swap
+        self.restart_seq = 0
+        self.heater_mw = 900.0
         self.timer = QTimer(self)
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self.step)
@@ -121,6 +128,7 @@ class DemoFabric(QObject):
     def start(self) -> None:
         self._note("start", "demo data: nothing here is real")
         self.model.post_snapshot(self.snapshot())
+        self._delta("budget", {"mw": 1500.0, "why": ""}, self.CHIP)
         self.timer.start()
 
     def stop(self) -> None:
@@ -131,7 +139,40 @@ class DemoFabric(QObject):
                 "topologies": {self.CHIP: self.topology},
                 "cells": {self.CHIP: {k: dict(v) for k, v in self.cells.items()}},
                 "rack": [dict(g) for g in self.rack], "journal": list(self.journal),
-                "services": dict(self.services)}
+                "services": dict(self.services), "jobs": self._jobs()}
+
+    def _jobs(self) -> dict[str, Any]:
+        """The demo's one job as the agent publishes it, with the job's own report."""
+        if self.outage > 3:
+            state, rate = "failed", None
+        elif self.outage > 0:
+            state, rate = "restarting", None
+        else:
+            state, rate = "running", max(0.0, 9.7 + self.rng.gauss(0, 0.25))
+        ranks = {str(g["rank"]): g["name"] for g in self.rack if g["rank"] is not None}
+        return {"dp": {"plan": "dp", "world": len(ranks), "rank_map": ranks, "phase": "dp",
+                       "round": 0,
+                       "restart": {"seq": self.restart_seq, "rank_map": ranks,
+                                   "cause": "demo: a GPU swapped out"},
+                       "report": {"state": state, "step": self.step_count, "throughput": rate,
+                                  "loss": 2.5 * math.exp(-self.step_count / 4000) + 0.3
+                                  + self.rng.gauss(0, 0.01),
+                                  "detail": "demo job", "t": time.time()}}}
+
+    def _samples(self) -> None:
+        """Readings of the GPUs' receivers (the OCS's egress monitors) and the heaters."""
+        t = time.time()
+        values: dict[str, list] = {}
+        for g in self.rack:
+            out = self.ocs.get(g["port"])
+            if out is not None and g["health"] != "failed":
+                receiver = next((x["name"] for x in self.rack
+                                 if self.ocs_ports + x["port"] == out), None)
+                if receiver is not None:
+                    values[f"rx/{receiver}"] = [[t, self.power[out]]]
+        self.heater_mw = min(1450.0, max(300.0, self.heater_mw + self.rng.gauss(0, 15)))
+        values[f"heater/{self.CHIP}"] = [[t, self.heater_mw]]
+        self._delta("samples", values)
 
     def _ocs_state(self) -> dict:
         return {"name": self.OCS, "kind": "ocs", "ports": self.ocs_ports,
@@ -160,6 +201,14 @@ class DemoFabric(QObject):
     # --- what happens by itself ---------------------------------------------------------
     def step(self) -> None:
         self.t += 1
+        if self.outage:
+            self.outage -= 1
+        else:
+            self.step_count += 2
+        if self.t % 2 == 0:
+            self._delta("jobs", self._jobs())
+        if self.t % 4 == 0:
+            self._samples()
         for p in self.rng.sample(range(1, 129), 6):
             self.power[p] = min(0.0, max(-40.0, self.power[p] + self.rng.gauss(0, 0.4)))
         self._delta("switch", {"name": self.OCS, "power_dbm": dict(self.power)})
@@ -179,10 +228,21 @@ class DemoFabric(QObject):
             failing = [g for g in self.rack if g["role"] != "spare" and g["health"] == "ok"]
             if failing and self.spares():
                 self.swap(self.rng.choice(failing)["name"], None, cause="demo: injected Xid 79")
+        if self.t % 60 == 50:
+            self._repair()
         if self.t % 90 == 45:
             self._service("powermeter", "connecting", "reconnecting after a dropped socket")
         if self.t % 90 == 50:
             self._service("powermeter", "connected", "demo")
+
+    def _repair(self) -> None:
+        """A failed GPU is replaced by a technician: the new one joins the spares."""
+        broken = next((g for g in self.rack if g["health"] == "failed"), None)
+        if broken is not None:
+            broken.update(health="ok", role="spare", rank=None, job=None)
+            self._delta("gpu", dict(broken))
+            self._journal(self._note("note", f"{broken['name']} replaced: a spare again",
+                                     gpu=broken["name"]))
 
     def _service(self, name: str, state: str, detail: str) -> None:
         self.services[name] = {"state": state, "detail": detail}
@@ -216,8 +276,10 @@ class DemoFabric(QObject):
         for a, b in list(self.ocs.items()):
             if b == self.ocs_ports + g["port"]:
                 self.ocs[a] = self.ocs_ports + s["port"]
-        s["role"], s["rank"] = "in_use_spare", g["rank"]
-        g["rank"] = None
+        s["role"], s["rank"], s["job"] = "in_use_spare", g["rank"], g["job"]
+        g["rank"], g["job"] = None, None
+        self.outage = 6                         # the job restarts: 1.5 s without steps
+        self.restart_seq += 1
         lat = 0.35 + self.rng.uniform(0, 0.5)
         self._journal(self._note("decision", cause, gpu=gpu, spare=s["name"]))
         self._delta("switch", {"name": self.OCS, "circuits": dict(self.ocs)})

@@ -1,24 +1,56 @@
 """Events view: the agent's journal as a live timeline, filterable by kind and text, with the
-latency of each reconfiguration."""
+latency of each reconfiguration and each entry's details in words (the whole of them in the
+tooltip); exported as CSV."""
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLineEdit, QTableView,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QHeaderView, QLineEdit,
+                               QPushButton, QTableView, QVBoxLayout, QWidget)
 
 from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
 from photonic_testbed.hil.journal import KINDS, Entry
 
 COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")
+KIND_COLUMNS = 7
 KIND_COLOUR = {"failure": QColor("#ef5350"), "alarm": QColor("#ef5350"),
                "verify_failed": QColor("#ef5350"), "detected": QColor("#ffb74d"),
                "decision": QColor("#64b5f6"), "applied": QColor("#81c784"),
                "verified": QColor("#81c784"), "phase": QColor("#ba68c8")}
+
+
+def _value(v: Any, depth: int = 0) -> str:
+    """A value of an entry's details in a few words: pairs as arrows, numbers short."""
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    if isinstance(v, Mapping):
+        if not v:
+            return "none"
+        if depth >= 1:
+            return "{" + ", ".join(f"{k}: {_value(x, depth + 1)}" for k, x in v.items()) + "}"
+        return ", ".join(f"{k} → {_value(x, depth + 1)}" if not isinstance(x, Mapping)
+                         else f"{k}: {_value(x, depth + 1)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        if not v:
+            return "none"
+        if all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):
+            return ", ".join(f"{_value(a, depth + 1)} → {_value(b, depth + 1)}" for a, b in v)
+        return ", ".join(_value(x, depth + 1) for x in v)
+    return str(v)
+
+
+def readable(details: Mapping[str, Any], sep: str = "; ") -> str:
+    """An entry's details as the operator reads them: `swaps: gpu3 → spare0; added: 1 → 18`
+    (not raw JSON)."""
+    return sep.join(f"{k.replace('_', ' ')}: {_value(v)}" for k, v in details.items())
 
 
 class EntryTable(QAbstractTableModel):
@@ -54,7 +86,11 @@ class EntryTable(QAbstractTableModel):
                 return e.cause
             if col == 4:
                 return "" if e.latency_s is None else f"{e.latency_s * 1e3:.1f}"
-            return json.dumps(e.details, sort_keys=True, default=str) if e.details else ""
+            return readable(e.details) if e.details else ""
+        if role == Qt.ItemDataRole.ToolTipRole and col in (3, 5):
+            lines = [f"{e.kind} #{e.seq}: {e.cause}"]
+            lines += [f"{k.replace('_', ' ')}: {_value(v)}" for k, v in e.details.items()]
+            return "\n".join(lines)
         if role == Qt.ItemDataRole.ForegroundRole and col == 2:
             return KIND_COLOUR.get(e.kind)
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (0, 4):
@@ -108,12 +144,15 @@ class KindFilter(QSortFilterProxyModel):
         if self.kinds is not None and e.kind not in self.kinds:
             return False
         if self.text:
-            hay = f"{e.kind} {e.cause} {json.dumps(e.details, default=str)}".lower()
+            hay = (f"{e.kind} {e.cause} {readable(e.details)} "
+                   f"{json.dumps(e.details, default=str)}").lower()
             return self.text in hay
         return True
 
 
 class EventsView(QWidget):
+    export_requested = Signal()         # the window asks where, then writes the CSV
+
     def __init__(self, model: FabricModel, parent: QWidget | None = None):
         super().__init__(parent)
         self.table_model = EntryTable(model)
@@ -123,24 +162,37 @@ class EventsView(QWidget):
         self.view.setModel(self.proxy)
         self.view.verticalHeader().setVisible(False)
         self.view.setAlternatingRowColors(True)
+        self.view.setWordWrap(False)       # one line per entry; the tooltip has it all
+        self.view.setTextElideMode(Qt.TextElideMode.ElideRight)
         header = self.view.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
+        # Sequence numbers grow: room for seven digits from the start, not "3…".
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Fixed)
+        header.resizeSection(0, self.view.fontMetrics().horizontalAdvance("9999999") + 12)
         self.search = QLineEdit()
         self.search.setPlaceholderText("filter text (cause, details)")
         self.search.textChanged.connect(self.proxy.set_text)
+        self.export_button = QPushButton("Export CSV…")
+        self.export_button.setToolTip("write the events shown (filters applied) as CSV")
+        self.export_button.clicked.connect(self.export_requested)
+        search_row = QHBoxLayout()
+        search_row.addWidget(self.search, 1)
+        search_row.addWidget(self.export_button)
         self.kind_boxes: dict[str, QCheckBox] = {}
-        kinds = QHBoxLayout()
-        for k in KINDS:
+        kinds = QGridLayout()           # two rows: the dock stays narrow enough to share
+        kinds.setHorizontalSpacing(8)
+        kinds.setVerticalSpacing(0)
+        for i, k in enumerate(KINDS):
             box = QCheckBox(k)
             box.setChecked(True)
             box.toggled.connect(self._kinds_changed)
             self.kind_boxes[k] = box
-            kinds.addWidget(box)
-        kinds.addStretch(1)
+            kinds.addWidget(box, i // KIND_COLUMNS, i % KIND_COLUMNS)
+        kinds.setColumnStretch(KIND_COLUMNS, 1)
         layout = QVBoxLayout(self)
         layout.addLayout(kinds)
-        layout.addWidget(self.search)
+        layout.addLayout(search_row)
         layout.addWidget(self.view)
         self._at_bottom = True
         self.table_model.rowsAboutToBeInserted.connect(self._remember_bottom)
@@ -166,6 +218,12 @@ class EventsView(QWidget):
     def _scroll(self) -> None:
         if self._at_bottom:
             self.view.scrollToBottom()
+
+    def shown_entries(self) -> list[Entry]:
+        """The entries the table shows now (filters applied), oldest first."""
+        rows = self.table_model.rows
+        return [rows[self.proxy.mapToSource(self.proxy.index(r, 0)).row()]
+                for r in range(self.proxy.rowCount())]
 
     def visible_kinds(self) -> list[str]:
         return [self.proxy.index(r, 2).data() for r in range(self.proxy.rowCount())]

@@ -10,7 +10,8 @@ Messages (what an adapter translates the bus's mirror into):
                 "switches": [switch state, ...],
                 "topologies": {chip: topology}, "cells": {chip: {cell: cell state}},
                 "rack": [gpu, ...], "journal": [entry, ...],
-                "services": {service: {"state": ..., "detail": ...}}}      (every key optional)
+                "services": {service: {"state": ..., "detail": ...}},
+                "jobs": {job: job dict}, "alarms": [text, ...]}            (every key optional)
     delta    = {"seq": n, "op": OP, "name": ..., "value": ...} with OP one of
         "switch"    value = switch state (whole or partial: circuits replace, power_dbm merges)
         "topology"  name = chip, value = topology
@@ -20,9 +21,14 @@ Messages (what an adapter translates the bus's mirror into):
         "journal"   value = [entry, ...] (appended)
         "journal_reset"  value = [entry, ...] (replaces the journal: a new one started)
         "service"   name = service, value = {"state": ..., "detail": ...}
+        "jobs"      value = {job: job dict} (replaces every job; docs/agent-bus.md `jobs`)
+        "alarms"    value = [text, ...] (the agent's alarms, replaced)
+        "samples"   value = {series: [[t, value], ...]} (appended to the trends, gui/series.py)
+        "budget"    name = device, value = {"mw": heater power budget or None, "why": text}
+        "drift"     name = chip, value = {"worst_rad", "threshold_rad", "t"} or None
 
 A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
-"power_dbm": {port: dBm}}; a gpu {"name", "port", "switch", "health", "role", "rank"}; a
+"power_dbm": {port: dBm}}; a gpu {"name", "port", "switch", "health", "role", "rank", "job"}; a
 journal entry a `hil.journal.Entry` or a dict with its fields. A delta whose `seq` is not the
 one after the last is still applied, and `gap` is emitted so the adapter can ask for a fresh
 snapshot.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -39,6 +46,7 @@ from typing import Any
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from photonic_testbed.common.topology import Topology, TopologyError
+from photonic_testbed.gui.series import SeriesStore
 from photonic_testbed.hil.journal import KINDS as JOURNAL_KINDS
 from photonic_testbed.hil.journal import Entry
 
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 HEALTH = ("ok", "degraded", "failed")
 ROLES = ("active", "spare", "in_use_spare")
 SERVICE_STATES = ("connected", "connecting", "down")
+# What a job says of itself (`job_report`), and "admitted" until it first does.
+JOB_STATES = ("running", "waiting", "failed", "restarting", "stopped", "done", "admitted")
 MAX_ENTRIES = 5000          # the events view keeps the newest; the journal keeps everything
 
 
@@ -109,6 +119,7 @@ class Gpu:
     health: str
     role: str
     rank: int | None
+    job: str | None = None        # the job holding it (docs/agent-bus.md `rack[].job`)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], old: "Gpu | None" = None) -> "Gpu":
@@ -116,11 +127,12 @@ class Gpu:
             raise ModelError(f"a GPU is a dict with a 'name', not {d!r}")
         base = old or cls(str(d["name"]), None, "", "ok", "active", None)
         try:
-            gpu = replace(base, **{k: d[k] for k in ("port", "switch", "health", "role", "rank")
-                                   if k in d})
+            gpu = replace(base, **{k: d[k] for k in ("port", "switch", "health", "role", "rank",
+                                                     "job") if k in d})
             gpu = replace(gpu, port=None if gpu.port is None else int(gpu.port),
                           rank=None if gpu.rank is None else int(gpu.rank),
-                          switch=str(gpu.switch))
+                          switch=str(gpu.switch),
+                          job=None if gpu.job is None else str(gpu.job))
         except (TypeError, ValueError) as e:
             raise ModelError(f"GPU {base.name!r}: {e}") from None
         if gpu.health not in HEALTH:
@@ -130,6 +142,88 @@ class Gpu:
             raise ModelError(f"GPU {gpu.name!r}: role {gpu.role!r} is not one of "
                              f"{', '.join(ROLES)}")
         return gpu
+
+
+def _number(d: Mapping[str, Any], key: str, what: str) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ModelError(f"{what}: {key} {v!r} is not a finite number")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """What a job last said of itself; `state` None when it has not reported yet."""
+    state: str | None = None
+    step: int = 0
+    throughput: float | None = None      # steps a second
+    loss: float | None = None
+    detail: str = ""
+    t: float | None = None               # when the agent received it (Unix time)
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str) -> "JobReport":
+        if not d:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ModelError(f"{what}: a report is a dict, not {d!r}")
+        state = d.get("state")
+        if state not in JOB_STATES:
+            raise ModelError(f"{what}: report state {state!r} is not one of "
+                             f"{', '.join(JOB_STATES)}")
+        try:
+            step = int(d.get("step") or 0)
+        except (TypeError, ValueError):
+            raise ModelError(f"{what}: step {d.get('step')!r} is not a number") from None
+        return cls(str(state), step, _number(d, "throughput", what), _number(d, "loss", what),
+                   str(d.get("detail") or ""), _number(d, "t", what))
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as the agent publishes it (docs/agent-bus.md `jobs`), with when the GUI saw its
+    report arrive and its state begin (this machine's clock, Unix time)."""
+    name: str
+    plan: str
+    world: int
+    rank_map: dict[int, str]
+    phase: str | None
+    round: int
+    restart_seq: int
+    restart_cause: str
+    report: JobReport
+    report_seen: float            # when the newest report reached the GUI
+    state_since: float            # since when the report's state holds
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any, old: "Job | None", now: float) -> "Job":
+        what = f"job {name!r}"
+        if not isinstance(d, Mapping):
+            raise ModelError(f"{what} is a dict, not {d!r}")
+        try:
+            rank_map = {int(r): str(g) for r, g in (d.get("rank_map") or {}).items()}
+            world = int(d.get("world", len(rank_map)))
+            rnd = int(d.get("round") or 0)
+            restart = d.get("restart") or {}
+            seq = int(restart.get("seq", 0))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelError(f"{what}: {e}") from None
+        report = JobReport.from_dict(d.get("report"), what)
+        if old is not None and old.report.t == report.t and old.report.state == report.state:
+            seen = old.report_seen
+        elif old is None and report.t is not None:
+            # First sight: a report that came before the GUI started is that old already.
+            seen = min(now, report.t)
+        else:
+            seen = now
+        since = old.state_since if old is not None and old.report.state == report.state \
+            else seen
+        phase = d.get("phase")
+        return cls(name, str(d.get("plan", name)), world, rank_map,
+                   None if phase is None else str(phase), rnd, seq,
+                   str(restart.get("cause", "")), report, seen, since)
 
 
 def to_entry(e: Entry | Mapping[str, Any]) -> Entry:
@@ -167,6 +261,11 @@ class FabricModel(QObject):
     entriesAdded = Signal(object)              # list[Entry]
     entriesReset = Signal()
     serviceChanged = Signal(str)               # service name
+    jobsChanged = Signal()
+    alarmsChanged = Signal()                   # the agent's alarms
+    samplesAdded = Signal(object)              # set of series names (gui/series.py)
+    budgetChanged = Signal(str)                # device
+    driftChanged = Signal(str)                 # chip
     gap = Signal(int, int)                     # expected seq, received seq
     rejected = Signal(str)                     # a message that could not be applied, and why
     _inbox = Signal(str, object)
@@ -179,6 +278,12 @@ class FabricModel(QObject):
         self.rack: dict[str, Gpu] = {}
         self.entries: collections.deque[Entry] = collections.deque(maxlen=MAX_ENTRIES)
         self.services: dict[str, Service] = {}
+        self.jobs: dict[str, Job] = {}
+        self.agent_alarms: list[str] = []
+        self.trends = SeriesStore()
+        self.budgets: dict[str, tuple[float | None, str]] = {}   # device -> (mW, why not)
+        self.drift: dict[str, dict[str, float]] = {}
+        self.circuits_changed: dict[str, float] = {}              # switch -> Unix time
         self.seq = 0
         self._inbox.connect(self._receive, Qt.ConnectionType.QueuedConnection)
 
@@ -225,6 +330,10 @@ class FabricModel(QObject):
         self.entries.extend(to_entry(e) for e in snap.get("journal", []))
         for name, s in snap.get("services", {}).items():
             self._set_service(str(name), s, emit=False)
+        if "jobs" in snap:
+            self._set_jobs(snap["jobs"])
+        if "alarms" in snap:
+            self.apply_delta({"op": "alarms", "value": snap["alarms"]})
         self.switchesChanged.emit()
         for name in self.topologies:
             self.topologyChanged.emit(name)
@@ -272,6 +381,35 @@ class FabricModel(QObject):
             self.entriesReset.emit()
         elif op == "service":
             self._set_service(name, value)
+        elif op == "jobs":
+            self._set_jobs(value)
+        elif op == "alarms":
+            if not isinstance(value, list):
+                raise ModelError(f"alarms are a list of texts, not {value!r}")
+            self.agent_alarms = [str(a) for a in value]
+            self.alarmsChanged.emit()
+        elif op == "samples":
+            self._add_samples(value)
+        elif op == "budget":
+            if not isinstance(value, Mapping):
+                raise ModelError(f"a budget is {{'mw', 'why'}}, not {value!r}")
+            mw = _number(value, "mw", f"budget of {name!r}")
+            self.budgets[name] = (mw, str(value.get("why", "")))
+            self.budgetChanged.emit(name)
+        elif op == "drift":
+            if value is None:
+                self.drift.pop(name, None)
+            else:
+                if not isinstance(value, Mapping):
+                    raise ModelError(f"a drift report is a dict, not {value!r}")
+                what = f"drift of {name!r}"
+                worst, limit = _number(value, "worst_rad", what), _number(value, "threshold_rad",
+                                                                         what)
+                if worst is None or limit is None:
+                    raise ModelError(f"{what} needs worst_rad and threshold_rad")
+                self.drift[name] = {"worst_rad": worst, "threshold_rad": limit,
+                                    "t": _number(value, "t", what) or time.time()}
+            self.driftChanged.emit(name)
         else:
             raise ModelError(f"unknown delta op {op!r}")
 
@@ -285,6 +423,8 @@ class FabricModel(QObject):
             self.switchesChanged.emit()
             return
         change = SwitchChange.between(old, state)
+        if change.added or change.removed:
+            self.circuits_changed[state.name] = time.time()
         self.switchChanged.emit(state.name, change, self.seq)
 
     def _update_cells(self, chip: str, value: Any) -> None:
@@ -303,6 +443,46 @@ class FabricModel(QObject):
             cells[cid] = new
         self.cellsChanged.emit(chip, changed, self.seq)
 
+    def _set_jobs(self, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise ModelError(f"jobs are a dict by name, not {value!r}")
+        now = time.time()
+        jobs = {str(n): Job.from_dict(str(n), d, self.jobs.get(str(n)), now)
+                for n, d in value.items()}
+        added = set()
+        for job in jobs.values():
+            old = self.jobs.get(job.name)
+            r = job.report
+            if r.t is None or (old is not None and old.report.t == r.t):
+                continue
+            # A report is a sample of the job's throughput and loss trends, at its own time.
+            if r.throughput is not None and self.trends.add(f"throughput/{job.name}", r.t,
+                                                            r.throughput):
+                added.add(f"throughput/{job.name}")
+            elif r.throughput is None and r.state in ("failed", "restarting", "waiting") and \
+                    self.trends.add(f"throughput/{job.name}", r.t, 0.0):
+                added.add(f"throughput/{job.name}")     # not stepping: none
+            if r.loss is not None and self.trends.add(f"loss/{job.name}", r.t, r.loss):
+                added.add(f"loss/{job.name}")
+        self.jobs = jobs
+        self.jobsChanged.emit()
+        if added:
+            self.samplesAdded.emit(added)
+
+    def _add_samples(self, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise ModelError(f"samples are {{series: [[t, value], ...]}}, not {value!r}")
+        added = set()
+        for series, points in value.items():
+            if not isinstance(points, (list, tuple)):
+                raise ModelError(f"samples of {series!r} are a list of [t, value]")
+            for p in points:
+                if isinstance(p, (list, tuple)) and len(p) == 2 and \
+                        self.trends.add(str(series), p[0], p[1]):
+                    added.add(str(series))
+        if added:
+            self.samplesAdded.emit(added)
+
     def _set_service(self, name: str, value: Any, emit: bool = True) -> None:
         if not isinstance(value, Mapping) or value.get("state") not in SERVICE_STATES:
             raise ModelError(f"service {name!r}: state must be one of "
@@ -319,6 +499,19 @@ class FabricModel(QObject):
 
     def spares(self) -> list[Gpu]:
         return [g for g in self.rack.values() if g.role == "spare" and g.health != "failed"]
+
+    def gpu_at(self, switch: str, port: int) -> Gpu | None:
+        """The GPU whose transmitter (input `port`) or receiver (output N + its port) is on
+        this port of `switch`."""
+        state = self.switches.get(switch)
+        if state is not None and port > state.ports:
+            port -= state.ports
+        return next((g for g in self.rack.values() if g.switch == switch and g.port == port),
+                    None)
+
+    def rx_dbm(self, gpu: str) -> tuple[float, float] | None:
+        """(time, dBm) of the newest reading of `gpu`'s receiver, if any."""
+        return self.trends.last(f"rx/{gpu}")
 
 
 @dataclass(frozen=True)

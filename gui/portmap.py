@@ -7,12 +7,13 @@ import math
 import time
 
 import pyqtgraph as pg
-from PySide6.QtCore import QLineF, QPointF, QRectF, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap
-from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, QLineF, QPointF, QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QFont, QLinearGradient, QPainter, QPen, QPixmap
+from PySide6.QtWidgets import QLabel, QSplitter, QToolTip, QVBoxLayout, QWidget
 
-from photonic_testbed.gui.model import FabricModel, SwitchChange
+from photonic_testbed.gui.model import FabricModel, Gpu, SwitchChange
 from photonic_testbed.gui.paths import LightPath, trace
+from photonic_testbed.gui.stale import StaleFrame
 
 FLASH_S = 0.8
 RINGS = 8                          # newest OCS changes that also get a ring
@@ -40,6 +41,66 @@ def power_colour(dbm: float | None) -> QColor:
         return NO_POWER
     lo, hi = POWER_RANGE_DBM
     return _COLOURS[int(min(1.0, max(0.0, (dbm - lo) / (hi - lo))) * 255)]
+
+
+def _dbm(v: float | None) -> str:
+    return "no reading" if v is None or not math.isfinite(v) else f"{v:.1f} dBm"
+
+
+def describe_gpu(g: Gpu | None) -> str:
+    if g is None:
+        return "no GPU"
+    held = f"rank {g.rank} of job {g.job}" if g.rank is not None and g.job else \
+        f"rank {g.rank}" if g.rank is not None else "no rank"
+    return f"{g.name} ({g.health}, {g.role.replace('_', ' ')}, {held})"
+
+
+def port_text(model: FabricModel, switch: str, port: int) -> str:
+    """A port of a switch in words: which GPU is on it, its circuit, the powers read there."""
+    state = model.switches.get(switch)
+    if state is None:
+        return f"{switch} port {port}"
+    n = state.ports
+    gpu = model.gpu_at(switch, port)
+    lines = []
+    if port <= n:
+        lines.append(f"{switch} input {port}: transmitter of {describe_gpu(gpu)}")
+        out = state.circuits.get(port)
+        if out is None:
+            lines.append("no circuit")
+        else:
+            lines.append(circuit_text(model, switch, port, out))
+    else:
+        lines.append(f"{switch} output {port}: receiver of {describe_gpu(gpu)}")
+        src = next((a for a, b in state.circuits.items() if b == port), None)
+        lines.append("no circuit" if src is None else circuit_text(model, switch, src, port))
+    return "\n".join(lines)
+
+
+def circuit_text(model: FabricModel, switch: str, a: int, b: int) -> str:
+    """Circuit a -> b of `switch`: the GPUs at its ends, the powers, the job that owns it."""
+    state = model.switches[switch]
+    src, dst = model.gpu_at(switch, a), model.gpu_at(switch, b)
+    lines = [f"circuit {a} → {b}" + (f": {src.name if src else '?'} → {dst.name if dst else '?'}"
+                                     if src or dst else "")]
+    powers = []
+    if a in state.power_dbm:
+        powers.append(f"in {a}: {_dbm(state.power_dbm[a])}")
+    if b in state.power_dbm:
+        powers.append(f"out {b}: {_dbm(state.power_dbm[b])}")
+    if dst is not None:
+        rx = model.rx_dbm(dst.name)
+        if rx is not None:
+            powers.append(f"{dst.name}'s receiver: {_dbm(rx[1])}")
+    lines.append("power " + ", ".join(powers) if powers else "no power reading")
+    jobs = sorted({g.job for g in (src, dst) if g is not None and g.job})
+    if jobs:
+        ranks = " → ".join(f"rank {g.rank}" if g and g.rank is not None else "?"
+                           for g in (src, dst))
+        lines.append(f"job {', '.join(jobs)} ({ranks})")
+    else:
+        lines.append("held by no job")
+    return "\n".join(lines)
 
 
 def circuit_colour(inp: int, ports: int) -> QColor:
@@ -107,6 +168,14 @@ class SwitchView(QWidget):
         self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
         self._layer: QPixmap | None = None
         self._layer_key: tuple = ()
+        self._names: tuple = self.gpu_names()
+        model.rackChanged.connect(self._rack_changed)
+
+    def _rack_changed(self, changed=None) -> None:
+        names = self.gpu_names()
+        if names != self._names:
+            self._names = names
+        self.update()           # tooltips and receiver marks follow the rack
 
     def paintEvent(self, event) -> None:
         p = QPainter(self)
@@ -139,6 +208,26 @@ class SwitchView(QWidget):
     def draw_static(self, p: QPainter) -> None:
         """Draw the parts that change only with `static_key()` or the widget's size."""
 
+    def tooltip_at(self, pos: QPointF) -> str:
+        """What the operator reads when hovering at `pos` (widget pixels); "" for nothing."""
+        return ""
+
+    def event(self, e) -> bool:
+        if e.type() == QEvent.Type.ToolTip:
+            text = self.tooltip_at(QPointF(e.pos()))
+            if text:
+                QToolTip.showText(e.globalPos(), text, self)
+            else:
+                QToolTip.hideText()
+                e.ignore()
+            return True
+        return super().event(e)
+
+    def gpu_names(self) -> tuple:
+        """(port, GPU name) of the GPUs on this switch: part of the static key (labels)."""
+        return tuple(sorted((g.port, g.name) for g in self.model.rack.values()
+                            if g.switch == self.name and g.port is not None))
+
     def draw(self, p: QPainter) -> None:
         raise NotImplementedError
 
@@ -153,6 +242,13 @@ class OcsMatrixView(SwitchView):
         super().__init__(model, name, parent)
         model.switchChanged.connect(self._changed)
 
+    def _margins(self) -> tuple[float, float]:
+        """Left and top margins: wider where GPU names are written next to the ports."""
+        if not self._names:
+            return self.MARGIN, self.MARGIN
+        longest = max(len(n) for _, n in self._names)
+        return self.MARGIN + 6 * longest + 6, self.MARGIN + 14
+
     def _changed(self, name: str, change: SwitchChange, seq: int) -> None:
         if name != self.name:
             return
@@ -165,8 +261,41 @@ class OcsMatrixView(SwitchView):
 
     def _geometry(self) -> tuple[float, float, float]:
         n = self.model.switches[self.name].ports
-        side = max(1.0, min(self.width() - self.MARGIN - 8, self.height() - self.MARGIN - 8) / n)
-        return self.MARGIN, self.MARGIN, side
+        left, top = self._margins()
+        side = max(1.0, min(self.width() - left - 8, self.height() - top - 8) / n)
+        return left, top, side
+
+    def cell_at(self, pos: QPointF) -> tuple[int, int] | None:
+        """(input, output) of the matrix cell under `pos`, or None outside the matrix."""
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return None
+        n = state.ports
+        x0, y0, s = self._geometry()
+        col, row = int((pos.x() - x0) // s), int((pos.y() - y0) // s)
+        if 0 <= col < n and 0 <= row < n:
+            return row + 1, n + col + 1
+        return None
+
+    def tooltip_at(self, pos: QPointF) -> str:
+        state = self.model.switches.get(self.name)
+        if state is None:
+            return ""
+        n = state.ports
+        x0, y0, s = self._geometry()
+        cell = self.cell_at(pos)
+        if cell is not None:
+            a, b = cell
+            if state.circuits.get(a) == b:
+                return circuit_text(self.model, self.name, a, b)
+            return (f"no circuit {a} → {b}\n{port_text(self.model, self.name, a)}\n"
+                    f"{port_text(self.model, self.name, b)}")
+        # The power strips and labels beside the matrix: the port's own text.
+        if pos.x() < x0 and y0 <= pos.y() < y0 + n * s:
+            return port_text(self.model, self.name, int((pos.y() - y0) // s) + 1)
+        if pos.y() < y0 and x0 <= pos.x() < x0 + n * s:
+            return port_text(self.model, self.name, n + int((pos.x() - x0) // s) + 1)
+        return ""
 
     def cell_rect(self, inp: int, out: int) -> QRectF:
         """Where the cell of circuit inp -> out is drawn, in widget pixels."""
@@ -176,7 +305,7 @@ class OcsMatrixView(SwitchView):
 
     def static_key(self) -> tuple:
         state = self.model.switches.get(self.name)
-        return (state.ports,) if state else ()
+        return (state.ports, self._names) if state else ()
 
     def draw_static(self, p: QPainter) -> None:
         state = self.model.switches.get(self.name)
@@ -184,6 +313,7 @@ class OcsMatrixView(SwitchView):
             return
         n = state.ports
         x0, y0, s = self._geometry()
+        named = dict(self._names)
         p.fillRect(QRectF(x0, y0, n * s, n * s), EMPTY)
         if s >= 4:
             p.setPen(QPen(GRID, 1))
@@ -197,11 +327,24 @@ class OcsMatrixView(SwitchView):
         p.setFont(font)
         label_step = max(1, int(math.ceil(14 / s)))
         label_step = 8 if label_step > 4 and n >= 32 else label_step
-        for port in range(1, n + 1, label_step):
-            p.drawText(QRectF(0, y0 + (port - 1) * s - 6, x0 - 10, s + 12),
-                       Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(port))
-            p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, x0 - 12),
+        # Ports with a GPU are labelled with its name where the rows leave room for it.
+        labelled = set(range(1, n + 1, label_step))
+        if s >= 11:
+            labelled |= set(named)
+        for port in sorted(labelled):
+            gpu = named.get(port)
+            row = QRectF(0, y0 + (port - 1) * s - 6, x0 - 10, s + 12)
+            p.setPen(PATH if gpu else TEXT)
+            p.drawText(row, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
+                       f"{gpu}  {port}" if gpu else str(port))
+            p.setPen(TEXT)
+            p.drawText(QRectF(x0 + (port - 1) * s - 12, 2, s + 24, y0 - 12),
                        Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, str(n + port))
+            if gpu and s >= 6.5 * len(gpu):
+                # Column headers are narrow: the receiver's name goes above its number.
+                p.setPen(PATH)
+                p.drawText(QRectF(x0 + (port - 1) * s - 24, 2, s + 48, y0 - 26),
+                           Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignBottom, gpu)
 
     def draw(self, p: QPainter) -> None:
         state = self.model.switches.get(self.name)
@@ -248,6 +391,12 @@ class ChipView(SwitchView):
         model.switchChanged.connect(self._switch_changed)
         model.cellsChanged.connect(self._cells_changed)
         model.topologyChanged.connect(self._topology_changed)
+        model.samplesAdded.connect(self._samples)
+
+    def _samples(self, names: set) -> None:
+        # A new reading of a receiver on this chip recolours its mark.
+        if any(f"rx/{n}" in names for _, n in self._names):
+            self.update()
 
     def _switch_changed(self, name: str, change: SwitchChange, seq: int) -> None:
         if name == self.name:
@@ -276,9 +425,16 @@ class ChipView(SwitchView):
         xs = [c.x for c in topo.cells] or [0.0]
         ys = [c.y for c in topo.cells] or [0.0]
         x_lo, x_hi, y_lo, y_hi = min(xs), max(xs), min(ys), max(ys)
-        sx = self.width() / (x_hi - x_lo + 3.6)
+        m = self._label_width()
+        sx = max(1.0, self.width() - 2 * m) / (x_hi - x_lo + 2.6)
         sy = self.height() / (y_hi - y_lo + 1.6)
-        return topo, (lambda x: (x - x_lo + 1.8) * sx), (lambda y: (y - y_lo + 0.8) * sy), sx, sy
+        return (topo, (lambda x: m + (x - x_lo + 1.3) * sx), (lambda y: (y - y_lo + 0.8) * sy),
+                sx, sy)
+
+    def _label_width(self) -> float:
+        """Pixels beside the cells for the port labels (number, GPU, receiver mark)."""
+        longest = max((len(n) for _, n in self._names), default=0)
+        return 40.0 + (7.0 * longest + 18 if longest else 0.0)
 
     def _anchor(self, frame, end: tuple) -> QPointF:
         topo, fx, fy, sx, sy = frame
@@ -321,11 +477,11 @@ class ChipView(SwitchView):
         return self._paths
 
     def static_key(self) -> tuple:
-        return (id(self.model.topologies.get(self.name)),)
+        return (id(self.model.topologies.get(self.name)), self._names)
 
     def _geometry_cache(self):
         """Pixel positions of every link end and cell arm, kept until a resize or new topology."""
-        key = (self.width(), self.height(), id(self.model.topologies[self.name]))
+        key = (self.width(), self.height(), id(self.model.topologies[self.name]), self._names)
         if getattr(self, "_geo_key", None) != key:
             frame = self._frame()
             topo = frame[0]
@@ -336,12 +492,58 @@ class ChipView(SwitchView):
             self._geo, self._geo_key = (frame, links, arms, ports), key
         return self._geo
 
+    def _label_box(self, topo, end, pt: QPointF) -> QRectF:
+        w = self._label_width() - 4
+        if end[1] <= topo.ports:            # inputs on the left, outputs on the right
+            return QRectF(pt.x() - w - 4, pt.y() - 8, w, 16)
+        return QRectF(pt.x() + 4, pt.y() - 8, w, 16)
+
     def _port_label(self, p: QPainter, topo, end, pt: QPointF) -> None:
-        inward = end[1] <= topo.ports       # inputs on the left, outputs on the right
-        box = QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if inward else \
-            QRectF(pt.x() + 4, pt.y() - 8, 40, 16)
+        port = end[1]
+        inward = port <= topo.ports
+        gpu = dict(self._names).get(port if inward else port - topo.ports)
+        box = self._label_box(topo, end, pt)
+        if inward:
+            text = f"{gpu}  {port}" if gpu else str(port)
+        else:
+            text = f"{port}  {gpu}" if gpu else str(port)
+            if gpu:
+                box = box.adjusted(14, 0, 0, 0)     # room for the receiver's power mark
         p.drawText(box, (Qt.AlignmentFlag.AlignRight if inward else Qt.AlignmentFlag.AlignLeft)
-                   | Qt.AlignmentFlag.AlignVCenter, str(end[1]))
+                   | Qt.AlignmentFlag.AlignVCenter, text)
+
+    def receiver_mark(self, port: int) -> QRectF | None:
+        """Where the power mark of the GPU receiver on output `port` is drawn, if any."""
+        topo = self.model.topologies.get(self.name)
+        if topo is None or port <= topo.ports or \
+                (port - topo.ports) not in dict(self._names):
+            return None
+        pt = self._geometry_cache()[3].get(("port", port))
+        return None if pt is None else QRectF(pt.x() + 5, pt.y() - 5, 10, 10)
+
+    def tooltip_at(self, pos: QPointF) -> str:
+        if self.name not in self.model.topologies:
+            return ""
+        frame, _, _, ports = self._geometry_cache()
+        topo, fx, fy, sx, sy = frame
+        for end, pt in ports.items():
+            if self._label_box(topo, end, pt).adjusted(-4, -2, 4, 2).contains(pos) or \
+                    math.dist((pt.x(), pt.y()), (pos.x(), pos.y())) < 10:
+                return port_text(self.model, self.name, end[1])
+        for c in topo.cells:
+            cid = c.id
+            if abs(fx(c.x) - pos.x()) <= 0.25 * sx and abs(fy(c.y) - pos.y()) <= 0.3 * sy:
+                st = self.model.cells.get(self.name, {}).get(cid, {})
+                through = sorted(f"{a} → {self.model.switches[self.name].circuits.get(a, '?')}"
+                                 for a, path in self.paths().items()
+                                 if any(x[0] == cid for x in path.passes))
+                theta = st.get("theta")
+                return (f"cell {cid}: {st.get('state', 'unknown')}"
+                        + (f" (θ {theta:.2f} rad)" if isinstance(theta, (int, float)) else "")
+                        + f", heater channel(s) {', '.join(map(str, c.channels)) or '-'}\n"
+                        + ("circuits through it: " + ", ".join(through) if through
+                           else "no circuit through it"))
+        return ""
 
     def _font(self, p: QPainter, sy: float) -> None:
         font = QFont(p.font())
@@ -417,52 +619,105 @@ class ChipView(SwitchView):
             colour = PATH if end[1] in used else TEXT
             if flash is not None:
                 colour = _blend(colour, flash[1], flash[0])
-            p.fillRect(QRectF(pt.x() - 44, pt.y() - 8, 40, 16) if end[1] <= topo.ports
-                       else QRectF(pt.x() + 4, pt.y() - 8, 40, 16), BACKGROUND)
+            p.fillRect(self._label_box(topo, end, pt), BACKGROUND)
             p.setPen(colour)
             self._port_label(p, topo, end, pt)
+        # Each GPU receiver's power, on the scale of the legend (grey: no reading).
+        p.setPen(QPen(GRID, 1))
+        for port, gpu in self._names:
+            mark = self.receiver_mark(topo.ports + port)
+            if mark is not None:
+                rx = self.model.rx_dbm(gpu)
+                p.setBrush(power_colour(rx[1] if rx else None))
+                p.drawRect(mark)
         p.setPen(TEXT)
         p.drawText(QRectF(4, 2, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft,
                    f"{topo.name} ({topo.kind}, {topo.ports} x {topo.ports}): "
                    f"{len(circuits)} circuits")
 
 
+class PowerScale(QWidget):
+    """The colour scale of port and receiver powers: viridis over POWER_RANGE_DBM, grey for
+    no reading."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setMinimumSize(300, 30)
+        self.setMaximumHeight(30)
+        self.setToolTip("power at a port (OCS monitors) or at a GPU's receiver, in dBm")
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        try:
+            lo, hi = POWER_RANGE_DBM
+            font = QFont(p.font())
+            font.setPointSizeF(8)
+            p.setFont(font)
+            x0, x1, y = 64.0, self.width() - 110.0, 2.0
+            p.setPen(self.palette().windowText().color())
+            p.drawText(QRectF(0, y, x0 - 6, 14), Qt.AlignmentFlag.AlignRight |
+                       Qt.AlignmentFlag.AlignVCenter, "power")
+            grad = QLinearGradient(x0, 0, x1, 0)
+            for i in range(0, 256, 16):
+                grad.setColorAt(i / 255, _COLOURS[i])
+            grad.setColorAt(1.0, _COLOURS[255])
+            p.fillRect(QRectF(x0, y, x1 - x0, 12), grad)
+            for v in range(int(lo), int(hi) + 1, 10):
+                x = x0 + (v - lo) / (hi - lo) * (x1 - x0)
+                p.drawLine(QPointF(x, y + 12), QPointF(x, y + 15))
+                p.drawText(QRectF(x - 20, y + 14, 40, 12), Qt.AlignmentFlag.AlignCenter, f"{v}")
+            p.drawText(QRectF(x1 + 14, y + 13, 30, 13), Qt.AlignmentFlag.AlignLeft, "dBm")
+            p.fillRect(QRectF(x1 + 50, y, 12, 12), NO_POWER)
+            p.drawText(QRectF(x1 + 66, y, 44, 14), Qt.AlignmentFlag.AlignLeft |
+                       Qt.AlignmentFlag.AlignVCenter, "none")
+        finally:
+            p.end()
+
+
 class PortMapView(QWidget):
-    """One panel per switch, side by side, created as switches appear on the bus."""
+    """One panel per switch, side by side, created as switches appear on the bus; each panel
+    can be marked stale (`frames[name]`) when its switch's service is down."""
 
     def __init__(self, model: FabricModel, parent: QWidget | None = None):
         super().__init__(parent)
         self.model = model
         self.views: dict[str, SwitchView] = {}
+        self.frames: dict[str, StaleFrame] = {}
         self._splitter = QSplitter(Qt.Orientation.Horizontal)
         self._empty = QLabel("no switch on the bus yet")
         self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.scale = PowerScale()
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self._empty)
-        layout.addWidget(self._splitter)
+        layout.addWidget(self._splitter, 1)
+        layout.addWidget(self.scale)
         model.switchesChanged.connect(self._rebuild)
         self._rebuild()
 
     def _rebuild(self) -> None:
         for name in [n for n in self.views if n not in self.model.switches]:
-            view = self.views.pop(name)
-            view.parentWidget().deleteLater()
+            self.views.pop(name)
+            self.frames.pop(name).deleteLater()
         for name, state in self.model.switches.items():
             if name in self.views:
                 continue
             panel = QWidget()
             box = QVBoxLayout(panel)
             box.setContentsMargins(2, 2, 2, 2)
-            title = QLabel(f"<b>{name}</b> ({'OCS' if state.kind == 'ocs' else 'chip'}, "
-                           f"{state.ports} x {state.ports})")
-            view = (OcsMatrixView if state.kind == "ocs" else ChipView)(self.model, name)
+            kind = "OCS" if state.kind == "ocs" else "chip"
+            title = QLabel(f"<b>{name}</b> ({kind}, {state.ports} x {state.ports}) — "
+                           + ("colour: power at the egress port" if state.kind == "ocs" else
+                              "one hue per circuit; squares: GPU receivers' power")
+                           + "; hover for details")
+            view: SwitchView = (OcsMatrixView if state.kind == "ocs" else ChipView)(
+                self.model, name)
             box.addWidget(title)
             box.addWidget(view, 1)
-            self._splitter.addWidget(panel)
+            frame = StaleFrame(panel)
+            self._splitter.addWidget(frame)
             self.views[name] = view
+            self.frames[name] = frame
         self._empty.setVisible(not self.views)
         for view in self.views.values():
             view.update()
-
-

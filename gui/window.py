@@ -1,23 +1,36 @@
-"""The main window: port map in the middle, the other views in docks (tabbed, movable, and
-remembered between runs), per-service connection state in the status bar."""
+"""The main window: the alarm banner on top, the port map in the middle, the other views in
+docks (tabbed, movable, and remembered between runs), per-service connection state in the
+status bar. A view whose source service is down is greyed and says since when."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QStatusBar
+from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QStatusBar,
+                               QVBoxLayout, QWidget)
 
+from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
 from photonic_testbed.gui.commands import CommandResult, CommandRunner, Commands
 from photonic_testbed.gui.control import ManualControl
 from photonic_testbed.gui.events import EventsView
+from photonic_testbed.gui.export import ExportError, events_csv, view_png
+from photonic_testbed.gui.jobs import JobsView
 from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.gui.portmap import PortMapView
 from photonic_testbed.gui.rack import RackView
+from photonic_testbed.gui.stale import StaleFrame
+from photonic_testbed.gui.trends import TrendsView
 
 SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53935"}
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2          # 2: the Jobs and Trends docks (an older saved layout is not used)
+DEMO_TEXT = "DEMO DATA — synthetic, not a rig: nothing shown here is real"
+# Which services each view's data comes from (a port map panel: its switch's own service).
+DEFAULT_SOURCES: dict[str, list[str]] = {
+    "rack": ["agent"], "jobs": ["agent"], "events": ["agent"], "trend:jobs": ["agent"],
+    "trend:loss": ["agent"], "trend:links": [], "trend:heaters": []}
 
 
 class ServiceStatus(QObject):
@@ -56,42 +69,141 @@ class ServiceStatus(QObject):
 
 class MainWindow(QMainWindow):
     def __init__(self, model: FabricModel, commands: Commands, title: str = "photonic testbed",
-                 settings: QSettings | None = None):
+                 settings: QSettings | None = None, *, demo: bool = False,
+                 sources: Mapping[str, list[str]] | None = None, limits: Limits | None = None):
         super().__init__()
         self.model = model
         self.settings = settings or QSettings("photonic-testbed", "ptb-gui")
         self.setWindowTitle(title)
+        self.demo = demo
+        self.limits = limits or Limits()
+        self.sources = {**DEFAULT_SOURCES, **(sources or {})}
         self.runner = CommandRunner(commands, self)
         self.portmap = PortMapView(model)
-        self.setCentralWidget(self.portmap)
+        self.alarms = AlarmBanner(model, AlarmBook(self.limits))
+        centre = QWidget()
+        box = QVBoxLayout(centre)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.setSpacing(2)
+        self.demo_banner: QLabel | None = None
+        if demo:
+            self.demo_banner = QLabel(DEMO_TEXT)
+            self.demo_banner.setObjectName("demo-banner")
+            self.demo_banner.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            self.demo_banner.setStyleSheet("#demo-banner { background: #8e24aa; color: white; "
+                                           "font-weight: bold; font-size: 15pt; padding: 4px; }")
+            box.addWidget(self.demo_banner)
+        box.addWidget(self.alarms)
+        box.addWidget(self.portmap, 1)
+        self.setCentralWidget(centre)
         self.rack = RackView(model)
         self.events = EventsView(model)
         self.calibration = CalibrationView()
         self.control = ManualControl(model, self.runner)
+        self.jobs = JobsView(model, self.limits)
+        self.trends = TrendsView(model, self.limits)
+        self.frames: dict[str, StaleFrame] = {
+            "rack": StaleFrame(self.rack), "events": StaleFrame(self.events),
+            "jobs": StaleFrame(self.jobs)}
         self.docks: dict[str, QDockWidget] = {}
         for key, title_, widget, area in (
-                ("rack", "Rack", self.rack, Qt.DockWidgetArea.RightDockWidgetArea),
-                ("events", "Events", self.events, Qt.DockWidgetArea.BottomDockWidgetArea),
+                ("rack", "Rack", self.frames["rack"], Qt.DockWidgetArea.RightDockWidgetArea),
+                ("events", "Events", self.frames["events"],
+                 Qt.DockWidgetArea.BottomDockWidgetArea),
                 ("calibration", "Calibration", self.calibration,
                  Qt.DockWidgetArea.BottomDockWidgetArea),
-                ("control", "Manual control", self.control, Qt.DockWidgetArea.RightDockWidgetArea)):
+                ("control", "Manual control", self.control, Qt.DockWidgetArea.RightDockWidgetArea),
+                ("jobs", "Jobs", self.frames["jobs"], Qt.DockWidgetArea.RightDockWidgetArea),
+                ("trends", "Trends", self.trends, Qt.DockWidgetArea.BottomDockWidgetArea)):
             dock = QDockWidget(title_, self)
             dock.setObjectName(f"dock-{key}")     # saveState needs stable names
             dock.setWidget(widget)
             self.addDockWidget(area, dock)
             self.docks[key] = dock
-        self.tabifyDockWidget(self.docks["events"], self.docks["calibration"])
+        self.splitDockWidget(self.docks["jobs"], self.docks["rack"], Qt.Orientation.Vertical)
+        self.splitDockWidget(self.docks["trends"], self.docks["events"],
+                             Qt.Orientation.Horizontal)
+        # The calibration's three plots side by side need the wider of the two bottom areas.
+        self.tabifyDockWidget(self.docks["trends"], self.docks["calibration"])
         self.tabifyDockWidget(self.docks["rack"], self.docks["control"])
-        self.docks["events"].raise_()
+        self.docks["trends"].raise_()
         self.docks["rack"].raise_()
         self._default_state = self.saveState(LAYOUT_VERSION)
         self.services = ServiceStatus(model, self.statusBar())
+        if demo:
+            tag = QLabel("<b style='color:#8e24aa'>DEMO DATA</b>")
+            tag.setObjectName("demo-tag")
+            self.statusBar().addWidget(tag)
         self.runner.finished.connect(self._answer)
         # Bound methods, not lambdas: Qt drops these connections when the window goes.
         model.gap.connect(self._gap)
         model.rejected.connect(self._rejected)
+        model.serviceChanged.connect(self.mark_stale)
+        model.switchesChanged.connect(self.mark_stale)
+        self.events.export_requested.connect(self.export_events)
         self._actions()
         self.restore_layout()
+        self.mark_stale()
+
+    # --- stale views ----------------------------------------------------------------------
+    def stale_frames(self) -> dict[str, StaleFrame]:
+        """Every view that can be marked stale, by key: `rack`, `jobs`, `events`,
+        `trend:links` / `heaters` / `jobs` / `loss`, and `portmap:SWITCH`."""
+        frames = dict(self.frames)
+        frames.update({f"trend:{k}": f for k, f in self.trends.frames.items()})
+        frames.update({f"portmap:{k}": f for k, f in self.portmap.frames.items()})
+        return frames
+
+    def sources_of(self, key: str) -> list[str]:
+        if key.startswith("portmap:"):
+            return self.sources.get(key, [key.split(":", 1)[1]])
+        return self.sources.get(key, [])
+
+    def mark_stale(self, *_args) -> None:
+        for key, frame in self.stale_frames().items():
+            down = [self.model.services[s] for s in self.sources_of(key)
+                    if s in self.model.services and self.model.services[s].state == "down"]
+            if down:
+                frame.set_stale(min(s.since for s in down),
+                                ", ".join(f"{s.name} down" for s in down))
+            else:
+                frame.set_stale(None)
+
+    # --- exports --------------------------------------------------------------------------
+    def export_events(self, path: str | None = None) -> int | None:
+        """Write the events shown (filters applied) as CSV; asks where when `path` is None."""
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Export events", "events.csv",
+                                                  "CSV (*.csv)")
+            if not path:
+                return None
+        try:
+            n = events_csv(self.events.shown_entries(), path)
+        except ExportError as e:
+            self.statusBar().showMessage(str(e), 10000)
+            return None
+        self.statusBar().showMessage(f"wrote {n} events to {path}", 10000)
+        return n
+
+    def views(self) -> dict[str, QWidget]:
+        """What `save_view` can save: the whole window and each view."""
+        return {"window": self, "port map": self.portmap, "alarms": self.alarms,
+                "jobs": self.jobs, "trends": self.trends, "rack": self.rack,
+                "events": self.events, "calibration": self.calibration}
+
+    def save_view(self, name: str, path: str | None = None) -> bool:
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, f"Save {name} as PNG",
+                                                  f"{name.replace(' ', '-')}.png", "PNG (*.png)")
+            if not path:
+                return False
+        try:
+            view_png(self.views()[name], path)
+        except ExportError as e:
+            self.statusBar().showMessage(str(e), 10000)
+            return False
+        self.statusBar().showMessage(f"saved the {name} as {path}", 10000)
+        return True
 
     def _actions(self) -> None:
         view = self.menuBar().addMenu("&View")
@@ -112,6 +224,15 @@ class MainWindow(QMainWindow):
         open_cal.setShortcut(QKeySequence.StandardKey.Open)
         open_cal.triggered.connect(self.calibration.choose_file)
         f.addAction(open_cal)
+        export = QAction("Export events as CSV…", self)
+        export.setShortcut(QKeySequence("Ctrl+E"))
+        export.triggered.connect(lambda _=False: self.export_events())
+        f.addAction(export)
+        pictures = f.addMenu("Save view as PNG")
+        for name in self.views():
+            act = QAction(name, self)
+            act.triggered.connect(lambda _=False, n=name: self.save_view(n))
+            pictures.addAction(act)
         quit_ = QAction("Quit", self)
         quit_.setShortcut(QKeySequence.StandardKey.Quit)
         quit_.triggered.connect(self.close)
@@ -141,15 +262,28 @@ class MainWindow(QMainWindow):
         verb = "done" if r.ok else "REFUSED"
         self.statusBar().showMessage(f"{r.command.action} {verb}: {r.reason}", 10000)
 
+    def _default_sizes(self) -> None:
+        """The docks' first sizes: the trends wider than the events, the right column wide
+        enough for the job table (Qt sizes docks only once the window is laid out)."""
+        self.resizeDocks([self.docks["trends"], self.docks["events"]],
+                         [int(self.width() * 0.55), int(self.width() * 0.45)],
+                         Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["trends"]], [int(self.height() * 0.4)],
+                         Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["jobs"]], [int(self.width() * 0.33)],
+                         Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["jobs"]], [int(self.height() * 0.3)],
+                         Qt.Orientation.Vertical)
+
     def restore_layout(self) -> None:
         geometry = self.settings.value("geometry")
         state = self.settings.value("state")
         if isinstance(geometry, QByteArray):
             self.restoreGeometry(geometry)
         else:
-            self.resize(1500, 950)
-        if isinstance(state, QByteArray):
-            self.restoreState(state, LAYOUT_VERSION)
+            self.resize(1600, 1000)
+        if not (isinstance(state, QByteArray) and self.restoreState(state, LAYOUT_VERSION)):
+            QTimer.singleShot(0, self._default_sizes)
 
     def save_layout(self) -> None:
         self.settings.setValue("geometry", self.saveGeometry())
@@ -160,6 +294,7 @@ class MainWindow(QMainWindow):
         self.restoreState(self._default_state, LAYOUT_VERSION)
         for dock in self.docks.values():
             dock.show()
+        self._default_sizes()
 
     def closeEvent(self, event) -> None:
         self.save_layout()

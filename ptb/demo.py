@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
                    help="a chip without fabrication errors, used uncalibrated (default: the "
                    "seeded, imperfect chip, calibrated first with ptb calibrate)")
     p.add_argument("--workdir", help="keep the rig file, journal and logs here")
+    p.add_argument("--keep-open", action="store_true",
+                   help="keep the GUI (and the rig under it) running after the demo, until "
+                   "its window is closed")
     p.add_argument("--job", choices=("emulated", "torch"), default="emulated",
                    help="the training job: our emulated step loop (default), or a real "
                    "PyTorch job whose failed rank a spare replaces in place (needs torch; "
@@ -141,6 +144,8 @@ def _gpu_to_fail(rig: str, gpu: str | None) -> str:
 def run(args) -> int:
     if not 0 < args.seconds <= 600:          # also refuses nan
         raise CommandFailed(f"--seconds must be in (0, 600], not {args.seconds:g}")
+    if args.keep_open and args.headless:
+        raise CommandFailed("--keep-open keeps the GUI open: it cannot go with --headless")
     if args.seed < 0:
         raise CommandFailed(f"--seed must be >= 0, not {args.seed}")
     plan = RIG_JOBS[args.rig][0]
@@ -204,9 +209,10 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
     try:
         _wait("the agent", agent_up, procs)
         say(t0, f"agent up, journal {journal.name}")
+        gui = None
         if args.gui or (not args.headless and has_display()):
-            procs.start("gui", "gui", "--rig", str(rig_path))
-            say(t0, "GUI opened (ptb gui --rig rig.toml)")
+            from photonic_testbed.ptb.gui import DemoGui
+            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
         try:
             got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
         except ControlError as e:
@@ -244,7 +250,12 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
                        for e in j.entries(since=seq)]
     finally:
         agent.close()
-    return _report(t0, t_fail, gpu, before, status, entries, state)
+    code = _report(t0, t_fail, gpu, before, status, entries, state)
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    elif args.keep_open:
+        say(t0, "--keep-open: no GUI was opened (no display; --gui opens one)")
+    return code
 
 
 def _restart_after(status: dict, t: float) -> dict | None:

@@ -68,8 +68,10 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
     try:
         _wait("the agent", agent_up, procs)
         say(t0, "bus services and agent up")
+        gui = None
         if args.gui or (not args.headless and has_display()):
-            procs.start("gui", "gui", "--rig", str(rig_path))
+            from photonic_testbed.ptb.gui import DemoGui
+            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
         plan = PLANS[args.rig]
         job_dir = workdir / "torch-job"
         with open(workdir / "torch-job.log", "w") as log:     # the child keeps its copy
@@ -109,7 +111,10 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
         state = agent.call("snapshot")["state"]
     finally:
         agent.close()
-    return _report(t_fail, gpu, events(), state, proc, workdir)
+    code = _report(t_fail, gpu, events(), state, proc, workdir)
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    return code
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:

@@ -31,13 +31,15 @@ def lumion_station(seed: int, tmp_path, crosstalk_scale: float = 1.0, monitors: 
     with EmulatedRig(rig_spec("lumion"), seed=seed, workdir=tmp_path, switching_s=0.0,
                      crosstalk_scale=crosstalk_scale, chip_monitors=monitors) as rig:
         ep = rig.endpoints
-        dac = HeaterDAC(ep["dac"])
+        # generous timeouts: the emulator shares this process's CPU, on a machine that may be
+        # busy (a lab's instruments answer in milliseconds)
+        dac = HeaterDAC(ep["dac"], timeout=10.0)
         dac.open()
-        selector = OpticalCircuitSwitch(ep["ocs"])
-        meter = PowerMeter(ep["powermeter"], ports=N)
+        selector = OpticalCircuitSwitch(ep["ocs"], timeout_s=10.0)
+        meter = PowerMeter(ep["powermeter"], ports=N, timeout_s=10.0)
         for port in range(1, N + 1):
             meter.set_averaging_time(port, 0.0)
-        laser = Laser(ep["laser"])
+        laser = Laser(ep["laser"], timeout_s=10.0)
         laser.set_power_mw(1.0)
         laser.on()
         try:

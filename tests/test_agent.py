@@ -462,3 +462,19 @@ def test_evictions_on_diagnosis_are_bounded(tmp_path):
             evicted += list(out.swaps)
     assert len(evicted) <= DIAGNOSED_PER_WINDOW
     assert any("a person is needed" in e.cause for e in w.journal.entries(kinds=("alarm",)))
+
+
+def test_a_switch_that_refuses_and_a_job_event_that_fails_raise_alarms_not_type_errors(tmp_path):
+    """The alarms' details never collide with the journal's own arguments."""
+    from photonic_testbed.drivers.circuit_switch import SwitchError
+    w = make_world(tmp_path, lumion(), dp_tp(8))
+
+    def refuse(circuits):
+        raise SwitchError("the switch is in local mode")
+    w.switch.apply = refuse
+    with pytest.raises(AgentError, match="refused the circuits"):
+        w.agent.on_phase("dp", 0)
+    w.agent.on_job_event({"kind": "phase", "phase": "nope", "round": 0})
+    alarms = [e.cause for e in w.journal.entries(kinds=("alarm",))]
+    assert any("refused the circuits" in a for a in alarms)
+    assert any("cannot serve job event 'phase'" in a for a in alarms)

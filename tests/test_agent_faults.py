@@ -138,3 +138,37 @@ def test_a_restart_order_journaled_but_never_published_reaches_the_job(tmp_path)
         finally:
             fabric.close()
             agent.close()
+
+
+def test_a_cut_receive_fibre_on_the_real_stack_evicts_only_the_deaf_gpu(tmp_path):
+    """The issue's report, through the processes and wires: the fibre to gpu3's receiver is
+    cut while the emulated job runs. The agent diagnoses the dark link end by end: gpu3 alone
+    is replaced, no spare is rejected, the ring stays 8 ranks, one restart."""
+    from photonic_testbed.hil.journal import Journal
+    with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):
+        host = emu.rack
+        journal = tmp_path / "journal.db"
+        agent = _start_agent(path, journal)
+        try:
+            with ServiceClient(rig.agent_endpoints()[0], timeout=30) as c:
+                c.call("ping")
+            host.start_job("dp", 10**9, checkpoint_every=5, restart_s=0.02)
+            _until(lambda: host.job.step >= 2, timeout=60, what="the job's first steps")
+            step = host.job.step
+            rx = host.rack.layout.gpus["gpu3"][0].rx
+            host.rack.faults.cut_fibre("chip", rx)
+            got = _until(lambda: _running_without(host, "gpu3", step), timeout=60,
+                         what="the job running again without gpu3")
+            assert len(got) == 8
+            assert set(got.values()) - {f"gpu{i}" for i in range(8)} in ({"spare0"},
+                                                                          {"spare1"})
+            time.sleep(1.0)                      # nothing more happens after
+            assert dict(host.job.rank_map) == got and host.job.restarts == 1
+            with Journal(journal) as j:
+                assert not [e for e in j.entries(kinds=("alarm",)) if "rejected" in e.cause]
+                diagnosis = j.entries(kinds=("diagnosis",))
+                assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
+        finally:
+            if host.job is not None:
+                host.job.close()
+            _stop(agent)

@@ -214,3 +214,25 @@ def test_a_running_chip_takes_a_new_calibration_and_refuses_a_damaged_one(lumion
             assert c.call("read_heaters")["volts"] == after
     finally:
         service.close()
+
+
+def test_a_read_slower_than_the_retries_is_answered_once_and_in_time():
+    """A read that takes longer than the client's longest wait between resends (a power meter
+    reading 16 ports at 0.1 s each): every retry carries the same id, so the server runs it
+    once and answers the client's newest socket; before, each retry ran the read again and
+    each answer went to a socket the client had already given up (no answer at all)."""
+    runs = []
+    slow = schema.Operation("slow_read", schema.Args, read_only=True, doc="a slow instrument")
+
+    def read(args):
+        runs.append(1)
+        time.sleep(3 * FIRST_ATTEMPT_S + 1.0)
+        return {"power": len(runs)}
+    server = Server("meter", {}, operations=[slow], handlers={"slow_read": read})
+    endpoint = server.bind()[0]
+    try:
+        with serving(_poll_until, server), ServiceClient(endpoint, timeout=30) as c:
+            assert c.call("slow_read") == {"power": 1}
+            assert c.reconnects >= 2 and len(runs) == 1
+    finally:
+        server.close()

@@ -56,3 +56,26 @@ def test_bad_instrument_requests_are_refused_with_reasons(opus_on_bus):
     finally:
         ocs.close()
         laser.close()
+
+
+def test_the_lumion_meter_serves_all_sixteen_ports_and_refuses_hostile_channels():
+    """The rig file carries the meter's port count (16 on lumion, not the driver's default
+    4); a channel list of the wrong type or size is refused before the meter hears of it, and
+    the service goes on answering."""
+    with EmulatedRig(rig_spec("lumion"), seed=2, switching_s=0.0) as emulated:
+        rig = rigfile.for_emulator("lumion", emulated.endpoints)
+        assert rig.devices["powermeter"].options == {"ports": 16}
+        specs = [s for s in rig.service_specs() if s.name == "powermeter"]
+        # a generous deadline: its telemetry reads 16 ports at 0.1 s each between requests
+        with Supervised(specs) as supervised, \
+                ServiceClient(supervised.endpoints["powermeter"][0], timeout=60) as meter:
+            got = meter.call("read_power", channels=[16, 1])["power"]
+            assert set(got) == {"16", "1"}
+            assert len(meter.call("read_power")["power"]) == 16
+            with pytest.raises(BadRequest, match=r"got `bool` \(at channels\[0\]\)"):
+                meter.call("read_power", channels=[True])
+            with pytest.raises(BadRequest, match="length <= 4096"):
+                meter.call("read_power", channels=list(range(1, 100_001)))
+            with pytest.raises(RemoteError, match="not in 1..16"):
+                meter.call("read_power", channels=[17])
+            assert meter.call("ping")["device"] == "powermeter"

@@ -22,7 +22,7 @@ def lumion(request, tmp_path):
     with EmulatedRig(rig_spec("lumion"), seed=7, workdir=tmp_path, switching_s=0.0,
                      ideal_chip=request.param) as rig:
         ep = rig.endpoints
-        dac = HeaterDAC(ep["dac"]).__enter__()
+        dac = HeaterDAC(ep["dac"], timeout=10.0).__enter__()   # a busy machine: generous
         mesh = Mesh(benes(N), dac)
         selector = OpticalCircuitSwitch(ep["ocs"])
         meter = PowerMeter(ep["powermeter"], ports=N)

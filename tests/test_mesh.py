@@ -47,7 +47,7 @@ def rig(request, tmp_path):
 
 @pytest.fixture
 def mesh(rig):
-    m = Mesh(benes(16), HeaterDAC(rig.endpoints["dac"]).__enter__())
+    m = Mesh(benes(16), HeaterDAC(rig.endpoints["dac"], timeout=10.0).__enter__())
     yield m
     m.close()
 

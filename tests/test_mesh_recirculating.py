@@ -167,7 +167,7 @@ def rig(tmp_path):
 def test_mesh_drives_a_hexagonal_chip_end_to_end(rig):
     t = hexagonal(4)
     assert rig.chip.ports == t.ports == 16
-    mesh = Mesh(t, HeaterDAC(rig.endpoints["dac"]).__enter__())
+    mesh = Mesh(t, HeaterDAC(rig.endpoints["dac"], timeout=10.0).__enter__())
     try:
         rng = np.random.default_rng(2)
         done, before = 0, {}

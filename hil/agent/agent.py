@@ -249,7 +249,7 @@ class Agent:
                                     added=took[s]["added"], removed=took[s]["removed"],
                                     job=job.name, defer=True)
         for s, e in failed:
-            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, cause=cause)
+            self._alarm(f"switch {s} refused the circuits: {e}", switch=s, during=cause)
         if failed:
             s, e = failed[0]
             raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
@@ -573,7 +573,7 @@ class Agent:
                 self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))
         except AgentError as e:
             # the job's thread delivered this: tell the operator, leave the job to time out
-            self._alarm(f"cannot serve job event {kind!r}: {e}", kind=kind)
+            self._alarm(f"cannot serve job event {kind!r}: {e}", event=kind)
 
     # --- failures ---------------------------------------------------------------------------
     def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
@@ -630,7 +630,14 @@ class Agent:
                 self.journal.record("note", f"{cause}: no job admitted, nothing to do")
                 return None
             j = self.job(job)
-            lost = [g for g in dict.fromkeys(gpus) if self._holder.get(g) == j.name]
+            named = list(dict.fromkeys(gpus))
+            lost = [g for g in named if self._holder.get(g) == j.name]
+            if named and not lost and not links:
+                # every GPU it names has been replaced already (the report crossed the order
+                # that replaced them): the job has its order; nothing more to do
+                self.journal.record("note", f"{cause}: {', '.join(named)} already replaced, "
+                                    "the job's restart order stands", job=j.name)
+                return None
             self.reconcile(cause)                  # belief against the switches first
             dark = self._dark_links(links)
             blamed = [g for g in self.diagnose(dark, cause) if g not in lost] if dark else []
@@ -905,10 +912,13 @@ class Agent:
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
                         spares_blamed, lost)
-        kept = set(new_map.values())             # once: the rank map has thousands of GPUs
-        gone = [g for g in job.rank_map.values() if g not in kept]
-        self._give_back(gone)
-        self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        if degraded:                             # renumbered: work the difference out
+            kept = set(new_map.values())
+            self._give_back([g for g in job.rank_map.values() if g not in kept])
+            self._take(job.name, [g for g in new_map.values() if g not in self._holder])
+        else:                                    # what the swap changed, not the rank map
+            self._give_back(list(swaps))
+            self._take(job.name, list(swaps.values()))
         job.rank_map, job.circuits, job.phase, job.ready = new_map, circuits, key, None
         self._announce(job, cause, changed=None if degraded else
                        {circuits.rank_of[s]: s for s in swaps.values()})

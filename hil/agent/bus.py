@@ -424,7 +424,8 @@ class AgentProcess:
         a = self.agent
         return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
-                "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None}
+                "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
+                "verify_dbm": a.verify_dbm, "quarantine_s": a.quarantine_s}
 
     @property
     def journal_path(self) -> str:
@@ -473,7 +474,7 @@ class AgentProcess:
         state = {"rack": self._rack(), "rank_map": {str(r): g for r, g in a.rank_map.items()},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,
-                 "alarms": list(self._alarms),
+                 "alarms": list(self._alarms), "spares": a.spares(),
                  "restart": self._order(first) if first else dict(NO_ORDER),
                  "jobs": self._jobs()}
         if events:

@@ -120,20 +120,23 @@ class ServiceClient:
                 continue
             frame = self._sock.recv()
             try:
-                msg = schema.decode(frame)
+                msg = schema.decode_message(frame)
             except schema.SchemaError as e:
                 log.warning("%s answered an undecodable frame: %s", self.endpoint, e)
                 continue
-            if msg.get("id") != rid:
-                continue        # a late answer to an earlier request that we gave up on
-            if msg["type"] == "reply":
-                self.version = msg["version"]
-                return msg["result"]
-            if msg["type"] == "error":
-                if msg.get("version"):
-                    self.version = msg["version"]
-                raise from_wire(msg["error"], msg["message"], msg.get("version"))
-            log.warning("%s answered a %s message to a request", self.endpoint, msg["type"])
+            if isinstance(msg, schema.Reply):
+                if msg.id != rid:
+                    continue    # a late answer to an earlier request that we gave up on
+                self.version = msg.version
+                return msg.result
+            if isinstance(msg, schema.Error):
+                if msg.id != rid:
+                    continue
+                if msg.version:
+                    self.version = msg.version
+                raise from_wire(msg.error, msg.message, msg.version)
+            log.warning("%s answered a %s message to a request", self.endpoint,
+                        msg.__struct_config__.tag)
 
     def call(self, op: str, *, timeout: float | None = None, expect: str | None = None,
              **args):

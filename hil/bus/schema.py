@@ -315,9 +315,6 @@ def decode_message(frame: bytes, max_size: int = MAX_FRAME) -> Message:
 
 _OPTIONAL = {cls: [f.name for f in msgspec.structs.fields(cls)
                    if not f.required and f.default is None] for cls in MESSAGES.values()}
-# worked out once: `msgspec.structs.fields` evaluates the annotations on every call (~70 us)
-_REQUIRED = {cls: frozenset(f.name for f in msgspec.structs.fields(cls) if f.required)
-             for cls in MESSAGES.values()}
 
 
 def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
@@ -336,12 +333,17 @@ def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict:
     return out
 
 
+# each message type's required fields (msgspec's introspection is slow: worked out once)
+_REQUIRED = {name: frozenset(f.name for f in msgspec.structs.fields(cls) if f.required)
+             for name, cls in MESSAGES.items()}
+
+
 def make(type_: str, **fields) -> dict:
     """A message dict, checked against its type (a bug here must not reach the wire); fields
     given as None are left out where the type allows."""
     cls = MESSAGES[type_]
     msg = {"v": VERSION, "type": type_}
-    required = _REQUIRED[cls]
+    required = _REQUIRED[type_]
     msg.update({k: v for k, v in fields.items() if v is not None or k in required})
     if type_ == "request":
         msg.setdefault("args", {})            # as `decode` gives it

@@ -56,6 +56,9 @@ HARD_FRAME_LIMIT = 16 * schema.MAX_FRAME   # above this ZeroMQ drops the peer's 
 DONE_KEPT = 4096                # answers of changing requests kept for retries...
 DONE_BYTES = 16 << 20           # ...at most this many bytes of them...
 DONE_AGE_S = 600.0              # ...for at most this long
+READ_KEPT_S = 30.0              # a read's answer serves its own retries for this long
+READ_BYTES = 4 << 20            # ...within this many bytes of reads' answers
+RETRY_GRACE_S = 0.1             # well inside the client's first wait (hil.bus.client)
 
 Handler = Callable[[dict], Any]
 BUILTIN = ("ping", "describe", "snapshot")
@@ -141,9 +144,10 @@ class Server:
         self._unpublished: dict = {}          # state changes to publish after the reply
         self._done: collections.OrderedDict[str, tuple[str, bytes, float]] = \
             collections.OrderedDict()         # request id -> (op, answer frame, when)
-        self._done_bytes = 0
-        self._running: dict[str, _Pending] = {}         # request id -> changing, unanswered
-        self._later: list[tuple[list[bytes], str, Future]] = []   # read-only, unanswered
+        self._reads: collections.OrderedDict[str, tuple[str, bytes, float]] = \
+            collections.OrderedDict()         # the same, for read-only requests
+        self._bytes = {False: 0, True: 0}     # bytes kept, changes and reads
+        self._running: dict[str, _Pending] = {}         # request id -> unanswered yet
 
     # ---- operations ----------------------------------------------------------------------------
 
@@ -268,7 +272,7 @@ class Server:
         answered = self._send_later()
         if not self._queue and not self.router.poll(0):
             wait = min(timeout, max(0.0, self._next_beat - now))
-            if self._later or self._running:
+            if self._running:
                 wait = min(wait, 0.005)             # an answer may be ready soon: look again
             # Nothing waiting now: whatever arrives during this wait arrives "now".
             self._seen_empty = time.monotonic()
@@ -313,9 +317,8 @@ class Server:
         sent: list[bytes] = []
         self._answer(None, frame, arrived, sent.append)
         if not sent:
-            for future in [p.future for p in self._running.values()] + \
-                    [f for _, _, f in self._later]:
-                future.exception()               # waits; the answer carries any error
+            for pending in list(self._running.values()):
+                pending.future.exception()       # waits; the answer carries any error
             self._send_later(sent.append)
         self.publish_deferred()
         return schema.decode(sent[-1])
@@ -336,18 +339,21 @@ class Server:
                 raise UnknownOperation(f"{self.name} ({self.kind}) does not offer {req.op!r}; "
                                        f"it offers: {', '.join(self.operations)}")
             op, handler = entry
-            if not op.read_only:
-                done = self._done.get(rid)
-                if done is not None:                 # a retry: the first answer, not a rerun
-                    if done[0] != op.name:
-                        raise BadRequest(f"request id {rid} was used for {done[0]}, not "
-                                         f"{op.name}")
-                    send(done[1])
-                    return True
-                pending = self._running.get(rid)
-                if pending is not None:              # a retry while the first is running
-                    pending.envelopes.append(envelope)
-                    return False
+            # A retry (the same id, on the client's new socket) gets the first answer: a change
+            # is never run twice, and a slow read is not run again for each retry its client
+            # sent while it ran (which would answer, each time, a socket already given up).
+            done = (self._reads if op.read_only else self._done).get(rid)
+            if done is not None and (not op.read_only or
+                                     time.monotonic() - done[2] < READ_KEPT_S):
+                if done[0] != op.name:
+                    raise BadRequest(f"request id {rid} was used for {done[0]}, not "
+                                     f"{op.name}")
+                send(done[1])
+                return True
+            pending = self._running.get(rid)
+            if pending is not None:                  # a retry while the first is running
+                pending.envelopes.append(envelope)
+                return False
             if req.ttl_ms is not None and arrived is not None and \
                     time.monotonic() > arrived + req.ttl_ms / 1e3:
                 raise DeadlineExceeded(f"{op.name} waited longer than its {req.ttl_ms:.0f} ms "
@@ -370,18 +376,18 @@ class Server:
                 except Exception as e:
                     # it may have changed something half way: answered the same on a retry
                     self._log_failure(rid, e)
-                    self._remember(rid, op.name, self._error_frame(rid, e))
+                    self._remember(rid, op, self._error_frame(rid, e))
                     send(self._done[rid][1])
                     return True
             if isinstance(result, Future):
-                if op.read_only:
-                    self._later.append((envelope, rid, result))
-                else:
-                    self._running[rid] = _Pending(op, result, [envelope])
+                self._running[rid] = _Pending(op, result, [envelope])
                 return False
             reply = self._reply_frame(rid, result)
-            if not op.read_only:
-                self._remember(rid, op.name, reply)
+            # a read answered within RETRY_GRACE_S of its arrival cannot have a retry on its
+            # way (the client resends after FIRST_ATTEMPT_S): only slower ones are kept
+            if not op.read_only or arrived is None or \
+                    time.monotonic() - arrived > RETRY_GRACE_S:
+                self._remember(rid, op, reply)
             send(reply)
             return True
         except Exception as e:
@@ -402,33 +408,28 @@ class Server:
         if not isinstance(e, RemoteError):
             log.info("%s: request %s failed: %s: %s", self.name, rid, type(e).__name__, e)
 
-    def _remember(self, rid: str, op: str, frame: bytes) -> None:
+    def _remember(self, rid: str, op: schema.Operation, frame: bytes) -> None:
+        """Keep an answer for the request's retries: a change's for DONE_AGE_S, a read's for
+        READ_KEPT_S (each kind within its count and bytes)."""
         now = time.monotonic()
-        self._done[rid] = (op, frame, now)
-        self._done_bytes += len(frame)
-        done = self._done
-        while done and (len(done) > DONE_KEPT or self._done_bytes > DONE_BYTES
-                        or now - next(iter(done.values()))[2] > DONE_AGE_S):
-            _, (_, old, _) = done.popitem(last=False)
-            self._done_bytes -= len(old)
+        if op.read_only:
+            cache, age, limit = self._reads, READ_KEPT_S, READ_BYTES
+        else:
+            cache, age, limit = self._done, DONE_AGE_S, DONE_BYTES
+        cache[rid] = (op.name, frame, now)
+        self._bytes[op.read_only] += len(frame)
+        while cache and (len(cache) > DONE_KEPT or self._bytes[op.read_only] > limit
+                         or now - next(iter(cache.values()))[2] > age):
+            _, (_, old, _) = cache.popitem(last=False)
+            self._bytes[op.read_only] -= len(old)
 
     def _send_later(self, send=None) -> int:
         """Send the answers whose futures are done; returns how many went out."""
         sent = 0
-        if self._later and any(f.done() for _, _, f in self._later):
-            keep = []
-            for envelope, rid, future in self._later:
-                if not future.done():
-                    keep.append((envelope, rid, future))
-                    continue
-                frame = self._future_frame(rid, future)
-                (send or (lambda f, e=envelope: self._send(e, f)))(frame)
-                sent += 1
-            self._later = keep
         for rid in [r for r, p in self._running.items() if p.future.done()]:
             pending = self._running.pop(rid)
             frame = self._future_frame(rid, pending.future)
-            self._remember(rid, pending.op.name, frame)
+            self._remember(rid, pending.op, frame)
             for envelope in pending.envelopes:
                 (send or (lambda f, e=envelope: self._send(e, f)))(frame)
                 sent += 1
@@ -443,8 +444,9 @@ class Server:
 
     def _reply_frame(self, rid: str, result) -> bytes:
         try:
-            return schema.encode(schema.make("reply", id=rid, result=result,
-                                             version=self.version))
+            # built here from a checked request's id and our own version: no `make` needed
+            return schema.encode({"v": schema.VERSION, "type": "reply", "id": rid,
+                                  "result": result, "version": self.version})
         except (TypeError, ValueError) as e:     # a result JSON cannot carry (NaN, bytes...)
             return self._error_frame(rid, UnencodableResult(
                 f"the result of the request cannot be sent as JSON: {e}"))

@@ -79,7 +79,8 @@ def _describe_heaters(dac) -> dict:
     info = dac.info
     return {"kind": "heater_dac", "port": dac.port, "ident": info.ident,
             "firmware": info.firmware, "channels": info.channels, "vfull": info.vfull,
-            "ifull": info.ifull, "modules": [m.ident for m in info.modules]}
+            "ifull": info.ifull, "modules": [m.ident for m in info.modules],
+            "power_budget_mw": dac.power_budget()}
 
 
 def _apply_circuits(switch: CircuitSwitch, args):

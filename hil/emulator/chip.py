@@ -79,7 +79,7 @@ class EmulatedChip:
         self._build_graph(self.topology)
         if not 0.0 <= crosstalk_scale <= 10.0:
             raise ChipError(f"crosstalk_scale must be in 0..10, not {crosstalk_scale!r}")
-        self.truth_ = self._draw_truth(seed, ideal, resistances, ideal_loss_db)
+        self._truth: ChipTruth = self._draw_truth(seed, ideal, resistances, ideal_loss_db)
         if crosstalk_scale != 1.0:     # a chip with stronger (or weaker) thermal crosstalk
             self.truth_ = replace(self.truth_, crosstalk=self.truth_.crosstalk * crosstalk_scale)
         self._rng = np.random.default_rng([seed, 0xC41B])

@@ -355,6 +355,9 @@ class TrainingJob:
             got = self._wait(lambda: self._pending is not None, self.restart_timeout_s)
         except _Restart:
             got = True
+        except _Stopped:                # stopped while it waited for a restart order
+            self.state = "stopped"
+            return False
         if not got:
             self.state = "aborted"
             self._emit("aborted", reason=f"no restart within {self.restart_timeout_s} s")

@@ -257,6 +257,7 @@ class RackHost:
             fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
             self.job, self.fabric = job, fabric
             job.start(steps)
+            self._start_reporter(job, fabric)
         return {"plan": job_plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
                 "steps": steps}
 
@@ -307,7 +308,71 @@ class RackHost:
         job, fabric = self.job, self.fabric
         if job is not None:
             job.close()
+        self._stop_reporter()
         if fabric is not None:
             fabric.close()
         self.fabric = None
         return {"state": job.state if job is not None else "none"}
+
+    # --- the job's own reports (the GUI's job view) ---------------------------------------
+    def _start_reporter(self, job: TrainingJob, fabric: Fabric, period_s: float = 0.5,
+                        window_s: float = 2.0) -> None:
+        """The job tells the agent how it is doing (`Fabric.report`, which the agent
+        publishes under `jobs.NAME.report`): every `period_s`, and at once when its state
+        changes (a failure, a restart). Throughput: steps a second over the last `window_s`
+        (redone steps after a restart count again, as the job does them)."""
+        states = {"running": "running", "failed": "failed", "restarting": "restarting",
+                  "stopped": "stopped", "done": "done", "aborted": "failed"}
+        stop = threading.Event()
+
+        def detail(state: str) -> str:
+            if job.state == "aborted":
+                return "aborted: no restart order came"
+            if state in ("failed", "restarting"):
+                with self._events_lock:
+                    last = next((e for e in reversed(self.job_events)
+                                 if e["kind"] in ("failure", "restarted")), None)
+                if last is not None:
+                    return str(last["details"].get("reason") or last["details"].get("cause")
+                               or "")
+            return f"{job.restarts} restart(s)" if job.restarts else ""
+
+        def run() -> None:
+            seen: list[tuple[float, int]] = []      # (time, step) over the window
+            sent_state, sent_at = None, -1e9
+            while True:
+                stopping = stop.wait(0.05)
+                state = states.get(job.state)
+                now = time.monotonic()
+                if seen and job.step < seen[-1][1]:
+                    seen.clear()                    # restarted from its checkpoint
+                seen.append((now, job.step))
+                while now - seen[0][0] > window_s:
+                    seen.pop(0)
+                final = state in ("stopped", "done") or job.state == "aborted"
+                due = state != sent_state or now - sent_at >= period_s
+                if state is not None and due and not (final and state == sent_state):
+                    span = now - seen[0][0]
+                    rate = max(0, seen[-1][1] - seen[0][1]) / span if span > 0.2 else None
+                    if state != "running":
+                        rate = 0.0 if state != "done" else rate
+                    try:
+                        fabric.report(state, job.step, rate, None, detail(state))
+                    except BusError as e:       # the agent is down: said again next period
+                        log.debug("job report not delivered: %s", e)
+                    sent_state, sent_at = state, time.monotonic()
+                if stopping or (final and state == sent_state):
+                    return
+
+        thread = threading.Thread(target=run, name="job-report", daemon=True)
+        self._reporter = (stop, thread)
+        thread.start()
+
+    def _stop_reporter(self) -> None:
+        """Stop the reports (after the last one, of the state the job ended in)."""
+        got = getattr(self, "_reporter", None)
+        if got is not None:
+            stop, thread = got
+            stop.set()
+            thread.join(timeout=10.0)
+            self._reporter = None

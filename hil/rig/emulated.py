@@ -273,8 +273,10 @@ def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "12
         dev, kind, driver = EMULATED_DEVICES[key]
         if key == "dac" and topology:
             dev, kind = "chip", "chip"
+        # the meter's port count is the rig's (the driver's default is an N7744A's 4)
+        options = {"ports": spec.meter_channels} if kind == "power_meter" else {}
         devices[dev] = DeviceConfig(dev, kind, address, driver, f"tcp://{host}:{next(ports)}",
-                                    f"tcp://{host}:{next(ports)}")
+                                    f"tcp://{host}:{next(ports)}", options=options)
     for name, address in rails.items():
         devices[name] = DeviceConfig(name, "switch", address, RAIL_OCS_DRIVER,
                                      f"tcp://{host}:{next(ports)}", f"tcp://{host}:{next(ports)}",

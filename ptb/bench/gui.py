@@ -1,6 +1,9 @@
-"""The GUI's port map under load, offscreen: frames per second while state changes arrive
-from a background thread (as the bus adapter will deliver them), the time from a change being
-posted to the repaint that shows it, and the process's memory at the start and end."""
+"""The GUI's port map under load, offscreen, with the cockpit around it (the alarm banner, the
+trends and the job view, fed as the bus adapter feeds them: received power of every GPU link
+and heater power twice a second, the job's report twice a second): frames per second of the
+port map while state changes arrive from a background thread, the time from a change being
+posted to the repaint that shows it, the trends' and job view's refresh times, and the
+process's memory over the run."""
 from __future__ import annotations
 
 import collections
@@ -14,7 +17,8 @@ import numpy as np
 from photonic_testbed.ptb.bench import SEED, integer, number
 
 NAME = "gui"
-HELP = "port map fps and change-to-repaint latency under a stream of state changes (offscreen)"
+HELP = ("port map fps and change-to-repaint latency under a stream of state changes, with the "
+        "trends and the job view on screen (offscreen)")
 
 
 def add_arguments(p) -> None:
@@ -25,6 +29,11 @@ def add_arguments(p) -> None:
     p.add_argument("--ocs-ports", type=integer(2, 1024), default=64)
     p.add_argument("--size", type=_size, default="1600x800", help="port map size in pixels, WxH")
     p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--portmap-only", action="store_true",
+                   help="the port map alone, without the banner, trends and job view (the "
+                   "measurement before the cockpit)")
+    p.add_argument("--links", type=integer(0, 1024), default=16,
+                   help="GPU links whose received power the trends draw (default 16)")
 
 
 def _size(text: str) -> str:
@@ -72,10 +81,15 @@ def run(args) -> dict:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
+
+    from photonic_testbed.gui.alarms import AlarmBanner
     from photonic_testbed.gui.demo import benes_topology, chip_circuits
+    from photonic_testbed.gui.jobs import JobsView
     from photonic_testbed.gui.model import FabricModel
     from photonic_testbed.common.topology import Topology
     from photonic_testbed.gui.portmap import PortMapView
+    from photonic_testbed.gui.trends import TrendsView
 
     app = QApplication.instance() or QApplication([])
     rng = random.Random(args.seed)
@@ -92,10 +106,37 @@ def run(args) -> dict:
                       "power_dbm": {p: -5.0 for p in range(1, 2 * n + 1)}},
                      {"name": "chip", "kind": "chip", "ports": 16, "circuits": circuits,
                       "power_dbm": {}}]})
+    n_links = max(0, min(args.links, n))
+    model.apply_delta({"op": "rack", "value": [
+        {"name": f"gpu{i}", "switch": "ocs", "port": i + 1, "health": "ok", "role": "active",
+         "rank": i, "job": "bench"} for i in range(n_links)]})
+    model.apply_delta({"op": "service", "name": "agent", "value": {"state": "connected"}})
     view = PortMapView(model)
     w, h = (int(x) for x in args.size.split("x"))
-    view.resize(w, h)
-    view.show()
+    cockpit = None
+    trends = jobs = None
+    if args.portmap_only:
+        view.resize(w, h)
+        view.show()
+    else:
+        # The window's parts as MainWindow lays them out: banner, port map, and below it
+        # the trends beside the job view.
+        cockpit = QWidget()
+        box = QVBoxLayout(cockpit)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.addWidget(AlarmBanner(model))
+        view.setFixedSize(w, h)
+        box.addWidget(view)
+        below = QSplitter()
+        trends = TrendsView(model)
+        jobs = JobsView(model)
+        below.addWidget(trends)
+        below.addWidget(jobs)
+        below.setSizes([w * 6 // 10, w * 4 // 10])
+        below.setFixedHeight(380)
+        box.addWidget(below)
+        cockpit.resize(w, h + 420)
+        cockpit.show()
 
     sent: dict[str, collections.deque] = {"ocs": collections.deque(),
                                           "chip": collections.deque()}
@@ -118,6 +159,18 @@ def run(args) -> dict:
         while queue and queue[0][0] <= seq:
             latencies[name].append(now - queue.popleft()[1])
 
+    refresh_s = {k: _Record(int(args.duration * 4) + 100) for k in ("trends", "jobs")}
+    for key, widget in (("trends", trends), ("jobs", jobs)):
+        if widget is not None:
+            refresh = widget.refresh
+
+            def timed_refresh(refresh=refresh, key=key):
+                t = time.perf_counter()
+                refresh()
+                refresh_s[key].append(time.perf_counter() - t)
+            widget.timer.timeout.disconnect()
+            widget.timer.timeout.connect(timed_refresh)
+
     t_start = time.perf_counter()
     for name, sv in view.views.items():
         sv.painted.connect(on_painted)
@@ -139,7 +192,25 @@ def run(args) -> dict:
         chip_cells = {k: dict(v) for k, v in cells.items()}
         ids = sorted(chip_cells)
         seq, t0 = 0, time.perf_counter()
+        next_cockpit, step = t0, 0
         while not stop.is_set():
+            now = time.perf_counter()
+            if not args.portmap_only and now >= next_cockpit:
+                # What the bus adapter posts for the trends and the job view, twice a second.
+                next_cockpit += 0.5
+                step += 1
+                wall = time.time()
+                samples = {f"rx/gpu{i}": [[wall, -3.0 - 2 * frng.random()]]
+                           for i in range(n_links)}
+                samples["heater/chip"] = [[wall, 800 + 50 * frng.random()]]
+                model.post_delta({"op": "samples", "value": samples})
+                model.post_delta({"op": "jobs", "value": {"bench": {
+                    "plan": "dp", "world": n_links,
+                    "rank_map": {str(i): f"gpu{i}" for i in range(n_links)},
+                    "phase": "dp", "round": step, "restart": {"seq": 0},
+                    "report": {"state": "running", "step": 10 * step,
+                               "throughput": 9.5 + frng.random(), "loss": 2.0 / step,
+                               "detail": "", "t": wall}}}})
             seq += 1
             if seq % 2:
                 a, b = frng.sample(range(1, n + 1), 2)
@@ -179,10 +250,11 @@ def run(args) -> dict:
     stop.set()
     feeder.join(timeout=2)
     sample()
-    view.close()
+    (cockpit or view).close()
 
     rows, result = [], {"duration_s": args.duration, "rate_per_s": args.rate,
-                        "changes_posted": posted[0], "size": args.size, "views": {}}
+                        "changes_posted": posted[0], "size": args.size, "views": {},
+                        "cockpit": not args.portmap_only, "links": n_links}
     for name in ("ocs", "chip"):
         count, first, last = frames[name]
         fps = (count - 1) / (last - first) if count > 1 and last > first else 0.0
@@ -199,6 +271,13 @@ def run(args) -> dict:
                      "latency_p50_ms": f"{per['latency_p50_ms']:.1f}",
                      "latency_p99_ms": f"{per['latency_p99_ms']:.1f}",
                      "paint_p50_ms": f"{per['paint_p50_ms']:.2f}"})
+    for key, rec in refresh_s.items():
+        got = rec.done()
+        if len(got):
+            result[f"{key}_refresh_ms"] = {"count": len(got),
+                                           "p50": float(np.percentile(got, 50)) * 1e3,
+                                           "p99": float(np.percentile(got, 99)) * 1e3,
+                                           "max": float(got.max()) * 1e3}
     settled = next((m for t, m in rss if t >= min(30.0, args.duration / 5)), rss[-1][1])
     result["rss_mib"] = {"start": rss[0][1], "settled": settled, "end": rss[-1][1],
                          "samples": rss}
@@ -212,4 +291,13 @@ def run(args) -> dict:
         f"RSS {rss[0][1]:.1f} MiB at start, {settled:.1f} MiB once warm "
         f"({min(30.0, args.duration / 5):g} s), {rss[-1][1]:.1f} MiB at the end "
         f"({rss[-1][1] - settled:+.1f} MiB since warm)"]
+    for key in ("trends", "jobs"):
+        got = result.get(f"{key}_refresh_ms")
+        if got:
+            result["notes"].append(f"{key} view refresh (once a second): p50 {got['p50']:.1f} ms, "
+                                   f"p99 {got['p99']:.1f} ms, max {got['max']:.1f} ms "
+                                   f"over {got['count']}")
+    if not args.portmap_only:
+        result["notes"].append(f"with the alarm banner, the trends ({n_links} links, heaters, "
+                               "job throughput and loss) and the job view on screen")
     return result
