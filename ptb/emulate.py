@@ -103,11 +103,13 @@ def run(args) -> int:
     rig = _start(spec, args)
     with contextlib.closing(rig):
         from photonic_testbed.hil import rig as rigfile
-        from photonic_testbed.hil.rack_layout import LAYOUTS, layout
         gpus = ()
-        if spec.name in LAYOUTS:
-            gpus = tuple(rigfile.GpuConfig(g, atts[0].switch, atts[0].tx, g in lay.spares)
-                         for lay in [layout(spec.name)] for g, atts in lay.gpus.items())
+        lay = spec.rack_layout()
+        if lay is not None:
+            spares = set(lay.spares)
+            gpus = tuple(rigfile.GpuConfig(g, atts[0].switch, atts[0].tx, g in spares,
+                                           server=lay.servers.get(g, ""))
+                         for g, atts in lay.gpus.items())
         bus_rig = rigfile.for_emulator(spec, rig.endpoints, gpus=gpus)
         if gpus:
             try:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 import zmq
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
@@ -41,6 +42,8 @@ from photonic_testbed.hil.rig import Rig, RigFileError
 log = logging.getLogger(__name__)
 
 EVENTS_KEPT = 200
+EVENT_DETAILS_BYTES = 2048   # an event's details as published, at most (the journal: whole)
+EVENT_ITEMS_SHOWN = 8        # a longer list or table in a bulky event is published as its size
 DARK_DBM = -99.0
 PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
 
@@ -99,6 +102,34 @@ class BusSwitch(CircuitSwitch):
 NO_ORDER: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}
 
 
+def published_details(details: dict) -> dict:
+    """An event's details as the agent publishes them: whole when small; otherwise each list
+    or table of more than EVENT_ITEMS_SHOWN items given as its size (`{"items": n}`; a phase
+    switch's `applied` as its totals), so that the last 200 events of a 2,048-GPU rack (a phase
+    switch there names thousands of circuits on 64 switches) stay within the bus's frames. The
+    journal keeps every entry whole (`ptb journal`)."""
+    if len(orjson.dumps(details, default=str)) <= EVENT_DETAILS_BYTES:
+        return details
+
+    def brief(value: Any) -> Any:
+        if isinstance(value, (dict, list)) and len(value) > EVENT_ITEMS_SHOWN:
+            return {"items": len(value)}
+        if isinstance(value, dict):
+            return {k: brief(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [brief(v) for v in value]
+        return value
+    out = {k: brief(v) for k, v in details.items() if k != "applied"}
+    applied = details.get("applied")
+    if isinstance(applied, dict):
+        out["applied"] = {"switches": len(applied),
+                          "added": sum(len(a.get("added", ())) for a in applied.values()),
+                          "removed": sum(len(a.get("removed", ())) for a in applied.values()),
+                          "seconds_max": max((a.get("seconds", 0.0) for a in applied.values()),
+                                             default=0.0)}
+    return out
+
+
 def restart_orders(journal: Journal) -> dict[str, dict]:
     """Each job's last restart order, whole, from the journal: {job: {seq, rank_map,
     cause}}, seq counting the orders that job was given. A restarted agent publishes exactly
@@ -120,13 +151,15 @@ def restart_orders(journal: Journal) -> dict[str, dict]:
 
 
 def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
-    """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p."""
+    """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p;
+    GPUs naming a `server` share that server's scale-up fabric."""
     if not rig.gpus:
         raise RigFileError(f"rig {rig.name} lists no [[gpus]]: the agent has nothing to manage")
     switches = {g.switch: int(ports[g.switch]) for g in rig.gpus}
     gpus: dict[str, tuple[Attachment, ...]] = {
         g.name: (Attachment(g.switch, g.port, switches[g.switch] + g.port),) for g in rig.gpus}
-    return RackLayout(rig.name, switches, gpus, tuple(g.name for g in rig.gpus if g.spare))
+    return RackLayout(rig.name, switches, gpus, tuple(g.name for g in rig.gpus if g.spare),
+                      servers={g.name: g.server for g in rig.gpus if g.server})
 
 
 class AgentProcess:
@@ -188,7 +221,7 @@ class AgentProcess:
         for entry in self.journal.entries()[-EVENTS_KEPT:]:
             self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
                                  "cause": entry.cause, "latency_s": entry.latency_s,
-                                 "details": entry.details})
+                                 "details": published_details(entry.details)})
             self._last_seq = entry.seq
         request, publish = self.rig.agent_endpoints()
         self.server = Server(
@@ -199,7 +232,7 @@ class AgentProcess:
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
                       "phase_done": self._phase_done,
-                      "job_report": self._job_report})
+                      "job_report": self._job_report, "relay_ping": self._relay_ping})
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                    telemetry=False)
@@ -338,6 +371,15 @@ class AgentProcess:
         self.agent.on_phase(phase, rnd, job=args["job"])
         return {"granted": True, "phase": phase, "round": rnd}
 
+    def _relay_ping(self, args: dict) -> dict:
+        """A `ping_device` to a switch's service, through the same client a phase switch
+        uses: the bare process hops job -> agent -> service -> device and back."""
+        sw = self.switches.get(args["device"])
+        if sw is None:
+            raise AgentError(f"no switch {args['device']!r}; the agent drives "
+                             f"{', '.join(self.switches)}")
+        return sw.client.call("ping_device")
+
     def _phase_done(self, args: dict) -> dict:
         nxt = self.agent.on_phase_done(args["phase"], args["round"], job=args["job"])
         if nxt is not None:
@@ -449,7 +491,7 @@ class AgentProcess:
             self._last_seq = new[-1].seq
             for e in new:
                 ev = {"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                      "latency_s": e.latency_s, "details": e.details}
+                      "latency_s": e.latency_s, "details": published_details(e.details)}
                 ops.append(["set", ["events", len(self._events)], ev])
                 self._events.append(ev)
                 if len(self._events) > EVENTS_KEPT:

@@ -199,6 +199,10 @@ class GpuArgs(Args):
     gpu: Name
 
 
+class DeviceArgs(Args):
+    device: Name
+
+
 class RxPower(Args):
     switch: Name
     ports: Annotated[list[Port], _meta(max_length=2 * MAX_CHANNELS)]
@@ -219,6 +223,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("ping", Args, True, "no device I/O: name, kind, online, incarnation, version"),
     Operation("describe", Args, True, "what the server is and the operations it offers"),
     Operation("snapshot", Args, True, "the whole published state, as a snapshot message"),
+    Operation("ping_device", Args, True, "one round trip to the device itself (a heater "
+              "DAC's `id?`): the bare cost of reaching it"),
     # switches (an OCS, a chip's mesh)
     Operation("read_circuits", Args, True, "the circuits, read from the device"),
     Operation("apply_circuits", ApplyCircuits, False, "make the circuits exactly these"),
@@ -243,6 +249,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
               "stands: plan, rank map, last restart order taken, waiting or not"),
     Operation("release", JobArgs, False, "a job is done: its GPUs and circuits are freed"),
     Operation("job_report", JobReport, False, "a job's own state, step, throughput, loss"),
+    Operation("relay_ping", DeviceArgs, True, "the agent asks a switch's service to "
+              "`ping_device`: the bare hops a phase switch crosses, to compare it with"),
     # GPU monitors
     Operation("rx_power", RxPower, True, "received power at transceivers on output ports"),
     Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),

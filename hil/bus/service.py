@@ -165,6 +165,18 @@ def _chip_describe(mesh) -> dict:
     return d
 
 
+def _ping_device(driver, args):
+    """One round trip to the device (its driver's `ping`, or its heater DAC's)."""
+    ping = getattr(driver, "ping", None)
+    if not callable(ping):
+        ping = getattr(getattr(driver, "dac", None), "ping", None)
+    if not callable(ping):
+        raise ServiceError(f"{type(driver).__name__} has no ping")
+    t0 = time.perf_counter()
+    answer = ping()
+    return {"answer": str(answer), "seconds": time.perf_counter() - t0}, {}
+
+
 def _switch_telemetry(switch) -> dict:
     """The switch's own port power monitors where it has them (an OCS's `:PMON:POW?`), dBm."""
     if not callable(getattr(switch, "port_power", None)):
@@ -176,7 +188,8 @@ def _switch_telemetry(switch) -> dict:
 KINDS: dict[str, DeviceKind] = {
     "heater_dac": DeviceKind(
         "heater_dac", "photonic_testbed.drivers.heater_dac:HeaterDAC",
-        ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters},
+        ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters,
+             "ping_device": _ping_device},
         state=lambda dac: {"volts": dac.commanded, "channels": dac.channels},
         describe=_describe_heaters,
         telemetry=lambda dac: {"total_power_mw": dac.total_power()}, telemetry_hz=1.0),
@@ -201,7 +214,8 @@ KINDS: dict[str, DeviceKind] = {
         "chip", "photonic_testbed.drivers.mesh:open_chip",
         ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
              "set_heaters": _chip_set_heaters, "load_calibration": _chip_load_calibration,
-             "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args)},
+             "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args),
+             "ping_device": _ping_device},
         state=_chip_state, describe=_chip_describe,
         telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
     "laser": DeviceKind(

@@ -1,13 +1,21 @@
 """An emulated training job: ranks on the rack's GPUs, a step loop of communication phases.
 
 Each step runs the plan's phases in order (`hil.jobplan`). For each (phase, round) the job
-1. announces the phase (a "phase" event: the agent switches the rails now),
-2. computes (phase.compute_s, split over the phase's rounds),
+1. computes (phase.compute_s, split over the phase's rounds),
+2. announces the phase (a "phase" event: it needs the round's links now, as a training loop
+   calls `Fabric.phase` before its collective),
 3. waits until it is granted the circuits (`grant(phase, round)`, when `gated`),
 4. checks with the rack's optics that every link it needs is up; if not it stalls, and fails
    after `link_timeout_s` (a collective timing out),
-5. communicates: phase.bytes over each link at the optics' rate; the slowest link sets the time.
-Step time = compute + communication + waiting, all recorded per step.
+5. communicates: phase.bytes over each link at the optics' rate; the slowest link sets the time,
+6. releases the round's links (a "released" event: the fabric may set the next round up
+   while the job computes, Opus's way of hiding the switch).
+Step time = compute + communication + waiting, all recorded per step. Links inside a server
+(its scale-up fabric) are up at the rack's SCALE_UP_GBPS.
+
+A round of a 2,048-rank job costs its own links: the rack's optics of the switches it uses,
+the failed GPUs looked up once, and a communication record that keeps the links that were not
+up at full rate, not every link.
 
 A rank whose GPU has failed fails the job: it reports a "failure" event and waits for a new
 rank map (`restart(rank_map)`); it then reloads its last checkpoint (costing `restart_s`) and
@@ -63,17 +71,21 @@ class JobEvent:
 
 @dataclass(frozen=True)
 class Communication:
-    """One phase round's traffic, with what the optics said when it started."""
+    """One phase round's traffic, with what the optics said when it started: how many links
+    it used, and those that were down or slower than the fastest (a 2,048-rank round keeps
+    its exceptions, not its 2,048 links)."""
     t: float
     step: int
     phase: str
     round: int
-    links: tuple[tuple[str, str, bool, float], ...]    # (src GPU, dst GPU, up, rate Gb/s)
+    links: int
+    down: tuple[tuple[str, str], ...]                  # (src GPU, dst GPU) not up
+    slow: tuple[tuple[str, str, float], ...]           # (src, dst, Gb/s) up below the best rate
     seconds: float
 
     @property
     def all_up(self) -> bool:
-        return all(up for _, _, up, _ in self.links)
+        return not self.down
 
 
 @dataclass(frozen=True)
@@ -231,7 +243,8 @@ class TrainingJob:
         return True
 
     def _failed_ranks(self) -> list[str]:
-        return [g for g in self.rank_map.values() if self.rack.gpu_state(g) == "failed"]
+        failed = self.rack.failed_gpus()
+        return [g for g in self.rank_map.values() if g in failed] if failed else []
 
     def _one_step(self) -> None:
         t_start = self.clock.now()
@@ -249,13 +262,13 @@ class TrainingJob:
             if dead:
                 raise _Failure(f"GPU(s) {', '.join(dead)} failed", gpus=dead)
             spec = phases[name]
-            with self._lock:
-                self._granted = None
-            t0 = self.clock.now()
-            self._emit("phase", name, rnd, rank_map=dict(self.rank_map))
             c = spec.compute_s / counts[name]
             self.clock.sleep(c)
             compute += c
+            with self._lock:
+                self._granted = None
+            t0 = self.clock.now()
+            self._emit("phase", name, rnd)
             if self.gated and not self._wait(lambda: self._granted == (name, rnd),
                                              self.grant_timeout_s):
                 raise _Failure(f"circuits for {name} round {rnd} not granted in "
@@ -275,12 +288,15 @@ class TrainingJob:
                     down = [p for p, t in state.items() if t is None or not t.up]
                     raise _Failure(f"link(s) down: {', '.join(f'{a}->{b}' for a, b in down)}",
                                    gpus=dead, links=down)
-            wait += self.clock.now() - t0 - c
-            rates = [state[p].rate_gbps for p in pairs]
-            seconds = max((spec.bytes * 8 / (r * 1e9) for r in rates), default=0.0)
+            wait += self.clock.now() - t0
+            rates = {p: state[p].rate_gbps for p in pairs}
+            slowest = min(rates.values(), default=0.0)
+            seconds = spec.bytes * 8 / (slowest * 1e9) if pairs else 0.0
+            best = max(rates.values(), default=0.0)
             comm_record = Communication(
-                self.clock.now(), self.step + 1, name, rnd,
-                tuple((a, b, state[(a, b)].up, state[(a, b)].rate_gbps) for a, b in pairs),
+                self.clock.now(), self.step + 1, name, rnd, len(pairs),
+                tuple(p for p in pairs if not state[p].up),
+                tuple((a, b, r) for (a, b), r in rates.items() if state[(a, b)].up and r < best),
                 seconds)
             self.communications.append(comm_record)
             if not comm_record.all_up:

@@ -4,12 +4,14 @@ Physics (`OCSPhysics`): an N x N switch, ingress ports 1..N, egress N+1..2N. Eac
 hidden insertion loss drawn from the seed (0.5-0.75 dB, so a path loses ~1-1.5 dB). A move takes
 `switching_s` (default 25 ms), during which the ports it touches carry no light. A stuck port
 ignores moves: the controller still reports what it was told, but the light keeps its old path.
-`reboot()` loses the volatile state (every circuit). `moves` counts circuits made or broken.
+`reboot()` loses the volatile state (every circuit). `moves` counts circuits made or broken,
+`port_moves` how many of them touched each port.
 
 SCPI (`OCSInstrument`): the Polatis dialect; see docs/instruments.md.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import re
@@ -47,6 +49,7 @@ class OCSPhysics:
         self.stuck: set[int] = set()
         self._dark_until: dict[int, float] = {}
         self.moves = 0
+        self.port_moves: collections.Counter[int] = collections.Counter()   # moves per port
 
     # ---- state changes (all-or-nothing; callers validated the ports) -------------------------
 
@@ -72,6 +75,9 @@ class OCSPhysics:
             for p in (i, e):
                 self._dark_until[p] = until
         self.moves += len(remove) + len(add)
+        for pairs in (remove, add):
+            self.port_moves.update(pairs.keys())
+            self.port_moves.update(pairs.values())
 
     def connect(self, pairs: dict[int, int]) -> None:
         with self.lock:
@@ -141,6 +147,22 @@ class OCSPhysics:
                 out[e] += mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)
         return out
 
+    def contributions(self, inputs: dict[int, float]) -> dict[int, dict[int, float]]:
+        """{ingress: {egress: mW}}: what each input alone delivers, right now (the switch is
+        linear in power, so these add up to `transfer(inputs)`), in one pass over the inputs
+        rather than one `transfer` per input."""
+        now = time.monotonic()
+        out: dict[int, dict[int, float]] = {}
+        with self.lock:
+            for i, mw in inputs.items():
+                e = self.actual.get(i)
+                if e is None or mw <= 0:
+                    continue
+                if self._dark_until.get(i, 0.0) > now or self._dark_until.get(e, 0.0) > now:
+                    continue
+                out[i] = {e: mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)}
+        return out
+
     def port_power_mw(self, port: int) -> float:
         """Light at a port: what arrives at an ingress, what leaves an egress."""
         inputs = self.light_in()
@@ -166,6 +188,11 @@ _LIST = re.compile(r"\(@([^()]*)\)")
 
 def port_list(text: str) -> list[int]:
     """`1,2,5:7` -> [1, 2, 5, 6, 7]."""
+    if ":" not in text:
+        try:                     # the common case, a plain list: one pass in C
+            return [int(x) for x in text.split(",")]
+        except ValueError:
+            pass                 # an empty or bad entry: said below
     ports: list[int] = []
     for item in text.split(","):
         item = item.strip()
@@ -190,6 +217,7 @@ def parse_pairs(arg: str, n: int) -> dict[int, int]:
     if not arg.strip():
         raise SCPIError(-109, "port lists are needed: (@ingress,...),(@egress,...)")
     pairs: dict[int, int] = {}
+    egress: set[int] = set()
     for group in arg.split(";"):
         g = group.strip()
         lists = _LIST.findall(g)
@@ -205,9 +233,10 @@ def parse_pairs(arg: str, n: int) -> dict[int, int]:
                 raise SCPIError(-222, f"egress port {e} is not in {n + 1}..{2 * n}")
             if i in pairs:
                 raise SCPIError(-224, f"ingress {i} named twice")
-            if e in pairs.values():
+            if e in egress:
                 raise SCPIError(-224, f"egress {e} named twice")
             pairs[i] = e
+            egress.add(e)
     return pairs
 
 

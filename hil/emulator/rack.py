@@ -15,6 +15,10 @@ An up link runs at LINE_RATE_GBPS; with less than HALF_RATE_MARGIN_DB of margin 
 sensitivity the transceiver falls back to half rate (a lower-order modulation), so a lossy
 path slows the job down before it breaks it.
 
+GPUs of one server (the layout's `servers`) talk over the server's scale-up fabric: for the
+job (`link_map`) such a link is up at SCALE_UP_GBPS while neither GPU has failed, with no
+switch (`switch == ""`) and no optics involved.
+
 Faults (`rack.faults`): a GPU failed hard or flapping, a GPU degraded, a transceiver's TX or RX
 dead, a fibre cut at a switch port. `truth()` reports who hears whom at what power, for tests
 and the control endpoint; the agent never reads it (it measures light through power meters).
@@ -31,7 +35,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from photonic_testbed.hil.emulator.clock import WallClock
 from photonic_testbed.hil.gpu_health import GpuHealth, classify
-from photonic_testbed.hil.rack_layout import RackLayout
+from photonic_testbed.hil.rack_layout import Attachment, RackLayout
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ SENSITIVITY_DBM = -12.0
 MIN_SXR_DB = 15.0
 HALF_RATE_MARGIN_DB = 3.0
 LINE_RATE_GBPS = 400.0
+# GPUs of one server talk over its scale-up fabric, not the optics (NVLink 4 on an H100
+# server: 900 GB/s per GPU both ways, 450 GB/s = 3,600 Gb/s each way)
+SCALE_UP_GBPS = 3600.0
 DARK_DBM = -99.0          # what a detector reports for no light at all
 VISIBLE_DBM = -40.0       # truth() lists contributions at least this strong
 
@@ -190,6 +197,17 @@ class EmulatedRack:
         self.faults = RackFaults(self)
         self._listeners: list[Callable[[GpuHealth], None]] = []
         self._last: dict[str, str] = {g: "ok" for g in layout.gpus}
+        # Only GPUs with a fault, or not ok when last looked at, can change state by
+        # themselves: poll() looks at those, not the rack (2,048 GPUs every 10 ms otherwise).
+        self._not_ok: set[str] = set()
+        self._order = {g: i for i, g in enumerate(layout.gpus)}
+        # switch -> the GPUs cabled to it with their transceiver there, in rack order: the
+        # optics of one switch cost its own GPUs, not the rack's
+        self._on_switch: dict[str, list[tuple[str, Attachment]]] = {s: [] for s in
+                                                                    layout.switches}
+        for gpu, atts in layout.gpus.items():
+            for a in atts:
+                self._on_switch[a.switch].append((gpu, a))
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
@@ -237,11 +255,16 @@ class EmulatedRack:
         """Health of every GPU whose state changed since the last poll; tells the listeners."""
         changed = []
         with self._lock:
-            for g in self.layout.gpus:
-                h = self.gpu_health(g)
-                if h.state != self._last[g]:
-                    self._last[g] = h.state
-                    changed.append(h)
+            look = set(self.faults.gpus) | self._not_ok
+            for g in sorted(look, key=self._order.__getitem__):
+                state = self.gpu_state(g)
+                if state != self._last[g]:
+                    self._last[g] = state
+                    changed.append(self.gpu_health(g))
+                if state == "ok":
+                    self._not_ok.discard(g)
+                else:
+                    self._not_ok.add(g)
         for h in changed:
             log.info("GPU %s is %s: %s", h.gpu, h.state, "; ".join(h.reasons) or "-")
             for listener in list(self._listeners):
@@ -267,23 +290,51 @@ class EmulatedRack:
             self._monitor = None
 
     # --- optics -----------------------------------------------------------------------------
-    def _dead(self, gpu: str, switch: str, side: str) -> bool:
-        return (self.gpu_state(gpu) == "failed"
-                or side in self.faults.transceivers.get((gpu, switch), ()))
+    def failed_gpus(self) -> set[str]:
+        """The GPUs failed now (only GPUs with a fault can be)."""
+        return {g for g in list(self.faults.gpus) if self.gpu_state(g) == "failed"}
 
-    def _light(self, switch: str) -> dict[int, dict[str, float]]:
-        """{output port: {source GPU: mW arriving at the far end of that port's fibre}}."""
+    def _dead(self, gpu: str, switch: str, side: str, failed: set[str] | None = None) -> bool:
+        if failed is not None:
+            if gpu in failed:
+                return True
+        elif self.gpu_state(gpu) == "failed":
+            return True
+        return side in self.faults.transceivers.get((gpu, switch), ())
+
+    def _light(self, switch: str, failed: set[str] | None = None
+               ) -> dict[int, dict[str, float]]:
+        """{output port: {source GPU: mW arriving at the far end of that port's fibre}}: each
+        transmitter's light alone (a physics that can give every input's share in one pass,
+        `contributions`, is asked once; otherwise one `transfer` per transmitter)."""
         phys = self.physics[switch]
         cut = self.faults.fibres
+        launch = mw(self.launch_dbm)
+        live = [(gpu, a.tx) for gpu, a in self._on_switch[switch]
+                if not self._dead(gpu, switch, "tx", failed) and (switch, a.tx) not in cut]
+        each = getattr(phys, "contributions", None)
+        if callable(each):
+            shares = each({tx: launch for _, tx in live})
+            per_input = [(gpu, shares.get(tx, {})) for gpu, tx in live]
+        else:
+            per_input = [(gpu, phys.transfer({tx: launch})) for gpu, tx in live]
         out: dict[int, dict[str, float]] = {}
-        for gpu, atts in self.layout.gpus.items():
-            for a in atts:
-                if a.switch != switch or self._dead(gpu, switch, "tx") or (switch, a.tx) in cut:
-                    continue
-                for port, p in phys.transfer({a.tx: mw(self.launch_dbm)}).items():
-                    if p > 0 and (switch, port) not in cut:
-                        out.setdefault(port, {})[gpu] = out.get(port, {}).get(gpu, 0.0) + p
+        for gpu, outputs in per_input:
+            for port, p in outputs.items():
+                if p > 0 and (switch, port) not in cut:
+                    heard = out.setdefault(port, {})
+                    heard[gpu] = heard.get(gpu, 0.0) + p
         return out
+
+    def launch_mw(self, switch: str) -> dict[int, float]:
+        """{input port: mW} the live transmitters cabled to `switch` launch into it (a cut
+        input fibre launches nothing)."""
+        cut = self.faults.fibres
+        inputs: dict[int, float] = {}
+        for gpu, a in self._on_switch.get(switch, ()):
+            if not self._dead(gpu, switch, "tx") and (switch, a.tx) not in cut:
+                inputs[a.tx] = inputs.get(a.tx, 0.0) + mw(self.launch_dbm)
+        return inputs
 
     def port_powers_dbm(self, switch: str, ports: list[int]) -> dict[int, float]:
         """Total light at the far end of several output fibres, with one `transfer`: the
@@ -292,12 +343,7 @@ class EmulatedRack:
         for p in ports:
             self.faults._port(switch, p)
         cut = self.faults.fibres
-        inputs: dict[int, float] = {}
-        for gpu, atts in self.layout.gpus.items():
-            for a in atts:
-                if a.switch == switch and not self._dead(gpu, switch, "tx") \
-                        and (switch, a.tx) not in cut:
-                    inputs[a.tx] = inputs.get(a.tx, 0.0) + mw(self.launch_dbm)
+        inputs = self.launch_mw(switch)
         out = self.physics[switch].transfer(inputs) if inputs else {}
         return {p: DARK_DBM if (switch, p) in cut else dbm(out.get(p, 0.0)) for p in ports}
 
@@ -306,26 +352,31 @@ class EmulatedRack:
         self.faults._port(switch, port)
         return dbm(sum(self._light(switch).get(port, {}).values()))
 
-    def _links(self, switch: str, light: dict[int, dict[str, float]]) -> list[LinkTruth]:
+    def _links(self, switch: str, light: dict[int, dict[str, float]],
+               wanted: dict[str, set[str]] | None = None,
+               failed: set[str] | None = None) -> list[LinkTruth]:
+        """What every receiver on `switch` hears; with `wanted` ({dst: {src, ...}}) only
+        those links (the others' light still counts as crosstalk)."""
         out = []
-        for dst, atts in self.layout.gpus.items():
-            a = next((x for x in atts if x.switch == switch), None)
-            if a is None:
+        for dst, a in self._on_switch[switch]:
+            srcs = None if wanted is None else wanted.get(dst)
+            if wanted is not None and srcs is None:
                 continue
             heard = light.get(a.rx, {})
             total = sum(heard.values())
-            deaf = self._dead(dst, switch, "rx")
+            deaf = self._dead(dst, switch, "rx", failed)
             for src, p in heard.items():
-                if src == dst:
+                if src == dst or (srcs is not None and src not in srcs):
                     continue
                 xt = total - p
                 sxr = math.inf if xt <= 0 else 10 * math.log10(p / xt)
-                up = (not deaf and dbm(p) >= self.sensitivity_dbm and sxr >= self.min_sxr_db)
+                p_dbm = dbm(p)
+                up = (not deaf and p_dbm >= self.sensitivity_dbm and sxr >= self.min_sxr_db)
                 rate = 0.0
                 if up:
-                    margin = dbm(p) - self.sensitivity_dbm
+                    margin = p_dbm - self.sensitivity_dbm
                     rate = self.line_rate_gbps * (1.0 if margin >= HALF_RATE_MARGIN_DB else 0.5)
-                out.append(LinkTruth(src, dst, switch, round(dbm(p), 3), round(dbm(xt), 3), up,
+                out.append(LinkTruth(src, dst, switch, round(p_dbm, 3), round(dbm(xt), 3), up,
                                      rate))
         return out
 
@@ -349,14 +400,31 @@ class EmulatedRack:
         return best
 
     def link_map(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], LinkTruth | None]:
-        """The best link for each (src, dst) pair, computing the optics once."""
+        """The best link for each (src, dst) pair, computing the optics once, and only of
+        the switches the pairs share and the receivers they name (a job's round on a
+        2,048-GPU rack costs its own links, not every receiver of every switch)."""
         best: dict[tuple[str, str], LinkTruth | None] = {p: None for p in pairs}
-        for t in self.links():
-            key = (t.src, t.dst)
-            if key in best:
-                b = best[key]
-                if b is None or (t.up, t.rate_gbps) > (b.up, b.rate_gbps):
-                    best[key] = t
+        wanted: dict[str, dict[str, set[str]]] = {}      # switch -> dst -> its sources
+        gpus = self.layout.gpus
+        failed = self.failed_gpus()
+        for src, dst in best:
+            if src not in gpus or dst not in gpus:
+                continue
+            paths = self.layout.links_between(src, dst)      # worked out once per pair
+            if paths == []:                                  # one server's scale-up fabric
+                up = src not in failed and dst not in failed
+                best[(src, dst)] = LinkTruth(src, dst, "", self.launch_dbm, DARK_DBM, up,
+                                             SCALE_UP_GBPS if up else 0.0)
+                continue
+            for switch, _, _ in paths or ():
+                wanted.setdefault(switch, {}).setdefault(dst, set()).add(src)
+        for switch, these in wanted.items():
+            for t in self._links(switch, self._light(switch, failed), these, failed):
+                key = (t.src, t.dst)
+                if key in best:
+                    b = best[key]
+                    if b is None or (t.up, t.rate_gbps) > (b.up, b.rate_gbps):
+                        best[key] = t
         return best
 
     # --- control endpoint -------------------------------------------------------------------

@@ -56,6 +56,7 @@ class EmulatedRig:
         self.dac: EmulatedDACBoard | None = None
         self.endpoints: dict[str, str] = {}
         self.rack = None                 # RackHost, once start_rack() ran
+        self.rails = None                # RailSwitches of a datacenter rig
 
     def start(self) -> dict[str, str]:
         try:
@@ -77,6 +78,8 @@ class EmulatedRig:
                 if self.chip is not None:
                     self.chip.set_resistances(self.dac.resistances)
                 self.endpoints["dac"] = self.dac.start()
+            if self.spec.servers:
+                self._start_rails()
             if self.spec.ocs_ports or self.spec.laser:
                 base = self.port_base
                 fixed = {} if base is None else {"ocs": base, "powermeter": base + 1,
@@ -95,6 +98,20 @@ class EmulatedRig:
             self.close()
             raise
         return dict(self.endpoints)
+
+    def _start_rails(self) -> None:
+        """A datacenter rig's rail OCSes, each its own SCPI endpoint (keyed by the switch's
+        name in `endpoints`), and the control endpoint (control = port_base + 3, the OCSes
+        port_base + 4 on, with fixed ports)."""
+        from photonic_testbed.hil.emulator.rails import RailSwitches
+        base = self.port_base
+        self.rails = RailSwitches(self.spec.rack_layout(), seed=self.seed,
+                                  switching_s=self.switching_s,
+                                  port_base=None if base is None else base + 4)
+        self.endpoints.update(self.rails.start())
+        self.control = ControlServer(bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
+        self.rails.register(self.control)
+        self.endpoints["control"] = self.control.start()
 
     def _photocurrent(self, channel: int) -> float:
         """The DAC board's photodiode input beside heater `channel`: the monitor photodiode of
@@ -142,20 +159,25 @@ class EmulatedRig:
         """The rack of GPUs on this rig's switch (hil.rack_layout), its link state from the
         chip's or the OCS's physics; GPU health published at `gpus_endpoints`; faults, truth
         and the job on the control endpoint. Returns the RackHost."""
+        from photonic_testbed.hil.emulator.rack import RackError
         from photonic_testbed.hil.emulator.rackhost import RackHost
-        from photonic_testbed.hil.rack_layout import layout
         physics = {}
         if self.chip is not None:
             physics["chip"] = self.chip
         if self.optics is not None and self.optics.physics is not None:
             physics["ocs"] = self.optics.physics
-        lay = layout(self.spec.name)
+        if self.rails is not None:
+            physics.update(self.rails.physics)
+        lay = self.spec.rack_layout()
+        if lay is None:
+            raise RackError(f"rig {self.spec.name} has no rack of GPUs")
         missing = sorted(set(lay.switches) - set(physics))
         if missing:
-            from photonic_testbed.hil.emulator.rack import RackError
             raise RackError(f"rig {self.spec.name} has no {', '.join(missing)} for its rack")
         self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
                              gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)
+        if self.rails is not None:
+            self.rails.light_from(self.rack.rack.launch_mw)
         self.rack.start()
         if self.control is not None:
             self.rack.register(self.control)
@@ -175,6 +197,9 @@ class EmulatedRig:
         if self.control is not None:
             self.control.close()
             self.control = None
+        if self.rails is not None:
+            self.rails.close()
+            self.rails = None
         if self.optics is not None:
             self.optics.close()
             self.optics = None

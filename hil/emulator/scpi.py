@@ -236,7 +236,7 @@ class Instrument:
     def execute(self, session: Session, line: str) -> str | None:
         """Run one program message (a line without its terminator); the reply, or None."""
         self.lines_in += 1
-        if any(not (32 <= ord(c) < 127 or c == "\t") for c in line):
+        if not (line.isascii() and line.replace("\t", " ").isprintable()):
             session.push_error(SCPIError(-101, "non-ASCII or control bytes").entry())
             log.warning("%s: refused line with non-printable bytes: %r", session.peer, line[:80])
             return None

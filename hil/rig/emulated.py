@@ -17,6 +17,7 @@ import tomllib
 from dataclasses import dataclass, fields
 
 from photonic_testbed.common.topology import TopologyError, build
+from photonic_testbed.hil.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
 from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
                                             GpuConfig, Rig, RigFileError)
 
@@ -34,11 +35,27 @@ class RigSpec:
     chip_kind: str = ""           # the photonic chip on the DAC's heaters: benes, clements,
     #                               square, hexagonal ("" = none)
     chip_ports: int = 0           # N ports; nodes per side for square/hexagonal meshes
+    # A datacenter rack of rail OCSes (Opus): `servers` servers of `rails` GPUs, one NIC per
+    # GPU on its rail; rail l of pod k is served by the `pod` x `pod` OCS rail{l}-pod{k}, each a
+    # SCPI endpoint of its own; the last `spare_servers` servers of every pod are spares
+    # (hil.rack_layout.rail_rack). 0 servers: no such rack.
+    servers: int = 0
+    rails: int = 8
+    pod: int = 0
+    spare_servers: int = 0
 
     @property
     def chip_topology(self) -> str:
         """The chip's topology name ("benes16", "hexagonal4x4"), "" without a chip."""
         return build(self.chip_kind, self.chip_ports).name if self.chip_kind else ""
+
+    def rack_layout(self) -> RackLayout | None:
+        """The rack of GPUs on this rig's switches: the rail rack of a datacenter rig, the
+        built-in rack of a named rig that has one (lumion, opus), else None."""
+        if self.servers:
+            return rail_rack(self.name, self.servers, self.rails, self.spare_servers,
+                             self.pod or None, self.description)
+        return LAYOUTS[self.name]() if self.name in LAYOUTS else None
 
 
 RIGS = {
@@ -55,6 +72,10 @@ RIGS = {
                        meter_channels=16, laser=True),
     "opus": RigSpec("opus", "32 x 32 OCS, 4-port power meter on egress 33..36, laser into "
                     "ingress 1", ocs_ports=32, meter_channels=4, laser=True),
+    "opus2048": RigSpec("opus2048", "2,048 GPUs in 256 servers of 8, one NIC per GPU on its "
+                        "rail (8 rails); each rail's ports on 8 OCSes of 32 x 32 (64 OCSes, "
+                        "pods of 32 servers), the last server of every pod a spare",
+                        servers=256, rails=8, pod=32, spare_servers=1),
 }
 
 
@@ -123,6 +144,8 @@ def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
     spec_fields.setdefault("name", path.stem)
     spec_fields.setdefault("description", f"emulated rig from {path.name}")
     spec = RigSpec(**spec_fields)
+    if spec.servers:
+        _check_rails(spec, path)
     if spec.chip_kind:
         try:
             topology = build(spec.chip_kind, spec.chip_ports)
@@ -139,6 +162,25 @@ def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
                                f"emulator.ocs_ports must equal the chip's {topology.ports} "
                                "ports")
     return spec
+
+
+def _check_rails(spec: RigSpec, path: pathlib.Path) -> None:
+    """A datacenter rack: rail OCSes only, every pod holding its spares and a worker."""
+    if spec.chip_kind or spec.ocs_ports or spec.dac_modules or spec.meter_channels or \
+            spec.laser:
+        raise RigFileError(f"{path}: a rack of rail OCSes (emulator.servers) has no chip, "
+                           "bench OCS, heater DAC, meter or laser: leave those out")
+    if spec.rails < 1:
+        raise RigFileError(f"{path}: emulator.rails must be at least 1, not {spec.rails}")
+    per_pod = spec.pod or spec.servers
+    smallest = spec.servers - (-(-spec.servers // per_pod) - 1) * per_pod    # the last pod
+    if spec.spare_servers >= smallest:
+        raise RigFileError(f"{path}: emulator.spare_servers ({spec.spare_servers}) must leave "
+                           f"a working server in every pod (the smallest has {smallest})")
+    try:
+        spec.rack_layout()
+    except LayoutError as e:
+        raise RigFileError(f"{path}: {e}") from None
 
 
 # ---- the rig file of an emulated rig -----------------------------------------------------------
@@ -196,6 +238,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+# The rail OCSes of a datacenter rig: Polatis-class switches, one device each; their port
+# power telemetry at 0.2 Hz (64 switches at the services' default 2 Hz would be 128 port
+# scans a second for nobody: the agent verifies circuits through the GPUs' receivers).
+RAIL_OCS_DRIVER = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
+RAIL_OCS_TELEMETRY_HZ = 0.2
+
+
+def _rail_switches(spec: RigSpec, endpoints: dict[str, str]) -> dict[str, str]:
+    """{switch: VISA resource} of a datacenter rig's rail OCSes (endpoints keyed by the
+    switch's name, as `EmulatedRig` reports them); {} for other rigs."""
+    if not spec.servers:
+        return {}
+    layout = spec.rack_layout()
+    missing = [s for s in layout.switches if s not in endpoints]
+    if missing:
+        raise RigFileError(f"the emulated rig {spec.name} has no endpoint for its rail "
+                           f"OCS(es) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return {s: endpoints[s] for s in layout.switches}
+
+
 def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "127.0.0.1",
                  gpus: tuple[GpuConfig, ...] = ()) -> Rig:
     """A loopback rig (CURVE off) whose devices are the emulated instruments at `endpoints`
@@ -207,7 +269,8 @@ def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "12
         spec = rig_spec(spec)
     topology = spec.chip_topology
     served = {k: a for k, a in endpoints.items() if k in EMULATED_DEVICES}
-    ports = iter(free_ports(2 * (len(served) + len(PROCESSES)), host))
+    rails = _rail_switches(spec, endpoints)
+    ports = iter(free_ports(2 * (len(served) + len(rails) + len(PROCESSES)), host))
     devices = {}
     for key, address in served.items():
         dev, kind, driver = EMULATED_DEVICES[key]
@@ -217,6 +280,10 @@ def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "12
         options = {"ports": spec.meter_channels} if kind == "power_meter" else {}
         devices[dev] = DeviceConfig(dev, kind, address, driver, f"tcp://{host}:{next(ports)}",
                                     f"tcp://{host}:{next(ports)}", options=options)
+    for name, address in rails.items():
+        devices[name] = DeviceConfig(name, "switch", address, RAIL_OCS_DRIVER,
+                                     f"tcp://{host}:{next(ports)}", f"tcp://{host}:{next(ports)}",
+                                     telemetry_hz=RAIL_OCS_TELEMETRY_HZ)
     if not devices:
         raise RigFileError(f"the emulated rig {spec.name} has no device the bus can serve")
     chip = None

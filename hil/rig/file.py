@@ -234,6 +234,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
 
     gpus: list[GpuConfig] = []
     seen_ports: dict[tuple[str, int], str] = {}
+    names: set[str] = set()
     for i, g in enumerate(top.get("gpus", [])):
         g = c.table(g, "gpus", {
             "name": (str, True, "the GPU's name"),
@@ -247,6 +248,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                       "\"ens1f0\"), whose DDM `ethtool -m` reads"),
             "lane": (int, False, "the transceiver lane (>= 1) on this port; without it every "
                      "lane's power is summed"),
+            "server": (str, False, "the server whose scale-up fabric (NVLink) it shares with "
+                       "the server's other GPUs"),
         }, index=i)
         if g["switch"] not in devices:
             c.fail("gpus", "switch", f"a device name ({', '.join(devices)})", g["switch"], i)
@@ -256,13 +259,16 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         if key in seen_ports:
             c.fail("gpus", "port", f"a port no other GPU uses ({seen_ports[key]} has it)",
                    g["port"], i)
-        if any(x.name == g["name"] for x in gpus):
+        if g["name"] in names:
             c.fail("gpus", "name", "a name no other GPU has", g["name"], i)
+        if "server" in g and not g["server"]:
+            c.fail("gpus", "server", "a server name (not empty)", g["server"], i)
+        names.add(g["name"])
         seen_ports[key] = g["name"]
         _check_gpu_monitoring(c, g, i, gpus)
         gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
                               g.get("host", ""), g.get("nvml"), g.get("iface", ""),
-                              g.get("lane")))
+                              g.get("lane"), g.get("server", "")))
     monitors: dict[str, tuple[str, str]] = {}
     for host, m in top.get("monitors", {}).items():
         table = f"monitors.{host}"
@@ -400,6 +406,8 @@ def dumps(rig: Rig) -> str:
             out.append(f"iface = {_toml_value(g.iface)}")
         if g.lane is not None:
             out.append(f"lane = {g.lane}")
+        if g.server:
+            out.append(f"server = {_toml_value(g.server)}")
     for host, (request, publish) in rig.monitors.items():
         out += ["", f"[monitors.{_toml_key(host)}]", f"request = {_toml_value(request)}",
                 f"publish = {_toml_value(publish)}"]

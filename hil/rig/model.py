@@ -48,6 +48,9 @@ class GpuConfig:
     nvml: int | str | None = None
     iface: str = ""              # the Linux interface of its transceiver on this switch (DDM)
     lane: int | None = None      # that transceiver's lane (1-based) on this port; None = all
+    # The server whose scale-up fabric (NVLink) it shares with the server's other GPUs: links
+    # between them need no circuit, and a failed GPU's server may move as a whole ("" = none).
+    server: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 from photonic_testbed.ptb.cli import CommandFailed
 
 BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
-              "swap", "soak", "record")
+              "swap", "soak", "record", "datacenter", "job")
 
 
 def integer(lo: int, hi: int):

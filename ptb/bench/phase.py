@@ -5,12 +5,19 @@ phase events, as a training step does between its phases: what is timed is the s
 queue behind the previous switch's journal sync and state publication. Zero device delays,
 then (`--realistic`) the OCS at 25 ms per move (measured: the emulated OCS holds *OPC? until
 it has settled) and the chip with its modelled delays (1 ms of serial turnaround: the changed
-heaters' lines go back to back in one write; 10 us heater settling) added."""
+heaters' lines go back to back in one write; 10 us heater settling) added.
+
+On the chip, in the same run, interleaved with the phase switches: the bare process hops a
+phase switch crosses (job -> agent -> chip service -> the DAC's pty and back: the agent relays
+a `ping_device` to the chip service, which sends the board `id?`), and the ratio of the two;
+then the job-visible stall of a phase set up ahead (`Fabric.done`, then `--gap-ms` of compute,
+then `Fabric.phase`)."""
 from __future__ import annotations
 
 import statistics
 import time
 
+from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.jobplan import dp_tp
 from photonic_testbed.ptb.bench import integer, number
@@ -20,6 +27,8 @@ NAME = "phase"
 HELP = "phase event -> phase circuits applied (grant), over the bus, chip and OCS"
 SERIAL_LINE_S = 1e-3
 HEATER_SETTLE_S = 10e-6
+HOPS_GOAL = 1.5               # a chip phase switch at most 1.5x its bare process hops
+STALL_GOAL_S = 0.5e-3         # job-visible stall of a phase set up ahead
 
 
 def add_arguments(p) -> None:
@@ -33,7 +42,11 @@ def add_arguments(p) -> None:
 
 
 def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
-             gap_s: float = 0.005) -> list[float]:
+             gap_s: float = 0.005, hops: str = "") -> list[float] | dict[str, list[float]]:
+    """Phase switch times; with `hops` (the switch's device name) also, interleaved with them
+    in the same run, the bare hops a phase switch crosses (the agent relays a `ping_device` to
+    that switch's service, which asks the device itself) and the job-visible stall of a phase
+    set up ahead (the job releases a round, computes `gap_s`, then asks for the next)."""
     stack = Stack(rig, switching_ms=switching_ms, journal_sync=sync)
     fabric = None
     try:
@@ -41,17 +54,37 @@ def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
         plan = dp_tp(8)
         fabric.admit(plan)
         seq = plan.sequence()
-        times = []
+        times, bare, stall = [], [], []
         for _ in range(2):                       # warm-up: every circuit set seen once
             for ph, rnd in seq:
                 fabric.phase(ph, rnd)
-        while len(times) < runs:
+        with ServiceClient(stack.rig.agent_endpoints()[0], timeout=10) as agent:
+            if hops:
+                agent.call("relay_ping", device=hops)
+            while len(times) < runs:
+                for ph, rnd in seq:
+                    time.sleep(gap_s)            # the job computes between phase events
+                    t = time.perf_counter()
+                    fabric.phase(ph, rnd)
+                    times.append(time.perf_counter() - t)
+                    if hops:
+                        time.sleep(gap_s)
+                        t = time.perf_counter()
+                        agent.call("relay_ping", device=hops)
+                        bare.append(time.perf_counter() - t)
+        if not hops:
+            return times[:runs]
+        fabric.done(*seq[-1])                    # the last phase asked: the first goes up
+        time.sleep(gap_s)
+        while len(stall) < runs:
             for ph, rnd in seq:
-                time.sleep(gap_s)                # the job computes between phase events
                 t = time.perf_counter()
                 fabric.phase(ph, rnd)
-                times.append(time.perf_counter() - t)
-        return times[:runs]
+                stall.append(time.perf_counter() - t)
+                fabric.done(ph, rnd)             # its links are free: the next goes up
+                time.sleep(gap_s)                # while the job computes
+        return {"phase": times[:runs], "bare": bare[:runs], "stall": stall[:runs],
+                "ahead": [fabric.ahead]}
     finally:
         if fabric is not None:
             fabric.close()
@@ -67,9 +100,11 @@ def _row(case: str, xs: list[float], extra: float = 0.0) -> dict:
 
 def run(args) -> dict:
     gap = args.gap_ms / 1e3
-    chip = _measure("lumion", 0.0, args.runs, gap_s=gap)
+    chip_all = _measure("lumion", 0.0, args.runs, gap_s=gap, hops="chip")
+    chip = chip_all["phase"]
     ocs = _measure("opus", 0.0, args.runs, gap_s=gap)
-    chip_n = _measure("lumion", 0.0, args.runs, "normal", gap)
+    chip_n_all = _measure("lumion", 0.0, args.runs, "normal", gap, hops="chip")
+    chip_n = chip_n_all["phase"]
     ocs_n = _measure("opus", 0.0, args.runs, "normal", gap)
     rows = [_row("chip (lumion), zero delays", chip), _row("OCS (opus), zero delays", ocs),
             _row("chip, zero delays, journal sync normal", chip_n),
@@ -77,11 +112,27 @@ def run(args) -> dict:
             _row("chip, realistic (+1 ms serial, +10 us heaters)", chip,
                  SERIAL_LINE_S + HEATER_SETTLE_S)]
     samples = {"chip": chip, "ocs": ocs, "chip_normal": chip_n, "ocs_normal": ocs_n}
+    notes = []
+    for label, got in (("full", chip_all), ("normal", chip_n_all)):
+        rows.append(_row(f"chip, bare hops (job -> agent -> chip service -> DAC pty and "
+                         f"back), journal {label}", got["bare"]))
+        rows.append(_row(f"chip, job-visible stall, set up ahead ({args.gap_ms:g} ms of "
+                         f"compute between), journal {label}", got["stall"]))
+        samples[f"chip_bare_{label}"] = got["bare"]
+        samples[f"chip_stall_{label}"] = got["stall"]
+        ratios = [percentile(got["phase"], q) / percentile(got["bare"], q) for q in (0.5, 0.99)]
+        notes.append(f"journal {label}: chip phase switch over its bare hops, measured in the "
+                     f"same run: {ratios[0]:.2f}x at p50, {ratios[1]:.2f}x at p99 (goal <= "
+                     f"{HOPS_GOAL:g}x: {'met' if max(ratios) <= HOPS_GOAL else 'NOT met'})")
+        p99 = percentile(got["stall"], 0.99)
+        notes.append(f"journal {label}: job-visible stall with phases set up ahead, "
+                     f"{args.gap_ms:g} ms of compute between: p99 {1e3 * p99:.3f} ms (goal <= "
+                     f"{1e3 * STALL_GOAL_S:g} ms: {'met' if p99 <= STALL_GOAL_S else 'NOT met'}"
+                     f"; {got['ahead'][0]} of {len(got['stall'])} found set up ahead)")
     if args.realistic:
         slow = _measure("opus", 25.0, args.runs, gap_s=gap)
         rows.append(_row("OCS, realistic (25 ms per move, measured)", slow))
         samples["ocs_25ms"] = slow
-    notes = []
     for label, a, b in (("full", chip, ocs), ("normal", chip_n, ocs_n)):
         p99 = max(percentile(a, 0.99), percentile(b, 0.99))
         notes.append(f"journal {label}: goal phase switch p99 <= 2 ms with zero device delays "

@@ -18,24 +18,34 @@ PEER_TIMEOUT_S = 10.0        # a process that answers answers sooner: only a bus
 
 
 class Stack:
+    """`one_process`: the device services as threads of one `ptb serve --one-process` (a rig
+    of 64 OCSes). `started` holds each process's start-up time: launch to ready (the emulator:
+    its rig file written; the services: every one bound; the agent: answering a ping)."""
+
     def __init__(self, rig: str, switching_ms: float = 0.0, quarantine_s: float = 0.0,
-                 journal_sync: str = "full"):
+                 journal_sync: str = "full", one_process: bool = False):
         self._tmp = tempfile.TemporaryDirectory(prefix="ptb-bench-")
         self.workdir = pathlib.Path(self._tmp.name)
         self.procs = Processes(self.workdir)
         self.journal = self.workdir / "journal.db"
+        self.started: dict[str, float] = {}
         try:
             rig_path, eps = self.workdir / "rig.toml", self.workdir / "emulator.json"
+            t0 = time.monotonic()
             self.procs.start("emulate", "emulate", "--rig", rig, "--ideal-chip",
                              "--switching-ms", str(switching_ms), "--write-rig", str(rig_path),
                              "--endpoints", str(eps))
             _wait("the emulator", lambda: rig_path.exists() and eps.exists(), self.procs)
+            self.started["emulator"] = time.monotonic() - t0
             self.rig = rigfile.load(rig_path)
             self.control = json.loads(eps.read_text())["control"]
             served = self.workdir / "services.json"
+            t0 = time.monotonic()
             self.procs.start("serve", "serve", "--rig", str(rig_path), "--endpoints",
-                             str(served))
+                             str(served), *(["--one-process"] if one_process else []))
             _wait("the services", served.exists, self.procs)
+            self.started["services"] = time.monotonic() - t0
+            t0 = time.monotonic()
             self.procs.start("agent", "agent", "--rig", str(rig_path), "--journal",
                              str(self.journal), "--quarantine", str(quarantine_s),
                              "--journal-sync", journal_sync)
@@ -46,13 +56,39 @@ class Stack:
                     except BusError:
                         return None
                 _wait("the agent", up, self.procs)
+            self.started["agent"] = time.monotonic() - t0
         except BaseException:
             self.close()
             raise
 
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory of each process of the stack (and its children), MiB."""
+        return {name: rss_mb(proc.pid) for name, proc in self.procs.procs}
+
     def close(self) -> None:
         self.procs.close()
         self._tmp.cleanup()
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory with its children's (VmRSS from /proc), MiB; nan where
+    /proc cannot say."""
+    total, todo, seen, read = 0, [pid], set(), False
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            status = pathlib.Path(f"/proc/{p}/status").read_text()
+            kids = pathlib.Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        read = True
+        total += next((int(line.split()[1]) for line in status.splitlines()
+                       if line.startswith("VmRSS:")), 0)
+        todo += [int(k) for k in kids]
+    return total / 1024 if read else float("nan")
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,0 +1,149 @@
+"""The rail OCSes of a datacenter rig (Opus's photonic rails), emulated: one Polatis-class
+switch per (rail, pod), each its own SCPI endpoint on loopback, all served by this process.
+
+`RailSwitches(layout)` makes an `OCSPhysics` and its SCPI persona (`OCSInstrument`) for every
+switch of a rail rack (`hil.rack_layout.rail_rack`: `rail{l}-pod{k}`, N x N with N the pod's
+ports); `start()` puts each on its own port and returns {switch: VISA resource}. The rack's GPUs
+light the switches (`EmulatedRack`), and each switch's port power monitor (`:PMON:POW?`) sees
+their light once the rack is attached (`light_from`).
+
+Control handlers (docs/control.md), each naming its switch as `device`: `drop`, `reboot`,
+`stick`, `switching_time` (every switch when `device` is left out), and `switch_circuits`
+`{switches?: [names]}`: the circuits each switch holds as the emulator sees them (`commanded`,
+what its controller reports; `actual`, where the light goes) and the circuits made or broken on
+each port so far (`port_moves`), so a test checks the switches themselves rather than what the
+agent believes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from photonic_testbed.hil.emulator.control import ControlError, ControlServer
+from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.emulator.scpi import SCPIServer
+from photonic_testbed.hil.rack_layout import RackLayout
+
+log = logging.getLogger(__name__)
+
+SEEDS_PER_RIG = 4096          # switch k of a rig of seed s draws its hidden truth from s*4096+k
+
+
+class RailSwitches:
+    """Every rail OCS of a rack, each on its own loopback port. Use as a context manager."""
+
+    def __init__(self, layout: RackLayout, *, seed: int = 0, switching_s: float = 0.025,
+                 host: str = "127.0.0.1", port_base: int | None = None):
+        if len(layout.switches) > SEEDS_PER_RIG:
+            raise ValueError(f"{len(layout.switches)} switches: at most {SEEDS_PER_RIG}")
+        self.layout = layout
+        self.physics: dict[str, OCSPhysics] = {}
+        self.servers: dict[str, SCPIServer] = {}
+        for k, (name, n) in enumerate(layout.switches.items()):
+            phys = OCSPhysics(n, seed=seed * SEEDS_PER_RIG + k, switching_s=switching_s)
+            self.physics[name] = phys
+            port = 0 if port_base is None else port_base + k
+            self.servers[name] = SCPIServer(OCSInstrument(phys, serial=f"{seed:03d}{k:03d}"),
+                                            host, port, name)
+
+    def light_from(self, launch_mw: Callable[[str], dict[int, float]]) -> None:
+        """What enters each switch's ingress ports (`launch_mw(switch)` -> {port: mW}): the
+        rack's live transmitters, so the switches' own port power monitors see the GPUs."""
+        for name, phys in self.physics.items():
+            phys.light_in = lambda name=name: launch_mw(name)
+
+    def start(self) -> dict[str, str]:
+        endpoints = {}
+        try:
+            for name, server in self.servers.items():
+                endpoints[name] = server.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d rail OCSes listening", len(endpoints))
+        return endpoints
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+    def __enter__(self) -> "RailSwitches":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- control handlers ------------------------------------------------------------------
+
+    def register(self, control: ControlServer) -> None:
+        control.register("drop", self._drop)
+        control.register("reboot", self._reboot)
+        control.register("stick", self._stick)
+        control.register("switching_time", self._switching_time)
+        control.register("switch_circuits", self._circuits)
+
+    def _switch(self, req: dict) -> str:
+        name = req.get("device")
+        if name not in self.servers:
+            some = ", ".join(list(self.servers)[:3])
+            raise ControlError(f"device must name one of the {len(self.servers)} rail OCSes "
+                               f"({some}, ...), not {name!r}")
+        return name
+
+    def _drop(self, req: dict) -> Any:
+        server = self.servers[self._switch(req)]
+        when = req.get("when", "now")
+        if when == "now":
+            return {"dropped": server.drop_clients()}
+        header = req.get("header")
+        if not isinstance(header, str) or not header:
+            raise ControlError('"header" (a regex of the line to cut on) is needed with '
+                               '"when": "before" | "after"')
+        try:
+            server.drop_on(header, when)
+        except ValueError as e:
+            raise ControlError(str(e)) from None
+        return {"armed": header, "when": when}
+
+    def _reboot(self, req: dict) -> Any:
+        name = self._switch(req)
+        with self.servers[name].instrument.lock:
+            self.physics[name].reboot()
+        return {"dropped": self.servers[name].drop_clients()}
+
+    def _stick(self, req: dict) -> Any:
+        phys = self.physics[self._switch(req)]
+        port = req.get("port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 2 * phys.n:
+            raise ControlError(f"port must be an integer in 1..{2 * phys.n}, not {port!r}")
+        with phys.lock:
+            if req.get("stuck", True):
+                phys.stuck.add(port)
+            else:
+                phys.stuck.discard(port)
+            return sorted(phys.stuck)
+
+    def _switching_time(self, req: dict) -> Any:
+        s = req.get("seconds")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 10:
+            raise ControlError(f"seconds must be a number in 0..10, not {s!r}")
+        names = [self._switch(req)] if "device" in req else list(self.physics)
+        for name in names:
+            self.physics[name].switching_s = float(s)
+        return {"seconds": float(s), "switches": len(names)}
+
+    def _circuits(self, req: dict) -> Any:
+        names = req.get("switches")
+        if names is None:
+            names = list(self.physics)
+        elif not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ControlError(f"switches must be a list of switch names, not {names!r}")
+        out = {}
+        for name in names:
+            phys = self.physics[self._switch({"device": name})]
+            with phys.lock:
+                out[name] = {"commanded": sorted(phys.commanded.items()),
+                             "actual": sorted(phys.actual.items()), "moves": phys.moves,
+                             "port_moves": sorted(phys.port_moves.items())}
+        return out

@@ -1,0 +1,217 @@
+"""The datacenter rig over the real sockets: `opus2048` (2,048 GPUs, 64 rail OCSes, each its
+own SCPI endpoint in the emulator) with `ptb serve --one-process` (64 switch services as
+threads of one process) and `ptb agent`, as processes; zero device delays.
+
+- Start-up: each process from launch to ready, and the emulator's alone against the issue's
+  30 s; resident memory (RSS) of the emulator, the services and the agent, before and after a
+  job of every working GPU is admitted and run.
+- Phase switch: one job on every working GPU (1,984: TP inside each server, then a DP ring and
+  an all-to-all over the servers of each pod on every rail, so that each (phase, round) sets
+  circuits on all 64 OCSes); `Fabric.phase` timed from the job's request to the grant, the job
+  computing `--gap-ms` between two.
+- Failover: the GPU of a rank fails (control endpoint); its server's ranks move to a spare
+  server of its pod (8 OCSes, one per rail); timed from the failure event on the bus (the
+  `gpus` delta, as a subscriber here hears it) to the new circuits applied on every OCS
+  involved and verified by the receivers' light (the journal's timestamps). Healed after each
+  run, so every run is a full swap.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from photonic_testbed.hil.bus.mirror import SubscriberThread
+from photonic_testbed.hil.emulator.control import request
+from photonic_testbed.hil.fabric_client import Fabric
+from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.rig import RigFileError, rig_spec
+from photonic_testbed.ptb.bench import integer, number
+from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
+from photonic_testbed.ptb.cli import CommandFailed
+
+NAME = "datacenter"
+HELP = ("opus2048 over the real sockets: start-up, memory, failover and a phase switch on "
+        "all 64 OCSes")
+START_GOAL_S = 30.0
+FAILOVER_GOAL_S = 0.050
+PHASE_GOAL_S = 0.020
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--rig", default="opus2048",
+                   help="a datacenter rig (default %(default)s) or an [emulator] TOML of one")
+    p.add_argument("--phases", type=integer(1, 10 ** 6), default=300,
+                   help="phase switches timed (default %(default)s)")
+    p.add_argument("--failovers", type=integer(1, 10 ** 5), default=100,
+                   help="failovers timed (default %(default)s)")
+    p.add_argument("--gap-ms", type=number(0, 10_000), default=5.0,
+                   help="the job's compute between two phase requests (default %(default)s)")
+    p.add_argument("--journal-sync", choices=("full", "normal"), default="full")
+
+
+def rack_plan(spec) -> tuple[JobPlan, int]:
+    """A job on every working GPU of a datacenter rig and its servers per pod: TP inside
+    each server, then per pod and rail a DP ring and an all-to-all over the pod's working
+    servers (every (phase, round) but TP sets circuits on every OCS)."""
+    if not spec.servers:
+        raise CommandFailed(f"rig {spec.name} is not a datacenter rig (no rail OCSes)")
+    per_pod = spec.pod or spec.servers
+    if spec.servers % per_pod:
+        raise CommandFailed(f"rig {spec.name}: pods of unequal size ({spec.servers} servers "
+                            f"in pods of {per_pod}); the bench's job needs equal pods")
+    group = per_pod - spec.spare_servers
+    if group < 2:
+        raise CommandFailed(f"rig {spec.name}: a pod needs 2 working servers for the job")
+    world = spec.rails * group * (spec.servers // per_pod)
+    return JobPlan("datacenter", world, (
+        PhaseSpec("tp", "ring", group=spec.rails, stride=1),
+        PhaseSpec("dp", "ring", group=group, stride=spec.rails),
+        PhaseSpec("ep", "all_to_all", group=group, stride=spec.rails))), group
+
+
+def _rows(label: str, xs: list[float]) -> dict:
+    return {"case": label, "runs": len(xs), "p50_ms": f"{1e3 * statistics.median(xs):.2f}",
+            "p99_ms": f"{1e3 * percentile(xs, 0.99):.2f}", "max_ms": f"{1e3 * max(xs):.2f}"}
+
+
+def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
+            ) -> tuple[list[float], list[int]]:
+    """Time `runs` phase requests; each one's number of OCSes written (from the journal)."""
+    seq = plan.sequence()
+    for ph, rnd in seq:                        # warm-up: every circuit set seen once
+        fabric.phase(ph, rnd)
+    times: list[float] = []
+    with Journal(stack.journal) as j:
+        last = j.entries()[-1].seq
+        while len(times) < runs:
+            for ph, rnd in seq:
+                time.sleep(gap_s)
+                t = time.perf_counter()
+                fabric.phase(ph, rnd)
+                times.append(time.perf_counter() - t)
+                if len(times) == runs:
+                    break
+        wait_for(lambda: len([e for e in j.entries(since=last, kinds=("phase",))]) >= runs)
+        written = [len(e.details.get("applied", {}))
+                   for e in j.entries(since=last, kinds=("phase",))][:runs]
+    return times, written
+
+
+def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int,
+               per_pod_ranks: int) -> dict[str, list[float]]:
+    seen: dict[str, float] = {}
+
+    def on_gpus(device, state, ops):
+        now = time.time()
+        for gpu, h in state.get("gpus", {}).items():
+            if h.get("state") == "failed":
+                seen.setdefault(gpu, now)
+            else:
+                seen.pop(gpu, None)
+    parts: dict[str, list[float]] = {k: [] for k in (
+        "bus event", "detect", "decide", "apply", "verify", "from bus event", "ocs")}
+    sub = SubscriberThread({"gpus": stack.rig.gpus_endpoints()}, on_state=on_gpus,
+                           telemetry=False).start()
+    pods = len(rank_map) // per_pod_ranks
+    try:
+        with Journal(stack.journal) as j:
+            last = j.entries()[-1].seq
+            for run in range(-1, runs):          # run -1: a warm-up, not kept
+                # a rank in a different pod each run (rank 43: GPU 3 of the 6th server)
+                victim = rank_map[(run % pods) * per_pod_ranks + 43 % per_pod_ranks]
+                t_fail = time.time()
+                request(stack.control, {"cmd": "fail_gpu", "gpu": victim}, 30.0)
+
+                def done():
+                    es = j.entries(since=last)
+                    return es if any(e.kind in ("verified", "verify_failed") for e in es) \
+                        and any(e.kind == "rank_map" for e in es) else None
+                es = wait_for(done)
+                last = es[-1].seq
+                t = {}
+                for e in es:
+                    t.setdefault(e.kind, e.ts)
+                dec = next(e for e in es if e.kind == "decision"
+                           and e.details.get("action") == "swap")
+                rank_map = {int(r): g for r, g in dec.details["rank_map"].items()}
+                if "verified" not in t:
+                    raise CommandFailed(f"the swap of {victim} did not verify: "
+                                        f"{[e.details for e in es if e.kind == 'verify_failed']}")
+                t_bus = wait_for(lambda: seen.get(victim))
+                request(stack.control, {"cmd": "heal_gpu", "gpu": victim}, 30.0)
+                wait_for(lambda: victim not in seen)
+                time.sleep(0.05)          # the healed GPU is seen before the next run
+                if run < 0:
+                    continue
+                parts["bus event"].append(t_bus - t_fail)
+                parts["detect"].append(t["detected"] - t_fail)
+                parts["decide"].append(dec.ts - t["detected"])
+                parts["apply"].append(t["applied"] - dec.ts)
+                parts["verify"].append(t["verified"] - t["applied"])
+                parts["from bus event"].append(t["verified"] - t_bus)
+                parts["ocs"].append(sum(1 for e in es if e.kind == "applied"))
+    finally:
+        sub.close()
+    return parts
+
+
+def run(args) -> dict:
+    try:
+        spec = rig_spec(args.rig)
+    except (RigFileError, ValueError) as e:
+        raise CommandFailed(str(e)) from None
+    plan, group = rack_plan(spec)
+    stack = Stack(args.rig, one_process=True, journal_sync=args.journal_sync)
+    fabric = None
+    try:
+        rss = {"idle": stack.rss_mb()}
+        workers = [g.name for g in stack.rig.gpus if not g.spare]
+        fabric = Fabric(*stack.rig.agent_endpoints(), timeout=60)
+        t = time.perf_counter()
+        rank_map = fabric.admit(plan, dict(enumerate(workers)))
+        admit_s = time.perf_counter() - t
+        rss["job admitted"] = stack.rss_mb()
+        phase_s, written = _phases(stack, fabric, plan, args.phases, args.gap_ms / 1e3)
+        parts = _failovers(stack, fabric, rank_map, args.failovers, spec.rails * group)
+        rss["after the runs"] = stack.rss_mb()
+    finally:
+        if fabric is not None:
+            fabric.close()
+        stack.close()
+    switches = len(spec.rack_layout().switches)
+    all_ocs = [x for x, n in zip(phase_s, written) if n == switches]
+    rows = [{"case": f"start-up: {k} (launch to ready)", "runs": 1,
+             "p50_ms": f"{1e3 * v:.0f}", "p99_ms": "", "max_ms": ""}
+            for k, v in stack.started.items()]
+    rows.append({"case": f"admit the job ({plan.world} ranks)", "runs": 1,
+                 "p50_ms": f"{1e3 * admit_s:.0f}", "p99_ms": "", "max_ms": ""})
+    rows.append(_rows(f"phase switch, every (phase, round) ({switches} OCSes or none)",
+                      phase_s))
+    if all_ocs:
+        rows.append(_rows(f"phase switch writing all {switches} OCSes", all_ocs))
+    for k in ("bus event", "detect", "decide", "apply", "verify", "from bus event"):
+        rows.append(_rows(f"failover: {k}", parts[k]))
+    mem = [{"process": name, **{when: f"{got[name]:.0f} MiB" for when, got in rss.items()}}
+           for name in rss["idle"]]
+    start = stack.started["emulator"]
+    fo99 = percentile(parts["from bus event"], 0.99)
+    ph99 = percentile(all_ocs or phase_s, 0.99)
+    notes = [
+        f"ptb emulate --rig {spec.name}: {start:.1f} s to its rig file (goal < "
+        f"{START_GOAL_S:g} s: {'met' if start < START_GOAL_S else 'NOT met'})",
+        f"failover (a server's ranks to a spare server: {statistics.median(parts['ocs']):.0f} "
+        f"OCSes written) from the failure event on the bus to verified: p99 "
+        f"{1e3 * fo99:.1f} ms (goal <= {1e3 * FAILOVER_GOAL_S:g} ms: "
+        f"{'met' if fo99 <= FAILOVER_GOAL_S else 'NOT met'})",
+        f"phase switch on all {switches} OCSes ({len(all_ocs)} of {len(phase_s)}): p99 "
+        f"{1e3 * ph99:.1f} ms (goal <= {1e3 * PHASE_GOAL_S:g} ms: "
+        f"{'met' if ph99 <= PHASE_GOAL_S else 'NOT met'})",
+    ]
+    notes += [f"RSS of {m['process']}: " + ", ".join(f"{k} {v}" for k, v in m.items()
+                                                    if k != "process") for m in mem]
+    return {"rows": rows, "memory": mem, "notes": notes, "started_s": stack.started,
+            "rss_mib": rss, "samples_ms": {
+                "phase": [round(1e3 * x, 3) for x in phase_s], "ocs_written": written,
+                **{f"failover {k}": [round(1e3 * x, 3) for x in v]
+                   for k, v in parts.items() if k != "ocs"}}}
