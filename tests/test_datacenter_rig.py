@@ -140,7 +140,7 @@ def test_emulate_and_serve_one_process_run_a_datacenter_rig(tmp_path):
         _wait_for(rig_path, emulate)
         _wait_for(eps, emulate)
         rig = rigfile.load(rig_path)
-        assert sorted(rig.devices) == sorted(f"rail{l}-pod{k}" for l in range(8)
+        assert sorted(rig.devices) == sorted(f"rail{r}-pod{k}" for r in range(8)
                                              for k in range(2))
         assert len(rig.gpus) == 128 and sum(g.spare for g in rig.gpus) == 16
         s9g4 = next(g for g in rig.gpus if g.name == "s9g4")

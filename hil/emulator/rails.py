@@ -16,6 +16,8 @@ agent believes.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 from typing import Any, Callable
 
@@ -50,7 +52,7 @@ class RailSwitches:
         """What enters each switch's ingress ports (`launch_mw(switch)` -> {port: mW}): the
         rack's live transmitters, so the switches' own port power monitors see the GPUs."""
         for name, phys in self.physics.items():
-            phys.light_in = lambda name=name: launch_mw(name)
+            phys.light_in = functools.partial(launch_mw, name)
 
     def start(self) -> dict[str, str]:
         endpoints = {}
