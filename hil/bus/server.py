@@ -32,6 +32,7 @@ State changes a handler makes with `defer(...)` are published after its reply ha
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import time
 import uuid
@@ -55,7 +56,8 @@ QUEUE_LIMIT = 1000              # requests taken off the socket ahead of the one
 HARD_FRAME_LIMIT = 16 * schema.MAX_FRAME   # above this ZeroMQ drops the peer's connection
 DONE_KEPT = 4096                # answers of changing requests kept for retries...
 DONE_BYTES = 16 << 20           # ...at most this many bytes of them...
-DONE_AGE_S = 600.0              # ...for at most this long
+DONE_AGE_S = 600.0              # ...for at most this long (a request without a ttl_ms)...
+DONE_GRACE_S = 5.0              # ...or this long past the request's ttl_ms, when it has one
 READ_KEPT_S = 30.0              # a read's answer serves its own retries for this long
 READ_BYTES = 4 << 20            # ...within this many bytes of reads' answers
 RETRY_GRACE_S = 0.1             # well inside the client's first wait (hil.bus.client)
@@ -98,6 +100,7 @@ class _Pending:
     op: schema.Operation
     future: Future
     envelopes: list[list[bytes]] = field(default_factory=list)
+    ttl_ms: float | None = None                     # the request's: how long retries may come
 
 
 class Server:
@@ -143,10 +146,11 @@ class Server:
         self._next_beat = 0.0
         self._unpublished: dict = {}          # state changes to publish after the reply
         self._done: collections.OrderedDict[str, tuple[str, bytes, float]] = \
-            collections.OrderedDict()         # request id -> (op, answer frame, when)
+            collections.OrderedDict()         # request id -> (op, answer frame, kept until)
         self._reads: collections.OrderedDict[str, tuple[str, bytes, float]] = \
             collections.OrderedDict()         # the same, for read-only requests
         self._bytes = {False: 0, True: 0}     # bytes kept, changes and reads
+        self._expiry: dict[bool, list[tuple[float, str]]] = {False: [], True: []}  # heaps
         self._running: dict[str, _Pending] = {}         # request id -> unanswered yet
 
     # ---- operations ----------------------------------------------------------------------------
@@ -343,8 +347,7 @@ class Server:
             # is never run twice, and a slow read is not run again for each retry its client
             # sent while it ran (which would answer, each time, a socket already given up).
             done = (self._reads if op.read_only else self._done).get(rid)
-            if done is not None and (not op.read_only or
-                                     time.monotonic() - done[2] < READ_KEPT_S):
+            if done is not None and time.monotonic() < done[2]:
                 if done[0] != op.name:
                     raise BadRequest(f"request id {rid} was used for {done[0]}, not "
                                      f"{op.name}")
@@ -376,18 +379,18 @@ class Server:
                 except Exception as e:
                     # it may have changed something half way: answered the same on a retry
                     self._log_failure(rid, e)
-                    self._remember(rid, op, self._error_frame(rid, e))
+                    self._remember(rid, op, self._error_frame(rid, e), req.ttl_ms)
                     send(self._done[rid][1])
                     return True
             if isinstance(result, Future):
-                self._running[rid] = _Pending(op, result, [envelope])
+                self._running[rid] = _Pending(op, result, [envelope], req.ttl_ms)
                 return False
             reply = self._reply_frame(rid, result)
             # a read answered within RETRY_GRACE_S of its arrival cannot have a retry on its
             # way (the client resends after FIRST_ATTEMPT_S): only slower ones are kept
             if not op.read_only or arrived is None or \
                     time.monotonic() - arrived > RETRY_GRACE_S:
-                self._remember(rid, op, reply)
+                self._remember(rid, op, reply, req.ttl_ms)
             send(reply)
             return True
         except Exception as e:
@@ -408,20 +411,34 @@ class Server:
         if not isinstance(e, RemoteError):
             log.info("%s: request %s failed: %s: %s", self.name, rid, type(e).__name__, e)
 
-    def _remember(self, rid: str, op: schema.Operation, frame: bytes) -> None:
-        """Keep an answer for the request's retries: a change's for DONE_AGE_S, a read's for
-        READ_KEPT_S (each kind within its count and bytes)."""
+    def _remember(self, rid: str, op: schema.Operation, frame: bytes,
+                  ttl_ms: float | None = None) -> None:
+        """Keep an answer for the request's retries. A client retries with the same id until
+        the deadline its `ttl_ms` gives, never after: a change's answer is kept that long and
+        DONE_GRACE_S more (DONE_AGE_S for a request without a ttl_ms), a read's READ_KEPT_S;
+        each kind within its count and bytes, the oldest dropped first."""
         now = time.monotonic()
         if op.read_only:
-            cache, age, limit = self._reads, READ_KEPT_S, READ_BYTES
+            cache, keep, limit = self._reads, READ_KEPT_S, READ_BYTES
         else:
-            cache, age, limit = self._done, DONE_AGE_S, DONE_BYTES
-        cache[rid] = (op.name, frame, now)
+            cache, limit = self._done, DONE_BYTES
+            keep = DONE_AGE_S if ttl_ms is None else min(DONE_AGE_S, ttl_ms / 1e3 + DONE_GRACE_S)
+        cache[rid] = (op.name, frame, now + keep)
         self._bytes[op.read_only] += len(frame)
-        while cache and (len(cache) > DONE_KEPT or self._bytes[op.read_only] > limit
-                         or now - next(iter(cache.values()))[2] > age):
-            _, (_, old, _) = cache.popitem(last=False)
+        expiry = self._expiry[op.read_only]
+        heapq.heappush(expiry, (now + keep, rid))
+        while expiry and expiry[0][0] < now:             # past their deadlines, in any order
+            until, old_rid = heapq.heappop(expiry)
+            kept = cache.get(old_rid)
+            if kept is not None and kept[2] == until:
+                del cache[old_rid]
+                self._bytes[op.read_only] -= len(kept[1])
+        while cache and (len(cache) > DONE_KEPT or self._bytes[op.read_only] > limit):
+            _, (_, old, _) = cache.popitem(last=False)  # over the bounds: the oldest first
             self._bytes[op.read_only] -= len(old)
+        if len(expiry) > 2 * len(cache) + 64:            # entries of answers dropped above
+            expiry[:] = [(v[2], r) for r, v in cache.items()]
+            heapq.heapify(expiry)
 
     def _send_later(self, send=None) -> int:
         """Send the answers whose futures are done; returns how many went out."""
@@ -429,7 +446,7 @@ class Server:
         for rid in [r for r, p in self._running.items() if p.future.done()]:
             pending = self._running.pop(rid)
             frame = self._future_frame(rid, pending.future)
-            self._remember(rid, pending.op, frame)
+            self._remember(rid, pending.op, frame, pending.ttl_ms)
             for envelope in pending.envelopes:
                 (send or (lambda f, e=envelope: self._send(e, f)))(frame)
                 sent += 1
