@@ -49,6 +49,29 @@ def test_entries_reported_written_survive_kill_9(tmp_path):
     assert set(acknowledged) <= stored
 
 
+def test_the_log_is_checkpointed_off_the_writers_path(tmp_path, monkeypatch):
+    """No commit checkpoints (SQLite's own would, every 1,000 pages: 10-20 ms inside a
+    decision); the journal's thread does, so the log does not grow with the entries."""
+    import photonic_testbed.hil.journal as journal_module
+    monkeypatch.setattr(journal_module, "CHECKPOINT_S", 0.05)
+    path = tmp_path / "j.db"
+    wal = pathlib.Path(str(path) + "-wal")
+    j = Journal(path, "NORMAL")
+    try:
+        assert j._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        sizes = []
+        for _ in range(4):
+            for k in range(500):
+                j.record("decision", "bench", details_of_a_size="x" * 200, k=k)
+            sizes.append(wal.stat().st_size)
+            time.sleep(1.0)                  # 20 of the thread's rounds: the log copied
+        assert max(sizes) < 2 * sizes[0], f"the log grew with the entries: {sizes}"
+        assert len(j.entries()) == 2000
+    finally:
+        j.close()
+    assert not wal.exists() or wal.stat().st_size == 0
+
+
 def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
     with Journal(tmp_path / "j.db") as j:
         j.set_intended("chip", [(3, 7), (1, 2)], cause="spare swap gpu3 -> spare0")
