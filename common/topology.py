@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,8 +228,8 @@ def benes(n: int = 16, name: str | None = None) -> Topology:
     def build(m: int, s0: int, r0: int):
         """Wire a Benes subnetwork of size m; returns (input sinks, output sources)."""
         if m == 2:
-            c = cell_id(s0, r0)
-            return [("cell", c, 0), ("cell", c, 1)], [("cell", c, 2), ("cell", c, 3)]
+            cid = cell_id(s0, r0)
+            return [("cell", cid, 0), ("cell", cid, 1)], [("cell", cid, 2), ("cell", cid, 3)]
         last = s0 + benes_stages(m) - 1
         up_in, up_out = build(m // 2, s0 + 1, r0)
         lo_in, lo_out = build(m // 2, s0 + 1, r0 + m // 4)
@@ -264,8 +264,8 @@ def clements(n: int = 8, name: str | None = None) -> Topology:
         raise TopologyError(f"a Clements mesh has 2..{MAX_PORTS['clements']} modes, "
                             f"not {n!r}")
     cells = []
-    links = []
-    last = [("port", m + 1) for m in range(n)]     # what feeds each mode so far
+    links: list = []
+    last: list[tuple] = [("port", m + 1) for m in range(n)]     # what feeds each mode so far
     for k, (col, m) in enumerate(clements_cells(n)):
         cid = cell_id(col, m // 2)
         cells.append(Cell(cid, float(col), m / 2, (2 * k, 2 * k + 1)))
@@ -378,7 +378,8 @@ def hexagonal(rows: int = 9, cols: int | None = None, name: str | None = None) -
 
 def build(kind: str, size: int) -> Topology:
     """A topology by kind and size (N ports for benes/clements, nodes per side for meshes)."""
-    makers = {"benes": benes, "clements": clements, "square": square, "hexagonal": hexagonal}
+    makers: dict[str, Callable[[int], Topology]] = {
+        "benes": benes, "clements": clements, "square": square, "hexagonal": hexagonal}
     try:
         return makers[kind](size)
     except KeyError:

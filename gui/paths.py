@@ -49,7 +49,7 @@ def trace(topology: Topology, cells: Mapping[str, Mapping[str, Any]], port: int)
     the GUI does not guess hardware state.
     """
     path = LightPath(port)
-    todo = [("port", port)]
+    todo: list[tuple] = [("port", port)]
     seen: set[tuple] = set()
     while todo:
         here = todo.pop()

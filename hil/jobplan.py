@@ -28,6 +28,9 @@ PATTERNS = ("ring", "chain", "all_to_all")
 RankLink = tuple[int, int]
 
 
+MAX_PHASES = 64                  # phases of one job's plan, at most
+
+
 class PlanError(ValueError):
     """The plan cannot run on this world size, or is not a valid plan."""
 
@@ -180,12 +183,23 @@ class JobPlan:
                 "phases": [asdict(p) for p in self.phases]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "JobPlan":
+    def from_dict(cls, d: dict[str, Any], max_world: int | None = None) -> "JobPlan":
+        """A plan from its dict (`to_dict`). `max_world`: refuse a bigger world before its
+        links are worked out (they cost the world's square for an all-to-all)."""
         try:
+            world = int(d["world"])
+            if max_world is not None and world > max_world:
+                raise PlanError(f"job {d.get('name')!r} wants {world} ranks; at most "
+                                f"{max_world} can run here")
+            if not isinstance(d["phases"], (list, tuple)) or len(d["phases"]) > MAX_PHASES:
+                raise PlanError(f"job {d.get('name')!r}: phases are a list of at most "
+                                f"{MAX_PHASES}")
             return cls(str(d["name"]), int(d["world"]),
                        tuple(PhaseSpec(**p) for p in d["phases"]),
                        None if d.get("min_world") is None else int(d["min_world"]))
-        except (KeyError, TypeError) as e:
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanError(f"not a job plan: {e!r}") from None
 
 

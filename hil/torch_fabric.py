@@ -278,7 +278,7 @@ def build_model(cfg: ModelConfig, tp_index: int, seed: int) -> CharTransformer:
     src = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in shard.named_parameters():
-            w = src[name]
+            w: torch.Tensor = src[name]
             if name.endswith("mlp.fc1.weight") or name.endswith("mlp.fc1.bias"):
                 w = w[lo:hi]
             elif name.endswith("mlp.fc2.weight"):
@@ -456,7 +456,8 @@ class Worker:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._graveyard: list[Any] = []  # abandoned groups (their threads may hang: never freed)
-        self.fabric = None
+        self.fabric: Any = None          # a Fabric client when the job runs on one
+        self._tp_audited = False         # this step's TP collectives checked once
         self.completed = 0               # steps whose update this process's state holds
         self.granted: tuple[str, int] | None = None
         self._barriers = 0

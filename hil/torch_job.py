@@ -156,7 +156,7 @@ def read_events(workdir: str | os.PathLike) -> list[dict]:
 def emulator_request(endpoint: str, msg: dict, timeout_s: float = 5.0) -> Any:
     """One request on the emulator's control endpoint (its wire: docs/control.md); the result,
     or JobSpecError with the emulator's refusal."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -202,8 +202,8 @@ class Controller:
         self.lost_at: float | None = None
         self.failed_starts: dict[str, int] = {}
         self.orders: queue.Queue = queue.Queue()
-        self.fabric = None
-        self.agent_state = None
+        self.fabric: Any = None             # the job's Fabric client, once admitted
+        self.agent_state: Any = None        # a SubscriberThread on the agent's state
         self.stopped: str | None = None
         self.interrupted = threading.Event()   # SIGTERM/SIGINT: stop the job cleanly
         self._logs: list = []
@@ -385,10 +385,10 @@ class Controller:
         rig = rigfile.load(self.spec.rig)
         self.agent_state = SubscriberThread({"agent": rig.agent_endpoints()},
                                             keys=rig.client_keys(), telemetry=False).start()
-        self.fabric = Fabric(*rig.agent_endpoints(), keys=rig.client_keys(),
-                             timeout=self.spec.agent_timeout_s,
-                             on_restart=lambda m, cause: self.orders.put((m, cause)))
-        return self.fabric.admit(self.plan)
+        fabric = self.fabric = Fabric(*rig.agent_endpoints(), keys=rig.client_keys(),
+                                      timeout=self.spec.agent_timeout_s,
+                                      on_restart=lambda m, cause: self.orders.put((m, cause)))
+        return fabric.admit(self.plan)
 
     def _finish(self, reason: str) -> None:
         self._publish_stop(reason)

@@ -17,6 +17,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 from photonic_testbed.ptb.cli import CommandFailed
 
@@ -98,10 +99,10 @@ def read_rig(path: str):
         raise CommandFailed(str(e)) from None
 
 
-def endpoints_from_rig(rig) -> tuple[dict[str, str], dict[str, object]]:
+def endpoints_from_rig(rig) -> tuple[dict[str, str], dict[str, Any]]:
     """(endpoints like `ptb emulate` writes, the rig's device behind each) of a rig file."""
     ep: dict[str, str] = {}
-    used: dict[str, object] = {}
+    used: dict[str, Any] = {}
     heaters = rig.chip.heaters if rig.chip and rig.chip.heaters else ""
     for name, dev in rig.devices.items():
         if dev.kind in ("heater_dac", "chip") and (not heaters or name == heaters):
@@ -152,7 +153,7 @@ def _serving(endpoint: str, keys) -> bool:
         client.close()
 
 
-def refuse_if_served(rig, used: dict[str, object]) -> None:
+def refuse_if_served(rig, used: dict[str, Any]) -> None:
     """One writer per device: refuse to calibrate while a bus service of this rig drives the
     chip's heater DAC (its `chip` or `heater_dac` service) or another instrument calibration
     drives (the OCS, the laser, the power meter). Asked before any instrument is opened."""

@@ -103,7 +103,7 @@ def run(args) -> int:
     rig = _start(spec, args)
     with contextlib.closing(rig):
         from photonic_testbed.hil import rig as rigfile
-        gpus = ()
+        gpus: tuple = ()
         lay = spec.rack_layout()
         if lay is not None:
             spares = set(lay.spares)

@@ -322,7 +322,7 @@ def test_bad_requests_get_clear_errors(tmp_path):
         w.agent.on_phase("tp")
     with pytest.raises(AgentError, match="no CircuitSwitch"):
         Agent(lumion(), {}, w.journal, w.rack.port_power_dbm)
-    with pytest.raises(AgentError, match="does not fit"):
+    with pytest.raises(AgentError, match="named for two ranks"):
         w.agent.admit(dp_ring(8), {r: "gpu0" if r < 2 else f"gpu{r}" for r in range(8)})
     assert w.agent.on_health(w.rack.gpu_health("spare1")) is None
 

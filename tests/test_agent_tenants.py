@@ -153,3 +153,67 @@ def test_best_fit_leaves_room_that_first_fit_fragments(tmp_path):
             except AgentError:
                 results[policy] = "refused"
     assert results == {"first-fit": "refused", "best-fit": "placed"}
+
+
+def test_a_job_speaks_for_its_own_links_only(tmp_path):
+    """A job's failure report naming another job's dark link is no reason to probe that link:
+    the loopback test would move the other job's circuits (and spend its eviction budget)."""
+    layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
+    switches = {s: Switch(s, n) for s, n in layout.switches.items()}
+    dark: set[tuple[str, int]] = set()
+    with Journal(tmp_path / "j.db") as journal:
+        agent = Agent(layout, switches, journal,
+                      lambda s, p: -40.0 if (s, p) in dark else -3.0, quarantine_s=1e9)
+        a = agent.admit(plan("a", 2))
+        b = agent.admit(plan("b", 2))
+        agent.on_phase("pp", 0, job="b")              # b's pipeline: rank 0 -> rank 8
+        src, dst = b[0], b[8]
+        att = layout.gpus[dst][0]
+        dark.add((att.switch, att.rx))                # b's link is dark (b has not said so)
+        b_ports = ports_of(layout, b.values())
+        before = circuits_of(switches, b_ports)
+        for s in switches.values():
+            s.touched.clear()
+        agent.on_job_failure("a's report", links=[[src, dst]], job="a")
+        assert all(not (switches[s].touched & p) for s, p in b_ports.items())
+        assert circuits_of(switches, b_ports) == before
+        assert agent.jobs["b"].rank_map == b and agent.jobs["a"].rank_map == a
+        assert not [e for e in journal.entries(kinds=["diagnosis"])]
+        assert any("not its to report" in e.cause for e in journal.entries(kinds=["note"]))
+        # b's own report of the same link is diagnosed (its receiver is dark: b's GPU blamed)
+        agent.on_job_failure("b's report", links=[[src, dst]], job="b")
+        assert journal.entries(kinds=["diagnosis"])
+
+
+def test_a_refused_readmission_leaves_the_job_as_it_was(rack):
+    """Admitting a job again under its name takes it on afresh only if the new admission
+    is accepted: a refused one changes nothing (its GPUs, its circuits, the journal)."""
+    layout, switches, agent = rack
+    agent.admit(plan("a", 2))
+    b = agent.admit(plan("b", 2))
+    free, circuits = len(agent._free), {s: dict(sw.c) for s, sw in switches.items()}
+    with pytest.raises(AgentError, match="whole free servers"):
+        agent.admit(plan("b", 12))                    # more servers than a pod has
+    with pytest.raises(AgentError, match="ranks 0..7"):
+        agent.admit(plan("b", 1), rank_map={r * 2: g for r, g in
+                                             enumerate(list(b.values())[:8])})
+    assert agent.jobs["b"].rank_map == b and len(agent._free) == free
+    assert {s: sw.c for s, sw in switches.items()} == circuits
+    # an accepted one replaces it (its old servers may be reused)
+    b3 = agent.admit(plan("b", 3))
+    assert len(b3) == 24 and len(agent._free) == free - 8
+    assert set(agent.jobs) == {"a", "b"}
+
+
+def test_a_plan_bigger_than_the_rack_is_refused_before_its_links_are_worked_out():
+    """An all-to-all of 20,000 ranks costs the agent hours to work out: refused first."""
+    from photonic_testbed.hil.jobplan import PlanError
+    huge = {"name": "e", "world": 20000, "phases": [{"name": "p", "pattern": "all_to_all"}]}
+    with pytest.raises(PlanError, match="wants 20000 ranks; at most 128"):
+        JobPlan.from_dict(huge, max_world=128)
+    many = {"name": "e", "world": 8, "phases": [{"name": f"p{k}", "pattern": "ring"}
+                                                for k in range(1000)]}
+    with pytest.raises(PlanError, match="at most 64"):
+        JobPlan.from_dict(many)
+    with pytest.raises(PlanError, match="not a job plan"):
+        JobPlan.from_dict({"name": "e", "world": "eight", "phases": []})

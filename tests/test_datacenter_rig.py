@@ -165,3 +165,28 @@ def test_emulate_and_serve_one_process_run_a_datacenter_rig(tmp_path):
         code_e, out_e = _stop(emulate)
     assert code_s == 0, out_s
     assert code_e == 0 and "stopped; every port and pty freed" in out_e, out_e
+
+
+def test_a_failing_control_handler_is_answered_and_the_endpoint_keeps_serving():
+    """A handler's unexpected error (a bad regex for `drop`'s header raised re.error) is an
+    answer, never the end of the control thread."""
+    from photonic_testbed.hil.emulator.control import ControlError, ControlServer, request
+    from photonic_testbed.hil.emulator.scpi import SCPIServer
+
+    def boom(req):
+        raise RuntimeError("a bug")
+
+    scpi = SCPIServer.__new__(SCPIServer)           # only its drop rules are used here
+    scpi._drop_rules = []
+    server = ControlServer({"boom": boom, "echo": lambda req: req.get("x"),
+                            "drop": lambda req: scpi.drop_on(req["header"], req["when"])})
+    endpoint = server.start()
+    try:
+        with pytest.raises(ControlError, match="boom failed: RuntimeError: a bug"):
+            request(endpoint, {"cmd": "boom"}, timeout_s=30)
+        with pytest.raises(ControlError, match="not a regular expression"):
+            request(endpoint, {"cmd": "drop", "header": "([", "when": "after"}, timeout_s=30)
+        assert request(endpoint, {"cmd": "echo", "x": 3}, timeout_s=30) == 3
+        assert scpi._drop_rules == []
+    finally:
+        server.close()

@@ -412,25 +412,19 @@ class Agent:
         a job of a name already admitted takes it on afresh."""
         with self._lock:
             name = job or plan.name
-            if name in self.jobs:
-                self._release(self.jobs[name], f"job {name} admitted again", journal=False)
-            if rank_map is None:
-                rank_map = self._allocate(plan)
-            rank_map = {int(r): str(g) for r, g in rank_map.items()}
-            if len(rank_map) != plan.world:
-                raise AgentError(f"rank map has {len(rank_map)} ranks, job wants {plan.world}")
-            taken = [g for g in rank_map.values() if g in self._holder]
-            unknown = [g for g in rank_map.values() if g not in self.layout.gpus]
-            if unknown or taken:
-                raise AgentError(f"job {name!r} cannot have "
-                                 + (f"GPUs the rack does not have: {unknown}" if unknown else
-                                    f"GPUs another job holds: "
-                                    f"{[(g, self._holder[g]) for g in taken]}"))
+            old = self.jobs.get(name)
+            if old is not None:
+                # Decided as if the old admission's GPUs were free; nothing of it changes
+                # unless the new one is accepted.
+                self._give_back(list(old.rank_map.values()))
             try:
-                circuits = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
-            except (policies.PolicyError, PlanError) as e:
-                raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
-                                 f"{e}") from None
+                rank_map, circuits = self._admission(name, plan, rank_map)
+            except BaseException:
+                if old is not None:
+                    self._take(name, list(old.rank_map.values()))
+                raise
+            if old is not None:
+                self._release(old, f"job {name} admitted again", journal=False)
             new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(rank_map))
             self.jobs[name] = new
             self._take(name, list(rank_map.values()))
@@ -439,6 +433,34 @@ class Agent:
             self._apply(new, circuits.targets[new.phase], f"job {name} admitted")
             self._announce(new, f"job {name} admitted", restart=False)
             return dict(rank_map)
+
+    def _admission(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None
+                   ) -> tuple[RankMap, policies.JobCircuits]:
+        """The GPUs (given, checked; or allocated) and circuits of a job to admit; changes
+        nothing."""
+        if rank_map is None:
+            rank_map = self._allocate(plan)
+        rank_map = {int(r): str(g) for r, g in rank_map.items()}
+        if sorted(rank_map) != list(range(plan.world)):
+            raise AgentError(f"job {name!r} wants ranks 0..{plan.world - 1}; the rank map "
+                             f"gives {len(rank_map)} ranks"
+                             + ("" if len(rank_map) != plan.world else
+                                f", numbered {sorted(rank_map)[:8]}..."))
+        taken = [g for g in rank_map.values() if g in self._holder]
+        unknown = [g for g in rank_map.values() if g not in self.layout.gpus]
+        if len(set(rank_map.values())) != len(rank_map):
+            raise AgentError(f"job {name!r}: a GPU is named for two ranks")
+        if unknown or taken:
+            raise AgentError(f"job {name!r} cannot have "
+                             + (f"GPUs the rack does not have: {unknown}" if unknown else
+                                f"GPUs another job holds: "
+                                f"{[(g, self._holder[g]) for g in taken]}"))
+        try:
+            circuits = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
+        except (policies.PolicyError, PlanError) as e:
+            raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
+                             f"{e}") from None
+        return rank_map, circuits
 
     def _allocate(self, plan: JobPlan) -> RankMap:
         """GPUs for a job's ranks. Where the rack has servers (GPUs sharing a scale-up fabric)
@@ -632,6 +654,15 @@ class Agent:
             j = self.job(job)
             named = list(dict.fromkeys(gpus))
             lost = [g for g in named if self._holder.get(g) == j.name]
+            # A job speaks for its own links only: probing another job's would move its circuits
+            links = [tuple(x) for x in links]
+            own = [(s, d) for s, d in links
+                   if self._holder.get(s) == j.name and self._holder.get(d) == j.name]
+            if len(own) < len(links):
+                self.journal.record("note", f"{cause}: links of GPUs job {j.name} does not "
+                                    "hold are not its to report: ignored", job=j.name,
+                                    links=[list(x) for x in links if x not in own], defer=True)
+            links = own
             if named and not lost and not links:
                 # every GPU it names has been replaced already (the report crossed the order
                 # that replaced them): the job has its order; nothing more to do

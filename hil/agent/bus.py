@@ -321,7 +321,7 @@ class AgentProcess:
 
     def _admit(self, args: dict) -> dict:
         try:
-            plan = JobPlan.from_dict(args["plan"])
+            plan = JobPlan.from_dict(args["plan"], max_world=len(self.agent.layout.gpus))
         except (KeyError, PlanError) as e:
             raise AgentError(f"admit needs a job plan: {e}") from None
         rank_map = args.get("rank_map")
@@ -341,7 +341,7 @@ class AgentProcess:
         failure the job saw (the fabric checked, then a restart)."""
         agent = self.agent
         try:
-            plan = JobPlan.from_dict(args["plan"])
+            plan = JobPlan.from_dict(args["plan"], max_world=len(self.agent.layout.gpus))
         except PlanError as e:
             raise AgentError(f"rejoin needs the job's plan: {e}") from None
         name = args.get("job") or plan.name

@@ -146,7 +146,10 @@ class OpticalBench:
         if not isinstance(port, int) or not 1 <= port <= 2 * self.physics.n:
             raise ControlError(f"port must be an integer in 1..{2 * self.physics.n}")
         with self.physics.lock:
-            if req.get("stuck", True):
+            stuck = req.get("stuck", True)
+            if not isinstance(stuck, bool):
+                raise ControlError(f"stuck is true or false, not {stuck!r}")
+            if stuck:
                 self.physics.stuck.add(port)
             else:
                 self.physics.stuck.discard(port)

@@ -89,6 +89,9 @@ class ControlServer:
             msg = str(e) if not isinstance(e, KeyError) else f"missing or unknown {e}"
             log.warning("control %s refused: %s", req["cmd"], msg)
             return {"ok": False, "error": msg}
+        except Exception as e:                   # a handler's bug: answered, never fatal
+            log.exception("control %s failed", req["cmd"])
+            return {"ok": False, "error": f"{req['cmd']} failed: {type(e).__name__}: {e}"}
 
     def _serve(self) -> None:
         sock = self._sock

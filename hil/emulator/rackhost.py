@@ -234,12 +234,16 @@ class RackHost:
                   restart_s: float = 0.2) -> dict:
         if self.agent_endpoints is None:
             raise ControlError("this rack has no agent to run a job with")
+        if steps < 1 or checkpoint_every < 1 or not restart_s >= 0:
+            raise ControlError(f"steps and checkpoint_every are at least 1 and restart_s at "
+                               f"least 0, not {steps}, {checkpoint_every}, {restart_s}")
         with self._lock:
             if self.job is not None and self.job.state in ("running", "failed", "restarting"):
                 raise ControlError(f"a job is already {self.job.state}")
             self._stop_job()
             try:
-                job_plan = (JobPlan.from_dict(plan) if isinstance(plan, dict)
+                job_plan = (JobPlan.from_dict(plan, max_world=len(self.layout.workers))
+                            if isinstance(plan, dict)
                             else plan_named(str(plan), len(self.layout.workers)))
             except PlanError as e:
                 raise ControlError(str(e)) from None

@@ -120,7 +120,10 @@ class RailSwitches:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 2 * phys.n:
             raise ControlError(f"port must be an integer in 1..{2 * phys.n}, not {port!r}")
         with phys.lock:
-            if req.get("stuck", True):
+            stuck = req.get("stuck", True)
+            if not isinstance(stuck, bool):
+                raise ControlError(f"stuck is true or false, not {stuck!r}")
+            if stuck:
                 phys.stuck.add(port)
             else:
                 phys.stuck.discard(port)

@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any
 
 from photonic_testbed.common.topology import build as build_topology
 from photonic_testbed.hil.emulator.bench_optics import OpticalBench
@@ -22,6 +23,10 @@ from photonic_testbed.hil.emulator.mesh_chip import make_chip
 from photonic_testbed.hil.emulator.control import ControlServer
 from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard, heater_resistances
 from photonic_testbed.hil.rig.emulated import RigSpec
+
+if TYPE_CHECKING:
+    from photonic_testbed.hil.emulator.rackhost import RackHost
+    from photonic_testbed.hil.emulator.rails import RailSwitches
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +60,10 @@ class EmulatedRig:
         self.workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="ptb-rig-"))
         self.dac: EmulatedDACBoard | None = None
         self.endpoints: dict[str, str] = {}
-        self.rack = None                 # RackHost, once start_rack() ran
-        self.rails = None                # RailSwitches of a datacenter rig
+        self.rack: RackHost | None = None            # once start_rack() ran
+        self.rails: RailSwitches | None = None       # a datacenter rig's rail OCSes
+        self._pd_cache: tuple[float, Any] | None = None
+        self._pd_last = -1
 
     def start(self) -> dict[str, str]:
         try:
@@ -105,12 +112,12 @@ class EmulatedRig:
         port_base + 4 on, with fixed ports)."""
         from photonic_testbed.hil.emulator.rails import RailSwitches
         base = self.port_base
-        self.rails = RailSwitches(self.spec.rack_layout(), seed=self.seed,
-                                  switching_s=self.switching_s,
-                                  port_base=None if base is None else base + 4)
-        self.endpoints.update(self.rails.start())
+        rails = self.rails = RailSwitches(self.spec.rack_layout(), seed=self.seed,
+                                          switching_s=self.switching_s,
+                                          port_base=None if base is None else base + 4)
+        self.endpoints.update(rails.start())
         self.control = ControlServer(bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
-        self.rails.register(self.control)
+        rails.register(self.control)
         self.endpoints["control"] = self.control.start()
 
     def _photocurrent(self, channel: int) -> float:
@@ -161,7 +168,7 @@ class EmulatedRig:
         and the job on the control endpoint. Returns the RackHost."""
         from photonic_testbed.hil.emulator.rack import RackError
         from photonic_testbed.hil.emulator.rackhost import RackHost
-        physics = {}
+        physics: dict[str, Any] = {}
         if self.chip is not None:
             physics["chip"] = self.chip
         if self.optics is not None and self.optics.physics is not None:
@@ -174,14 +181,15 @@ class EmulatedRig:
         missing = sorted(set(lay.switches) - set(physics))
         if missing:
             raise RackError(f"rig {self.spec.name} has no {', '.join(missing)} for its rack")
-        self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
-                             gpus_endpoints=gpus_endpoints, agent_endpoints=agent_endpoints)
+        rack = self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
+                                    gpus_endpoints=gpus_endpoints,
+                                    agent_endpoints=agent_endpoints)
         if self.rails is not None:
-            self.rails.light_from(self.rack.rack.launch_mw)
-        self.rack.start()
+            self.rails.light_from(rack.rack.launch_mw)
+        rack.start()
         if self.control is not None:
-            self.rack.register(self.control)
-        return self.rack
+            rack.register(self.control)
+        return rack
 
     def write_endpoints(self, path: str | os.PathLike) -> None:
         """Write the endpoints JSON atomically (temp file + rename)."""

@@ -418,7 +418,11 @@ class SCPIServer:
         (a regex, case-insensitive), `before` or `after` the line runs."""
         if when not in ("before", "after"):
             raise ValueError("when must be 'before' or 'after'")
-        self._drop_rules.append((re.compile(header, re.I), when))
+        try:
+            rule = re.compile(header, re.I)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"header {header!r} is not a regular expression: {e}") from None
+        self._drop_rules.append((rule, when))
 
     @staticmethod
     def _abort(s: socket.socket) -> None:

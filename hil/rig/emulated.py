@@ -15,6 +15,7 @@ import random
 import socket
 import tomllib
 from dataclasses import dataclass, fields
+from typing import Any
 
 from photonic_testbed.common.topology import TopologyError, build
 from photonic_testbed.hil.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
@@ -90,8 +91,8 @@ def rig_spec(name: str) -> RigSpec:
                            "or a .toml file") from None
 
 
-_SPEC_FIELDS = {f.name: {"str": str, "int": int, "bool": bool}[f.type]
-                for f in fields(RigSpec)}
+_SPEC_FIELDS: dict[str, type] = {f.name: {"str": str, "int": int, "bool": bool}[str(f.type)]
+                                 for f in fields(RigSpec)}
 
 
 def _read_toml(path: pathlib.Path) -> dict:
@@ -138,7 +139,7 @@ def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
         if type(value) is not want:
             raise RigFileError(f"{path}: emulator.{key} must be {want.__name__}, "
                                f"not {type(value).__name__} {value!r}")
-        if want is int and not 0 <= value <= 1024:
+        if isinstance(value, int) and want is int and not 0 <= value <= 1024:
             raise RigFileError(f"{path}: emulator.{key} must be in 0..1024, not {value}")
         spec_fields[key] = value
     spec_fields.setdefault("name", path.stem)
@@ -292,7 +293,7 @@ def for_emulator(spec: RigSpec | str, endpoints: dict[str, str], host: str = "12
             raise RigFileError(f"the emulated rig {spec.name} has a chip but no heater DAC "
                                "endpoint (dac) to drive it")
         chip = ChipConfig(topology, "", "", "chip")
-    procs = {f"{p}_{side}": f"tcp://{host}:{next(ports)}"
-             for p in PROCESSES for side in ("request", "publish")}
+    procs: dict[str, Any] = {f"{p}_{side}": f"tcp://{host}:{next(ports)}"
+                             for p in PROCESSES for side in ("request", "publish")}
     return Rig(spec.name, None, BusConfig(host=host, curve=False, **procs), devices, chip,
                tuple(gpus))

@@ -255,16 +255,16 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             c.fail("gpus", "switch", f"a device name ({', '.join(devices)})", g["switch"], i)
         if g["port"] < 1:
             c.fail("gpus", "port", "a port number >= 1", g["port"], i)
-        key = (g["switch"], g["port"])
-        if key in seen_ports:
-            c.fail("gpus", "port", f"a port no other GPU uses ({seen_ports[key]} has it)",
+        port_key = (g["switch"], g["port"])
+        if port_key in seen_ports:
+            c.fail("gpus", "port", f"a port no other GPU uses ({seen_ports[port_key]} has it)",
                    g["port"], i)
         if g["name"] in names:
             c.fail("gpus", "name", "a name no other GPU has", g["name"], i)
         if "server" in g and not g["server"]:
             c.fail("gpus", "server", "a server name (not empty)", g["server"], i)
         names.add(g["name"])
-        seen_ports[key] = g["name"]
+        seen_ports[port_key] = g["name"]
         _check_gpu_monitoring(c, g, i, gpus)
         gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
                               g.get("host", ""), g.get("nvml"), g.get("iface", ""),
