@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import tty
 
 from photonic_testbed.hil.session import SERIAL_BAUD, SessionWriter, Wire
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 CHUNK = 65536
 CONNECT_TIMEOUT_S = 5.0
 MAX_PENDING = 1 << 20          # bytes held for a side that does not read, before it is dropped
+CLOSE_FLUSH_S = 5.0            # at a close, what the other side still has to take, this long
 
 
 class RecorderError(Exception):
@@ -79,6 +81,16 @@ class _Side:
         except BlockingIOError:
             return
         del self.pending[:n]
+
+    def drain(self, deadline: float) -> None:
+        """Give this side what it still has to take (its peer closed), until `deadline`."""
+        while self.pending and time.monotonic() < deadline:
+            try:
+                self.flush()
+            except OSError:
+                return                       # it went away too
+            if self.pending:
+                time.sleep(0.001)
 
     def read(self) -> bytes:
         """What is there to read ([] = nothing now); b"" means the other side closed."""
@@ -178,14 +190,16 @@ class Recorder:
             except OSError:
                 pass
         self._wake_r = self._wake_w = -1
-        if self.writer is not None:
-            self.writer.close()
-        if self._link_dir is not None:
-            for name, wire in self.devices.items():
-                if wire.kind == "serial":
-                    (self._link_dir / name).unlink(missing_ok=True)
-            if self._own_dir:
-                shutil.rmtree(self._link_dir, ignore_errors=True)
+        try:
+            if self.writer is not None:
+                self.writer.close()          # raises SessionError after a write error
+        finally:
+            if self._link_dir is not None:
+                for name, wire in self.devices.items():
+                    if wire.kind == "serial":
+                        (self._link_dir / name).unlink(missing_ok=True)
+                if self._own_dir:
+                    shutil.rmtree(self._link_dir, ignore_errors=True)
 
     def __enter__(self) -> "Recorder":
         self.start()
@@ -279,6 +293,12 @@ class Recorder:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.writer is not None and self.writer.failed.is_set():
+                # nothing said from now on could be written: relay nothing more
+                log.error("session %s: %s: recording stopped", self.path, self.writer.error)
+                for relay in list(self._relays):
+                    self._close_relay(relay, "recorder")
+                return
             # A device's answer that is ready was asked for before any client bytes that are
             # ready with it: write it down first.
             ready = sorted(self._sel.select(0.5), key=lambda km: km[0].data[0] != "device")
@@ -328,11 +348,13 @@ class Recorder:
         if relay not in self._relays:
             return
         self._relays.remove(relay)
+        deadline = time.monotonic() + CLOSE_FLUSH_S
         for side in (relay.client, relay.dev):
             try:
                 self._sel.unregister(side.fd)
             except (KeyError, ValueError):
                 pass
+            side.drain(deadline)             # what was relayed reaches it before the close
             if side.sock is not None:
                 side.sock.close()
         if self.writer is not None:

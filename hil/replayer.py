@@ -18,13 +18,16 @@ Both give a `ReplayReport`: `ok`, `first` (the first differing exchange), `descr
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import pathlib
 import select
 import shutil
 import socket
+import struct
 import tempfile
+import termios
 import threading
 import time
 import tty
@@ -347,6 +350,7 @@ class ScriptedDevices:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._closers: list = []
+        self._slaves: list[int] = []         # the serial devices' pty ends the clients read
         for device in session.devices:
             conns = sorted({x.conn for x in session.exchanges() if x.device == device} |
                            {e.conn for e in session.events if e.device == device})
@@ -374,6 +378,22 @@ class ScriptedDevices:
         with self._lock:
             return all(s.stopped or s.done == len(s.exchanges)
                        for scripts in self._scripts.values() for s in scripts)
+
+    def taken(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the serial clients have read every byte played to them (at most
+        `timeout_s`): closing a pty drops what its client has not read yet."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                unread = sum(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+                             for fd in self._slaves)
+            except OSError:
+                return True
+            if not unread:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
 
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -424,8 +444,11 @@ class ScriptedDevices:
         tmp.unlink(missing_ok=True)
         os.symlink(os.ttyname(slave), tmp)
         os.replace(tmp, link)
+        self._slaves.append(slave)
 
         def close() -> None:
+            if slave in self._slaves:
+                self._slaves.remove(slave)
             for fd in (master, slave):
                 try:
                     os.close(fd)

@@ -330,6 +330,9 @@ class SessionWriter:
         self._file = open(self.path, "w", encoding="utf-8")
         self._file.write(json.dumps(header) + "\n")
         self._file.flush()
+        self._good = self._file.tell()     # the file up to here ends on a whole line, on disk
+        self.error: OSError | None = None  # the write that failed: nothing more is written
+        self.failed = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.counts = {"client": 0, "device": 0}
         self._thread = threading.Thread(target=self._write, name="session-writer", daemon=True)
@@ -345,32 +348,70 @@ class SessionWriter:
         self._queue.put((t, device, conn, kind, by))
 
     def close(self) -> None:
-        """Write the end line, flush and close (idempotent)."""
+        """Write the end line, flush and close (idempotent). After a write error the file
+        keeps its whole lines (no end line: a replay reads it as cut short) and the error is
+        raised as a SessionError."""
         if self._file.closed:
             return
         self._queue.put(None)
         self._thread.join()
-        self._file.write(json.dumps({"t": round(self.now(), 6), "event": "end"}) + "\n")
-        self._file.close()
+        if self.error is None:
+            try:
+                self._file.write(json.dumps({"t": round(self.now(), 6), "event": "end"}) + "\n")
+                self._file.flush()
+            except OSError as e:
+                self._fail(e)
+        try:
+            self._file.close()
+        except OSError:
+            pass                             # what it could not write was cut off above
+        if self.error is not None:
+            raise SessionError(f"cannot write the session {self.path}: "
+                               f"{self.error.strerror or self.error}; it holds what was "
+                               "recorded until then") from None
+
+    def _fail(self, e: OSError) -> None:
+        """A write failed (disk full, quota, file size limit): keep the whole lines written
+        before it, write nothing more."""
+        if self.error is None:
+            self.error = e
+            try:
+                os.truncate(self.path, self._good)
+            except OSError:
+                pass
+            self.failed.set()
 
     def _write(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
-                self._file.flush()
+                if self.error is None:
+                    try:
+                        self._file.flush()
+                    except OSError as e:
+                        self._fail(e)
                 return
-            t, device, conn, what, payload = item
-            if isinstance(payload, bytes):
-                self.counts[what] += len(payload)
-                line = {"t": round(t, 6), "device": device, "conn": conn, "from": what,
-                        "data": payload.decode("latin-1")}
-            else:
-                line = {"t": round(t, 6), "device": device, "conn": conn, "event": what}
-                if payload:
-                    line["by"] = payload
-            self._file.write(json.dumps(line) + "\n")
-            if self._queue.empty():
-                self._file.flush()
+            if self.error is not None:
+                continue                     # drained, not kept: the recorder stops
+            try:
+                self._write_one(item)
+            except OSError as e:
+                self._fail(e)
+
+    def _write_one(self, item: tuple) -> None:
+        t, device, conn, what, payload = item
+        if isinstance(payload, bytes):
+            self.counts[what] += len(payload)
+            line = {"t": round(t, 6), "device": device, "conn": conn, "from": what,
+                    "data": payload.decode("latin-1")}
+        else:
+            line = {"t": round(t, 6), "device": device, "conn": conn, "event": what}
+            if payload:
+                line["by"] = payload
+        self._file.write(json.dumps(line) + "\n")
+        if self._queue.empty():
+            self._file.flush()
+            self._good = self._file.tell()
 
 
 # ---- comparing answers ---------------------------------------------------------------------------
@@ -426,6 +467,10 @@ class Comparison:
             return False
         for p, q in zip(_NUMBER.findall(x), _NUMBER.findall(y)):
             a, b = float(p), float(q)
+            if not (math.isfinite(a) and math.isfinite(b)):
+                if p != q:                   # beyond a float: equal only as the same text
+                    return False
+                continue
             if abs(a - b) > self.rel_tol * max(abs(a), abs(b)):
                 return False
         return True

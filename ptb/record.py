@@ -70,6 +70,10 @@ def run(args) -> int:
         addresses = recorder.start()
     except (RecorderError, OSError) as e:
         raise CommandFailed(str(e)) from None
+    writer = recorder.writer
+    assert writer is not None
+    threading.Thread(target=lambda: writer.failed.wait() and stop.set(), daemon=True,
+                     name="session-failed").start()       # a write error stops the recording
     try:
         if args.write_endpoints:
             out = read_endpoints(args.endpoints) if args.endpoints else {}
@@ -92,8 +96,11 @@ def run(args) -> int:
                 pass
             code = 0
     finally:
-        recorder.close()
-    counts = recorder.writer.counts
+        try:
+            recorder.close()
+        except SessionError as e:
+            raise CommandFailed(f"{e}; recording stopped") from None
+    counts = writer.counts
     print(f"stopped: {counts['client']} bytes from clients, {counts['device']} from devices, "
           f"written to {args.out}", flush=True)
     return code

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 DIFFERENT = 3                 # exit code: the replay found a difference
 
 
+UNTIL_DONE_GRACE_S = 5.0      # --until-done: how long the clients have to read the last answers
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "replay", help="replay a recorded session against devices, or as the devices",
@@ -80,7 +82,19 @@ def run(args) -> int:
         return _as_device(session, args)
     try:
         given, _ = device_wires(args.endpoints, args.rig, args.devices)
-        wires = {name: given.get(name) or session.wire(name) for name in session.used}
+        wires = {}
+        for name in session.used:
+            # a rig file names the heater DAC "chip" or "heaters", an endpoints file "dac"
+            names = [name, _RIG_NAMES.get(name, name)] + [k for k, v in _RIG_NAMES.items()
+                                                          if v == name]
+            found = next((given[n] for n in names if n in given), None)
+            if found is None and given:
+                raise CommandFailed(f"the session's device {name!r} is not among the devices "
+                                    f"given ({', '.join(sorted(given))}): name it "
+                                    f"{name}=ADDRESS")
+            wires[name] = found or session.wire(name)
+            print(f"  {name:<11} replayed against {wires[name].address}"
+                  + ("" if found else " (the address it was recorded at)"), flush=True)
     except SessionError as e:
         raise CommandFailed(str(e)) from None
     try:
@@ -123,6 +137,11 @@ def _as_device(session, args) -> int:
         print("running; Ctrl-C to stop", flush=True)
         while not stop.wait(0.1):
             if args.until_done and devices.finished():
+                # the last answers reach their clients before the devices go away
+                if not devices.taken(UNTIL_DONE_GRACE_S):
+                    print("note: a serial client had not read its last answer "
+                          f"{UNTIL_DONE_GRACE_S:g} s after it was played", flush=True)
+                stop.wait(0.2)
                 break
     finally:
         report = devices.close()

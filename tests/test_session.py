@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import threading
+import time
 
 import pytest
 import serial
@@ -90,6 +91,8 @@ def test_comparison_ignores_lines_and_tolerates_numbers():
     assert loose.same(b"-3.01234E+000,5\r\n", b"-3.01300E+000,5\r\n")
     assert not loose.same(b"-3.0 dBm\r\n", b"-3.1 dBm\r\n")
     assert not loose.same(b"-3.0 dBm\r\n", b"-3.0 W\r\n")
+    assert not loose.same(b"9e999\r\n", b"1\r\n") and not loose.same(b"1\r\n", b"9e999\r\n")
+    assert loose.same(b"9e999\r\n", b"9e999\r\n")      # beyond a float: the same text only
     quiet = Comparison(ignore=("^E90:00$",))
     assert quiet.same(b"E90:00\nQ8iv-0001\n", b"Q8iv-0001\n")
     with pytest.raises(SessionError, match="not a regular expression"):
@@ -155,7 +158,10 @@ class EchoDevice:
             with conn:
                 buf = b""
                 while True:
-                    data = conn.recv(4096)
+                    try:
+                        data = conn.recv(4096)
+                    except OSError:                  # reset by the relay: that connection ends
+                        break
                     if not data:
                         break
                     self.received += data
@@ -225,6 +231,96 @@ def test_record_then_replay_then_play_the_device(tmp_path):
         assert "exchange 3 (echo, connection 2" in report.describe()   # never reached
     finally:
         device.close()
+
+
+def test_a_device_that_sends_a_lot_and_closes_is_relayed_whole(tmp_path):
+    """What the device sent before it closed reaches the client whole, as the session says,
+    although the client takes it slowly (it was dropped with the connection)."""
+    import random
+    blob = random.Random(7).randbytes(4_000_000)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(16)
+            conn.sendall(blob)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    path = tmp_path / "bulk.jsonl"
+    try:
+        wire = Wire("tcp", host="127.0.0.1", port=listener.getsockname()[1])
+        with Recorder(path, {"bulk": wire}) as rec:
+            relayed = parse_address(rec.addresses["bulk"])
+            with socket.create_connection((relayed.host, relayed.port), timeout=30) as s:
+                s.sendall(b"GO\n")
+                time.sleep(0.5)                      # the device has sent it all and closed
+                got = bytearray()
+                while chunk := s.recv(65536):
+                    got += chunk
+        assert len(got) == len(blob) and bytes(got) == blob
+        thread.join(10)
+    finally:
+        listener.close()
+    recorded = b"".join(e.data for e in Session.load(path).events
+                        if e.kind == "data" and e.source == "device")
+    assert recorded == blob
+
+
+class _FillingFile:
+    """A session file on a disk that fills after `room` characters."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, text: str) -> int:
+        if len(text) > self.room:
+            self.f.write(text[:self.room])               # a partial line reaches the disk
+            self.f.flush()
+            self.room = 0
+            raise OSError(28, "No space left on device")
+        self.room -= len(text)
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_session_file_that_cannot_be_written_stops_the_recording_whole_lines_kept(tmp_path):
+    device = EchoDevice()
+    path = tmp_path / "s.jsonl"
+    try:
+        wire = Wire("tcp", host="127.0.0.1", port=device.port)
+        rec = Recorder(path, {"echo": wire})
+        rec.start()
+        try:
+            assert _ask(rec.addresses["echo"], [b"a?\n"]) == [b"a!\r\n"]
+            deadline = time.monotonic() + 10
+            while path.read_text().count("\n") < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)                         # open, a?, a! written
+            rec.writer._file = _FillingFile(rec.writer._file, 150)
+            relayed = parse_address(rec.addresses["echo"])
+            with socket.create_connection((relayed.host, relayed.port), timeout=10) as s:
+                for k in range(200):
+                    try:
+                        s.sendall(b"x" * 100 + b"?\n")
+                        if not s.recv(4096):
+                            break                        # the recorder stopped relaying
+                    except OSError:
+                        break
+                else:
+                    raise AssertionError("the relay went on after the session stopped")
+            assert rec.writer.failed.wait(10)
+        finally:
+            with pytest.raises(SessionError, match="No space left on device"):
+                rec.close()
+    finally:
+        device.close()
+    text = path.read_text()
+    assert text.endswith("\n")                          # whole lines only, no end line
+    session = Session.load(path)
+    assert not session.complete and session.exchanges()[0].answer == b"a!\r\n"
 
 
 def test_replay_names_an_answer_that_changed_and_a_device_that_hung_up(tmp_path):
@@ -323,3 +419,33 @@ def test_ptb_record_relays_a_rig_file_and_runs_the_client(tmp_path):
     session = Session.load(tmp_path / "s.jsonl")
     assert session.complete
     assert [(x.sent, x.answer) for x in session.exchanges()] == [(b"p?\n", b"p!\r\n")]
+
+
+def test_a_scripted_serial_device_waits_for_its_client_to_read_the_last_answer(tmp_path):
+    """`ptb replay --as-device --until-done` closes the devices once every exchange was
+    played; a serial client still reading its last answer gets it first (closing the pty
+    dropped it: the client saw EIO while the report said "as recorded")."""
+    path = tmp_path / "dac.jsonl"
+    lines = [{"format": "ptb-session", "version": 1, "started": "2026-11-24T00:00:00.000Z",
+              "clock": "seconds since started (monotonic)",
+              "devices": {"dac": {"wire": "serial", "address": "/dev/ttyACM0", "baud": 115200}}},
+             {"t": 0.0, "device": "dac", "conn": 1, "event": "open"},
+             {"t": 0.1, "device": "dac", "conn": 1, "from": "client", "data": "vall?\n"},
+             {"t": 0.11, "device": "dac", "conn": 1, "from": "device", "data": "1.5,2.5\n"},
+             {"t": 0.5, "device": "dac", "conn": 1, "event": "close", "by": "client"},
+             {"t": 0.6, "event": "end"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got: list[bytes] = []
+    with ScriptedDevices(Session.load(path)) as scripted:
+        def client():
+            with serial.Serial(scripted.addresses["dac"], 115200, timeout=10) as port:
+                port.write(b"vall?\n")
+                time.sleep(0.3)                      # busy elsewhere while the answer waits
+                got.append(port.readline())
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert scripted.wait(20)                     # every exchange played...
+        assert scripted.taken(20)                    # ...and read by its client
+    thread.join(20)
+    assert got == [b"1.5,2.5\n"]
+    assert scripted.report.ok, scripted.report.describe()
