@@ -74,8 +74,9 @@ def add_parser(sub) -> None:
                    help="power meter averaging time per reading, s (default 0)")
     p.add_argument("--laser-mw", type=float, default=1.0, help="laser power, mW (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of an in-process emulated rig")
-    p.add_argument("--timeout-s", type=float, default=2.0,
-                   help="how long an instrument may stay silent (default 2 s)")
+    p.add_argument("--timeout-s", type=float, default=10.0,
+                   help="how long an instrument may stay silent (default 10 s: on a busy "
+                   "machine an emulated rig in this process can pause for seconds)")
     p.set_defaults(func=run)
 
 
