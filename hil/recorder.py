@@ -266,7 +266,7 @@ class Recorder:
         wire = self.devices[name]
         try:
             dev = socket.create_connection((wire.host, wire.port), timeout=CONNECT_TIMEOUT_S)
-        except OSError as e:
+        except (OSError, UnicodeError) as e:         # (UnicodeError: not a host name)
             log.warning("%s: a client connected but the device at %s does not answer: %s",
                         name, wire.address, e)
             client.close()
@@ -296,8 +296,8 @@ class Recorder:
             if self.writer is not None and self.writer.failed.is_set():
                 # nothing said from now on could be written: relay nothing more
                 log.error("session %s: %s: recording stopped", self.path, self.writer.error)
-                for relay in list(self._relays):
-                    self._close_relay(relay, "recorder")
+                for stopped in list(self._relays):
+                    self._close_relay(stopped, "recorder")
                 return
             # A device's answer that is ready was asked for before any client bytes that are
             # ready with it: write it down first.

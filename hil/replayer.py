@@ -39,7 +39,8 @@ from photonic_testbed.hil.session import Comparison, Exchange, Session, Wire, sh
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
-LATE_FACTOR = 3.0              # an answer may take this many times its recorded time
+LATE_FACTOR = 3.0              # an answer may take this many times its recorded time...
+LATE_MAX_S = 60.0              # ...but no longer than this (or --timeout-s, if that is longer)
 END_GRACE_S = 0.05             # how long the end of a connection is watched for extra answers
 MISMATCH_READ_S = 0.2          # how long a differing client line is read on, for the report
 
@@ -131,8 +132,9 @@ class _Link:
         else:
             try:
                 self._sock = socket.create_connection((wire.host, wire.port), timeout=timeout_s)
-            except OSError as e:
-                raise ReplayError(f"cannot connect to {wire.address}: {e.strerror or e}") \
+            except (OSError, UnicodeError) as e:     # (UnicodeError: not a host name)
+                raise ReplayError(f"cannot connect to {wire.address}: "
+                                  f"{getattr(e, 'strerror', None) or e}") \
                     from None
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.setblocking(False)
@@ -305,7 +307,8 @@ def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison =
                         note = f"cannot send: {e}"
             if not note:
                 got, note = link.take(x.answer, comparison,
-                                      max(timeout_s, LATE_FACTOR * x.latency_s))
+                                      max(timeout_s, min(LATE_FACTOR * x.latency_s,
+                                                         LATE_MAX_S)))
             report.played += 1
             last[key] = (x, got, note)
         if last:

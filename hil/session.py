@@ -48,6 +48,9 @@ SCPI_PORT = 5025              # the raw-socket SCPI port instruments listen on b
 MAX_SESSION_BYTES = 1 << 30
 
 
+DEVICE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+MAX_T = 1e7                    # seconds: a session of four months, at most
+
 class SessionError(ValueError):
     """A session file that cannot be read as written, or an address that names no wire."""
 
@@ -84,7 +87,7 @@ def parse_address(text: str, default_port: int | None = None) -> Wire:
     text = str(text).strip()
     m = _VISA_SOCKET.match(text)
     if m:
-        return Wire("tcp", host=m.group(1).strip("[]"), port=_port(m.group(2), text))
+        return Wire("tcp", host=_host(m.group(1).strip("[]"), text), port=_port(m.group(2), text))
     m = _VISA_SERIAL.match(text)
     if m:
         return Wire("serial", path=m.group(1))
@@ -97,10 +100,19 @@ def parse_address(text: str, default_port: int | None = None) -> Wire:
         m = _HOST_PORT.match(text)
         if m:
             port = m.group(2)
-            return Wire("tcp", host=m.group(1).strip("[]"),
+            return Wire("tcp", host=_host(m.group(1).strip("[]"), text),
                         port=_port(port, text) if port else default_port)
     raise SessionError(f"{text!r} is not a device address: give a serial port's path "
                        "(/dev/ttyACM0) or a raw socket (TCPIP::HOST::PORT::SOCKET or HOST:PORT)")
+
+
+def _host(host: str, where: str) -> str:
+    """A host name or address as a socket takes it (labels of 1..63 characters)."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise SessionError(f"{where!r}: {host!r} is not a host name") from None
+    return host
 
 
 def _port(text: str, where: str) -> int:
@@ -156,6 +168,7 @@ class Session:
     started: str = ""
     where: str = "session"
     complete: bool = True      # the file ends with its "end" line (the recorder stopped cleanly)
+    cut_line: int | None = None  # a last line cut short (no end line), left out
     _exchanges: list[Exchange] | None = field(default=None, repr=False)
 
     @classmethod
@@ -182,7 +195,8 @@ class Session:
         if header.get("format") != SESSION_FORMAT:
             raise SessionError(f"{where}:1: not a {SESSION_FORMAT} file (its first line has "
                                f"format {header.get('format')!r})")
-        if header.get("version") != SESSION_VERSION:
+        version = header.get("version")
+        if isinstance(version, bool) or version != SESSION_VERSION:
             raise SessionError(f"{where}:1: session format version {header.get('version')!r}; "
                                f"this reader knows version {SESSION_VERSION}")
         devices = header.get("devices")
@@ -190,6 +204,9 @@ class Session:
             raise SessionError(f"{where}:1: expected \"devices\": an object naming each device "
                                "and its wire")
         for name, d in devices.items():
+            if not DEVICE_NAME.fullmatch(name) or name in (".", ".."):
+                raise SessionError(f"{where}:1: device name {name!r}: letters, digits, '_', "
+                                   "'-' and '.' (a pty link is made under it)")
             if not isinstance(d, dict) or d.get("wire") not in ("serial", "tcp") or \
                     not isinstance(d.get("address"), str):
                 raise SessionError(f"{where}:1: device {name!r}: expected {{\"wire\": "
@@ -197,11 +214,18 @@ class Session:
         events: list[Event] = []
         complete = False
         last_t = 0.0
+        cut = None                     # a last line cut short (a recorder killed mid-write)
         for n, raw in enumerate(lines[1:], start=2):
             if not raw.strip():
                 continue
             if complete:
                 raise SessionError(f"{where}:{n}: a line after the session's end line")
+            if n == len(lines) and not text.endswith("\n"):
+                try:
+                    d = json.loads(raw)
+                except ValueError:
+                    cut = n
+                    break
             d = _json_line(raw, where, n)
             t = d.get("t")
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
@@ -214,8 +238,10 @@ class Session:
             if d.get("event") == "end":
                 complete = True
                 continue
+            if t > MAX_T:
+                raise SessionError(f"{where}:{n}: t = {t} s is past a session's {MAX_T:g} s")
             events.append(_event(d, n, where, devices))
-        return cls(devices, events, str(header.get("started", "")), where, complete)
+        return cls(devices, events, str(header.get("started", "")), where, complete, cut_line=cut)
 
     def exchanges(self) -> list[Exchange]:
         """The session's exchanges, in the order they began."""
@@ -441,10 +467,13 @@ class Comparison:
             raise SessionError(f"a relative tolerance is in 0..1, not {self.rel_tol}")
         for pattern in self.ignore:
             try:
-                re.compile(pattern)
+                re.compile(pattern.encode("latin-1"))     # as it is used: on the bytes
+            except UnicodeEncodeError:
+                raise SessionError(f"--ignore {pattern!r}: a session's bytes are compared; "
+                                   "give a pattern in Latin-1 characters") from None
             except re.error as e:
-                raise SessionError(f"--ignore {pattern!r} is not a regular expression: {e}") \
-                    from None
+                raise SessionError(f"--ignore {pattern!r} is not a regular expression on "
+                                   f"bytes: {e}") from None
 
     def kept(self, data: bytes) -> list[bytes]:
         """The lines of `data` that are compared."""
@@ -529,7 +558,7 @@ def device_wires(endpoints: str | os.PathLike | None = None,
                 notes.append(f"{d.name} left out: {e}")
     for word in named:
         name, sep, address = word.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        if not sep or not DEVICE_NAME.fullmatch(name):
             raise SessionError(f"{word!r}: expected DEVICE=ADDRESS, e.g. dac=/dev/ttyACM0 or "
                                "ocs=TCPIP::10.0.0.9::5025::SOCKET")
         wires[name] = parse_address(address, SCPI_PORT)

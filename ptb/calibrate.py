@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +289,7 @@ def run(args) -> int:
     if args.update and not args.cells:
         raise CommandFailed("--update FILE recalibrates the cells named by --cells: name them "
                             "(or write a new file with --out)")
-    if args.out and not out.parent.is_dir():
-        raise CommandFailed(f"cannot write {out}: no folder {out.parent}")
+    check_output(args.out, "--out")
     if not 0 < args.drift_threshold_rad < 3.2:
         raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
     emulated_here = not args.endpoints and _emulated_here(args.rig)

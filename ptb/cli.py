@@ -34,6 +34,19 @@ class CommandFailed(Exception):
     """A subcommand's clear, expected failure: printed without a traceback, exit code 1."""
 
 
+def check_output(path, option: str) -> None:
+    """Refuse, before any work, a file a command would write where it cannot be written (no
+    such folder, a folder in the way)."""
+    if path is None:
+        return
+    import pathlib
+    p = pathlib.Path(path)
+    if p.is_dir():
+        raise CommandFailed(f"{option} {p}: a folder is there, not a file")
+    if not p.parent.is_dir():
+        raise CommandFailed(f"{option} {p}: no folder {p.parent}")
+
+
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand named in `argv`: the first word that is not an option of `ptb` itself
     (they take no values), when it is one of ours."""

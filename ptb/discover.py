@@ -20,12 +20,13 @@ import logging
 import os
 import pathlib
 import re
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -205,17 +206,41 @@ def probe_scpi(resource: str, via: str, timeout_s: float) -> Probe:
         probe.status = "error"
         probe.detail = f"cannot open it: {_short(e)}"
         return probe
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            got["answer"] = inst.query("*IDN?").strip()
+        except Exception as e:          # VisaIOError on a timeout, OSError on a reset
+            got["error"] = e
+
+    # one deadline for the whole query: a device that keeps talking without a line end
+    # restarts pyvisa's per-read timeout for ever
+    asker = threading.Thread(target=ask, daemon=True, name=f"probe {resource}")
+    asker.start()
+    asker.join(timeout_s + 0.5)
     try:
-        answer = inst.query("*IDN?").strip()
-    except Exception as e:              # VisaIOError on a timeout, OSError on a reset
-        if "refused" in str(e).lower():
-            probe.status, probe.detail = "error", "connection refused: nothing listens there"
-        else:
-            probe.status = "silent"
-            probe.detail = f"no answer to *IDN? within {timeout_s:g} s ({_short(e)})"
-        return probe
+        if asker.is_alive():
+            probe.status = "unknown"
+            probe.detail = f"it talks, but sent no line within {timeout_s:g} s of *IDN?"
+            return probe
+        failed = got.get("error")
+        if isinstance(failed, UnicodeDecodeError):
+            probe.status, probe.detail = "unknown", "it answered *IDN? with bytes that are not text"
+            return probe
+        if failed is not None:
+            if "refused" in str(failed).lower():
+                probe.status, probe.detail = "error", "connection refused: nothing listens there"
+            else:
+                probe.status = "silent"
+                probe.detail = f"no answer to *IDN? within {timeout_s:g} s ({_short(failed)})"
+            return probe
+        answer = got["answer"]
     finally:
-        inst.close()
+        try:
+            inst.close()                # (also ends a read still going on)
+        except Exception:
+            pass
     probe.answer = answer
     fields = [f.strip() for f in answer.split(",")]
     maker, model = (fields + ["", ""])[:2]
@@ -334,6 +359,9 @@ def run(args) -> int:
         except TopologyError as e:
             raise CommandFailed(f"--chip {args.chip}: {e}") from None
     out = pathlib.Path(args.out)
+    check_output(out, "--out")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", args.name or "x"):
+        raise CommandFailed(f"--name {args.name!r}: letters, digits, '_', '-' and '.'")
     if out.exists() and not args.force:
         raise CommandFailed(f"{out} exists: give --force to replace it, or another --out")
     serial_ports = list(args.serial)

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from photonic_testbed.hil.recorder import Recorder, RecorderError
     from photonic_testbed.hil.session import SessionError, device_wires, read_endpoints
+    for path, option in ((args.out, "--out"), (args.write_endpoints, "--write-endpoints"),
+                         (args.write_rig, "--write-rig")):
+        check_output(path, option)
     if args.write_rig and not args.rig:
         raise CommandFailed("--write-rig rewrites the --rig file: give --rig too")
     try:
@@ -63,7 +66,7 @@ def run(args) -> int:
         raise CommandFailed("nothing to record: name devices (DEVICE=ADDRESS), --endpoints or "
                             "--rig")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # HUP: its terminal closed
         signal.signal(sig, lambda *_: stop.set())
     recorder = Recorder(args.out, wires, listen=args.listen, link_dir=args.link_dir)
     try:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from photonic_testbed.hil.replayer import ReplayError, replay
     from photonic_testbed.hil.session import Comparison, Session, SessionError, device_wires
+    for path, option in ((args.report, "--report"), (args.write_endpoints, "--write-endpoints")):
+        check_output(path, option)
     if not 0 < args.timeout_s <= 3600:
         raise CommandFailed(f"--timeout-s must be in (0, 3600], not {args.timeout_s:g}")
     try:
@@ -77,7 +79,10 @@ def run(args) -> int:
         raise CommandFailed(str(e)) from None
     if not session.complete:
         print(f"note: {args.session} has no end line (the recorder did not stop cleanly); "
-              "replaying what it holds")
+              "replaying what it holds"
+              + (f" (line {session.cut_line}, cut short, left out)" if session.cut_line else ""))
+    if not session.exchanges():
+        raise CommandFailed(f"{args.session} holds no exchange: nothing to replay")
     if args.as_device:
         return _as_device(session, args)
     try:
@@ -117,13 +122,15 @@ def _finish(report, args) -> int:
 
 def _as_device(session, args) -> int:
     from photonic_testbed.hil.replayer import ReplayError, ScriptedDevices
+    from photonic_testbed.hil.session import SessionError
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # HUP: its terminal closed
         signal.signal(sig, lambda *_: stop.set())
     devices = ScriptedDevices(session, link_dir=args.link_dir)
     try:
         addresses = devices.start()
-    except (ReplayError, OSError) as e:
+    except (ReplayError, SessionError, OSError) as e:
+        devices.close()
         raise CommandFailed(str(e)) from None
     try:
         if args.write_endpoints:

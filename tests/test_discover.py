@@ -275,3 +275,46 @@ def test_discover_finds_every_device_of_the_opus_rig_from_hosts_and_its_rig_file
         assert proc.returncode == 1 and "rig.toml exists: give --force" in out, out
         described = _serve_and_ping(tmp_path / "rig.toml", tmp_path)
     assert described["ocs"]["ports"] == 32 and described["laser"]["kind"] == "laser"
+
+
+class ChattySocket:
+    """An instrument that talks without end and never ends a line (or answers binary)."""
+
+    def __init__(self, chunk: bytes, forever: bool):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, args=(chunk, forever), daemon=True).start()
+
+    def _serve(self, chunk, forever):
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        with conn:
+            try:
+                conn.recv(64)
+                conn.sendall(chunk)
+                while forever and not self._stop.wait(0.01):
+                    conn.sendall(chunk)
+                self._stop.wait(10)
+            except OSError:
+                pass
+
+    def close(self):
+        self._stop.set()
+        self.server.close()
+
+
+def test_an_instrument_that_talks_without_a_line_end_or_in_binary_is_unknown():
+    """One deadline for the whole *IDN? (pyvisa's per-read timeout restarts with every
+    chunk: a device streaming without a line end held a probe 17 s at --timeout-s 1)."""
+    chatty, binary = ChattySocket(b"A" * 100, True), ChattySocket(b"\xff\xfe\x00junk\n", False)
+    try:
+        talk = probe_scpi(f"TCPIP::127.0.0.1::{chatty.port}::SOCKET", "tcp", 0.5)
+        assert talk.status == "unknown" and "no line within 0.5 s" in talk.detail
+        junk = probe_scpi(f"TCPIP::127.0.0.1::{binary.port}::SOCKET", "tcp", 2.0)
+        assert junk.status == "unknown" and "not text" in junk.detail, junk
+    finally:
+        chatty.close()
+        binary.close()

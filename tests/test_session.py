@@ -72,6 +72,12 @@ def test_exchanges_group_what_was_sent_with_what_came_back():
     (_text({"t": 0.1, "device": "dac", "conn": 0, "event": "open"}), "connection number"),
     (_text() + '{"t": 10, "event": "end"}\n', "after the session's end"),
     (json.dumps(HEADER) + "\nnot json\n", ":2: not JSON"),
+    ('{"format": "ptb-session", "version": true, "devices": {}}', "version True"),
+    ('{"format": "ptb-session", "version": 1, "devices": {"": {"wire": "tcp", '
+     '"address": "x:1"}}}', "device name ''"),
+    ('{"format": "ptb-session", "version": 1, "devices": {"../x": {"wire": "tcp", '
+     '"address": "x:1"}}}', "device name '../x'"),
+    (_text(_data(1e300, "dac", "client", "a")), "past a session's"),
 ])
 def test_a_damaged_session_is_refused_with_its_line(bad, message):
     with pytest.raises(SessionError, match=message):
@@ -81,6 +87,13 @@ def test_a_damaged_session_is_refused_with_its_line(bad, message):
 def test_a_session_without_its_end_line_still_reads():
     s = Session.parse(_text(_data(0.1, "dac", "client", "id?\n"), end=False))
     assert not s.complete and len(s.exchanges()) == 1
+    # a recorder killed mid-write: its last line cut short is left out, the rest is read
+    text = _text(_data(0.1, "dac", "client", "id?\n"), _data(0.2, "dac", "device", "Q8\n"),
+                 end=False)
+    cut = Session.parse(text[:-9], "s.jsonl")
+    assert cut.cut_line == 3 and [x.sent for x in cut.exchanges()] == [b"id?\n"]
+    with pytest.raises(SessionError, match=":3: not JSON"):     # in the middle: refused
+        Session.parse(text[:-9] + "\n" + json.dumps(_data(0.3, "dac", "client", "x")) + "\n")
 
 
 def test_comparison_ignores_lines_and_tolerates_numbers():
