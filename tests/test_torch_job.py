@@ -187,8 +187,12 @@ def test_kill_a_rank_standby_takes_its_place_in_place_nothing_lost(tmp_path):
     sent = next(e for e in ev if e["kind"] == "transferred" and e["gpu"] == "gpu1"
                 and e["gen"] == 1)
     assert got["received"] and got["bytes"] == sent["bytes"] > 0
+    # k: the most steps any member completed; a survivor may be one behind (its all-reduce of
+    # step k never finished when gpu2 died), the spare at 0; every one below k gets the state
     k = got["step"]
-    assert k >= 8 and set(got["steps"].values()) <= {0, k, k + 1}
+    survivors = [s for r, s in got["steps"].items() if r != "2"]
+    assert k >= 8 and k in survivors and set(survivors) <= {k - 1, k}, got["steps"]
+    assert got["steps"]["2"] == 0
     first = next(e for e in ev if e["kind"] == "step" and e["gpu"] == "spare0")
     assert first["step"] == k + 1 and first["gen"] == 1
     assert not list(run_dir.glob("ckpt-*"))                       # no checkpoint anywhere
