@@ -73,7 +73,7 @@ def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_pat
     try:
         work = tmp_path / "job"
         proc = launch(work, "--rig", str(stack.workdir / "rig.toml"), "--control",
-                      stack.control, "--plan", "dp", "--world", "8", "--steps", "40",
+                      stack.control, "--plan", "dp", "--world", "8", "--steps", "80",
                       "--standbys", "2", "--audit", "--restart-timeout", "60", *SMALL)
         failures = {}
         wait_event(proc, work, lambda e: e["kind"] == "step" and e["step"] >= 8,
@@ -107,7 +107,7 @@ def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_pat
         done = {e["gpu"]: e for e in ev if e["kind"] == "done" and "digest" in e}
         assert set(done) == set(last.values())
         assert len({e["digest"] for e in done.values()}) == 1
-        assert {e["step"] for e in done.values()} == {40}
+        assert {e["step"] for e in done.values()} == {80}
         check_audits(ev, failures)
         loss = [e["loss"] for e in ev if e["kind"] == "step" and e["gpu"] == "gpu0"]
         assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.3, loss
@@ -164,8 +164,8 @@ def test_torchrun_baseline_restarts_on_the_agents_new_rank_map(tmp_path):
     try:
         work = tmp_path / "torchrun"
         proc = launch(work, "--rig", str(stack.workdir / "rig.toml"), "--control",
-                      stack.control, "--plan", "dp", "--world", "2", "--steps", "24",
-                      "--torchrun", "--checkpoint-every", "5", *SMALL)
+                      stack.control, "--plan", "dp", "--world", "2", "--steps", "60",
+                      "--torchrun", "--checkpoint-every", "5", *SMALL)   # the failure mid-run
         wait_event(proc, work, lambda e: e["kind"] == "step" and e["step"] >= 8, "step 8")
         fail(stack, "gpu1")
         out = finish(proc)
@@ -177,7 +177,7 @@ def test_torchrun_baseline_restarts_on_the_agents_new_rank_map(tmp_path):
         assert spare not in ("gpu0", "gpu1") and agent_rank_map(stack) == orders[1]
         ready = {e["gpu"]: e for e in ev if e["kind"] == "ready" and e["restart"] == 1}
         assert set(ready) == {"gpu0", spare}
-        assert ready[spare]["checkpoint"] in (5, 10, 15, 20)
+        assert ready[spare]["checkpoint"] % 5 == 0 and ready[spare]["checkpoint"] >= 5
         done = {e["gpu"] for e in ev if e["kind"] == "done" and "digest" in e}
         assert done == {"gpu0", spare}
     finally:
