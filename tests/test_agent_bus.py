@@ -183,6 +183,26 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
         _stop(agent)
 
 
+def test_a_snapshot_sees_every_change_answered_before_it(opus_bus, tmp_path):
+    """The agent publishes its state once no request waits (a job's next request first): a
+    snapshot queued right behind an admit still shows the admitted job. Both requests are sent
+    before either is answered, so the agent finds the snapshot waiting when the admit is done."""
+    emu, rig, path = opus_bus
+    agent = _agent(path, tmp_path / "journal.db")
+    try:
+        with ServiceClient(rig.agent_endpoints()[0], timeout=10) as c:
+            deadline = time.monotonic() + 10
+            admit = c.send("admit", {"plan": dp_ring(8).to_dict(), "job": "pipelined"}, wait=5)
+            snap = c.send("snapshot")
+            rank_map = c.receive(admit, deadline)["rank_map"]
+            state = c.receive(snap, deadline)["state"]
+        assert len(rank_map) == 8
+        assert state["rank_map"] == rank_map
+        assert list(state["jobs"]) == ["pipelined"]
+    finally:
+        _stop(agent)
+
+
 def test_demo_end_to_end_one_gpu_failure(tmp_path):
     """`ptb demo --headless`: emulator, the seeded chip calibrated, services, agent as
     processes; gpu6 fails; the job resumes on a spare, never communicating over a down link."""

@@ -232,7 +232,8 @@ class AgentProcess:
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
                       "phase_done": self._phase_done,
-                      "job_report": self._job_report, "relay_ping": self._relay_ping})
+                      "job_report": self._job_report, "relay_ping": self._relay_ping},
+            settle=self._publish)
         bound = self.server.bind()
         self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                    telemetry=False)

@@ -112,10 +112,14 @@ class Server:
                  handlers: Mapping[str, Handler] | None = None,
                  operations: Iterable[schema.Operation] = (),
                  describe: Callable[[], dict] | None = None,
-                 publish_version: bool = False, context: zmq.Context | None = None):
+                 publish_version: bool = False, context: zmq.Context | None = None,
+                 settle: Callable[[], None] | None = None):
         """`handlers` maps operation names to functions; each name must be declared in
         `schema.OPERATIONS` or in `operations` (a server's own). `describe` adds to the
-        `describe` answer. With `publish_version` the state carries `version`."""
+        `describe` answer. With `publish_version` the state carries `version`. `settle` brings
+        the state up to date with every change already answered, for an owner that publishes
+        later than it answers; it is called before a `snapshot` is answered, so that a read
+        sees what the requests answered before it did."""
         self.name = name
         self.kind = kind or name
         self._initial = state
@@ -123,12 +127,13 @@ class Server:
         self.keys = keys
         self.heartbeat = heartbeat
         self._describe = describe
+        self._settle = settle
         self._publish_version = publish_version
         declared = {**schema.OPERATIONS, **{op.name: op for op in operations}}
         self._ops: dict[str, tuple[schema.Operation, Handler]] = {
             "ping": (declared["ping"], self._ping),
             "describe": (declared["describe"], self._describe_op),
-            "snapshot": (declared["snapshot"], lambda args: self.state.snapshot())}
+            "snapshot": (declared["snapshot"], self._snapshot)}
         for op_name, fn in (handlers or {}).items():
             self.register(declared[op_name] if op_name in declared else op_name, fn)
         self._own_ctx = context is None
@@ -244,6 +249,12 @@ class Server:
         caller waiting on the device hears first. A value may be a function of nothing, called
         then (work nobody waits for)."""
         self._unpublished.update(values)
+
+    def _snapshot(self, args: dict) -> dict:
+        self.publish_deferred()
+        if self._settle is not None:
+            self._settle()
+        return self.state.snapshot()
 
     def publish_deferred(self) -> None:
         if not self._unpublished:
