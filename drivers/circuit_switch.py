@@ -89,6 +89,15 @@ class CircuitSwitch(abc.ABC):
     def circuits(self) -> Circuits:
         """The circuits the switch reports as set, read from the device."""
 
+    @classmethod
+    def apply_together(cls, work: list[tuple["CircuitSwitch", Mapping[int, int]]]
+                       ) -> list[ApplyReport | Exception] | None:
+        """Apply circuits to several switches of this class at once, from the calling thread
+        (a class whose switches sit behind one message bus sends every request before waiting
+        for any answer); in `work`'s order, each ApplyReport or the exception `apply` would
+        have raised. None (the default): no such path, the caller applies them one by one."""
+        return None
+
     @property
     def split(self) -> bool:
         """Whether the ports are inputs 1..N and outputs N+1..2N (a recirculating mesh's are

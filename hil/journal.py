@@ -67,6 +67,15 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = {"meta", "events", "intended"}
 
 
+
+def _details(text: str) -> dict:
+    """An entry's details as stored (orjson writes them; a journal of an older version may hold
+    what only the standard library reads, such as NaN)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
 class JournalError(Exception):
     """The journal file cannot be used (missing folder, empty, damaged, not a journal, wrong
     schema version, unreadable, unwritable); the message says which and what to do."""
@@ -375,7 +384,7 @@ class Journal:
         with self._lock, _sqlite_errors(self.path, "reading the entries"):
             self.flush()
             rows = self._db.execute(query, args).fetchall()
-        return [Entry(seq, ts, kind, cause, lat, json.loads(det))
+        return [Entry(seq, ts, kind, cause, lat, _details(det))
                 for seq, ts, kind, cause, lat, det in rows]
 
     def __iter__(self) -> Iterator[Entry]:

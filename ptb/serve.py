@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 
+import zmq
+
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.bus.service import DeviceService, ServiceError
 from photonic_testbed.hil.bus.supervisor import Manager, SupervisorError
@@ -75,9 +77,12 @@ def _announce(name: str, endpoints: dict, args) -> None:
 
 def _run_in_process(specs, stop: threading.Event, args) -> int:
     services, threads, endpoints = [], [], {}
+    # One ZeroMQ context (one I/O thread) for every service: a context each made 64 OCS
+    # services 64 more threads to wake for every message.
+    context = zmq.Context()
     try:
         for spec in specs:
-            service = DeviceService(spec)
+            service = DeviceService(spec, context=context)
             try:
                 endpoints[spec.name] = service.bind()
             except (ServiceError, KeyFileError, OSError) as e:
@@ -98,5 +103,7 @@ def _run_in_process(specs, stop: threading.Event, args) -> int:
             t.join(2.0)
         for service in services:
             service.close()
+        if not any(t.is_alive() for t in threads):
+            context.term()            # (a service stuck in its driver keeps the process up)
     print("stopped", flush=True)
     return 0

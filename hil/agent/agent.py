@@ -269,12 +269,37 @@ class Agent:
             for s, c in todo.items():
                 yield s, c, one(s, c)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.switches)),
-                                            thread_name_prefix="switch-write")
-        futures = [(s, c, self._pool.submit(one, s, c)) for s, c in todo.items()]
-        for s, c, f in futures:
-            yield s, c, f.result()
+        done: dict[str, Any] = {}
+        kinds: dict[type[CircuitSwitch], list[str]] = {}
+        for s in todo:
+            kinds.setdefault(type(self.switches[s]), []).append(s)
+        rest = []
+        for kind, names in kinds.items():
+            t0 = self.clock()
+            got = kind.apply_together([(self.switches[s], todo[s]) for s in names]) \
+                if len(names) > 1 else None
+            if got is None:
+                rest += names
+                continue
+            took = self.clock() - t0
+            for s, rep in zip(names, got):
+                if isinstance(rep, SwitchError):
+                    done[s] = rep
+                elif isinstance(rep, Exception):
+                    raise rep
+                else:
+                    done[s] = (rep, took)
+        if len(rest) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.switches)),
+                                                thread_name_prefix="switch-write")
+            futures = {s: self._pool.submit(one, s, todo[s]) for s in rest}
+            for s, f in futures.items():
+                done[s] = f.result()
+        else:
+            done.update((s, one(s, todo[s])) for s in rest)
+        for s, c in todo.items():
+            yield s, c, done[s]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import zmq
 
@@ -148,12 +149,14 @@ class ServiceClient:
         return got
 
 
-def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float, *,
-              expect: str | None = None) -> list:
+def call_many(requests: Sequence[tuple[ServiceClient, str, dict] |
+                                 tuple[ServiceClient, str, dict, str | None]],
+              timeout: float, *, expect: str | None = None) -> list:
     """Requests to several servers at once: sent together, answered as they come, so the wait
     is the slowest answer, not the sum. Returns, in order, each result or the BusError it got.
     A server silent for an attempt (0.25 s, doubling to 1 s) gets its request again, with the
-    same id, on a fresh socket, until `timeout`; then ServiceUnavailable."""
+    same id, on a fresh socket, until `timeout`; then ServiceUnavailable. A request's fourth
+    item, when given, is its own `expect` (the state version its change was computed from)."""
     deadline = time.monotonic() + timeout
     results: list = [None] * len(requests)
     waiting = set(range(len(requests)))
@@ -162,10 +165,10 @@ def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float, *
     while waiting:
         until = min(deadline, time.monotonic() + attempt)
         for i in sorted(waiting):
-            client, op, args = requests[i]
+            client, op, args, *own = requests[i]
             rids[i] = client.send(op, args, ttl=max(deadline - time.monotonic(), 0.001),
-                                  expect=expect, wait=max(0.0, until - time.monotonic()),
-                                  rid=rids.get(i))
+                                  expect=own[0] if own else expect,
+                                  wait=max(0.0, until - time.monotonic()), rid=rids.get(i))
         for i in sorted(waiting):
             try:
                 results[i] = requests[i][0].receive(rids[i], until)
@@ -180,7 +183,7 @@ def call_many(requests: list[tuple[ServiceClient, str, dict]], timeout: float, *
             requests[i][0]._reset()
         attempt = min(attempt * 2, LAST_ATTEMPT_S)
     for i in waiting:
-        client, op, _ = requests[i]
+        client, op = requests[i][:2]
         results[i] = ServiceUnavailable(f"{op}: no answer from {client.endpoint} within "
                                         f"{timeout:g} s")
     return results
