@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 Circuits = dict[int, int]     # input port -> output port
 
@@ -45,21 +46,29 @@ def check_circuits(circuits: Mapping[int, int] | Iterable[tuple[int, int]], port
             raise CircuitConflict(f"a circuit is a pair of port numbers, not {pair!r}") from None
         if not split and a > b:
             a, b = b, a
-        for p in (a, b):
-            if not 1 <= p <= top:
-                raise CircuitConflict(f"port {p} does not exist on this switch (ports 1..{top})")
-        if split and not (a <= ports < b):
-            raise CircuitConflict(f"circuit ({a}, {b}) must join an input 1..{ports} "
-                                  f"to an output {ports + 1}..{2 * ports}")
-        if a == b:
-            raise CircuitConflict(f"circuit ({a}, {b}) joins a port to itself")
-        for p in (a, b):
-            if p in used:
-                raise CircuitConflict(f"port {p} is in two circuits: ({used[p]}, ...) and "
-                                      f"({a}, {b})")
-            used[p] = a
+        # the usual case in one test each; the message says which rule a refused pair broke
+        if not (1 <= a <= top and 1 <= b <= top and (a <= ports < b if split else a != b)
+                and a not in used and b not in used):
+            _refuse(a, b, ports, top, split, used)
+        used[a] = used[b] = a
         out[a] = b
     return out
+
+
+def _refuse(a: int, b: int, ports: int, top: int, split: bool, used: dict[int, int]) -> NoReturn:
+    for p in (a, b):
+        if not 1 <= p <= top:
+            raise CircuitConflict(f"port {p} does not exist on this switch (ports 1..{top})")
+    if split and not (a <= ports < b):
+        raise CircuitConflict(f"circuit ({a}, {b}) must join an input 1..{ports} "
+                              f"to an output {ports + 1}..{2 * ports}")
+    if a == b:
+        raise CircuitConflict(f"circuit ({a}, {b}) joins a port to itself")
+    for p in (a, b):
+        if p in used:
+            raise CircuitConflict(f"port {p} is in two circuits: ({used[p]}, ...) and "
+                                  f"({a}, {b})")
+    raise AssertionError(f"circuit ({a}, {b}) refused for no stated reason")
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,9 @@ def clone(value):
     if t in _ATOMS:
         return value
     if t is dict:
-        return {k: clone(v) for k, v in value.items()}
+        return {k: v if type(v) in _ATOMS else clone(v) for k, v in value.items()}
     if t is list:
-        return [clone(v) for v in value]
+        return [v if type(v) in _ATOMS else clone(v) for v in value]
     if t is tuple:
         return tuple(clone(v) for v in value)
     return copy.deepcopy(value)
