@@ -52,6 +52,20 @@ def test_bad_registrations_are_refused(opus_rack):
     for msg, error in (({"gpu": "gpu9", "pid": os.getpid()}, "no GPU 'gpu9'"),
                        ({"gpu": "server1", "pid": 1}, "another process"),
                        ({"gpu": "server1", "pid": "12"}, "another process"),
-                       ({"gpu": "server1", "pid": 2 ** 22 + 12345}, "no process")):
+                       ({"gpu": "server1", "pid": 2 ** 22 + 12345}, "no process"),
+                       ({"gpu": "server1", "pid": os.getppid()}, "runs this emulator")):
         with pytest.raises(ControlError, match=error):
             request(opus_rack, {"cmd": "register_process", **msg})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_a_process_of_another_user_is_refused(opus_rack):
+    other = subprocess.Popen(["sleep", "60"],
+                             user=65534, group=65534, cwd="/")
+    try:
+        with pytest.raises(ControlError, match="belongs to another user"):
+            request(opus_rack, {"cmd": "register_process", "gpu": "server1", "pid": other.pid})
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait(10)

@@ -58,6 +58,30 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _owner_and_parent(pid: int) -> tuple[int, int] | None:
+    """(real uid, parent pid) of a process from /proc/PID/status; None where unknown."""
+    try:
+        fields = dict(line.split(":", 1) for line in
+                      pathlib.Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return int(fields["Uid"].split()[0]), int(fields["PPid"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _ancestors() -> set[int]:
+    """This process's parent, its parent's parent, ... (a shell, a supervisor, a test runner:
+    never a GPU's process)."""
+    out: set[int] = set()
+    pid = os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        got = _owner_and_parent(pid)
+        if got is None:
+            break
+        pid = got[1]
+    return out
+
+
 def plan_named(name: str, world: int) -> JobPlan:
     """Built-in job plans: `dp` (one all-reduce ring) and `dp-tp` (TP pairs, then DP rings).
     Step time is about 20 ms of compute + the transfers at 400 Gb/s."""
@@ -190,6 +214,14 @@ class RackHost:
         started = _process_start(pid)
         if started is None:
             raise ControlError(f"no process {pid}")
+        # fail_gpu SIGKILLs what is registered here: never a process of another user, nor one
+        # this emulator runs under
+        owner = _owner_and_parent(pid)
+        if owner is not None and owner[0] != os.getuid():
+            raise ControlError(f"process {pid} belongs to another user (uid {owner[0]})")
+        if pid in _ancestors():
+            raise ControlError(f"process {pid} runs this emulator (its parent or an ancestor), "
+                               "not a job on a GPU")
         with self._processes_lock:
             live = [(p, s) for p, s in self._processes.get(gpu, ()) if _process_start(p) == s]
             self._processes[gpu] = live + [(pid, started)]
