@@ -263,12 +263,22 @@ def test_control_endpoint_refuses_bad_requests(rig):
         ctl(rig, cmd="explode")
     with pytest.raises(ControlError, match="device"):
         ctl(rig, cmd="reboot", device="toaster")
-    with pytest.raises(ControlError):
-        ctl(rig, cmd="stick", port=999)
-    with pytest.raises(ControlError):
-        ctl(rig, cmd="switching_time", seconds=-1)
+    # the bench's OCS checks these as the rail OCSes do (hil/emulator/ocs_control.py)
+    for port in (999, True, None, "3"):
+        with pytest.raises(ControlError, match="port must be an integer in 1..64, not"):
+            ctl(rig, cmd="stick", port=port)
+    with pytest.raises(ControlError, match="stuck is true or false"):
+        ctl(rig, cmd="stick", port=3, stuck="yes")
+    for seconds in (-1, True, None, "0.1", 11):
+        with pytest.raises(ControlError, match="seconds must be a number in 0..10, not"):
+            ctl(rig, cmd="switching_time", seconds=seconds)
     with pytest.raises(ControlError, match="header"):
         ctl(rig, cmd="drop", device="ocs", when="after")
+    with pytest.raises(ControlError, match="is not a regular expression"):
+        ctl(rig, cmd="drop", device="ocs", when="after", header="(")
+    with pytest.raises(ControlError, match="when must be 'before' or 'after'"):
+        ctl(rig, cmd="drop", device="ocs", when="later", header="OXC")
+    assert ctl(rig, cmd="stick", port=3, stuck=False) == []
     assert ctl(rig, cmd="ping") == "pong"
     import zmq
     sock = zmq.Context.instance().socket(zmq.REQ)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from photonic_testbed.hil.emulator import ocs_control
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
 from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
@@ -118,16 +119,7 @@ class OpticalBench:
         return self.servers[name]
 
     def _drop(self, req: dict) -> Any:
-        server = self._server(req)
-        when = req.get("when", "now")
-        if when == "now":
-            return {"dropped": server.drop_clients()}
-        header = req.get("header")
-        if not isinstance(header, str) or not header:
-            raise ControlError('"header" (a regex of the line to cut on) is needed with '
-                               '"when": "before" | "after"')
-        server.drop_on(header, when)
-        return {"armed": header, "when": when}
+        return ocs_control.drop(self._server(req), req)
 
     def _reboot(self, req: dict) -> Any:
         server = self._server(req)
@@ -139,30 +131,18 @@ class OpticalBench:
                 inst.reboot()  # type: ignore[attr-defined]
         return {"dropped": server.drop_clients()}
 
-    def _stick(self, req: dict) -> Any:
+    def _ocs(self) -> OCSPhysics:
         if self.physics is None:
             raise ControlError("this rig has no OCS")
-        port = req["port"]
-        if not isinstance(port, int) or not 1 <= port <= 2 * self.physics.n:
-            raise ControlError(f"port must be an integer in 1..{2 * self.physics.n}")
-        with self.physics.lock:
-            stuck = req.get("stuck", True)
-            if not isinstance(stuck, bool):
-                raise ControlError(f"stuck is true or false, not {stuck!r}")
-            if stuck:
-                self.physics.stuck.add(port)
-            else:
-                self.physics.stuck.discard(port)
-            return sorted(self.physics.stuck)
+        return self.physics
+
+    def _stick(self, req: dict) -> Any:
+        return ocs_control.stick(self._ocs(), req)
 
     def _switching_time(self, req: dict) -> Any:
-        if self.physics is None:
-            raise ControlError("this rig has no OCS")
-        s = req["seconds"]
-        if not isinstance(s, (int, float)) or not 0 <= s <= 10:
-            raise ControlError("seconds must be a number in 0..10")
-        self.physics.switching_s = float(s)
-        return self.physics.switching_s
+        phys = self._ocs()
+        phys.switching_s = ocs_control.switching_seconds(req)
+        return phys.switching_s
 
     def _truth(self, req: dict) -> Any:
         out: dict[str, Any] = {}

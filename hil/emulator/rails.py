@@ -21,6 +21,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+from photonic_testbed.hil.emulator import ocs_control
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.emulator.scpi import SCPIServer
@@ -94,19 +95,7 @@ class RailSwitches:
         return name
 
     def _drop(self, req: dict) -> Any:
-        server = self.servers[self._switch(req)]
-        when = req.get("when", "now")
-        if when == "now":
-            return {"dropped": server.drop_clients()}
-        header = req.get("header")
-        if not isinstance(header, str) or not header:
-            raise ControlError('"header" (a regex of the line to cut on) is needed with '
-                               '"when": "before" | "after"')
-        try:
-            server.drop_on(header, when)
-        except ValueError as e:
-            raise ControlError(str(e)) from None
-        return {"armed": header, "when": when}
+        return ocs_control.drop(self.servers[self._switch(req)], req)
 
     def _reboot(self, req: dict) -> Any:
         name = self._switch(req)
@@ -115,28 +104,14 @@ class RailSwitches:
         return {"dropped": self.servers[name].drop_clients()}
 
     def _stick(self, req: dict) -> Any:
-        phys = self.physics[self._switch(req)]
-        port = req.get("port")
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 2 * phys.n:
-            raise ControlError(f"port must be an integer in 1..{2 * phys.n}, not {port!r}")
-        with phys.lock:
-            stuck = req.get("stuck", True)
-            if not isinstance(stuck, bool):
-                raise ControlError(f"stuck is true or false, not {stuck!r}")
-            if stuck:
-                phys.stuck.add(port)
-            else:
-                phys.stuck.discard(port)
-            return sorted(phys.stuck)
+        return ocs_control.stick(self.physics[self._switch(req)], req)
 
     def _switching_time(self, req: dict) -> Any:
-        s = req.get("seconds")
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 10:
-            raise ControlError(f"seconds must be a number in 0..10, not {s!r}")
+        s = ocs_control.switching_seconds(req)
         names = [self._switch(req)] if "device" in req else list(self.physics)
         for name in names:
-            self.physics[name].switching_s = float(s)
-        return {"seconds": float(s), "switches": len(names)}
+            self.physics[name].switching_s = s
+        return {"seconds": s, "switches": len(names)}
 
     def _circuits(self, req: dict) -> Any:
         names = req.get("switches")
