@@ -64,14 +64,16 @@ class OCSPhysics:
                 del self.actual[i]
             for p in (i, e):
                 self._dark_until[p] = until
+        lit = set(self.actual.values())         # egress ports with a light path now
         for i, e in add.items():
             self.commanded[i] = e
             if i in self.stuck or e in self.stuck:
                 continue
             # The light path changes only if no stuck port holds either end.
-            if i in self.actual or e in self.actual.values():
+            if i in self.actual or e in lit:
                 continue
             self.actual[i] = e
+            lit.add(e)
             for p in (i, e):
                 self._dark_until[p] = until
         self.moves += len(remove) + len(add)

@@ -38,6 +38,7 @@ ERROR_QUEUE_LEN = 30
 MAX_CLIENTS = 16            # sessions served at once (threads); see SCPIServer._admit
 SEND_TIMEOUT_S = 5.0        # a client that reads nothing for this long is dropped
 IDLE_TIMEOUT_S = 300.0      # a session that completes no line for this long is dropped
+FOUND_KEPT = 1024            # headers whose lookup an instrument remembers
 IDLE_POLL_S = 0.05          # how often a client thread notices that the server is closing
 
 ERROR_TEXT = {
@@ -144,6 +145,9 @@ class Session:
         return self.errors.pop(0) if self.errors else no_error
 
 
+_SPECIAL = re.compile(r"[;()\"']")
+
+
 def split_units(line: str) -> list[str]:
     """Split a program message into units at `;` outside parentheses and quotes.
 
@@ -152,7 +156,8 @@ def split_units(line: str) -> list[str]:
     """
     units: list[str] = []
     depth, quote, start = 0, "", 0
-    for i, c in enumerate(line):
+    for m in _SPECIAL.finditer(line):         # only the characters that matter
+        i, c = m.start(), m.group()
         if quote:
             if c == quote:
                 quote = ""
@@ -187,6 +192,7 @@ class Instrument:
     def __init__(self):
         self.lock = threading.RLock()
         self.commands: list[Command] = []
+        self._found: dict[str, tuple[Command, tuple] | None] = {}   # header -> lookup's answer
         self.lines_in = 0
         self.command("*IDN?", lambda s, sfx, arg: self.idn)
         self.command("*RST", lambda s, sfx, arg: self.reset())
@@ -201,14 +207,23 @@ class Instrument:
 
     def command(self, pattern: str, handler, locked: bool = True) -> None:
         self.commands.append(Command(pattern, handler, locked, compile_header(pattern)))
+        self._found.clear()
 
     def lookup(self, header: str) -> tuple[Command, tuple] | None:
+        try:
+            return self._found[header]
+        except KeyError:
+            pass
         h = header.upper()
+        found = None
         for cmd in self.commands:
             m = cmd.regex.fullmatch(h)
             if m:
-                return cmd, tuple(int(g) if g else None for g in m.groups())
-        return None
+                found = cmd, tuple(int(g) if g else None for g in m.groups())
+                break
+        if len(self._found) < FOUND_KEPT:      # a client sending endless new headers
+            self._found[header] = found         # is answered, just not remembered
+        return found
 
     # ---- overridable behaviour ---------------------------------------------------------------
 
