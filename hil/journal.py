@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Iterator
 
 import orjson
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
@@ -229,6 +232,7 @@ class Journal:
         except BaseException:
             self._db.close()
             raise
+        self._listeners: list[Callable[[Entry, str], None]] = []
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name=f"journal-checkpoint {self.path}")
@@ -309,16 +313,31 @@ class Journal:
         if kind not in KINDS:
             raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
         text = orjson.dumps(details, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+        ts = time.time() if ts is None else ts
         with self._lock, _sqlite_errors(self.path, f"recording {kind!r}"):
             self._begin()
             try:
                 cur = self._db.execute(
                     "INSERT INTO events (ts, kind, cause, latency_s, details) VALUES (?,?,?,?,?)",
-                    (time.time() if ts is None else ts, kind, cause, latency_s, text))
+                    (ts, kind, cause, latency_s, text))
             finally:
                 if not defer:
                     self._db.execute("COMMIT")
+            self._tell(Entry(cur.lastrowid, ts, kind, cause, latency_s, details), text)
             return cur.lastrowid
+
+    def listen(self, fn: Callable[[Entry, str], None]) -> None:
+        """Call `fn(entry, details as stored)` for every entry written from now on, in order,
+        when it is written (a deferred entry is on disk once `flush` returns). The entry's
+        details are the caller's live objects: take what is needed before returning."""
+        self._listeners.append(fn)
+
+    def _tell(self, entry: Entry, text: str) -> None:
+        for fn in self._listeners:
+            try:
+                fn(entry, text)
+            except Exception:
+                log.exception("%s: a journal listener failed on entry %d", self.path, entry.seq)
 
     def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str, *,
                      event: bool = True) -> int:
@@ -338,20 +357,25 @@ class Journal:
             self._db.execute("SAVEPOINT intended")
             try:
                 seq = None
+                written = []
                 for name, pairs in rows.items():
                     text = orjson.dumps(pairs).decode()     # [[input, output], ...]
                     if event:
+                        ts = time.time()
+                        details = f'{{"circuits": {text}, "switch": {json.dumps(name)}}}'
                         seq = self._db.execute(
                             "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                            (time.time(), "decision", cause,
-                             f'{{"circuits": {text}, "switch": {json.dumps(name)}}}')
-                        ).lastrowid
+                            (ts, "decision", cause, details)).lastrowid
+                        written.append((Entry(seq, ts, "decision", cause, None, {
+                            "circuits": [list(p) for p in pairs], "switch": name}), details))
                     elif seq is None:
                         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
                                                ).fetchone()[0]
                     self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
                                      (name, text, seq))
                 self._db.execute("RELEASE intended")
+                for entry, details in written:
+                    self._tell(entry, details)
             except BaseException:
                 self._db.execute("ROLLBACK TO intended")
                 self._db.execute("RELEASE intended")

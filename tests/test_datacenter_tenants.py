@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 
+import orjson
 import pytest
 
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.agent.bus import AgentProcess
+from photonic_testbed.hil.agent.bus import AgentProcess, published_details
+from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.bus.service import DeviceService
 from photonic_testbed.hil.emulator.control import request
 from photonic_testbed.hil.emulator.rig import EmulatedRig
@@ -89,6 +91,22 @@ def on_the_switches(control, ports: dict[str, set[int]]) -> dict:
             for s, p in ports.items()}
 
 
+def assert_published_events_are_the_journal(rig, agent) -> None:
+    """The agent publishes each journal entry as it is written (the writer's objects, not
+    read back): what a subscriber gets is what `ptb journal` shows, a bulky entry briefed."""
+    with ServiceClient(rig.agent_endpoints()[0], timeout=TIMEOUT_S) as c:
+        events = c.call("snapshot")["state"]["events"]
+    entries = agent.journal.entries()[-len(events):]
+    assert len(events) > 20 and [e["seq"] for e in events] == [e.seq for e in entries]
+
+    def wire(x):
+        return orjson.loads(orjson.dumps(x, option=orjson.OPT_NON_STR_KEYS))
+    for ev, e in zip(events, entries):
+        assert ev == wire({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                           "latency_s": e.latency_s,
+                           "details": published_details(e.details)}), e.kind
+
+
 def test_jobs_never_move_each_others_circuits_and_a_failure_degrades_only_its_job(datacenter):
     rig, control, agent = datacenter
     a = Fabric(*rig.agent_endpoints(), job="a", timeout=TIMEOUT_S)
@@ -151,6 +169,7 @@ def test_jobs_never_move_each_others_circuits_and_a_failure_degrades_only_its_jo
         assert on_the_switches(control, others) == before
         assert b.phase("pp")["granted"] and b.phase("dp")["granted"]
         assert agent.agent.jobs["b"].rank_map == map_b
+        assert_published_events_are_the_journal(rig, agent)
     finally:
         for fabric in (a, b, c):
             fabric.close()

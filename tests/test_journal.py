@@ -326,3 +326,47 @@ def test_ptb_agent_refuses_a_damaged_journal(tmp_path, name):
     assert "Traceback" not in out.stderr + out.stdout
     assert out.stderr.startswith("ptb agent: ") and DAMAGE[name][1] in out.stderr
     assert os.path.getsize(path) == size                  # left as found, for a person
+
+
+def test_listeners_hear_every_entry_written_as_it_is_stored(tmp_path):
+    """`listen`: each entry once, in order, with the text the journal keeps; entries of a
+    rolled-back change are not heard; a listener that fails does not stop the writer."""
+    import orjson
+    heard = []
+    with Journal(tmp_path / "j.db") as j:
+        j.record("note", "before anyone listens")
+        j.listen(lambda e, text: heard.append((e, text)))
+        j.listen(lambda e, text: 1 / 0)                        # logged, not raised
+        j.record("note", "deferred", defer=True, ranks={0: "gpu0", 1: "gpu1"})
+        j.set_intended_many({"ocs-a": [(1, 33)], "ocs-b": [(2, 34), (1, 40)]}, "phase dp")
+        with pytest.raises(TypeError):          # the second cannot be stored: neither is
+            j.set_intended_many({"ocs-a": [(1, 33)], "ocs-c": [(1, object())]}, "bad")
+        j.set_intended_many({"ocs-a": [(3, 35)]}, "quiet", event=False)
+        stored = j.entries()
+    assert [e.seq for e, _ in heard] == [e.seq for e in stored[1:]]
+    for (e, text), s in zip(heard, stored[1:]):
+        assert (e.ts, e.kind, e.cause, e.latency_s) == (s.ts, s.kind, s.cause, s.latency_s)
+        assert orjson.loads(text) == s.details
+        assert orjson.loads(orjson.dumps(e.details, option=orjson.OPT_NON_STR_KEYS)) == \
+            s.details
+    assert [s.details.get("switch") for s in stored[2:]] == ["ocs-a", "ocs-b"]
+
+
+def test_a_bulky_entry_is_briefed_alike_from_the_writer_or_the_file(tmp_path):
+    """The agent publishes an entry from the writer's objects (tuples, integer keys) as it
+    would from the journal's file (lists, string keys)."""
+    import orjson
+    from photonic_testbed.hil.agent.bus import EVENT_DETAILS_BYTES, _brief_details, \
+        published_details
+    live = {"job": "a", "rank_map": {r: f"s{r // 8}g{r % 8}" for r in range(64)},
+            "dark": [("rail0-pod0", 3, 35)], "pairs": tuple((i, 32 + i) for i in range(1, 33)),
+            "applied": {f"rail{k}": {"seconds": 0.001 * k, "added": [[1, 33]] * 20,
+                                     "removed": []} for k in range(8)}}
+    with Journal(tmp_path / "j.db") as j:
+        j.record("phase", "phase dp", **live)
+        stored = j.entries()[-1].details
+    assert len(orjson.dumps(stored)) > EVENT_DETAILS_BYTES
+    assert orjson.loads(orjson.dumps(_brief_details(live), option=orjson.OPT_NON_STR_KEYS)) \
+        == published_details(stored)
+    assert published_details(stored)["rank_map"] == {"items": 64}
+    assert published_details(stored)["applied"]["added"] == 160

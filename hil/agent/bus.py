@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState,
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.journal import Entry, Journal
 from photonic_testbed.hil.rack_layout import Attachment, RackLayout
 from photonic_testbed.hil.rig import Rig, RigFileError
 
@@ -149,13 +150,17 @@ def published_details(details: dict) -> dict:
     journal keeps every entry whole (`ptb journal`)."""
     if len(orjson.dumps(details, default=str)) <= EVENT_DETAILS_BYTES:
         return details
+    return _brief_details(details)
 
+
+def _brief_details(details: dict) -> dict:
+    """A bulky entry's details with each long list or table given as its size."""
     def brief(value: Any) -> Any:
-        if isinstance(value, (dict, list)) and len(value) > EVENT_ITEMS_SHOWN:
+        if isinstance(value, (dict, list, tuple)) and len(value) > EVENT_ITEMS_SHOWN:
             return {"items": len(value)}
         if isinstance(value, dict):
             return {k: brief(v) for k, v in value.items()}
-        if isinstance(value, list):
+        if isinstance(value, (list, tuple)):
             return [brief(v) for v in value]
         return value
     out = {k: brief(v) for k, v in details.items() if k != "applied"}
@@ -223,6 +228,7 @@ class AgentProcess:
         self._orders: dict[str, dict] = {}         # job -> its last restart order
         self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
+        self._fresh: collections.deque[dict] = collections.deque()  # written, not published
         self._rack_cache: tuple[tuple, list[dict]] | None = None   # (what it shows, rows)
         self._last_seq = 0
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
@@ -263,6 +269,7 @@ class AgentProcess:
                                  "cause": entry.cause, "latency_s": entry.latency_s,
                                  "details": published_details(entry.details)})
             self._last_seq = entry.seq
+        self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.rig.agent_endpoints()
         self.server = Server(
             "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),
@@ -534,22 +541,29 @@ class AgentProcess:
             state["events"] = [dict(e) for e in self._events]
         return state
 
+    def _recorded(self, e: Entry, text: str) -> None:
+        """A journal entry as it is written: its published form, taken now (the details are
+        the writer's live objects; a small entry exactly as the journal keeps it)."""
+        details = orjson.loads(text) if len(text) <= EVENT_DETAILS_BYTES else \
+            _brief_details(e.details)
+        self._fresh.append({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                            "latency_s": e.latency_s, "details": details})
+
     def _publish(self) -> None:
         """New journal entries are appended to `events` (the oldest dropped past 200), the
         other keys sent when they differ: one delta."""
         self._published = time.monotonic()
-        new = self.journal.entries(since=self._last_seq)     # syncs the deferred entries
+        written = len(self._fresh)
+        self.journal.flush()             # what is published is on disk (deferred entries too)
         ops: list = []
-        if new:
-            self._last_seq = new[-1].seq
-            for e in new:
-                ev = {"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                      "latency_s": e.latency_s, "details": published_details(e.details)}
-                ops.append(["set", ["events", len(self._events)], ev])
-                self._events.append(ev)
-                if len(self._events) > EVENTS_KEPT:
-                    ops.append(["del", ["events", 0]])
-                    self._events.pop(0)
+        for _ in range(written):
+            ev = self._fresh.popleft()
+            self._last_seq = ev["seq"]
+            ops.append(["set", ["events", len(self._events)], ev])
+            self._events.append(ev)
+            if len(self._events) > EVENTS_KEPT:
+                ops.append(["del", ["events", 0]])
+                self._events.pop(0)
         if self.server is None:
             return
         state = self._state(events=False)

@@ -393,18 +393,34 @@ def circuits_from_wire(pairs) -> dict[int, int]:
     that is not two integers, an input named twice (which output was meant?), an output named
     twice (two inputs cannot both own it)."""
     out: dict[int, int] = {}
-    outputs: dict[int, int] = {}
+    outputs: set[int] = set()
     for pair in pairs:
-        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-                or not all(isinstance(p, int) and not isinstance(p, bool) for p in pair)):
-            raise WrongType(f"a circuit is [input, output] (two integers), not {pair!r}")
-        a, b = pair
-        if a in out:
-            raise BadRequest(f"input {a} is named twice ([{a}, {out[a]}] and [{a}, {b}]): "
-                             "a circuit set gives each input one output")
-        if b in outputs:
-            raise BadRequest(f"output {b} is named twice ([{outputs[b]}, {b}] and [{a}, {b}]): "
-                             "two inputs cannot share an output")
+        # the usual pair in one test; anything else is looked at closely (and maybe refused)
+        if type(pair) in _PAIR_TYPES and len(pair) == 2:
+            a, b = pair
+            if type(a) is int and type(b) is int and a not in out and b not in outputs:
+                out[a] = b
+                outputs.add(b)
+                continue
+        a, b = _wire_pair(pair, out, outputs)
         out[a] = b
-        outputs[b] = a
+        outputs.add(b)
     return out
+
+
+_PAIR_TYPES = (list, tuple)
+
+
+def _wire_pair(pair, out: dict[int, int], outputs: set[int]) -> tuple[int, int]:
+    if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in pair)):
+        raise WrongType(f"a circuit is [input, output] (two integers), not {pair!r}")
+    a, b = pair
+    if a in out:
+        raise BadRequest(f"input {a} is named twice ([{a}, {out[a]}] and [{a}, {b}]): "
+                         "a circuit set gives each input one output")
+    if b in outputs:
+        owner = next(i for i, o in out.items() if o == b)
+        raise BadRequest(f"output {b} is named twice ([{owner}, {b}] and [{a}, {b}]): "
+                         "two inputs cannot share an output")
+    return a, b
