@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
+from photonic_testbed.hil import control_client
+from photonic_testbed.hil.control_client import ControlError, ControlTimeout
 from photonic_testbed.hil.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 
 log = logging.getLogger(__name__)
@@ -154,26 +154,14 @@ def read_events(workdir: str | os.PathLike) -> list[dict]:
 
 
 def emulator_request(endpoint: str, msg: dict, timeout_s: float = 5.0) -> Any:
-    """One request on the emulator's control endpoint (its wire: docs/control.md); the result,
-    or JobSpecError with the emulator's refusal."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    """One request on the emulator's control endpoint (hil.control_client); the result, or
+    JobSpecError with the emulator's refusal."""
     try:
-        sock.connect(endpoint)
-        sock.send(json.dumps(msg).encode())
-        try:
-            reply = json.loads(sock.recv())
-        except zmq.Again:
-            raise JobSpecError(f"the emulator at {endpoint} did not answer "
-                               f"{msg.get('cmd')!r} within {timeout_s} s") from None
-    finally:
-        sock.close(linger=0)
-    if not reply.get("ok"):
-        raise JobSpecError(f"the emulator refused {msg.get('cmd')!r}: {reply.get('error')}")
-    return reply.get("result")
+        return control_client.request(endpoint, msg, timeout_s)
+    except ControlTimeout as e:
+        raise JobSpecError(f"the emulator did not answer: {e}") from None
+    except ControlError as e:
+        raise JobSpecError(f"the emulator refused {msg.get('cmd')!r}: {e}") from None
 
 
 # --- the controller -------------------------------------------------------------------------

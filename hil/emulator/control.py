@@ -16,14 +16,13 @@ from typing import Any, Callable
 
 import zmq
 
+# the client side, and the error a handler raises to refuse (re-exported for the emulator's users)
+from photonic_testbed.hil.control_client import ControlError, ControlTimeout, request  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
 MAX_REQUEST = 1 << 20
-
-
-class ControlError(Exception):
-    """A handler refused a request; the message goes back to the caller as `error`."""
 
 
 Handler = Callable[[dict], Any]
@@ -113,22 +112,3 @@ class ControlServer:
                 sock.send(json.dumps({"ok": False, "error": f"reply failed: {e}"}).encode())
 
 
-def request(endpoint: str, msg: dict, timeout_s: float = 5.0) -> Any:
-    """Send one request to a control endpoint; the result, or ControlError."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    try:
-        sock.connect(endpoint)
-        sock.send(json.dumps(msg).encode())
-        try:
-            reply = json.loads(sock.recv())
-        except zmq.Again:
-            raise ControlError(f"no reply from {endpoint} within {timeout_s} s") from None
-    finally:
-        sock.close(linger=0)
-    if not reply.get("ok"):
-        raise ControlError(reply.get("error", "refused"))
-    return reply.get("result")
