@@ -556,10 +556,15 @@ def device_wires(endpoints: str | os.PathLike | None = None,
                 wires[d.name] = parse_address(d.address)
             except SessionError as e:
                 notes.append(f"{d.name} left out: {e}")
+    given: dict[str, str] = {}
     for word in named:
         name, sep, address = word.partition("=")
         if not sep or not DEVICE_NAME.fullmatch(name):
             raise SessionError(f"{word!r}: expected DEVICE=ADDRESS, e.g. dac=/dev/ttyACM0 or "
                                "ocs=TCPIP::10.0.0.9::5025::SOCKET")
+        if name in given:
+            raise SessionError(f"device {name!r} is named twice ({given[name]} and "
+                               f"{address}): which one is meant?")
+        given[name] = address
         wires[name] = parse_address(address, SCPI_PORT)
     return wires, notes

@@ -78,7 +78,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # A command's DEVICE=ADDRESS list may be split by options (`ptb record dac=... --out f
+    # ocs=...`): argparse takes the first run only and calls the rest unrecognised.
+    if extra and isinstance(getattr(args, "devices", None), list) and \
+            not any(a.startswith("-") for a in extra):
+        args.devices += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -139,3 +139,18 @@ def test_through_the_command_line_no_traceback(tmp_path):
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 1, out
         assert "Traceback" not in out.stderr and out.stderr.startswith(f"ptb {argv[0]}: ")
+
+
+def test_devices_may_be_named_on_either_side_of_an_option_and_once_each(capsys, tmp_path):
+    """`ptb record dac=... --out f ocs=...`: every DEVICE=ADDRESS counts wherever it stands; a
+    device named twice and an unknown option are refused before anything is opened."""
+    out = str(tmp_path / "s.jsonl")
+    code, _, err = ptb(capsys, "record", "ocs=127.0.0.1:1", "--out", out, "ocs=127.0.0.1:2")
+    assert code == 1 and "device 'ocs' is named twice (127.0.0.1:1 and 127.0.0.1:2)" in err
+    code, _, err = ptb(capsys, "record", "ocs=127.0.0.1:1", "--out", out, "oops")
+    assert code == 1 and "'oops': expected DEVICE=ADDRESS" in err
+    code, _, err = ptb(capsys, "replay", "ocs=127.0.0.1:1", "--bogus", "x")
+    assert code == 2 and "unrecognized arguments: --bogus" in err
+    code, _, err = ptb(capsys, "emulate", "--rig", "opus", "stray")
+    assert code == 2 and "unrecognized arguments: stray" in err
+    assert not (tmp_path / "s.jsonl").exists()
