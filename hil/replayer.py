@@ -43,6 +43,7 @@ LATE_FACTOR = 3.0              # an answer may take this many times its recorded
 LATE_MAX_S = 60.0              # ...but no longer than this (or --timeout-s, if that is longer)
 END_GRACE_S = 0.05             # how long the end of a connection is watched for extra answers
 MISMATCH_READ_S = 0.2          # how long a differing client line is read on, for the report
+SILENT_AFTER = 3               # exchanges in a row with no byte of answer: the device is silent
 
 
 class ReplayError(Exception):
@@ -241,6 +242,7 @@ def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison =
     links: dict[tuple[str, int], _Link] = {}
     last: dict[tuple[str, int], tuple[Exchange, bytes, str]] = {}
     failed: set[tuple[str, int]] = set()
+    unanswered: dict[tuple[str, int], int] = {}      # exchanges in a row without a byte back
     opened_once: set[str] = set()
     t_first = exchanges[0].t if exchanges else 0.0
     start = time.monotonic()
@@ -294,6 +296,12 @@ def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison =
                 continue
             link = links[key]
             settle(key)
+            if unanswered.get(key, 0) >= SILENT_AFTER and x.answer:
+                # not waited for again: a silent device would hold every exchange its timeout
+                report.differences.append(Difference(
+                    x, None, "device", f"not played: the device answered none of the last "
+                    f"{SILENT_AFTER} exchanges on this connection"))
+                continue
             if pace:
                 time.sleep(max(0.0, start + (x.t - t_first) - time.monotonic()))
             got, note = b"", ""
@@ -311,6 +319,8 @@ def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison =
                                                          LATE_MAX_S)))
             report.played += 1
             last[key] = (x, got, note)
+            if x.answer:
+                unanswered[key] = 0 if got else unanswered.get(key, 0) + 1
         if last:
             time.sleep(END_GRACE_S)
         for key in list(last):

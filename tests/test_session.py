@@ -361,6 +361,42 @@ def test_replay_names_an_answer_that_changed_and_a_device_that_hung_up(tmp_path)
     assert report.describe().splitlines()[1].startswith("first difference: exchange 2 ")
 
 
+def test_replay_stops_waiting_on_a_device_that_went_silent(tmp_path):
+    """A device that takes every line and answers none: three exchanges wait their timeout,
+    the rest are reported not played rather than each waited for."""
+    events = [{"t": 0.0, "device": "ocs", "conn": 1, "event": "open"}]
+    for k in range(10):
+        events += [_data(0.1 + 0.5 * k, "ocs", "client", f"q{k}?\n"),
+                   _data(0.15 + 0.5 * k, "ocs", "device", f"a{k}\r\n")]
+    session = Session.parse(_text(*events), "s.jsonl")
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = []
+
+    def swallow():
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                data = conn.recv(4096)
+                if not data:
+                    return
+                taken.append(data)
+    t = threading.Thread(target=swallow, daemon=True)
+    t.start()
+    try:
+        report = replay(session, {"ocs": Wire("tcp", host="127.0.0.1",
+                                               port=listener.getsockname()[1])}, timeout_s=0.2)
+    finally:
+        listener.close()
+        t.join(5)
+    assert report.played == 3 and not report.ok
+    notes = [d.note for d in report.differences]
+    assert len(notes) == 10
+    assert all(n.startswith("no complete answer within") for n in notes[:3])
+    assert notes[3:] == ["not played: the device answered none of the last 3 exchanges on "
+                         "this connection"] * 7
+    assert b"".join(taken) == b"q0?\nq1?\nq2?\n"
+
+
 def test_replay_refuses_a_device_it_cannot_reach(tmp_path):
     session = Session.parse(_text(_data(0.1, "ocs", "client", "a?\n")))
     with pytest.raises(ReplayError, match="no address for ocs"):     # the dac is not used
