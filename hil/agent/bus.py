@@ -154,15 +154,18 @@ def published_details(details: dict) -> dict:
 
 
 def _brief_details(details: dict) -> dict:
-    """A bulky entry's details with each long list or table given as its size."""
+    """A bulky entry's details with each long list or table given as its size, as JSON has them
+    (keys as strings, anything else JSON does not know as its text: what the journal stores)."""
     def brief(value: Any) -> Any:
         if isinstance(value, (dict, list, tuple)) and len(value) > EVENT_ITEMS_SHOWN:
             return {"items": len(value)}
         if isinstance(value, dict):
-            return {k: brief(v) for k, v in value.items()}
+            return {k if isinstance(k, str) else str(k): brief(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [brief(v) for v in value]
-        return value
+        if value is None or isinstance(value, (str, bool, int, float)):
+            return value
+        return str(value)
     out = {k: brief(v) for k, v in details.items() if k != "applied"}
     applied = details.get("applied")
     if isinstance(applied, dict):
