@@ -376,10 +376,20 @@ class RackHost:
         def run() -> None:
             seen: list[tuple[float, int]] = []      # (time, step) over the window
             sent_state, sent_at = None, -1e9
+            restarts = job.restarts
             while True:
                 stopping = stop.wait(0.05)
                 state = states.get(job.state)
                 now = time.monotonic()
+                if job.restarts != restarts and state == "running" and sent_state == "running":
+                    # it failed and restarted between two looks (a busy machine can keep this
+                    # thread away longer than a restart takes): the stop is said all the same
+                    try:
+                        fabric.report("restarting", job.step, 0.0, None, detail("restarting"))
+                        sent_state = "restarting"
+                    except BusError as e:
+                        log.debug("job report not delivered: %s", e)
+                restarts = job.restarts
                 if seen and job.step < seen[-1][1]:
                     seen.clear()                    # restarted from its checkpoint
                 seen.append((now, job.step))
