@@ -70,7 +70,6 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = {"meta", "events", "intended"}
 
 
-
 def _details(text: str) -> dict:
     """An entry's details as stored (orjson writes them; a journal of an older version may hold
     what only the standard library reads, such as NaN)."""
@@ -78,6 +77,7 @@ def _details(text: str) -> dict:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         return json.loads(text)
+
 
 class JournalError(Exception):
     """The journal file cannot be used (missing folder, empty, damaged, not a journal, wrong

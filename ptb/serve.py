@@ -77,8 +77,8 @@ def _announce(name: str, endpoints: dict, args) -> None:
 
 def _run_in_process(specs, stop: threading.Event, args) -> int:
     services, threads, endpoints = [], [], {}
-    # One ZeroMQ context (one I/O thread) for every service: a context each made 64 OCS
-    # services 64 more threads to wake for every message.
+    # One ZeroMQ context (one I/O thread) for every service, not one each (64 OCS services:
+    # 64 I/O threads fewer; no change in speed measured, BENCHMARKS.md "datacenter").
     context = zmq.Context()
     try:
         for spec in specs:

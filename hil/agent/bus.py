@@ -64,63 +64,57 @@ class BusSwitch(CircuitSwitch):
         return self._ports
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
-        circuits = check_circuits(circuits, self._ports)
-        wire = schema.circuits_to_wire(circuits)
-        t0 = time.perf_counter()
-        for attempt in (0, 1):
-            try:
-                got = self.client.call("apply_circuits", circuits=wire, expect=self.version)
-                break
-            except StaleState:
-                if attempt:
-                    raise SwitchError(f"{self.name} keeps changing under the agent") from None
-                log.warning("%s changed under the agent; re-reading", self.name)
-                self.client.call("read_circuits")
-                self.version = self.client.version
-            except BusError as e:
-                raise SwitchError(f"{self.name}: {e}") from e
-        self.version = self.client.version
-        return ApplyReport(dict(schema.circuits_from_wire(got["added"])),
-                           dict(schema.circuits_from_wire(got["removed"])),
-                           time.perf_counter() - t0)
+        got = self.apply_together([(self, circuits)])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     @classmethod
     def apply_together(cls, work):
         """Every switch's `apply_circuits` sent before any answer is waited for (one thread,
-        the requests' own retries); a switch that changed under the agent is re-read and
-        asked again on its own (`apply`)."""
-        timeout = max(sw.client.timeout for sw, _ in work)
-        asks, wires = [], []
-        for sw, circuits in work:
+        each request retried with its own id), each with the state version the agent last saw
+        (`expect`). A switch that changed under the agent is read again and asked once more;
+        refused again, or any other error: a SwitchError for that switch alone."""
+        out: list = [None] * len(work)
+        wires: dict[int, list] = {}
+        for i, (sw, circuits) in enumerate(work):
             try:
-                wire = schema.circuits_to_wire(check_circuits(circuits, sw._ports))
+                wires[i] = schema.circuits_to_wire(check_circuits(circuits, sw._ports))
             except CircuitConflict as e:
-                wire = e
-            wires.append(wire)
-            if not isinstance(wire, Exception):
-                asks.append((sw.client, "apply_circuits", {"circuits": wire}, sw.version))
+                out[i] = e
+        timeout = max(sw.client.timeout for sw, _ in work)
         t0 = time.perf_counter()
-        answers = iter(call_many(asks, timeout))
-        out: list = []
-        for (sw, circuits), wire in zip(work, wires):
-            if isinstance(wire, Exception):
-                out.append(wire)
-                continue
-            got = next(answers)
-            if isinstance(got, StaleState):
+        pending = list(wires)
+        for attempt in (0, 1):
+            answers = call_many([(work[i][0].client, "apply_circuits",
+                                  {"circuits": wires[i]}, work[i][0].version)
+                                 for i in pending], timeout)
+            stale = []
+            for i, got in zip(pending, answers):
+                sw = work[i][0]
+                if isinstance(got, StaleState) and not attempt:
+                    stale.append(i)
+                elif isinstance(got, StaleState):
+                    out[i] = SwitchError(f"{sw.name} keeps changing under the agent")
+                elif isinstance(got, BusError):
+                    out[i] = SwitchError(f"{sw.name}: {got}")
+                else:
+                    sw.version = sw.client.version
+                    out[i] = ApplyReport(dict(schema.circuits_from_wire(got["added"])),
+                                         dict(schema.circuits_from_wire(got["removed"])),
+                                         time.perf_counter() - t0)
+            pending = []
+            for i in stale:
+                sw = work[i][0]
                 log.warning("%s changed under the agent; re-reading", sw.name)
                 try:
-                    out.append(sw.apply(circuits))
-                except SwitchError as e:
-                    out.append(e)
-                continue
-            if isinstance(got, BusError):
-                out.append(SwitchError(f"{sw.name}: {got}"))
-                continue
-            sw.version = sw.client.version
-            out.append(ApplyReport(dict(schema.circuits_from_wire(got["added"])),
-                                   dict(schema.circuits_from_wire(got["removed"])),
-                                   time.perf_counter() - t0))
+                    sw.client.call("read_circuits")
+                    sw.version = sw.client.version
+                    pending.append(i)
+                except BusError as e:
+                    out[i] = SwitchError(f"{sw.name}: {e}")
+            if not pending:
+                break
         return out
 
     def circuits(self) -> Circuits:
@@ -233,7 +227,6 @@ class AgentProcess:
         self._events: list[dict] = []
         self._fresh: collections.deque[dict] = collections.deque()  # written, not published
         self._rack_cache: tuple[tuple, list[dict]] | None = None   # (what it shows, rows)
-        self._last_seq = 0
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
         self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
         self._rx: dict[str, tuple[str | None, dict]] = {}
@@ -271,7 +264,6 @@ class AgentProcess:
             self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
                                  "cause": entry.cause, "latency_s": entry.latency_s,
                                  "details": published_details(entry.details)})
-            self._last_seq = entry.seq
         self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.rig.agent_endpoints()
         self.server = Server(
@@ -561,7 +553,6 @@ class AgentProcess:
         ops: list = []
         for _ in range(written):
             ev = self._fresh.popleft()
-            self._last_seq = ev["seq"]
             ops.append(["set", ["events", len(self._events)], ev])
             self._events.append(ev)
             if len(self._events) > EVENTS_KEPT:
