@@ -2,6 +2,7 @@
 own SCPI endpoint in the emulator) with `ptb serve --one-process` (64 switch services as
 threads of one process) and `ptb agent`, as processes; zero device delays.
 
+- CPU: each process's user + system time over the timed phase switches, per switch.
 - Start-up: each process from launch to ready, and the emulator's alone against the issue's
   30 s; resident memory (RSS) of the emulator, the services and the agent, before and after a
   job of every working GPU is admitted and run.
@@ -172,7 +173,10 @@ def run(args) -> dict:
         rank_map = fabric.admit(plan, dict(enumerate(workers)))
         admit_s = time.perf_counter() - t
         rss["job admitted"] = stack.rss_mb()
+        cpu0 = stack.cpu_s()
         phase_s, written = _phases(stack, fabric, plan, args.phases, args.gap_ms / 1e3)
+        cpu1 = stack.cpu_s()
+        cpu_ms = {name: 1e3 * (cpu1[name] - cpu0[name]) / len(phase_s) for name in cpu0}
         parts = _failovers(stack, fabric, rank_map, args.failovers, spec.rails * group)
         rss["after the runs"] = stack.rss_mb()
     finally:
@@ -208,10 +212,12 @@ def run(args) -> dict:
         f"{1e3 * ph99:.1f} ms (goal <= {1e3 * PHASE_GOAL_S:g} ms: "
         f"{'met' if ph99 <= PHASE_GOAL_S else 'NOT met'})",
     ]
+    notes.append("CPU per phase switch (user + system, over the timed switches): " +
+                 ", ".join(f"{name} {ms:.1f} ms" for name, ms in cpu_ms.items()))
     notes += [f"RSS of {m['process']}: " + ", ".join(f"{k} {v}" for k, v in m.items()
                                                     if k != "process") for m in mem]
     return {"rows": rows, "memory": mem, "notes": notes, "started_s": stack.started,
-            "rss_mib": rss, "samples_ms": {
+            "rss_mib": rss, "cpu_ms_per_phase_switch": cpu_ms, "samples_ms": {
                 "phase": [round(1e3 * x, 3) for x in phase_s], "ocs_written": written,
                 **{f"failover {k}": [round(1e3 * x, 3) for x in v]
                    for k, v in parts.items() if k != "ocs"}}}

@@ -4,6 +4,7 @@ endpoint and the job side (`hil.fabric_client.Fabric`) and reads the agent's jou
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import tempfile
 import time
@@ -65,30 +66,58 @@ class Stack:
         """Resident memory of each process of the stack (and its children), MiB."""
         return {name: rss_mb(proc.pid) for name, proc in self.procs.procs}
 
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds each process of the stack (and its children) has used so far."""
+        return {name: cpu_s(proc.pid) for name, proc in self.procs.procs}
+
     def close(self) -> None:
         self.procs.close()
         self._tmp.cleanup()
 
 
+def _tree(pid: int) -> list[int]:
+    """A process and its children, theirs, ... (from /proc); [] where /proc cannot say."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        try:
+            kids = pathlib.Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        out.append(p)
+        todo += [int(k) for k in kids]
+    return out
+
+
 def rss_mb(pid: int) -> float:
     """A process's resident memory with its children's (VmRSS from /proc), MiB; nan where
     /proc cannot say."""
-    total, todo, seen, read = 0, [pid], set(), False
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    total, read = 0, False
+    for p in _tree(pid):
         try:
             status = pathlib.Path(f"/proc/{p}/status").read_text()
-            kids = pathlib.Path(f"/proc/{p}/task/{p}/children").read_text().split()
         except OSError:
             continue
         read = True
         total += next((int(line.split()[1]) for line in status.splitlines()
                        if line.startswith("VmRSS:")), 0)
-        todo += [int(k) for k in kids]
     return total / 1024 if read else float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time (user + system) a process and its live children have used so far, seconds;
+    nan where /proc cannot say."""
+    ticks, read = 0, False
+    for p in _tree(pid):
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        read = True
+        ticks += int(fields[11]) + int(fields[12])        # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK") if read else float("nan")
 
 
 def percentile(xs: list[float], q: float) -> float:
