@@ -104,6 +104,21 @@ class PhaseSpec:
         out.discard(rank)
         return out
 
+    def schedule(self, g: int,
+                 matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings
+                 ) -> list[list[tuple[int, int]]]:
+        """An all-to-all group's rounds: `matchings(g)`, each checked to be a matching of
+        members 0..g-1. The groups tile the world, so every round of the phase is then a
+        permutation of the ranks (checked on the g members, not on the world's links)."""
+        schedule = matchings(g)
+        for r, matching in enumerate(schedule):
+            ends = [x for pair in matching for x in pair]
+            if len(set(ends)) != len(ends) or not all(
+                    isinstance(x, int) and 0 <= x < g for x in ends):
+                raise PlanError(f"phase {self.name!r} round {r} needs a rank to send to or "
+                                f"hear two peers at once; one transceiver cannot")
+        return schedule
+
     def rounds(self, world: int,
                matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings
                ) -> list[list[RankLink]]:
@@ -118,7 +133,7 @@ class PhaseSpec:
             return [sorted(links)]
         if self.pattern == "chain":
             return [sorted((m[i], m[i + 1]) for m in groups for i in range(len(m) - 1))]
-        schedule = matchings(len(groups[0]))
+        schedule = self.schedule(len(groups[0]), matchings)
         rounds = []
         for matching in schedule:
             links = []
@@ -144,7 +159,7 @@ class JobPlan:
         names = [p.name for p in self.phases]
         if len(set(names)) != len(names):
             raise PlanError(f"job {self.name!r}: phase names repeat: {names}")
-        self.links(self.world)   # refuse a plan that does not fit its own world
+        self.check(self.world)   # refuse a plan that does not fit its own world
 
     def allows(self, world: int) -> bool:
         """Whether the job can run (possibly degraded) on `world` ranks."""
@@ -153,7 +168,7 @@ class JobPlan:
         if self.min_world is None or not self.min_world <= world < self.world:
             return False
         try:
-            self.links(world)
+            self.check(world)
         except PlanError:
             return False
         return True
@@ -166,13 +181,20 @@ class JobPlan:
         out: dict[tuple[str, int], list[RankLink]] = {}
         for phase in self.phases:
             for r, links in enumerate(phase.rounds(world, matchings)):
-                srcs = [a for a, _ in links]
-                dsts = [b for _, b in links]
-                if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-                    raise PlanError(f"phase {phase.name!r} round {r} needs a rank to send to or "
-                                    f"hear two peers at once; one transceiver cannot")
                 out[(phase.name, r)] = links
         return out
+
+    def check(self, world: int | None = None,
+              matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings
+              ) -> None:
+        """Raise PlanError unless the plan runs on `world` ranks (every phase's groups tile
+        it, every schedule is made of matchings), without listing its links (an all-to-all
+        over 2,048 ranks has half a million)."""
+        world = self.world if world is None else world
+        for phase in self.phases:
+            groups = phase.groups(world)
+            if phase.pattern == "all_to_all":
+                phase.schedule(len(groups[0]), matchings)
 
     def sequence(self, world: int | None = None) -> list[tuple[str, int]]:
         """(phase, round) in the order one step runs them."""

@@ -95,6 +95,15 @@ class RackLayout:
         return self._ports.get((switch, port))
 
     @functools.cached_property
+    def wiring(self) -> tuple[dict[str, str | None], dict[str, tuple[tuple[str, int], ...]],
+                              dict[str, dict[str, int]]]:
+        """Per GPU: its server (None: on its own), its (switch, TX port)s and {switch: RX
+        port}: what working out many circuits looks up, without a call per lookup."""
+        return ({g: self.servers.get(g) for g in self.gpus},
+                {g: tuple((a.switch, a.tx) for a in atts) for g, atts in self.gpus.items()},
+                {g: {a.switch: a.rx for a in atts} for g, atts in self.gpus.items()})
+
+    @functools.cached_property
     def server_gpus(self) -> dict[str, tuple[str, ...]]:
         """server -> its GPUs, in rack order."""
         out: dict[str, list[str]] = {}

@@ -81,3 +81,56 @@ def test_a_phases_peers_are_the_ranks_its_links_join():
         for r in range(16):
             want = {b if a == r else a for a, b in links if r in (a, b)}
             assert phase.peers(r, 16) == want, (phase.name, r)
+
+
+def test_the_rank_index_answers_as_a_plain_index_of_every_link():
+    """`JobCircuits.by_rank` (links sorted by rank once) against a dict of lists built link by
+    link, for every rank and (phase, round) of plans of every pattern, self-links included."""
+    from photonic_testbed.hil.agent.policies import _RankIndex
+    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+    plan = JobPlan("p", 24, (PhaseSpec("tp", "ring", group=2, stride=1),
+                             PhaseSpec("pp", "chain", group=3, stride=8),
+                             PhaseSpec("ep", "all_to_all", group=6, stride=4)))
+    links = plan.links()
+    links[("self", 0)] = [(5, 5), (7, 3)]               # a link to itself is listed once
+    plain: dict[int, dict] = {}
+    for key, ls in links.items():
+        for a, b in ls:
+            plain.setdefault(a, {}).setdefault(key, []).append((a, b))
+            if b != a:
+                plain.setdefault(b, {}).setdefault(key, []).append((a, b))
+    index = _RankIndex(links)
+    for r in range(26):                                  # 24, 25: ranks with no link
+        assert index.keys(r) == list(plain.get(r, {})), r
+        for key in links:
+            assert list(index.links(r, key)) == plain.get(r, {}).get(key, []), (r, key)
+            assert list(index.links(r, key)) == plain.get(r, {}).get(key, []), (r, key)
+    assert index.links(0, ("no such phase", 0)) == ()
+    assert _RankIndex({}).keys(0) == []
+
+
+def test_circuits_refuse_an_output_named_twice():
+    # two ranks sending to one in the same round: both into gpu2's one receiver
+    with pytest.raises(PolicyError, match=r"chip: port \d+ is in two circuits"):
+        policies.circuits_for(lumion(), {0: "gpu0", 1: "gpu1", 2: "gpu2"}, [(0, 2), (1, 2)])
+
+
+def test_a_schedule_that_is_not_made_of_matchings_is_refused_without_listing_links():
+    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec, PlanError
+
+    def bad(n):                       # member 0 twice in one round
+        return [[(0, 1), (0, 2)]] if n >= 3 else [[(0, 1)]]
+
+    def outside(n):
+        return [[(0, n)]]
+
+    plan = JobPlan("a2a", 12, (PhaseSpec("ep", "all_to_all", group=4, stride=1),))
+    for matchings in (bad, outside):
+        with pytest.raises(PlanError, match="two peers at once"):
+            plan.check(matchings=matchings)
+        with pytest.raises(PlanError, match="two peers at once"):
+            plan.links(matchings=matchings)
+    plan.check()
+    assert len(plan.links()) == 3
+    with pytest.raises(PlanError, match="does not tile"):
+        plan.check(10)

@@ -105,10 +105,10 @@ def _measure(kind: str, servers: int, failovers: int, phases: int, rnd: random.R
             "phase": phase_s, "rounds": len(keys)}
 
 
-def _exponent(sizes: list[int], times: list[float]) -> float:
-    """The growth exponent: the slope of log(time) against log(GPUs)."""
-    if len(sizes) < 2:
-        return float("nan")
+def _exponent(sizes: list[int], times: list[float]) -> float | None:
+    """The growth exponent: the slope of log(time) against log(GPUs); None from one size."""
+    if len(set(sizes)) < 2:
+        return None
     slope, _ = np.polyfit(np.log(sizes), np.log(times), 1)
     return float(slope)
 
@@ -148,6 +148,10 @@ def run(args) -> dict:
         sizes = [g["gpus"] for g in got]
         fo = _exponent(sizes, [statistics.median(g["failover"]) for g in got])
         ph = _exponent(sizes, [statistics.median(g["phase"]) for g in got])
+        if fo is None or ph is None:
+            notes.append(f"{kind}: no growth exponent from one size (give --servers two or "
+                         "more)")
+            continue
         notes.append(f"{kind}: growth exponent over {sizes[0]}..{sizes[-1]} GPUs: failover "
                      f"{fo:.2f}, phase switch {ph:.2f} (goal <= 1.2; <= 2 ms at 2,048)")
     return {"rows": rows, "notes": notes, "fragmentation": frag,
