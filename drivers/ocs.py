@@ -23,8 +23,9 @@ from typing import Callable
 
 from photonic_testbed.drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch,
                                                     SwitchError, check_circuits)
-from photonic_testbed.drivers.scpi import (ConnectionLost, InstrumentDisconnected, ProtocolError,
-                          SCPIInstrument, parse_error, scpi_error)
+from photonic_testbed.drivers.scpi import (ERROR_ENTRY, ConnectionLost, InstrumentDisconnected,
+                                          ProtocolError, SCPIInstrument, parse_error,
+                                          scpi_error)
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +130,33 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
     # ---- changing ----------------------------------------------------------------------------
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
+        got = self.begin_apply(circuits)
+        return got.wait() if isinstance(got, PendingChange) else got
+
+    def begin_apply(self, circuits: Mapping[int, int]) -> "ApplyReport | PendingChange":
+        """`apply` in two halves: the change sent and its answer read later (a
+        `PendingChange`), or the report at once when the switch already holds `circuits`.
+        Reads the map first when the driver does not know it (`can_begin` says it will not
+        have to)."""
         t0 = time.perf_counter()
         want = check_circuits(circuits, self._n)
         before = self.known if self.known is not None else self.circuits()
-        if before != want:
-            self._change(f":OXC:SWIT:CONN:ONLY {format_circuits(want)}",
-                         lambda now: None if now == want else
-                         f":OXC:SWIT:CONN:ONLY {format_circuits(want)}",
-                         lambda now: want)
-        return ApplyReport(added={i: e for i, e in want.items() if before.get(i) != e},
-                           removed={i: e for i, e in before.items() if want.get(i) != e},
-                           seconds=time.perf_counter() - t0)
+
+        def report() -> ApplyReport:
+            return ApplyReport(added={i: e for i, e in want.items() if before.get(i) != e},
+                               removed={i: e for i, e in before.items() if want.get(i) != e},
+                               seconds=time.perf_counter() - t0)
+
+        if before == want:
+            return report()
+        line = f":OXC:SWIT:CONN:ONLY {format_circuits(want)}"
+        return PendingChange(self, line, lambda now: None if now == want else line,
+                             lambda now: want, report).send()
+
+    def can_begin(self) -> bool:
+        """Whether `begin_apply` sends at once (the map is known) and its answer can be
+        waited for on the session's socket (`session_socket`)."""
+        return self.known is not None and self.session_socket() is not None
 
     def connect(self, ingress: int, egress: int) -> None:
         """Add one circuit (refused by the switch if either port is in use)."""
@@ -188,36 +205,99 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
 
     def _change(self, line: str, redo: Callable[[Circuits], str | None],
                 after: Callable[[Circuits], Circuits]) -> None:
-        """Send a state change with `*OPC?;:SYST:ERR?` on the same line.
+        """Send a state change with `*OPC?;:SYST:ERR?` on the same line and wait for it
+        (PendingChange: reconciled after a dropped session)."""
+        PendingChange(self, line, redo, after).send().wait()
 
-        If the session drops before the answer, reopen it, read the map back and send
-        `redo(map)` (what is still missing), or nothing when `redo` says it is done.
-        """
-        base = self.known
+
+class PendingChange:
+    """A state change sent to the switch (with `*OPC?;:SYST:ERR?` on the same line) whose
+    answer is still to be read.
+
+    `wait()` reads it: blocking, and if the session drops before the answer, it reopens the
+    session, reads the map back and sends `redo(map)` (what is still missing), or nothing
+    when `redo` says it is done, so a change is never applied twice. A caller waiting for many
+    switches at once instead waits for `switch.session_socket()` to be readable and asks
+    `state()`: 'line': `take()` the answer and `conclude(answer)` (at once when `clean`; a
+    refusal drains the switch's error queue); 'lost' (a dropped session, or no answer by
+    `deadline`): `recover()` (blocking)."""
+
+    def __init__(self, switch: OpticalCircuitSwitch, line: str,
+                 redo: Callable[[Circuits], str | None], after: Callable[[Circuits], Circuits],
+                 report: Callable[[], ApplyReport] | None = None):
+        self.switch = switch
+        self.line = line
+        self._redo, self._after, self._report = redo, after, report
+        self.base = switch.known
+        self.lost: ConnectionLost | None = None
+        self.deadline = time.monotonic() + switch.settle_timeout_s
+
+    def send(self) -> "PendingChange":
+        self.deadline = time.monotonic() + self.switch.settle_timeout_s
         try:
-            reply = self._exchange(f"{line};*OPC?;:SYST:ERR?", True, self.settle_timeout_s)
+            self.switch._res_io_write(f"{self.line};*OPC?;:SYST:ERR?")
         except ConnectionLost as e:
-            log.warning("%s: session lost during a change (%s); reopening to reconcile",
-                        self.resource_name, e)
-            self._reconnect()
-            now = self.circuits()
-            line = redo(now)
-            if line is None:
-                log.info("%s: the switch had already made the change", self.resource_name)
-                return
-            base = now
+            self.lost = e
+        return self
+
+    def state(self) -> str:
+        """'line', 'wait' or 'lost' (see the class), without reading."""
+        if self.lost is not None:
+            return "lost"
+        state = self.switch.reply_state()
+        if state == "wait" and time.monotonic() > self.deadline:
+            return "lost"
+        return state
+
+    def take(self) -> str:
+        """The answer, once `state()` says a line waits."""
+        return self.switch._res_io_read(self.switch.settle_timeout_s)
+
+    def wait(self) -> ApplyReport | None:
+        if self.lost is None:
             try:
-                reply = self._exchange(f"{line};*OPC?;:SYST:ERR?", True, self.settle_timeout_s)
-            except ConnectionLost as e2:
-                self.known = None
-                raise InstrumentDisconnected(f"{self.resource_name}: lost again while "
-                                             f"reconciling: {e2}") from e2
+                return self.conclude(self.take())
+            except ConnectionLost as e:
+                self.lost = e
+        return self.recover()
+
+    def recover(self) -> ApplyReport | None:
+        """The session dropped (or went silent) before the answer: reopen it, read the map
+        back and send what is still missing."""
+        sw = self.switch
+        log.warning("%s: session lost during a change (%s); reopening to reconcile",
+                    sw.resource_name, self.lost or "no answer in time")
+        sw._reconnect()
+        now = sw.circuits()
+        line = self._redo(now)
+        if line is None:
+            log.info("%s: the switch had already made the change", sw.resource_name)
+            return self._report() if self._report else None
+        self.base, self.line = now, line
+        try:
+            reply = sw._exchange(f"{line};*OPC?;:SYST:ERR?", True, sw.settle_timeout_s)
+        except ConnectionLost as e2:
+            sw.known = None
+            raise InstrumentDisconnected(f"{sw.resource_name}: lost again while "
+                                         f"reconciling: {e2}") from e2
+        return self.conclude(reply)
+
+    @staticmethod
+    def clean(reply: str) -> bool:
+        """Whether the answer says done with no error (`conclude` then asks nothing more)."""
+        opc, _, entry = reply.partition(";")
+        m = ERROR_ENTRY.match(entry)
+        return opc.strip() == "1" and m is not None and int(m.group(1)) == 0
+
+    def conclude(self, reply: str) -> ApplyReport | None:
+        sw = self.switch
         opc, _, entry = reply.partition(";")
         if opc.strip() != "1":
-            self.known = None
-            raise ProtocolError(f"{line[:60]!r}: expected '1;<error>', got {reply[:80]!r}")
+            sw.known = None
+            raise ProtocolError(f"{self.line[:60]!r}: expected '1;<error>', got {reply[:80]!r}")
         code, msg = parse_error(entry)
         if code != 0:
-            self.known = None
-            raise scpi_error(code, msg, line, [(code, msg)] + self.errors())
-        self.known = after(base) if base is not None else None
+            sw.known = None
+            raise scpi_error(code, msg, self.line, [(code, msg)] + sw.errors())
+        sw.known = self._after(self.base) if self.base is not None else None
+        return self._report() if self._report else None

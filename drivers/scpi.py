@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
 from typing import Any, Callable
 
@@ -240,6 +241,41 @@ class SCPIInstrument:
     def _exchange(self, line: str, reply: bool, timeout_s: float | None = None) -> str | None:
         self._res_io_write(line)
         return self._res_io_read(timeout_s) if reply else None
+
+    # ---- a reply waited for elsewhere ----------------------------------------------------------
+
+    def _session(self) -> Any:
+        res: Any = self._res
+        try:
+            return res.visalib.sessions[res.session]
+        except Exception:            # no session, another VISA library, a test double
+            return None
+
+    def session_socket(self) -> socket.socket | None:
+        """The session's TCP socket where the VISA library lends one (pyvisa-py's raw-socket
+        sessions), so that a caller can wait for several instruments' replies at once instead
+        of one blocking read each (`reply_state`); None otherwise."""
+        sock = getattr(self._session(), "interface", None)
+        return sock if isinstance(sock, socket.socket) else None
+
+    def reply_state(self) -> str:
+        """Without reading: 'line' when a whole reply line waits on the session (a read
+        returns it at once), 'lost' when the session is closed or broken, 'wait' otherwise."""
+        session = self._session()
+        sock = getattr(session, "interface", None)
+        if not isinstance(sock, socket.socket):
+            return "lost"
+        if b"\n" in getattr(session, "_pending_buffer", b""):   # read ahead by pyvisa-py
+            return "line"
+        try:
+            data = sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return "wait"
+        except OSError:
+            return "lost"
+        if not data:
+            return "lost"                       # the instrument closed the session
+        return "line" if b"\n" in data else "wait"
 
     # ---- public I/O --------------------------------------------------------------------------
 

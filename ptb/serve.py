@@ -10,7 +10,7 @@ import threading
 import zmq
 
 from photonic_testbed.hil.bus.security import KeyFileError
-from photonic_testbed.hil.bus.service import DeviceService, ServiceError
+from photonic_testbed.hil.bus.service import DeviceService, ServiceError, serve_together
 from photonic_testbed.hil.bus.supervisor import Manager, SupervisorError
 from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed
@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", action="append", metavar="NAME",
                    help="serve only this device (repeatable); default every device")
     p.add_argument("--one-process", action="store_true",
-                   help="run the services as threads of this process (no restarts)")
+                   help="serve every device from this process: one thread answers them "
+                   "all, each device's calls in turn (no restarts)")
     p.add_argument("--endpoints", metavar="FILE",
                    help="write {device: [request, publish]} as JSON once every service is up")
     p.set_defaults(func=run)
@@ -76,10 +77,12 @@ def _announce(name: str, endpoints: dict, args) -> None:
 
 
 def _run_in_process(specs, stop: threading.Event, args) -> int:
-    services, threads, endpoints = [], [], {}
-    # One ZeroMQ context (one I/O thread) for every service, not one each (64 OCS services:
-    # 64 I/O threads fewer; no change in speed measured, BENCHMARKS.md "datacenter").
+    services, endpoints = [], {}
+    # One ZeroMQ context (one I/O thread) for every service, and one thread answering every
+    # service's requests, each device's driver called from its own thread (serve_together;
+    # BENCHMARKS.md "datacenter").
     context = zmq.Context()
+    loop = None
     try:
         for spec in specs:
             service = DeviceService(spec, context=context)
@@ -88,22 +91,20 @@ def _run_in_process(specs, stop: threading.Event, args) -> int:
             except (ServiceError, KeyFileError, OSError) as e:
                 raise CommandFailed(f"{spec.name}: {e}") from None
             services.append(service)
-        for service in services:
-            t = threading.Thread(target=service.serve, args=(stop,), name=service.name,
-                                 daemon=True)
-            t.start()
-            threads.append(t)
+        loop = threading.Thread(target=serve_together, args=(services, stop), name="services",
+                                daemon=True)
+        loop.start()
         _announce("(one process)", endpoints, args)
         while not stop.wait(0.2):
-            if not all(t.is_alive() for t in threads):
-                raise CommandFailed("a service stopped; see the log")
+            if not loop.is_alive():
+                raise CommandFailed("the services stopped; see the log")
     finally:
         stop.set()
-        for t in threads:
-            t.join(2.0)
+        if loop is not None:
+            loop.join(5.0)
         for service in services:
             service.close()
-        if not any(t.is_alive() for t in threads):
+        if loop is None or not loop.is_alive():
             context.term()            # (a service stuck in its driver keeps the process up)
     print("stopped", flush=True)
     return 0

@@ -27,13 +27,16 @@ The contract (docs/bus.md "Requests"):
 A handler takes the checked arguments (a dict, defaults filled in) and returns the result, or a
 `concurrent.futures.Future` of it when the answer takes time (a slow instrument): the loop goes
 on (heartbeats, other requests) and the answer goes out at the first `poll` after it is done.
-State changes a handler makes with `defer(...)` are published after its reply has gone.
+State changes a handler makes with `defer(...)` are published after its reply has gone; a
+handler (or its Future) may instead return `Answer(result, state)`, whose `state` is published
+after the reply (for a Future, once it is done: the state and the version then move together).
 """
 from __future__ import annotations
 
 import collections
 import heapq
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -92,6 +95,14 @@ class Publisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A handler's result with the state it changed: the reply carries `result`; `state`
+    (top-level keys, as `Server.defer` takes them) is published after the reply has gone."""
+    result: Any
+    state: Mapping = field(default_factory=dict)
 
 
 @dataclass
@@ -157,6 +168,9 @@ class Server:
         self._bytes = {False: 0, True: 0}     # bytes kept, changes and reads
         self._expiry: dict[bool, list[tuple[float, str]]] = {False: [], True: []}  # heaps
         self._running: dict[str, _Pending] = {}         # request id -> unanswered yet
+        # the request being run: past this (time.monotonic()) its client has given up on it
+        # (its ttl_ms); a handler that runs it later (a Future) must not run it after
+        self.request_deadline: float | None = None
 
     # ---- operations ----------------------------------------------------------------------------
 
@@ -278,6 +292,12 @@ class Server:
 
     # ---- the loop -------------------------------------------------------------------------------
 
+    @property
+    def due(self) -> float:
+        """When `poll` next has work without a new request (`time.monotonic()`): a heartbeat,
+        or now when requests wait in its queue."""
+        return -math.inf if self._queue else self._next_beat
+
     def poll(self, timeout: float = 0.0) -> int:
         """Answer waiting requests (waiting at most `timeout` for the first) and send a
         heartbeat when one is due; returns the number of requests answered."""
@@ -368,10 +388,12 @@ class Server:
             if pending is not None:                  # a retry while the first is running
                 pending.envelopes.append(envelope)
                 return False
-            if req.ttl_ms is not None and arrived is not None and \
-                    time.monotonic() > arrived + req.ttl_ms / 1e3:
-                raise DeadlineExceeded(f"{op.name} waited longer than its {req.ttl_ms:.0f} ms "
-                                       "deadline behind other requests and was not run")
+            self.request_deadline = None
+            if req.ttl_ms is not None and arrived is not None:
+                self.request_deadline = arrived + req.ttl_ms / 1e3
+                if time.monotonic() > self.request_deadline:
+                    raise DeadlineExceeded(f"{op.name} waited longer than its {req.ttl_ms:.0f} "
+                                           "ms deadline behind other requests and was not run")
             if op.args is not schema.Args:
                 args = schema.check_args(op, req.args)
             elif req.args:
@@ -396,6 +418,9 @@ class Server:
             if isinstance(result, Future):
                 self._running[rid] = _Pending(op, result, [envelope], req.ttl_ms)
                 return False
+            if isinstance(result, Answer):
+                self._unpublished.update(result.state)
+                result = result.result
             reply = self._reply_frame(rid, result)
             # a read answered within RETRY_GRACE_S of its arrival cannot have a retry on its
             # way (the client resends after FIRST_ATTEMPT_S): only slower ones are kept
@@ -410,12 +435,15 @@ class Server:
             return True
 
     def _run_change(self, handler: Handler, args: dict):
+        result = None
         try:
-            return handler(args)
+            result = handler(args)
+            return result
         finally:
-            # The hardware may have changed even if the call failed half way: a new version.
+            # The hardware may have changed even if the call failed half way: a new version
+            # (published with the change's state: for a Future, once it is done).
             self.changes += 1
-            if self._publish_version:
+            if self._publish_version and not isinstance(result, Future):
                 self._unpublished["version"] = self.version
 
     def _log_failure(self, rid: str | None, e: Exception) -> None:
@@ -452,20 +480,28 @@ class Server:
             heapq.heapify(expiry)
 
     def _send_later(self, send=None) -> int:
-        """Send the answers whose futures are done; returns how many went out."""
+        """Send the answers whose futures are done, each followed by the state it changed;
+        returns how many went out."""
         sent = 0
         for rid in [r for r, p in self._running.items() if p.future.done()]:
             pending = self._running.pop(rid)
             frame = self._future_frame(rid, pending.future)
+            if self._publish_version and not pending.op.read_only:
+                self._unpublished["version"] = self.version
             self._remember(rid, pending.op, frame, pending.ttl_ms)
             for envelope in pending.envelopes:
                 (send or (lambda f, e=envelope: self._send(e, f)))(frame)
                 sent += 1
+            self.publish_deferred()
         return sent
 
     def _future_frame(self, rid: str, future: Future) -> bytes:
         try:
-            return self._reply_frame(rid, future.result())
+            result = future.result()
+            if isinstance(result, Answer):
+                self._unpublished.update(result.state)
+                result = result.result
+            return self._reply_frame(rid, result)
         except Exception as e:
             self._log_failure(rid, e)
             return self._error_frame(rid, e)

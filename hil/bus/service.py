@@ -15,24 +15,28 @@ answers `ping`, `describe` and `snapshot`.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import logging
 import math
+import os
+import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from photonic_testbed.drivers.circuit_switch import CircuitSwitch
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.errors import BadRequest
+from photonic_testbed.hil.bus.errors import BadRequest, DeadlineExceeded
 from photonic_testbed.hil.bus.security import server_keys
-from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.server import Answer, Server
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,11 @@ class DeviceKind:
     describe: Callable[[Any], dict]
     telemetry: Callable[[Any], dict] | None = None
     telemetry_hz: float = 0.0                     # default rate (the rig may change it)
+    # An operation that can be sent now and its answer waited for on the device's socket
+    # (served together, without a device thread's turn): (driver, args) -> None (not now:
+    # run the op on the device's thread), the Answer (nothing to wait for), or
+    # (PendingChange, Answer from what it concludes)
+    begins: Mapping[str, Callable[[Any, dict], Any]] = field(default_factory=dict)
 
 
 def _heater_volts(args: dict) -> dict[int, float]:
@@ -86,10 +95,26 @@ def _describe_heaters(dac) -> dict:
 def _apply_circuits(switch: CircuitSwitch, args):
     # checked here, as the pairs came (an input or output named twice is refused, not merged)
     circuits = switch.check(args["circuits"])
-    report = switch.apply(circuits)
+    return _applied(switch.apply(circuits), circuits)
+
+
+def _applied(report, circuits) -> tuple[dict, dict]:
     return ({"added": schema.circuits_to_wire(report.added),
              "removed": schema.circuits_to_wire(report.removed), "seconds": report.seconds},
             {"circuits": schema.circuits_to_wire(circuits)})
+
+
+def _begin_apply_circuits(switch, args):
+    """`apply_circuits` sent now, its answer waited for on the switch's socket, where the
+    driver can (`begin_apply`, and `can_begin` now); None otherwise."""
+    can = getattr(switch, "can_begin", None)
+    if can is None or not can():
+        return None
+    circuits = switch.check(args["circuits"])
+    got = switch.begin_apply(circuits)
+    if isinstance(got, ApplyReport):
+        return Answer(*_applied(got, circuits))
+    return got, lambda report: Answer(*_applied(report, circuits))
 
 
 def _read_circuits(switch: CircuitSwitch, args):
@@ -200,7 +225,8 @@ KINDS: dict[str, DeviceKind] = {
         state=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits()),
                           "ports": sw.ports},
         describe=lambda sw: sw.describe(),
-        telemetry=_switch_telemetry, telemetry_hz=2.0),
+        telemetry=_switch_telemetry, telemetry_hz=2.0,
+        begins={"apply_circuits": _begin_apply_circuits}),
     # A power meter driver offers read_power(channels or None) -> {channel: mW}.
     "power_meter": DeviceKind(
         "power_meter", "photonic_testbed.drivers.power_meter:PowerMeter",
@@ -275,8 +301,52 @@ class ServiceSpec:
     curve_authorized: str | None = None       # folder of authorised client .key files
 
 
+class _Worker:
+    """A device's own thread, for its driver calls that block (served together): one at a
+    time, and `done()` after each (from this thread)."""
+
+    def __init__(self, name: str, done: Callable[[], None]):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = done
+        self._thread = threading.Thread(target=self._run, name=f"{name}-device", daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[[], Any], future: Future) -> None:
+        self._jobs.put((future, fn))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+            self._done()
+
+    def stop(self) -> None:
+        """End once the calls handed over are done (`join` waits for it)."""
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait at most `timeout` for the thread to end (a driver stuck past it is left to its
+        daemon thread); returns whether it ended."""
+        self._thread.join(max(0.0, timeout))
+        return not self._thread.is_alive()
+
+
+@dataclass
+class _Job:
+    """One driver call of a device served together, in the device's queue."""
+    future: Future
+    run: Callable[[], Any]                        # the call, on the device's thread
+    begin: Callable[[], Any] | None = None        # or sent now (DeviceKind.begins)
+    name: str = ""                                # the operation
+    deadline: float | None = None                 # not started past this (time.monotonic())
+
+
 class DeviceService:
-    """One device on the bus. `bind()`, then `serve(stop)` until `stop` is set; `close()`."""
+    """One device on the bus. `bind()`, then `serve(stop)` until `stop` is set; `close()`.
+    Several from one thread: `serve_together`."""
 
     def __init__(self, spec: ServiceSpec, driver: Any = None,
                  context: zmq.Context | None = None):
@@ -290,6 +360,18 @@ class DeviceService:
         self._context = context
         self.server: Server | None = None
         self._telemetry_seq = 0
+        # served together (serve_together): the device's thread, its queue of driver calls,
+        # the one under way, and a change sent whose answer is awaited on the device's socket
+        self._worker: _Worker | None = None
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._current: _Job | None = None
+        self._awaited: tuple[Any, Callable[[Any], Any], Any] | None = None  # change, finish, sock
+        self._loop: _Loop | None = None
+        self._background: tuple[str, Future] | None = None   # a health check or telemetry read
+        hz = self.kind.telemetry_hz if spec.telemetry_hz is None else spec.telemetry_hz
+        self._period = 1.0 / hz if hz and self.kind.telemetry else math.inf
+        now = time.monotonic()
+        self._next_health, self._next_telemetry = now + spec.health, now + self._period
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -305,7 +387,7 @@ class DeviceService:
                 self.name, {"kind": spec.kind, "online": True, **self.kind.state(self.driver)},
                 kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
                 heartbeat=spec.heartbeat,
-                handlers={op: self._handler(fn) for op, fn in self.kind.ops.items()},
+                handlers={op: self._handler(op, fn) for op, fn in self.kind.ops.items()},
                 describe=lambda: {"device": self.kind.describe(self.driver)},
                 publish_version=True, context=self._context)
             request, publish = self.server.bind()
@@ -316,12 +398,110 @@ class DeviceService:
                  publish)
         return request, publish
 
-    def _handler(self, fn: Op) -> Callable[[dict], Any]:
+    def _handler(self, name: str, fn: Op) -> Callable[[dict], Any]:
+        begin = self.kind.begins.get(name)
+
         def run(args: dict):
-            result, changes = fn(self.driver, args)
-            self.server.defer(changes)           # published once the reply has gone
-            return result
+            if self._worker is None:
+                # the changes are published once the reply has gone
+                return Answer(*fn(self.driver, args))
+            future = self._queue(lambda: _worked_out(*fn(self.driver, args)),
+                                 None if begin is None else lambda: begin(self.driver, args),
+                                 name, self.server.request_deadline)
+            # done already (an answer that was waiting): answered now, not at the next poll
+            return future.result() if future.done() else future
         return run
+
+    # ---- the device's calls, served together --------------------------------------------------
+
+    def _queue(self, run: Callable[[], Any], begin: Callable[[], Any] | None = None,
+               name: str = "", deadline: float | None = None) -> Future:
+        """A driver call, after those queued before it: the device's one writer. One whose
+        turn comes past `deadline` (its request's ttl_ms) is not run."""
+        job = _Job(Future(), run, begin, name, deadline)
+        self._jobs.append(job)
+        self._next()
+        return job.future
+
+    def _next(self) -> None:
+        """Start queued calls while the device is free: one that can be sent now is sent
+        from this thread and its answer awaited on the device's socket; any other runs on the
+        device's thread."""
+        while self._current is None and self._jobs:
+            job = self._jobs.popleft()
+            if job.deadline is not None and time.monotonic() > job.deadline:
+                job.future.set_exception(DeadlineExceeded(
+                    f"{job.name} waited longer than its deadline behind other requests to "
+                    f"{self.name} and was not run"))
+                continue
+            started = None
+            if job.begin is not None:
+                try:
+                    started = job.begin()
+                except Exception as e:
+                    job.future.set_exception(e)
+                    continue
+            if isinstance(started, Answer):
+                job.future.set_result(started)             # nothing to wait for
+                continue
+            self._current = job
+            if started is None:
+                self._worker.run(job.run, job.future)
+                return
+            change, finish = started
+            sock = self.driver.session_socket()
+            self._awaited = (change, finish, sock)
+            self._loop.watch(sock, self)
+            self._answer_arrived()                          # (it may be there already)
+            if self._current is not None:
+                return
+
+    def _answer_arrived(self, readable: bool = False) -> None:
+        """The awaited change's socket is readable, or its deadline passed: finish it here
+        when its answer is a clean one (the device is then free: the caller starts what is
+        queued, `_next`); hand what may block (a refusal's error queue, a dropped or silent
+        session) to the device's thread."""
+        change, finish, sock = self._awaited
+        job = self._current
+        state = change.state()
+        if state == "wait":
+            if readable:                  # part of a line: look again shortly, not at once
+                self._loop.unwatch(sock)
+                self._loop.later(self, 0.001)
+            return
+        self._loop.unwatch(sock)
+        self._awaited = None
+        if state == "line":
+            try:
+                reply = change.take()
+            except Exception as e:           # (a line was there: not expected)
+                change.lost = e
+            else:
+                if change.clean(reply):
+                    try:
+                        job.future.set_result(finish(change.conclude(reply)))
+                    except Exception as e:
+                        job.future.set_exception(e)
+                    self._current = None
+                    return
+                self._worker.run(lambda: finish(change.conclude(reply)), job.future)
+                return
+        self._worker.run(lambda: finish(change.recover()), job.future)
+
+    def _look_again(self) -> None:
+        if self._awaited is not None:
+            self._loop.watch(self._awaited[2], self)
+            self._answer_arrived()
+            self._next()
+
+    def _done(self) -> None:
+        """After the device's thread (or this one) finished a call: the next may start."""
+        if self._current is not None and self._awaited is None and self._current.future.done():
+            self._current = None
+            self._next()
+
+    def _deadline(self) -> float:
+        return self._awaited[0].deadline if self._awaited is not None else math.inf
 
     def close(self) -> None:
         if self.server is not None:
@@ -349,47 +529,193 @@ class DeviceService:
     # ---- the loop ------------------------------------------------------------------------------
 
     def serve(self, stop: threading.Event) -> None:
-        spec = self.spec
-        hz = self.kind.telemetry_hz if spec.telemetry_hz is None else spec.telemetry_hz
-        period = 1.0 / hz if hz and self.kind.telemetry else math.inf
-        now = time.monotonic()
-        next_health, next_tel = now + spec.health, now + period
-        server = self.server
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= next_health:
-                self._check_health()
-                next_health = time.monotonic() + spec.health
-            if now >= next_tel:
-                self._telemetry()
-                next_tel = time.monotonic() + period
-            server.poll(max(0.0, min(next_health, next_tel, now + 0.1) - time.monotonic()))
+        """Serve until `stop` is set, the driver called from this thread."""
+        serve_together([self], stop, device_threads=False)
 
-    def _check_health(self) -> None:
+    def _tick(self, now: float) -> float:
+        """Start a health check or a telemetry read that is due (on the device's thread when
+        it has one) and publish one that is done; returns when the next falls due."""
+        if self._background is not None:
+            if not self._background[1].done():
+                return math.inf                  # its end wakes the loop
+            what, future = self._background
+            self._background = None
+            (self._apply_health if what == "health" else self._send_telemetry)(future)
+        if now >= self._next_health:
+            self._next_health = now + self.spec.health
+            self._start_background("health", self._read_health)
+        elif now >= self._next_telemetry:
+            self._next_telemetry = now + self._period
+            self._start_background("telemetry", self._read_telemetry)
+        if self._background is not None:
+            return math.inf
+        return min(self._next_health, self._next_telemetry)
+
+    def _start_background(self, what: str, fn: Callable[[], Any]) -> None:
+        if self._worker is not None:
+            self._background = (what, self._queue(fn))
+            return
+        future: Future = Future()
+        future.set_result(fn())                  # (both read functions catch what fails)
+        (self._apply_health if what == "health" else self._send_telemetry)(future)
+
+    def _read_health(self) -> bool | None:
+        """Whether the device answers its driver's `ping` (None: the driver has none)."""
         ping = getattr(self.driver, "ping", None)
         if not callable(ping):
-            return
+            return None
         try:
             ping()
-            online = True
+            return True
         except Exception as e:
             log.warning("%s: device does not answer: %s: %s", self.name, type(e).__name__, e)
-            online = False
-        if online != self.server.online:
+            return False
+
+    def _apply_health(self, future: Future) -> None:
+        online = future.result()
+        if online is not None and online != self.server.online:
             self.server.online = online
             self.server.update({"online": online})
 
-    def _telemetry(self) -> None:
+    def _read_telemetry(self) -> dict:
         try:
-            values = self.kind.telemetry(self.driver)
+            return self.kind.telemetry(self.driver)
         except Exception as e:
             log.debug("%s: telemetry read failed: %s", self.name, e)
-            return
+            return {}
+
+    def _send_telemetry(self, future: Future) -> None:
+        values = future.result()
         if not values:
             return                          # this driver has nothing to report
         self._telemetry_seq += 1
         self.server.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(),
                                               values))
+
+
+def _worked_out(result: Any, changes: dict) -> Answer:
+    """An operation's answer with the state it changed worked out on the device's thread (a
+    value that is a function is called there, not on the thread serving every device)."""
+    return Answer(result, {k: v() if callable(v) else v for k, v in changes.items()})
+
+
+class _Loop:
+    """What the services served together share: the poller and the wake-ups."""
+
+    def __init__(self, services: Sequence[DeviceService]):
+        self.poller = zmq.Poller()
+        self.ready: collections.deque = collections.deque()   # services with a call done
+        self.owner: dict[Any, DeviceService] = {}
+        self.timers: dict[DeviceService, float] = {}
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.poller.register(self.wake_r, zmq.POLLIN)
+        for service in services:
+            self.poller.register(service.server.router, zmq.POLLIN)
+            self.owner[service.server.router] = service
+
+    def done_by(self, service: DeviceService) -> Callable[[], None]:
+        """Called by a device's thread after each call."""
+        def done() -> None:
+            self.ready.append(service)
+            try:
+                os.write(self.wake_w, b"\0")
+            except OSError:          # the pipe is full (the loop is awake anyway), or closed
+                pass
+        return done
+
+    def watch(self, sock: Any, service: DeviceService) -> None:
+        """Wake for a device's socket (a native one: the poller names it by its number)."""
+        self.poller.register(sock, zmq.POLLIN)
+        self.owner[sock.fileno()] = service
+
+    def unwatch(self, sock: Any) -> None:
+        if self.owner.pop(sock.fileno(), None) is not None:
+            self.poller.unregister(sock)
+
+    def later(self, service: DeviceService, seconds: float) -> None:
+        self.timers[service] = time.monotonic() + seconds
+
+    def close(self) -> None:
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
+                   device_threads: bool = True) -> None:
+    """Serve bound services from this one thread until `stop` is set.
+
+    This thread takes every service's requests in, answers them and publishes their state.
+    With `device_threads` each device's driver calls run one at a time in arrival order (its
+    one writer): a change whose answer can be awaited on the device's socket (a switch's new
+    circuits: `DeviceKind.begins`) is sent from here and its answer read here when it comes;
+    every other call (and anything that may block: a refusal's error queue, a dropped
+    session) runs on the device's own thread. Requests to 64 switches at once are then 64
+    lines sent and 64 answers read by one thread, not 64 threads that each decode, write,
+    wait, answer and publish while contending for the interpreter (BENCHMARKS.md,
+    "datacenter"); a slow or silent device still holds up only its own requests. Without
+    `device_threads` the driver is called from this thread (one service: no hand-over)."""
+    loop = _Loop(services)
+    for service in services:
+        service._loop = loop
+        if device_threads:
+            service._worker = _Worker(service.name, loop.done_by(service))
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            due = now + 0.1                      # (how soon a set `stop` is noticed)
+            for service in services:
+                due = min(due, service._tick(now), service.server.due, service._deadline())
+            if loop.timers:
+                due = min(due, min(loop.timers.values()))
+            events = loop.poller.poll(math.ceil(max(0.0, due - time.monotonic()) * 1e3))
+            todo: dict[DeviceService, None] = {}
+            for sock, _ in events:
+                if sock == loop.wake_r:
+                    try:
+                        os.read(loop.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                service = loop.owner.get(sock)
+                if service is None:
+                    continue
+                if isinstance(sock, int):                      # an awaited answer
+                    service._answer_arrived(readable=True)
+                    service._next()
+                todo[service] = None
+            while loop.ready:
+                service = loop.ready.popleft()
+                service._done()
+                todo[service] = None
+            now = time.monotonic()
+            for service, when in list(loop.timers.items()):
+                if when <= now:
+                    del loop.timers[service]
+                    service._look_again()
+                    todo[service] = None
+            for service in services:
+                if service.server.due <= now:
+                    todo[service] = None
+                elif service._deadline() <= now:
+                    service._answer_arrived()
+                    service._next()
+                    todo[service] = None
+            for service in todo:
+                service.server.poll(0)
+    finally:
+        workers = [(s, s._worker) for s in services if s._worker is not None]
+        for _, worker in workers:
+            worker.stop()
+        deadline = time.monotonic() + 2.0
+        for service, worker in workers:
+            if not worker.join(deadline - time.monotonic()):
+                log.warning("%s: a device call did not end within 2 s", service.name)
+            service._worker = None
+        for service in services:
+            service._loop = None
+        loop.close()
 
 
 def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = None) -> None:

@@ -1,0 +1,267 @@
+"""Device services served together from one thread (`serve_together`, what `ptb serve
+--one-process` runs): a switch's new circuits are sent from that thread and their answer read
+there when it comes; whatever may block (a refusal's error queue, a dropped or silent session,
+any other call) runs on the device's own thread. Checked on emulated OCSes over their real
+sockets: answers and published state as served alone, one writer per device in arrival order,
+a dropped session reconciled (never applied twice), a refusal and a silent switch failing
+alone, a slow switch holding up only its own requests."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from photonic_testbed.hil.bus.client import ServiceClient, call_many
+from photonic_testbed.hil.bus.errors import BusError
+from photonic_testbed.hil.bus.service import DeviceService, ServiceSpec, serve_together
+from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.emulator.scpi import SCPIError, SCPIServer
+
+N = 8
+DRIVER = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
+
+
+class RefusingOCS(OCSInstrument):
+    """An OCS that refuses its next `:CONN:ONLY` when told to (a stuck port)."""
+
+    refuse = False
+
+    def _only(self, session, sfx, arg) -> None:
+        if self.refuse:
+            self.refuse = False
+            raise SCPIError(-240, "port 3 is stuck")
+        super()._only(session, sfx, arg)
+
+
+def rotation(k: int) -> list[list[int]]:
+    return [[i, N + 1 + (i - 1 + k) % N] for i in range(1, N + 1)]
+
+
+@pytest.fixture
+def switches():
+    """Four emulated 8 x 8 OCSes (the last moves in 0.4 s, the others at once), their services
+    served together on one thread; yields [(SCPIServer, physics, request endpoint, service)]."""
+    servers, services, out = [], [], []
+    stop = threading.Event()
+    loop = None
+    try:
+        for k in range(4):
+            physics = OCSPhysics(N, switching_s=0.4 if k == 3 else 0.0)
+            server = SCPIServer(RefusingOCS(physics), name=f"ocs{k}")
+            server.start()
+            servers.append(server)
+            service = DeviceService(ServiceSpec(f"ocs{k}", "switch", server.resource,
+                                                driver=DRIVER, options={"settle_timeout_s": 2.0}))
+            request, _ = service.bind()
+            services.append(service)
+            out.append((server, physics, request, service))
+        loop = threading.Thread(target=serve_together, args=(services, stop), daemon=True)
+        loop.start()
+        yield out
+    finally:
+        stop.set()
+        if loop is not None:
+            loop.join(10)
+        for service in services:
+            service.close()
+        for server in servers:
+            server.close()
+
+
+def test_changes_sent_together_are_answered_each_as_alone_and_published(switches):
+    clients = [ServiceClient(request, timeout=30) for _, _, request, _ in switches[:3]]
+
+    def blocking_apply(circuits):
+        raise AssertionError("a change on a known map went to the device's thread")
+
+    for _, _, _, service in switches[:3]:
+        service.driver.apply = blocking_apply
+    try:
+        for k in range(1, 4):
+            got = call_many([(c, "apply_circuits", {"circuits": rotation(k)}) for c in clients],
+                            30)
+            for g in got:
+                assert not isinstance(g, BusError), g
+                assert sorted(g["added"]) == rotation(k)
+                assert sorted(g["removed"]) == ([] if k == 1 else rotation(k - 1))
+        for c, (_, physics, _, _) in zip(clients, switches):
+            assert c.call("read_circuits")["circuits"] == rotation(3)
+            snap = c.call("snapshot")
+            assert snap["state"]["circuits"] == rotation(3)
+            # the version moved once per change, and is published with the circuits
+            assert snap["state"]["version"].endswith(":3")
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_requests_to_one_switch_run_one_at_a_time(switches):
+    """Six changes to one switch at once, from six sockets (arriving in any order): each ran
+    on what the one before it left (its `removed` is that one's circuits), none was lost."""
+    _, _, request, _ = switches[0]
+    clients = [ServiceClient(request, timeout=30) for _ in range(6)]
+    try:
+        got = call_many([(c, "apply_circuits", {"circuits": rotation(k)})
+                         for k, c in enumerate(clients)], 30)
+        assert all(not isinstance(g, BusError) for g in got), got
+        by_removed = {tuple(map(tuple, sorted(g["removed"]))): k for k, g in enumerate(got)}
+        assert len(by_removed) == 6, got
+        chain, last = [], ()
+        while last in by_removed:
+            k = by_removed.pop(last)
+            chain.append(k)
+            last = tuple(map(tuple, rotation(k)))
+        assert sorted(chain) == list(range(6)), (chain, got)
+        assert clients[0].call("read_circuits")["circuits"] == rotation(chain[-1])
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_session_dropped_during_a_change_is_reconciled_once(switches, when):
+    """The connection is cut before the switch runs the line (it must be sent again) or after
+    (it must not be): the answer comes, and the switch holds the circuits."""
+    server, physics, request, _ = switches[1]
+    with ServiceClient(request, timeout=30) as c:
+        c.call("apply_circuits", circuits=rotation(1))
+        lines = server.instrument.lines_in
+        server.drop_on(r":OXC:SWIT:CONN:ONLY", when)
+        got = c.call("apply_circuits", circuits=rotation(2))
+        assert sorted(got["added"]) == rotation(2)
+        assert c.call("read_circuits")["circuits"] == rotation(2)
+        assert server.instrument.lines_in > lines
+        assert switches[1][3].driver.reconnects == 1
+        # the next change takes the fast path again, on the new session
+        c.call("apply_circuits", circuits=rotation(3))
+        assert c.call("read_circuits")["circuits"] == rotation(3)
+
+
+def test_a_refusal_fails_alone_with_the_switch_error(switches):
+    server, _, request, _ = switches[2]
+    other = switches[0][2]
+    driver = switches[2][3].driver
+    drained_on: list[str] = []
+    errors = driver.errors
+
+    def drain():                      # the error queue is read with blocking queries
+        drained_on.append(threading.current_thread().name)
+        return errors()
+
+    driver.errors = drain
+    with ServiceClient(request, timeout=30) as c, ServiceClient(other, timeout=30) as d:
+        c.call("apply_circuits", circuits=rotation(1))
+        server.instrument.refuse = True
+        got = call_many([(c, "apply_circuits", {"circuits": rotation(2)}),
+                         (d, "apply_circuits", {"circuits": rotation(2)})], 30)
+        assert isinstance(got[0], BusError) and "port 3 is stuck" in str(got[0]), got[0]
+        assert not isinstance(got[1], BusError), got[1]
+        assert drained_on == ["ocs2-device"], drained_on      # not the thread serving all
+        # what the switch holds is read back, and the next change goes through
+        assert c.call("read_circuits")["circuits"] == rotation(1)
+        c.call("apply_circuits", circuits=rotation(2))
+        assert c.call("read_circuits")["circuits"] == rotation(2)
+
+
+def test_a_slow_switch_holds_up_only_its_own_requests(switches):
+    """ocs3 takes 0.4 s to move: while it moves (its answer awaited), the other switches'
+    changes are answered, and so is a read of ocs3 queued behind its own change only after."""
+    slow, fast = switches[3][2], switches[0][2]
+    with ServiceClient(slow, timeout=30) as s, ServiceClient(fast, timeout=30) as f:
+        s.call("apply_circuits", circuits=rotation(1))
+        done: dict[str, float] = {}
+
+        def move():
+            s.call("apply_circuits", circuits=rotation(2))
+            done["slow"] = time.monotonic()
+
+        t0 = time.monotonic()
+        t = threading.Thread(target=move)
+        t.start()
+        for k in range(3, 8):
+            f.call("apply_circuits", circuits=rotation(k))
+        done["fast"] = time.monotonic()
+        t.join(30)
+        assert done["fast"] < done["slow"], (done["fast"] - t0, done["slow"] - t0)
+        assert done["slow"] - t0 >= 0.4
+        assert s.call("read_circuits")["circuits"] == rotation(2)
+
+
+def test_a_switch_silent_past_its_settle_time_holds_up_only_itself():
+    """A switch that takes the change and does not answer within the driver's settle time
+    (its move takes 3 s): its change is handed to its own thread (the session reopened and
+    the map read back), while the other switch's changes are answered at once."""
+    phys = [OCSPhysics(N, switching_s=0.0), OCSPhysics(N, switching_s=3.0)]
+    servers = [SCPIServer(OCSInstrument(p), name=f"ocs{k}") for k, p in enumerate(phys)]
+    services, requests, stop, loop = [], [], threading.Event(), None
+    try:
+        for k, server in enumerate(servers):
+            server.start()
+            service = DeviceService(ServiceSpec(
+                f"ocs{k}", "switch", server.resource, driver=DRIVER,
+                options={"settle_timeout_s": 0.5, "timeout_s": 1.0, "reconnect_s": 1.0}))
+            requests.append(service.bind()[0])
+            services.append(service)
+        loop = threading.Thread(target=serve_together, args=(services, stop), daemon=True)
+        loop.start()
+        with ServiceClient(requests[0], timeout=30) as ok, \
+                ServiceClient(requests[1], timeout=30) as quiet:
+            answers: list = []
+            t = threading.Thread(target=lambda: answers.append(call_many(
+                [(quiet, "apply_circuits", {"circuits": rotation(1)})], 30)[0]))
+            t0 = time.monotonic()
+            t.start()
+            time.sleep(0.05)
+            for k in range(1, 6):
+                assert "added" in ok.call("apply_circuits", circuits=rotation(k))
+            assert time.monotonic() - t0 < 0.5 or answers == [], "the others waited"
+            t.join(30)
+            # the switch had made the change: reconciled, not sent again
+            assert answers and not isinstance(answers[0], BusError), answers
+            assert quiet.call("read_circuits")["circuits"] == rotation(1)
+            assert services[1].driver.reconnects == 1
+    finally:
+        stop.set()
+        if loop is not None:
+            loop.join(10)
+        for service in services:
+            service.close()
+        for server in servers:
+            server.close()
+
+
+def test_served_alone_the_driver_is_called_from_the_serving_thread(switches):
+    """`DeviceService.serve` (one service: no device thread) gives the same answers."""
+    server, _, _, _ = switches[0]
+    service = DeviceService(ServiceSpec("alone", "switch", server.resource, driver=DRIVER))
+    request, _ = service.bind()
+    stop = threading.Event()
+    t = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        with ServiceClient(request, timeout=30) as c:
+            got = c.call("apply_circuits", circuits=rotation(6))
+            assert sorted(got["added"]) == rotation(6)
+            assert c.call("read_circuits")["circuits"] == rotation(6)
+            assert service._worker is None
+    finally:
+        stop.set()
+        t.join(10)
+        service.close()
+
+
+def test_a_change_whose_client_gave_up_while_queued_is_not_run(switches):
+    """A change queued behind a slow one of the same switch, whose deadline (its request's
+    ttl_ms) passes before its turn, is dropped, not run late."""
+    slow = switches[3][2]
+    with ServiceClient(slow, timeout=30) as s, ServiceClient(slow, timeout=0.15) as hasty:
+        s.call("apply_circuits", circuits=rotation(1))
+        t = threading.Thread(target=lambda: s.call("apply_circuits", circuits=rotation(2)))
+        t.start()
+        time.sleep(0.05)
+        with pytest.raises(BusError):
+            hasty.call("apply_circuits", circuits=rotation(3))
+        t.join(30)
+        time.sleep(0.5)
+        assert s.call("read_circuits")["circuits"] == rotation(2)
