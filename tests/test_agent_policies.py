@@ -105,7 +105,7 @@ def test_the_rank_index_answers_as_a_plain_index_of_every_link():
         for key in links:
             assert list(index.links(r, key)) == plain.get(r, {}).get(key, []), (r, key)
             assert list(index.links(r, key)) == plain.get(r, {}).get(key, []), (r, key)
-    assert index.links(0, ("no such phase", 0)) == ()
+    assert index.links(0, ("no such phase", 0)) == []
     assert _RankIndex({}).keys(0) == []
 
 

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 
@@ -290,35 +289,38 @@ class _RankIndex:
             r: (k, w) for r, k, w in zip(self._ranks[starts].tolist() if n else [],
                                          np.split(self._key_of, bounds),
                                          np.split(self._where, bounds))}
-        self._made: dict[int, tuple[list[int], list[int]]] = {}
-        self._asked: dict[tuple[int, Key], tuple[tuple[int, int], ...]] = {}
+        # rank -> ({phase-round index: (start, end) in its link indices}, link indices)
+        self._made: dict[int, tuple[dict[int, tuple[int, int]], list[int]]] = {}
 
-    def _of(self, rank: int) -> tuple[list[int], list[int]]:
+    def _of(self, rank: int) -> tuple[dict[int, tuple[int, int]], list[int]]:
         got = self._made.get(rank)
         if got is None:
             cut = self._slices.get(rank)
             if cut is None:
-                return [], []
-            got = self._made[rank] = (cut[0].tolist(), cut[1].tolist())
+                return {}, []
+            spans: dict[int, tuple[int, int]] = {}
+            start, prev = 0, -1
+            ks = cut[0].tolist()                   # ascending: the links are in step order
+            for j, k in enumerate(ks):
+                if k != prev:
+                    if prev >= 0:
+                        spans[prev] = (start, j)
+                    start, prev = j, k
+            if prev >= 0:
+                spans[prev] = (start, len(ks))
+            got = self._made[rank] = (spans, cut[1].tolist())
         return got
 
     def keys(self, rank: int) -> list[Key]:
         """The (phase, round)s in which `rank` has a link, in step order."""
-        return [self._keys[k] for k in dict.fromkeys(self._of(rank)[0])]
+        return [self._keys[k] for k in self._of(rank)[0]]
 
-    def links(self, rank: int, key: Key) -> tuple[tuple[int, int], ...]:
-        """`rank`'s links in (phase, round) `key`, in their order there (remembered: a
-        failover asks again for each spare it weighs)."""
-        got = self._asked.get((rank, key))
-        if got is None:
-            k = self._index.get(key)
-            if k is None:
-                return ()
-            ks, where = self._of(rank)
-            a = bisect.bisect_left(ks, k)
-            b = bisect.bisect_right(ks, k, a)
-            got = self._asked[(rank, key)] = tuple(self._links[i] for i in where[a:b])
-        return got
+    def links(self, rank: int, key: Key) -> list[tuple[int, int]]:
+        """`rank`'s links in (phase, round) `key`, in their order there."""
+        spans, where = self._of(rank)
+        a, b = spans.get(self._index.get(key, -1), (0, 0))
+        links = self._links
+        return [links[i] for i in where[a:b]]
 
 
 class _Overlay(Mapping):
