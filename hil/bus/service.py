@@ -2,7 +2,9 @@
 a ROUTER socket, state, telemetry and heartbeats on a PUB socket).
 
 The service is the device's one writer: the server runs one request at a time, in the order
-they arrived, so two clients never interleave commands on the wire. A changing request may name
+they arrived, so two clients never interleave commands on the wire (several services served
+together from one thread, `serve_together`: each device's calls queued and run one at a time,
+in arrival order). A changing request may name
 the state version it was computed from (`expect`); if the device moved on since, it is refused
 with `StaleState` and nothing is sent to the hardware (compare-and-set). A changing request runs
 at most once per request id (a retry gets the first answer).
