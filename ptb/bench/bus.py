@@ -8,6 +8,7 @@ import signal
 import statistics
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,8 @@ def _restart_times(manager: Manager, request: str, kills: int) -> list[float]:
 
 
 def run(args) -> dict:
-    rows, result = [], {}
+    rows: list[dict] = []
+    result: dict[str, Any] = {}
     with EmulatedRig(rig_spec("lumion"), seed=args.seed) as rig:
         spec = ServiceSpec("heaters", "heater_dac", rig.endpoints["dac"], telemetry_hz=0.0)
         # stable_s short so that each kill meets a service that counts as stable (the restart

@@ -130,7 +130,7 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                         and any(e.kind == "rank_map" for e in es) else None
                 es = wait_for(done)
                 last = es[-1].seq
-                t = {}
+                t: dict[str, float] = {}
                 for e in es:
                     t.setdefault(e.kind, e.ts)
                 dec = next(e for e in es if e.kind == "decision"

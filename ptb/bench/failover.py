@@ -72,11 +72,11 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                         and any(e.kind == "rank_map" for e in es) else None
                 es = wait_for(done)
                 last = es[-1].seq
-                t = {}
+                t: dict[str, float] = {}
                 for e in es:
                     t.setdefault(e.kind, e.ts)
-                    if e.kind == "rank_map":
-                        rank_map = {int(r): g for r, g in e.details["rank_map"].items()}
+                    if e.kind == "rank_map":        # what changed (the whole map: the restart)
+                        rank_map.update({int(r): g for r, g in e.details["changed"].items()})
                 dec = next(e.ts for e in es if e.kind == "decision"
                            and e.details.get("action") == "swap")
                 parts["detect"].append(t["detected"] - t_fail)

@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,8 @@ def run(args) -> dict:
     room = int(args.duration * max(args.rate, 200) * 1.2) + 1000
     latencies = {k: _Record(room) for k in ("ocs", "chip")}
     paint_s = {k: _Record(room) for k in ("ocs", "chip")}
-    frames = {"ocs": [0, None, None], "chip": [0, None, None]}   # count after warm-up, first, last
+    # count after warm-up, first, last
+    frames: dict[str, list[Any]] = {"ocs": [0, None, None], "chip": [0, None, None]}
     warm_s = min(5.0, args.duration / 10)                          # leave out the first repaints
 
     def on_painted(name: str, seq: int) -> None:
@@ -180,7 +182,7 @@ def run(args) -> dict:
             t = time.perf_counter()
             draw(p)
             paint_s[name].append(time.perf_counter() - t)
-        sv.draw = timed
+        sv.draw = timed                          # type: ignore[method-assign]  # timed here
 
     stop = threading.Event()
     posted = [0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
@@ -117,7 +118,7 @@ class SimFabric:
         world.agent.on_grant = lambda phase, rnd: None      # granted here, once settled
         world.job.subscribe(self.on_event)
 
-    def _switch(self, change) -> tuple[float, object]:
+    def _switch(self, change) -> tuple[float, Any]:
         for s in self.w.switches.values():
             s.changed = False
         got = change()
@@ -203,7 +204,8 @@ def _overhead(layout: RackLayout, plan: JobPlan, steps: int, settle_s: float, wo
 
 
 def run(args) -> dict:
-    rows, raw = [], {"scaling": [], "overhead": []}
+    rows: list[dict] = []
+    raw: dict[str, list] = {"scaling": [], "overhead": []}
     with tempfile.TemporaryDirectory(prefix="ptb-job-") as d:
         workdir = Path(d)
         for servers in args.servers:

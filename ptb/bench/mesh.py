@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -44,10 +46,13 @@ def run(args) -> dict:
     except ImportError:
         interferometer = None
     rng = np.random.default_rng(args.seed)
-    rows, result, notes = [], {"benes": {}, "clements": {}, "mesh": {}}, []
+    rows: list[dict] = []
+    notes: list[str] = []
+    result: dict[str, Any] = {"benes": {}, "clements": {}, "mesh": {}}
 
     for n in (16, 64, 256, 1024):
-        perms = [rng.permutation(n) for _ in range(args.repeats)]
+        # numpy permutations (as measured before): sequences of ints to benes_route
+        perms = [cast(Sequence[int], rng.permutation(n)) for _ in range(args.repeats)]
         it = iter(perms)
         t = _median_time(lambda: benes_route(next(it)), args.repeats)
         result["benes"][n] = t
@@ -135,8 +140,8 @@ def run(args) -> dict:
         try:
             circuits = [{i + 1: 17 + int(o) for i, o in enumerate(rng.permutation(16))}
                         for _ in range(args.repeats)]
-            it = iter(circuits)
-            t = _median_time(lambda: mesh.apply(next(it)), args.repeats)
+            each = iter(circuits)
+            t = _median_time(lambda: mesh.apply(next(each)), args.repeats)
         finally:
             mesh.close()
     result["mesh_apply_s"] = t

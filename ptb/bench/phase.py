@@ -42,11 +42,12 @@ def add_arguments(p) -> None:
 
 
 def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
-             gap_s: float = 0.005, hops: str = "") -> list[float] | dict[str, list[float]]:
-    """Phase switch times; with `hops` (the switch's device name) also, interleaved with them
-    in the same run, the bare hops a phase switch crosses (the agent relays a `ping_device` to
-    that switch's service, which asks the device itself) and the job-visible stall of a phase
-    set up ahead (the job releases a round, computes `gap_s`, then asks for the next)."""
+             gap_s: float = 0.005, hops: str = "") -> dict[str, list]:
+    """Phase switch times (`phase`); with `hops` (the switch's device name) also, interleaved
+    with them in the same run, the bare hops a phase switch crosses (the agent relays a
+    `ping_device` to that switch's service, which asks the device itself) and the job-visible
+    stall of a phase set up ahead (the job releases a round, computes `gap_s`, then asks for
+    the next)."""
     stack = Stack(rig, switching_ms=switching_ms, journal_sync=sync)
     fabric = None
     try:
@@ -54,7 +55,9 @@ def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
         plan = dp_tp(8)
         fabric.admit(plan)
         seq = plan.sequence()
-        times, bare, stall = [], [], []
+        times: list[float] = []
+        bare: list[float] = []
+        stall: list[float] = []
         for _ in range(2):                       # warm-up: every circuit set seen once
             for ph, rnd in seq:
                 fabric.phase(ph, rnd)
@@ -73,7 +76,7 @@ def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
                         agent.call("relay_ping", device=hops)
                         bare.append(time.perf_counter() - t)
         if not hops:
-            return times[:runs]
+            return {"phase": times[:runs]}
         fabric.done(*seq[-1])                    # the last phase asked: the first goes up
         time.sleep(gap_s)
         while len(stall) < runs:
@@ -102,10 +105,10 @@ def run(args) -> dict:
     gap = args.gap_ms / 1e3
     chip_all = _measure("lumion", 0.0, args.runs, gap_s=gap, hops="chip")
     chip = chip_all["phase"]
-    ocs = _measure("opus", 0.0, args.runs, gap_s=gap)
+    ocs = _measure("opus", 0.0, args.runs, gap_s=gap)["phase"]
     chip_n_all = _measure("lumion", 0.0, args.runs, "normal", gap, hops="chip")
     chip_n = chip_n_all["phase"]
-    ocs_n = _measure("opus", 0.0, args.runs, "normal", gap)
+    ocs_n = _measure("opus", 0.0, args.runs, "normal", gap)["phase"]
     rows = [_row("chip (lumion), zero delays", chip), _row("OCS (opus), zero delays", ocs),
             _row("chip, zero delays, journal sync normal", chip_n),
             _row("OCS, zero delays, journal sync normal", ocs_n),
@@ -130,7 +133,7 @@ def run(args) -> dict:
                      f"{1e3 * STALL_GOAL_S:g} ms: {'met' if p99 <= STALL_GOAL_S else 'NOT met'}"
                      f"; {got['ahead'][0]} of {len(got['stall'])} found set up ahead)")
     if args.realistic:
-        slow = _measure("opus", 25.0, args.runs, gap_s=gap)
+        slow = _measure("opus", 25.0, args.runs, gap_s=gap)["phase"]
         rows.append(_row("OCS, realistic (25 ms per move, measured)", slow))
         samples["ocs_25ms"] = slow
     for label, a, b in (("full", chip, ocs), ("normal", chip_n, ocs_n)):

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from photonic_testbed.ptb.bench import integer
+from photonic_testbed.ptb.cli import CommandFailed
 
 NAME = "record"
 HELP = "round trips of id? (DAC) and *IDN? (OCS) through ptb record vs direct"
@@ -85,8 +86,13 @@ class _Switch:
 
     def __init__(self, resource: str):
         import pyvisa
-        self.inst = pyvisa.ResourceManager("@py").open_resource(
+        from pyvisa.resources import MessageBasedResource
+        inst = pyvisa.ResourceManager("@py").open_resource(
             resource, read_termination="\n", write_termination="\n", timeout=5000)
+        if not isinstance(inst, MessageBasedResource):
+            inst.close()
+            raise CommandFailed(f"{resource} is not a message-based VISA resource")
+        self.inst = inst
 
     def ask(self) -> float:
         t = time.perf_counter()

@@ -136,10 +136,10 @@ def run(args) -> dict:
             frag = [fragmentation(p, stream, args.pods, Path(d))
                     for p in ("first-fit", "best-fit")]
     notes = []
-    for f in frag:
-        notes.append(f"fragmentation, {f['policy']}: {f['fragmented']} of {f['asked']} "
+    for fr in frag:
+        notes.append(f"fragmentation, {fr['policy']}: {fr['fragmented']} of {fr['asked']} "
                      f"admissions refused although enough whole servers were free "
-                     f"({f['fragmentation']:.1%}); {f['refused']} refused in all")
+                     f"({fr['fragmentation']:.1%}); {fr['refused']} refused in all")
     if len(frag) == 2 and frag[0]["fragmented"]:
         cut = 1 - frag[1]["fragmented"] / frag[0]["fragmented"]
         notes.append(f"best fit cuts fragmentation by {cut:.0%} against first fit on the same "

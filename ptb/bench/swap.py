@@ -55,7 +55,12 @@ def add_arguments(p) -> None:
                    help="seconds of training for the throughput before and after (default 10)")
 
 
-def _wait(cond, what: str, timeout: float = 180.0, proc=None):
+class _Controller(subprocess.Popen):
+    """The job's controller process, with the folder of its events and log."""
+    workdir = ""
+
+
+def _wait(cond, what: str, timeout: float = 180.0, proc: _Controller | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -74,10 +79,10 @@ def _tail(workdir: str, lines: int = 8) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _launch(stack: Stack, workdir: str, *extra: str) -> subprocess.Popen:
+def _launch(stack: Stack, workdir: str, *extra: str) -> _Controller:
     os.makedirs(workdir, exist_ok=True)
     log = open(os.path.join(workdir, "controller.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
+    proc = _Controller([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
                              "--workdir", workdir, "--rig", str(stack.workdir / "rig.toml"),
                              "--control", stack.control, "--plan", "dp", "--world", "8",
                              "--steps", "1000000", "--restart-timeout", "120", *MODEL,
@@ -169,7 +174,7 @@ def _in_place(stack: Stack, args, workdir: str) -> dict:
                 return tl if tl["first_step"] else None
             tl = _wait(swapped, f"the first step after {victim} failed", proc=proc)
             j = _journal_after(stack.journal, t_fail)
-            first = {}
+            first: dict[str, float] = {}
             for e in j:
                 first.setdefault(e.kind, e.ts)
             marks = [t_fail, first.get("detected"), first.get("applied"),
