@@ -7,6 +7,7 @@ a dropped session reconciled (never applied twice), a refusal and a silent switc
 alone, a slow switch holding up only its own requests."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -38,24 +39,23 @@ def rotation(k: int) -> list[list[int]]:
     return [[i, N + 1 + (i - 1 + k) % N] for i in range(1, N + 1)]
 
 
-@pytest.fixture
-def switches():
-    """Four emulated 8 x 8 OCSes (the last moves in 1.5 s, the others at once), their services
-    served together on one thread; yields [(SCPIServer, physics, request endpoint, service)]."""
+@contextlib.contextmanager
+def served(switches: list[tuple[OCSInstrument, dict]]):
+    """Each (emulated OCS, driver options) on its SCPI socket, their services served together
+    on one thread; yields [(SCPIServer, request endpoint, service)]."""
     servers, services, out = [], [], []
     stop = threading.Event()
     loop = None
     try:
-        for k in range(4):
-            physics = OCSPhysics(N, switching_s=1.5 if k == 3 else 0.0)
-            server = SCPIServer(RefusingOCS(physics), name=f"ocs{k}")
+        for k, (instrument, options) in enumerate(switches):
+            server = SCPIServer(instrument, name=f"ocs{k}")
             server.start()
             servers.append(server)
             service = DeviceService(ServiceSpec(f"ocs{k}", "switch", server.resource,
-                                                driver=DRIVER, options={"settle_timeout_s": 10.0}))
+                                                driver=DRIVER, options=options))
             request, _ = service.bind()
             services.append(service)
-            out.append((server, physics, request, service))
+            out.append((server, request, service))
         loop = threading.Thread(target=serve_together, args=(services, stop), daemon=True)
         loop.start()
         yield out
@@ -67,6 +67,16 @@ def switches():
             service.close()
         for server in servers:
             server.close()
+
+
+@pytest.fixture
+def switches():
+    """Four emulated 8 x 8 OCSes (the last moves in 1.5 s, the others at once), served
+    together; yields [(SCPIServer, physics, request endpoint, service)]."""
+    physics = [OCSPhysics(N, switching_s=1.5 if k == 3 else 0.0) for k in range(4)]
+    with served([(RefusingOCS(p), {"settle_timeout_s": 10.0}) for p in physics]) as out:
+        yield [(server, p, request, service)
+               for p, (server, request, service) in zip(physics, out)]
 
 
 def test_changes_sent_together_are_answered_each_as_alone_and_published(switches):
@@ -201,47 +211,29 @@ def test_a_switch_silent_past_its_settle_time_holds_up_only_itself():
     (its move takes 3 s): its change is handed to its own thread (the session reopened and
     the map read back), while the other switch's changes are answered before it."""
     phys = [OCSPhysics(N, switching_s=0.0), OCSPhysics(N, switching_s=3.0)]
-    servers = [SCPIServer(OCSInstrument(p), name=f"ocs{k}") for k, p in enumerate(phys)]
-    services, requests, stop, loop = [], [], threading.Event(), None
-    try:
-        for k, server in enumerate(servers):
-            server.start()
-            service = DeviceService(ServiceSpec(
-                f"ocs{k}", "switch", server.resource, driver=DRIVER,
-                options={"settle_timeout_s": 1.0, "timeout_s": 2.0, "reconnect_s": 2.0}))
-            requests.append(service.bind()[0])
-            services.append(service)
-        loop = threading.Thread(target=serve_together, args=(services, stop), daemon=True)
-        loop.start()
-        with ServiceClient(requests[0], timeout=30) as ok, \
-                ServiceClient(requests[1], timeout=30) as quiet:
-            answers: list = []
+    options = {"settle_timeout_s": 1.0, "timeout_s": 2.0, "reconnect_s": 2.0}
+    with served([(OCSInstrument(p), options) for p in phys]) as out, \
+            ServiceClient(out[0][1], timeout=30) as ok, \
+            ServiceClient(out[1][1], timeout=30) as quiet:
+        answers: list = []
 
-            def change():
-                answers.append(call_many(
-                    [(quiet, "apply_circuits", {"circuits": rotation(1)})], 30)[0])
-                answers.append(time.monotonic())
+        def change():
+            answers.append(call_many(
+                [(quiet, "apply_circuits", {"circuits": rotation(1)})], 30)[0])
+            answers.append(time.monotonic())
 
-            t = threading.Thread(target=change)
-            t.start()
-            moving(phys[1])
-            for k in range(1, 4):
-                assert "added" in ok.call("apply_circuits", circuits=rotation(k))
-            others_done = time.monotonic()
-            t.join(30)
-            # the switch had made the change: reconciled, not sent again
-            assert answers and not isinstance(answers[0], BusError), answers
-            assert others_done < answers[1]
-            assert quiet.call("read_circuits")["circuits"] == rotation(1)
-            assert services[1].driver.reconnects == 1
-    finally:
-        stop.set()
-        if loop is not None:
-            loop.join(10)
-        for service in services:
-            service.close()
-        for server in servers:
-            server.close()
+        t = threading.Thread(target=change)
+        t.start()
+        moving(phys[1])
+        for k in range(1, 4):
+            assert "added" in ok.call("apply_circuits", circuits=rotation(k))
+        others_done = time.monotonic()
+        t.join(30)
+        # the switch had made the change: reconciled, not sent again
+        assert answers and not isinstance(answers[0], BusError), answers
+        assert others_done < answers[1]
+        assert quiet.call("read_circuits")["circuits"] == rotation(1)
+        assert out[1][2].driver.reconnects == 1
 
 
 def test_served_alone_the_driver_is_called_from_the_serving_thread(switches):
