@@ -27,9 +27,9 @@ The contract (docs/bus.md "Requests"):
 A handler takes the checked arguments (a dict, defaults filled in) and returns the result, or a
 `concurrent.futures.Future` of it when the answer takes time (a slow instrument): the loop goes
 on (heartbeats, other requests) and the answer goes out at the first `poll` after it is done.
-State changes a handler makes with `defer(...)` are published after its reply has gone; a
-handler (or its Future) may instead return `Answer(result, state)`, whose `state` is published
-after the reply (for a Future, once it is done: the state and the version then move together).
+A handler (or its Future) that changed state returns `Answer(result, state)`: `state` is
+published after the reply has gone (for a Future, once it is done: the state and the version
+then move together).
 """
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ class Publisher:
 @dataclass(frozen=True)
 class Answer:
     """A handler's result with the state it changed: the reply carries `result`; `state`
-    (top-level keys, as `Server.defer` takes them) is published after the reply has gone."""
+    (top-level keys; a value may be a function of nothing, called then: work nobody waits
+    for) is published after the reply has gone."""
     result: Any
     state: Mapping = field(default_factory=dict)
 
@@ -257,12 +258,6 @@ class Server:
 
     def change(self, ops: list) -> dict | None:
         return self.state.change(ops)
-
-    def defer(self, values: Mapping) -> None:
-        """Publish these keys after the reply to the request being answered has gone: the
-        caller waiting on the device hears first. A value may be a function of nothing, called
-        then (work nobody waits for)."""
-        self._unpublished.update(values)
 
     def _snapshot(self, args: dict) -> dict:
         self.publish_deferred()
