@@ -660,7 +660,7 @@ class Worker:
         steps = {r: int(v) for r, v in zip(range(world), self.gstore.multi_get(
             [f"step/{r}" for r in range(world)]))}
         target = max(steps.values())
-        moved = 0
+        sent = got = 0        # bytes: a member behind may receive, then pass the state on
         if any(s < target for s in steps.values()):
             self._enter("dp")
             try:
@@ -675,14 +675,14 @@ class Worker:
                     self._audit("dp", f"state to rank {dst}")
                     flat = flatten(state)
                     self._wait_work(dp.send([flat], ring.index(dst), g), "the state transfer")
-                    moved += flat.numel() * flat.element_size()
+                    sent += flat.numel() * flat.element_size()
                 elif rank == dst:
                     flat = torch.empty(sum(t.numel() for t in state), device=self.device)
                     self._wait_work(dp.recv([flat], ring.index(src), g), "the state transfer")
                     unflatten_into(flat, state)
-                    moved += flat.numel() * flat.element_size()
+                    got += flat.numel() * flat.element_size()
                     self.completed = target
-        self.events.write("transferred", gen=g, step=target, bytes=moved,
+        self.events.write("transferred", gen=g, step=target, bytes_sent=sent, bytes_received=got,
                           seconds=time.time() - t1, steps={str(r): s for r, s in steps.items()},
                           received=steps[rank] < target)
         self.completed = target

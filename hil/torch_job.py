@@ -492,7 +492,7 @@ def swap_timeline(events: list[dict], t_fail: float, failed_gpu: str) -> dict[st
     out["first_step"] = step["t"] if step else None
     out["first_step_no"] = step["step"] if step else None
     tr = first("transferred")
-    out["bytes"] = tr["bytes"] if tr else 0
+    out["bytes"] = tr["bytes_received"] if tr else 0
     out["target_step"] = tr["step"] if tr else None
     return out
 

@@ -103,7 +103,7 @@ def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_pat
         # spare0 got the state in place; the 7 survivors finished with one model
         got = [e for e in ev if e["kind"] == "transferred" and e["gpu"] == "spare0"
                and e["gen"] == 1]
-        assert got and got[0]["received"] and got[0]["bytes"] > 0
+        assert got and got[0]["received"] and got[0]["bytes_received"] > 0
         done = {e["gpu"]: e for e in ev if e["kind"] == "done" and "digest" in e}
         assert set(done) == set(last.values())
         assert len({e["digest"] for e in done.values()}) == 1
