@@ -378,13 +378,18 @@ def test_idle_and_trickling_connections_are_dropped_after_the_idle_timeout():
 
 
 class _GateInstrument(Instrument):
-    """An instrument whose `WAIT?` blocks until the test opens the gate (without the lock)."""
+    """An instrument whose `WAIT?` waits until the test opens the gate (without the lock)."""
 
     def __init__(self):
         super().__init__()
         self.gate = threading.Event()
-        self.command("WAIT?", lambda s, sfx, arg: "1" if self.gate.wait(60) else "0",
-                     locked=False)
+        self.command("WAIT?", self._wait, locked=False)
+
+    def _wait(self, session, sfx, arg):
+        give_up = time.monotonic() + 60
+        while not self.gate.is_set() and time.monotonic() < give_up:
+            yield time.monotonic() + 0.01
+        return "1" if self.gate.is_set() else "0"
 
 
 def test_busy_sessions_are_never_cut_to_make_room():
@@ -412,3 +417,150 @@ def test_busy_sessions_are_never_cut_to_make_room():
             inst.gate.set()
             for c in busy:
                 c.close()
+
+
+# ---- one serving thread: waits as timers, slow readers, shared loops -------------------------
+
+def _nothing_yet(c: Client) -> bool:
+    """True when no reply has reached the client yet."""
+    c.sock.setblocking(False)
+    try:
+        return not c.sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        c.sock.settimeout(30)
+
+
+def test_a_waiting_command_holds_up_no_other_session():
+    """A session waiting (its command yields until the gate opens) holds no thread: another
+    session's queries are answered meanwhile, and the waiting one gets its reply once the gate
+    opens."""
+    inst = _GateInstrument()
+    with SCPIServer(inst, name="gate") as server:
+        waiting, other = Client(server), Client(server)
+        waiting.sock.settimeout(30)
+        other.sock.settimeout(30)
+        try:
+            waiting.send(b"WAIT?;*IDN?\n")
+            for _ in range(20):
+                assert other.query("*IDN?") == inst.idn
+            deadline = time.monotonic() + 30    # `other` is busy until its reply is all sent
+            while server.busy_clients > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.busy_clients == 1 and _nothing_yet(waiting)
+            inst.gate.set()
+            assert waiting.line() == f"1;{inst.idn}"
+        finally:
+            inst.gate.set()
+            waiting.close()
+            other.close()
+
+
+def test_lines_sent_at_once_run_in_order_with_their_waits():
+    """200 lines in one send (more than one turn of the serving thread), some of them waiting
+    for a move: every reply comes, in order, and each line ran on what the one before left."""
+    phys = OCSPhysics(8, seed=1, switching_s=0.002)
+    lines, want = [], []
+    for k in range(100):
+        i = k % 8 + 1
+        lines += [f":OXC:SWIT:CONN:ONLY (@{i}),(@{i + 8});*OPC?", ":OXC:SWIT:CONN:STAT?"]
+        want += ["1", f"(@{i}),(@{i + 8})"]
+    with SCPIServer(OCSInstrument(phys), name="ocs") as server:
+        c = Client(server)
+        c.sock.settimeout(30)
+        try:
+            c.send(("\n".join(lines) + "\n").encode())
+            assert [c.line() for _ in want] == want
+            assert c.query(":SYST:ERR?").startswith("0,")
+        finally:
+            c.close()
+
+
+def test_a_client_that_reads_nothing_is_cut_and_holds_up_no_one(monkeypatch):
+    """A reply bigger than the socket buffers, to a client that reads nothing: the others are
+    served meanwhile, and it is cut once its reply has made no progress for SEND_TIMEOUT_S."""
+    import photonic_testbed.hil.emulator.scpi as scpi
+    monkeypatch.setattr(scpi, "SEND_TIMEOUT_S", 0.5)
+    inst = Instrument()
+    inst.command("BIG?", lambda s, sfx, arg: "x" * 16_000_000)
+    with SCPIServer(inst, name="big") as server:
+        mute = socket.socket()
+        mute.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        mute.connect((server.host, server.port))
+        try:
+            mute.sendall(b"BIG?\n")
+            for _ in range(5):
+                assert _served(server) == inst.idn
+            deadline = time.monotonic() + 60
+            while server.clients and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.clients == 0            # cut, not waiting forever on its reply
+            assert server.bytes_out < 16_000_000
+            got = 0
+            mute.settimeout(30)
+            try:
+                while chunk := mute.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionError:
+                pass
+            assert got < 16_000_000               # its reply never completed
+            assert _served(server) == inst.idn
+        finally:
+            mute.close()
+
+
+def test_cutting_sessions_cuts_one_that_waits():
+    """`drop_clients` while a session waits: it is cut at once (no reply), from a thread that
+    holds the instrument's lock as the emulator's reboot does; newcomers are served."""
+    inst = _GateInstrument()
+    with SCPIServer(inst, name="gate") as server:
+        c = Client(server)
+        try:
+            c.send(b"WAIT?\n")
+            deadline = time.monotonic() + 30
+            while server.busy_clients < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with inst.lock:
+                assert server.drop_clients() == 1
+            assert server.clients == 0
+            assert _closed_by_server(c.sock)
+            assert _served(server) == inst.idn
+        finally:
+            inst.gate.set()
+            c.close()
+
+
+def test_servers_on_one_loop_share_its_thread():
+    """Three instruments on one SCPILoop: one thread serves them all; closing one leaves the
+    others serving; the thread ends with the last."""
+    from photonic_testbed.hil.emulator.scpi import SCPILoop
+    loop = SCPILoop("shared")
+    before = {t.name for t in threading.enumerate()}
+    servers = [SCPIServer(Instrument(), name=f"i{k}", loop=loop) for k in range(3)]
+    for k, s in enumerate(servers):
+        s.instrument.idn = f"Emulated,Instrument{k},0,1.0"
+        s.start()
+    try:
+        started = {t.name for t in threading.enumerate()} - before
+        assert started == {"shared-loop"}
+        clients = [Client(s) for s in servers for _ in range(2)]
+        for c in clients:
+            c.sock.settimeout(30)
+        assert [c.query("*IDN?").split(",")[1] for c in clients] == [
+            f"Instrument{k}" for k in (0, 0, 1, 1, 2, 2)]
+        assert {t.name for t in threading.enumerate()} - before == {"shared-loop"}
+        servers[0].close()
+        assert _closed_by_server(clients[0].sock)
+        assert clients[2].query("*IDN?") == servers[1].instrument.idn
+        assert _served(servers[2]) == servers[2].instrument.idn
+        for c in clients:
+            c.close()
+    finally:
+        for s in servers:
+            s.close()
+    deadline = time.monotonic() + 30
+    while "shared-loop" in {t.name for t in threading.enumerate()} and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "shared-loop" not in {t.name for t in threading.enumerate()}

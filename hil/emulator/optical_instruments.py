@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from photonic_testbed.hil.emulator.scpi import Instrument, SCPIError, boolean, no_arg, number
+from photonic_testbed.hil.emulator.scpi import (Instrument, SCPIError, Waiting, boolean, no_arg,
+                                                 number)
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +112,13 @@ class PowerMeterInstrument(Instrument):
     def _format(self, c: MeterChannel, mw: float) -> str:
         return _sci(mw_to_dbm(mw)) if c.unit == 0 else _sci(mw * 1e-3)
 
-    def _read(self, session, sfx, arg) -> str:
+    def _read(self, session, sfx, arg) -> Waiting:
         no_arg(arg)
         with self.lock:
             c = self._chan(sfx)
             atim = c.atim_s
         if atim > 0:
-            time.sleep(atim)       # averaging: the reading takes this long
+            yield time.monotonic() + atim       # averaging: the reading takes this long
         n = sfx[0] or 1
         with self.lock:
             c.last_mw = self.measure(n)

@@ -1,5 +1,6 @@
 """The rail OCSes of a datacenter rig (Opus's photonic rails), emulated: one Polatis-class
-switch per (rail, pod), each its own SCPI endpoint on loopback, all served by this process.
+switch per (rail, pod), each its own SCPI endpoint on loopback, all served by one thread of this
+process (one `SCPILoop`).
 
 `RailSwitches(layout)` makes an `OCSPhysics` and its SCPI persona (`OCSInstrument`) for every
 switch of a rail rack (`hil.rack_layout.rail_rack`: `rail{l}-pod{k}`, N x N with N the pod's
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from photonic_testbed.hil.emulator import ocs_control
 from photonic_testbed.hil.emulator.control import ControlError, ControlServer
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.hil.emulator.scpi import SCPIServer
+from photonic_testbed.hil.emulator.scpi import SCPILoop, SCPIServer
 from photonic_testbed.hil.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,13 @@ class RailSwitches:
         self.layout = layout
         self.physics: dict[str, OCSPhysics] = {}
         self.servers: dict[str, SCPIServer] = {}
+        loop = SCPILoop("rails")        # one thread serves every switch's sessions
         for k, (name, n) in enumerate(layout.switches.items()):
             phys = OCSPhysics(n, seed=seed * SEEDS_PER_RIG + k, switching_s=switching_s)
             self.physics[name] = phys
             port = 0 if port_base is None else port_base + k
             self.servers[name] = SCPIServer(OCSInstrument(phys, serial=f"{seed:03d}{k:03d}"),
-                                            host, port, name)
+                                            host, port, name, loop=loop)
 
     def light_from(self, launch_mw: Callable[[str], dict[int, float]]) -> None:
         """What enters each switch's ingress ports (`launch_mw(switch)` -> {port: mW}): the

@@ -3,43 +3,55 @@
 Each emulated instrument (OCS, power meter, laser) is an `Instrument` with a command table, served
 by `SCPIServer` on a raw socket exactly as a lab instrument serves port 5025.
 
-Serving: one thread per client, so several clients are served concurrently (as on a real LAN
-instrument, where a second socket session is allowed). Sessions are a bounded resource that silent
-clients must not hold: a session that completes no line for `IDLE_TIMEOUT_S` is dropped, and when
-every slot is taken a newcomer takes the slot of the session idle longest (one in the middle of a
-command is never cut); only when every session is busy is a newcomer refused. Each client's
-lines run in the order they arrive; every program message unit runs while holding the
-instrument's lock, so units from different clients interleave whole, never half-applied.
-`*OPC?` waits for pending operations without holding the lock. Each client session has its
-own error queue (what that client got wrong is reported to that client).
+Serving: one thread (an `SCPILoop`, a selector over the sockets) serves every session of a server,
+or of many servers (a datacenter rig's 64 switches share one); a server given no loop has its own.
+Several clients are served concurrently, as on a real LAN instrument where a second socket
+session is allowed: a command that waits (`*OPC?` for a move, a power reading's averaging time)
+is a handler that yields the time to resume it at, so a session waiting holds no thread and
+never holds up another; a reply the client does not read is sent as its socket takes it. Sessions
+are a bounded resource that silent clients must not hold: a session that completes no line for
+`IDLE_TIMEOUT_S` is dropped, and when every slot is taken a newcomer takes the slot of the session
+idle longest (one in the middle of a command is never cut); only when every session is busy is a
+newcomer refused. Each client's lines run in the order they arrive, one line after the other's
+reply; every program message unit runs while holding the instrument's lock (the emulator's
+control plane takes it too), so units from different clients interleave whole, never
+half-applied. Each client session has its own error queue (what that client got wrong is
+reported to that client).
 
 Input handling: a line ends at `\\n` (`\\r\\n` accepted); a line longer than `MAX_LINE` bytes is
 refused (-363 Input buffer overrun) and the input is skipped up to the next newline; bytes
 outside printable ASCII are a command error; a client that vanishes mid-command is simply
-dropped. Every refusal is logged. Replies end in `\\r\\n`; replies of several queries on one
-line are joined with `;` (IEEE 488.2).
+dropped, and one that reads nothing of its reply for `SEND_TIMEOUT_S` is dropped. Every refusal
+is logged. Replies end in `\\r\\n`; replies of several queries on one line are joined with `;`
+(IEEE 488.2).
 """
 from __future__ import annotations
 
+import collections
+import heapq
+import itertools
 import logging
 import math
 import re
+import selectors
 import socket
 import struct
 import threading
 import time
+import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Generator
 
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024        # bytes in one program message (a full 32x32 ONLY is ~200 bytes)
 ERROR_QUEUE_LEN = 30
-MAX_CLIENTS = 16            # sessions served at once (threads); see SCPIServer._admit
+MAX_CLIENTS = 16            # sessions served at once; see SCPIServer._admit
 SEND_TIMEOUT_S = 5.0        # a client that reads nothing for this long is dropped
 IDLE_TIMEOUT_S = 300.0      # a session that completes no line for this long is dropped
 FOUND_KEPT = 1024            # headers whose lookup an instrument remembers
-IDLE_POLL_S = 0.05          # how often a client thread notices that the server is closing
+LINES_PER_TURN = 16         # lines of one session run before other sockets get their turn
+ACCEPTS_PER_TURN = 16       # connections taken at once from a listening socket
 
 ERROR_TEXT = {
     0: "No error",
@@ -117,12 +129,20 @@ def compile_header(pattern: str) -> re.Pattern:
     return re.compile(rx)
 
 
+# A handler's answer: the reply (or None), or, for a command that waits, a generator that yields
+# the time.monotonic() to resume it at (as often as it needs) and returns the reply. A handler
+# never blocks: whoever runs the line sleeps (`Instrument.execute`) or serves others meanwhile
+# (`SCPIServer`).
+Reply = str | None
+Waiting = Generator[float, None, Reply]
+
+
 @dataclass
 class Command:
     pattern: str
-    handler: Callable[["Session", tuple, str], str | None]
-    locked: bool = True          # run holding the instrument lock (False for *OPC?-like waits)
-    regex: re.Pattern | None = None
+    handler: Callable[["Session", tuple, str], Any]
+    locked: bool = True          # run holding the instrument lock (False for commands that wait;
+    regex: re.Pattern | None = None     # they take the lock themselves between their waits)
 
 
 class Session:
@@ -199,7 +219,7 @@ class Instrument:
         self.command("*CLS", lambda s, sfx, arg: s.errors.clear())
         self.command("*OPC?", self._opc, locked=False)
         self.command("*OPC", lambda s, sfx, arg: None)
-        self.command("*WAI", lambda s, sfx, arg: self._opc(s, sfx, arg) and None, locked=False)
+        self.command("*WAI", self._wai, locked=False)
         self.command(":SYSTem:ERRor[:NEXT]?", lambda s, sfx, arg: s.pop_error(self.no_error))
         self.command(":SYSTem:ERRor:ALL?", self._err_all)
 
@@ -234,11 +254,16 @@ class Instrument:
         """time.monotonic() at which every operation started so far has completed."""
         return 0.0
 
-    def _opc(self, session, sfx, arg) -> str:
-        wait = self.pending_until() - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
+    def _opc(self, session, sfx, arg) -> Waiting:
+        """Once every operation started so far has completed."""
+        until = self.pending_until()
+        if until > time.monotonic():
+            yield until
         return "1"
+
+    def _wai(self, session, sfx, arg) -> Waiting:
+        yield from self._opc(session, sfx, arg)
+        return None
 
     def _err_all(self, session, sfx, arg) -> str:
         out = []
@@ -249,7 +274,18 @@ class Instrument:
     # ---- executing a line ---------------------------------------------------------------------
 
     def execute(self, session: Session, line: str) -> str | None:
-        """Run one program message (a line without its terminator); the reply, or None."""
+        """Run one program message (a line without its terminator), sleeping through its
+        waits; the reply, or None."""
+        run = self.run(session, line)
+        try:
+            while True:
+                time.sleep(max(0.0, next(run) - time.monotonic()))
+        except StopIteration as done:
+            return done.value
+
+    def run(self, session: Session, line: str) -> Waiting:
+        """Run one program message as a generator: it yields the time.monotonic() to resume
+        it at whenever a command waits, and returns the reply (or None)."""
         self.lines_in += 1
         if not (line.isascii() and line.replace("\t", " ").isprintable()):
             session.push_error(SCPIError(-101, "non-ASCII or control bytes").entry())
@@ -286,6 +322,8 @@ class Instrument:
                         reply = cmd.handler(session, sfx, arg)
                 else:
                     reply = cmd.handler(session, sfx, arg)
+                    if isinstance(reply, types.GeneratorType):
+                        reply = yield from reply
             except SCPIError as e:
                 session.push_error(e.entry())
                 log.warning("%s: refused %r: %s", session.peer, unit[:80], e.entry())
@@ -340,11 +378,376 @@ def no_arg(arg: str) -> None:
 
 # ---- the socket server ----------------------------------------------------------------------
 
+class SCPILoop:
+    """One thread serving the sockets of any number of `SCPIServer`s: a selector over their
+    listening and session sockets, timers (a command's wait, a session's idle and send
+    deadlines) and calls posted from other threads. It runs while a server started on it is
+    open (`acquire` / `release`)."""
+
+    def __init__(self, name: str = "scpi"):
+        self.name = name
+        self._lock = threading.Lock()
+        self._users = 0
+        self._thread: threading.Thread | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+
+    # ---- life -----------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """A server starts on this loop: the thread runs from the first one."""
+        with self._lock:
+            self._users += 1
+            if self._thread is not None:
+                return
+            self._sel = selectors.DefaultSelector()
+            self._wake_r, self._wake_w = socket.socketpair()
+            for s in (self._wake_r, self._wake_w):
+                s.setblocking(False)
+            self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop",
+                                            daemon=True)
+            self._thread.start()
+
+    def release(self) -> None:
+        """A server on this loop closed: the thread ends with the last one."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self._thread is None:
+                return
+            thread, self._thread = self._thread, None
+        self.call(self._stop)
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    @property
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # ---- what the loop runs -----------------------------------------------------------------
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the loop's thread soon (from any thread; returns at once)."""
+        self._calls.append(fn)
+        w = self._wake_w
+        if w is not None:
+            try:
+                w.send(b"\0")
+            except OSError:      # its buffer is full (a wake is pending anyway), or closed
+                pass
+
+    def call_wait(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run fn on the loop's thread and return what it returns (raises what it raises)."""
+        if self.on_loop or self._thread is None:
+            return fn()
+        done = threading.Event()
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:     # handed to the caller
+                out["error"] = e
+            finally:
+                done.set()
+        self.call(run)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self.name}: the serving thread did not answer in {timeout} s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run fn on the loop's thread at time.monotonic() `when` (call it on the loop)."""
+        heapq.heappush(self._timers, (when, next(self._seq), fn))
+
+    def register(self, sock: socket.socket, events: int, on_event: Callable[[int], None]
+                 ) -> None:
+        assert self._sel is not None
+        self._sel.register(sock, events, on_event)
+
+    def modify(self, sock: socket.socket, events: int, on_event: Callable[[int], None]) -> None:
+        assert self._sel is not None
+        self._sel.modify(sock, events, on_event)
+
+    def unregister(self, sock: socket.socket) -> None:
+        if self._sel is not None:
+            try:
+                self._sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+
+    def _run(self) -> None:
+        sel, wake, wake_w = self._sel, self._wake_r, self._wake_w
+        assert sel is not None and wake is not None and wake_w is not None
+        try:
+            while not self._stopping:
+                timeout = None
+                if self._calls:
+                    timeout = 0.0
+                elif self._timers:
+                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                for key, mask in sel.select(timeout):
+                    if key.data is None:
+                        try:
+                            while wake.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                        continue
+                    self._guarded(key.data, mask)
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    self._guarded(heapq.heappop(self._timers)[2])
+                for _ in range(len(self._calls)):
+                    self._guarded(self._calls.popleft())
+        finally:
+            with self._lock:
+                if self._wake_w is wake_w:       # not already started again
+                    self._wake_w = self._sel = self._wake_r = None
+                    self._timers.clear()
+                    self._calls.clear()
+            sel.close()
+            wake.close()
+            wake_w.close()
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:       # one session's fault must not stop every instrument
+            log.exception("%s: unexpected failure on the serving thread", self.name)
+
+
+class _Conn:
+    """One client session's socket on the loop: its input, the line it runs, its reply."""
+
+    def __init__(self, server: "SCPIServer", sock: socket.socket, session: Session):
+        self.server = server
+        self.loop = server._loop_now()
+        self.sock = sock
+        self.session = session
+        self.buf = bytearray()
+        self.skipping = False          # dropping input up to the next newline (-363)
+        self.line = ""                 # the line running, while it runs
+        self.running: Waiting | None = None    # its generator, while a command waits
+        self.out = memoryview(b"")     # what is left to send of its reply
+        self.sent_at = 0.0             # when the reply last made progress
+        self.events = 0                # what the selector watches for
+        self.closed = False
+
+    # ---- the selector's events --------------------------------------------------------------
+
+    def on_event(self, mask: int) -> None:
+        if self.closed:
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._flush()
+        elif mask & selectors.EVENT_READ:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.close()
+                return
+            if not data or self.session.dropped:
+                self.close()
+                return
+            self.server.bytes_in += len(data)
+            self.buf += data
+        self.pump()
+
+    def pump(self) -> None:
+        """Run the complete lines received, one after the other's reply; yields the thread
+        after `LINES_PER_TURN` of them."""
+        for _ in range(LINES_PER_TURN):
+            if self.closed or self.running is not None or self.out:
+                break
+            if self.session.dropped:
+                self.close()
+                return
+            line = self._next_line()
+            if line is None:
+                break
+            self._begin(line)
+        else:
+            self.loop.call(self.pump)
+        if not self.closed:
+            self._watch()
+
+    def _watch(self) -> None:
+        """Read while idle, write while a reply waits for the client, neither while a command
+        waits (its input stays in the kernel's buffer, which throttles the client)."""
+        want = 0 if self.running is not None else (
+            selectors.EVENT_WRITE if self.out else selectors.EVENT_READ)
+        if want == self.events:
+            return
+        if not want:
+            self.loop.unregister(self.sock)
+        elif not self.events:
+            self.loop.register(self.sock, want, self.on_event)
+        else:
+            self.loop.modify(self.sock, want, self.on_event)
+        self.events = want
+
+    def _next_line(self) -> str | None:
+        buf, session = self.buf, self.session
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                if len(buf) > MAX_LINE:
+                    if not self.skipping:
+                        session.push_error(SCPIError(-363, "line too long").entry())
+                        log.warning("%s: refused a line over %d bytes; skipping to the next "
+                                    "newline", session.peer, MAX_LINE)
+                    self.skipping = True
+                    buf.clear()
+                return None
+            raw = bytes(buf[:nl])
+            del buf[:nl + 1]
+            if self.skipping:
+                self.skipping = False
+                continue
+            if len(raw) > MAX_LINE:
+                session.push_error(SCPIError(-363, "line too long").entry())
+                log.warning("%s: refused a line over %d bytes", session.peer, MAX_LINE)
+                continue
+            line = raw.rstrip(b"\r").decode("latin-1").strip()
+            if line:
+                return line
+
+    # ---- one line ---------------------------------------------------------------------------
+
+    def _begin(self, line: str) -> None:
+        server = self.server
+        if not server._start_line(self.session):
+            self.close()
+            return
+        if server._drop_rules and server._take_drop_rule(line, "before"):
+            log.info("%s: connection cut before %r (fault injected)", self.session.peer, line[:60])
+            self.close()
+            return
+        self.line = line
+        self.running = server.instrument.run(self.session, line)
+        self._step()
+
+    def _step(self) -> None:
+        assert self.running is not None
+        try:
+            until = next(self.running)
+        except StopIteration as done:
+            self.running = None
+            self._reply(done.value)
+            return
+        except Exception:
+            log.exception("%s: unexpected failure running %r; dropping this client",
+                          self.session.peer, self.line[:60])
+            self.close()
+            return
+        self.loop.at(until, self._resume)
+
+    def _resume(self) -> None:
+        if self.closed or self.running is None:
+            return
+        self._step()
+        self.pump()
+
+    def _reply(self, reply: str | None) -> None:
+        server, session = self.server, self.session
+        if server._drop_rules and server._take_drop_rule(self.line, "after"):
+            log.info("%s: connection cut after %r (fault injected)", session.peer,
+                     self.line[:60])
+            self.close()
+            return
+        if session.dropped:            # cut while its line ran
+            self.close()
+            return
+        if reply is None:
+            server._end_line(session)
+            return
+        self.out = memoryview(reply.encode("ascii", "replace") + b"\r\n")
+        self.sent_at = time.monotonic()
+        self._flush()
+        if self.out:
+            self.loop.at(self.sent_at + SEND_TIMEOUT_S, self._send_overdue)
+
+    def _flush(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            log.info("%s: client vanished before its reply", self.session.peer)
+            self.close()
+            return
+        if n:
+            self.server.bytes_out += n
+            self.out = self.out[n:]
+            self.sent_at = time.monotonic()
+        if not self.out:
+            self.server._end_line(self.session)
+
+    def _send_overdue(self) -> None:
+        if self.closed or not self.out:
+            return
+        due = self.sent_at + SEND_TIMEOUT_S
+        if time.monotonic() < due:
+            self.loop.at(due, self._send_overdue)
+            return
+        log.info("%s: dropped: it read nothing of its reply for %g s", self.session.peer,
+                 SEND_TIMEOUT_S)
+        self.close()
+
+    def idle_check(self) -> None:
+        """Cut the session once it has completed no line for the server's idle timeout."""
+        if self.closed:
+            return
+        server = self.server
+        if server._idle_too_long(self.session):
+            log.info("%s: dropped after %g s without a complete line", self.session.peer,
+                     server.idle_timeout_s)
+            self.close()
+            return
+        self.loop.at(max(self.session.last_active, time.monotonic() if self.session.busy
+                         else 0.0) + server.idle_timeout_s, self.idle_check)
+
+    def close(self) -> None:
+        """Close the session's socket with a reset (RST), as when a link or the instrument
+        goes away: the client's next read fails at once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.running is not None:
+            self.running.close()
+            self.running = None
+        if self.events:
+            self.loop.unregister(self.sock)
+            self.events = 0
+        self.server._forget(self)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        self.sock.close()
+        log.info("%s: client disconnected", self.session.peer)
+
+
 class SCPIServer:
-    """Serves an `Instrument` on a loopback TCP port (0 = an ephemeral port)."""
+    """Serves an `Instrument` on a loopback TCP port (0 = an ephemeral port), on `loop` (one of
+    its own when none is given)."""
 
     def __init__(self, instrument: Instrument, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "scpi", idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 name: str = "scpi", idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 loop: SCPILoop | None = None):
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, not {idle_timeout_s!r}")
         self.instrument = instrument
@@ -353,12 +756,11 @@ class SCPIServer:
         self.host = host
         self._want_port = port
         self.port = 0
+        self._given_loop = loop
+        self._loop: SCPILoop | None = None
         self._listener: socket.socket | None = None
-        self._stop = threading.Event()
-        self._accept_thread: threading.Thread | None = None
-        self._clients: dict[socket.socket, Session] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
         self._clients_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
         # (header regex, "before" | "after"): drop the client whose line matches, once.
         self._drop_rules: list[tuple[re.Pattern, str]] = []
         self.bytes_in = 0
@@ -368,37 +770,57 @@ class SCPIServer:
     def resource(self) -> str:
         return f"TCPIP::{self.host}::{self.port}::SOCKET"
 
+    def _loop_now(self) -> SCPILoop:
+        assert self._loop is not None, "the server is not started"
+        return self._loop
+
     def start(self) -> str:
+        if self._loop is not None:
+            return self.resource
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((self.host, self._want_port))
+            listener.listen(8)
+            listener.setblocking(False)
         except OSError:
             listener.close()
             raise
-        listener.listen(8)
-        listener.settimeout(IDLE_POLL_S)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        self._accept_thread = threading.Thread(target=self._accept, name=f"{self.name}-accept",
-                                               daemon=True)
-        self._accept_thread.start()
+        loop = self._loop = self._given_loop or SCPILoop(self.name)
+        loop.acquire()
+        try:
+            loop.call_wait(lambda: loop.register(listener, selectors.EVENT_READ,
+                                                 self._on_accept))
+        except BaseException:
+            self.close()
+            raise
         log.info("%s listening on %s", self.name, self.resource)
         return self.resource
 
     def close(self) -> None:
-        self._stop.set()
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout=2)
-            self._accept_thread = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        self.drop_clients()
-        for t in list(self._threads):
-            t.join(timeout=2)
-        self._threads.clear()
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_wait(self._shut)
+        except TimeoutError:
+            log.error("%s: the serving thread did not close the server in time", self.name)
+        finally:
+            self._loop = None
+            loop.release()
+
+    def _shut(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            self._loop_now().unregister(listener)
+            listener.close()
+        with self._clients_lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            c.close()
 
     def __enter__(self) -> "SCPIServer":
         self.start()
@@ -411,22 +833,32 @@ class SCPIServer:
     def clients(self) -> int:
         """Sessions being served (not counting ones already cut and closing)."""
         with self._clients_lock:
-            return sum(not s.dropped for s in self._clients.values())
+            return sum(not c.session.dropped for c in self._conns.values())
 
     @property
     def busy_clients(self) -> int:
         """Sessions in the middle of a command."""
         with self._clients_lock:
-            return sum(s.busy and not s.dropped for s in self._clients.values())
+            return sum(c.session.busy and not c.session.dropped for c in self._conns.values())
 
     def drop_clients(self) -> int:
-        """Cut every client's TCP connection now (a reset, as when a cable or a switch fails)."""
+        """Cut every client's TCP connection now (a reset, as when a cable or a switch fails).
+        Safe from any thread, holding the instrument's lock or not: the sessions are marked cut
+        at once (they run nothing more) and their sockets closed by the serving thread."""
         with self._clients_lock:
-            clients = list(self._clients.items())
-        for s, session in clients:
-            session.dropped = True
-            self._abort(s)
-        return len(clients)
+            conns = list(self._conns.values())
+            for c in conns:
+                c.session.dropped = True
+        loop = self._loop
+        if loop is not None:
+            loop.call(self._reap)
+        return len(conns)
+
+    def _reap(self) -> None:
+        with self._clients_lock:
+            cut = [c for c in self._conns.values() if c.session.dropped]
+        for c in cut:
+            c.close()
 
     def drop_on(self, header: str, when: str = "after") -> None:
         """Cut the connection of the next client that sends a line containing `header`
@@ -439,58 +871,59 @@ class SCPIServer:
             raise ValueError(f"header {header!r} is not a regular expression: {e}") from None
         self._drop_rules.append((rule, when))
 
-    @staticmethod
-    def _abort(s: socket.socket) -> None:
-        """Make the socket's close a reset (RST), and wake its serving thread, which closes it:
-        the client's next read fails at once, as when a link or the instrument goes away."""
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            s.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
+    def _on_accept(self, mask: int) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            listener = self._listener
+            if listener is None:
+                return
             try:
-                conn, addr = self._listener.accept()
-            except socket.timeout:
-                continue
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
-                if not self._stop.is_set():
-                    log.exception("%s: accept failed", self.name)
+                log.exception("%s: accept failed", self.name)
                 return
             session = Session(f"{self.name} {addr[0]}:{addr[1]}")
-            if not self._admit(conn, session):
+            conn = _Conn(self, sock, session)
+            if not self._admit(conn):
                 log.warning("%s: refused a connection from %s:%s: all %d sessions are busy",
                             self.name, addr[0], addr[1], MAX_CLIENTS)
+                sock.close()
+                continue
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:            # gone already
                 conn.close()
                 continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(IDLE_POLL_S)
-            t = threading.Thread(target=self._serve, args=(conn, session),
-                                 name=f"{self.name}-client", daemon=True)
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+            conn.pump()                # watches for its input
+            self._loop_now().at(session.last_active + self.idle_timeout_s, conn.idle_check)
             log.info("%s: client connected", session.peer)
 
-    def _admit(self, conn: socket.socket, session: Session) -> bool:
+    def _admit(self, conn: _Conn) -> bool:
         """Give the newcomer a session slot; when all are taken, cut the session idle longest
         (so silent clients can never lock others out); refuse only if every session is busy."""
         with self._clients_lock:
-            live = [(s, c) for c, s in self._clients.items() if not s.dropped]
+            live = [c for c in self._conns.values() if not c.session.dropped]
             victim = None
             if len(live) >= MAX_CLIENTS:
-                idle = [(s, c) for s, c in live if not s.busy]
+                idle = [c for c in live if not c.session.busy]
                 if not idle:
                     return False
-                victim = min(idle, key=lambda sc: sc[0].last_active)
-                victim[0].dropped = True        # under the lock: it cannot turn busy now
-            self._clients[conn] = session
+                victim = min(idle, key=lambda c: c.session.last_active)
+                victim.session.dropped = True     # under the lock: it cannot turn busy now
+            self._conns[conn.sock] = conn
         if victim is not None:
             log.warning("%s: cut (idle %.1f s) to make room for a new connection",
-                        victim[0].peer, time.monotonic() - victim[0].last_active)
-            self._abort(victim[1])
+                        victim.session.peer, time.monotonic() - victim.session.last_active)
+            victim.close()
         return True
+
+    def _forget(self, conn: _Conn) -> None:
+        with self._clients_lock:
+            conn.session.dropped = True
+            if self._conns.get(conn.sock) is conn:
+                del self._conns[conn.sock]
 
     def _start_line(self, session: Session) -> bool:
         """Mark the session busy unless it has been cut; False if it has."""
@@ -521,87 +954,3 @@ class SCPIServer:
                 del self._drop_rules[i]
                 return True
         return False
-
-    def _serve(self, conn: socket.socket, session: Session) -> None:
-        buf = bytearray()
-        skipping = False
-        try:
-            while not self._stop.is_set() and not session.dropped:
-                if self._idle_too_long(session):
-                    log.info("%s: dropped after %g s without a complete line", session.peer,
-                             self.idle_timeout_s)
-                    break
-                try:
-                    data = conn.recv(65536)
-                except socket.timeout:
-                    continue
-                except OSError:
-                    break
-                if not data or session.dropped:
-                    break
-                self.bytes_in += len(data)
-                buf += data
-                while True:
-                    nl = buf.find(b"\n")
-                    if nl < 0:
-                        if len(buf) > MAX_LINE:
-                            if not skipping:
-                                session.push_error(SCPIError(-363, "line too long").entry())
-                                log.warning("%s: refused a line over %d bytes; skipping to the "
-                                            "next newline", session.peer, MAX_LINE)
-                            skipping = True
-                            buf.clear()
-                        break
-                    raw = bytes(buf[:nl])
-                    del buf[:nl + 1]
-                    if skipping:
-                        skipping = False
-                        continue
-                    if len(raw) > MAX_LINE:
-                        session.push_error(SCPIError(-363, "line too long").entry())
-                        log.warning("%s: refused a line over %d bytes", session.peer, MAX_LINE)
-                        continue
-                    line = raw.rstrip(b"\r").decode("latin-1").strip()
-                    if not line:
-                        continue
-                    if not self._start_line(session):
-                        return
-                    try:
-                        if not self._run_line(conn, session, line):
-                            return
-                    finally:
-                        self._end_line(session)
-        except Exception:
-            log.exception("%s: unexpected failure serving this client; dropping it", session.peer)
-        finally:
-            with self._clients_lock:
-                session.dropped = True
-                self._clients.pop(conn, None)
-            try:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-            conn.close()
-            log.info("%s: client disconnected", session.peer)
-
-    def _run_line(self, conn: socket.socket, session: Session, line: str) -> bool:
-        """Run one line and send its reply; False when the connection is to be closed."""
-        if self._drop_rules and self._take_drop_rule(line, "before"):
-            log.info("%s: connection cut before %r (fault injected)", session.peer, line[:60])
-            return False
-        reply = self.instrument.execute(session, line)
-        if self._drop_rules and self._take_drop_rule(line, "after"):
-            log.info("%s: connection cut after %r (fault injected)", session.peer, line[:60])
-            return False
-        if reply is not None:
-            out = reply.encode("ascii", "replace") + b"\r\n"
-            try:
-                conn.settimeout(SEND_TIMEOUT_S)
-                conn.sendall(out)
-                conn.settimeout(IDLE_POLL_S)
-            except OSError:
-                log.info("%s: client vanished (or stopped reading) before its reply",
-                         session.peer)
-                return False
-            self.bytes_out += len(out)
-        return True
