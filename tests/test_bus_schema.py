@@ -95,6 +95,11 @@ def test_every_message_type_has_a_valid_example():
 
 def test_circuits_on_the_wire():
     assert schema.circuits_to_wire({2: 18, 1: 17}) == [[1, 17], [2, 18]]
+    import numpy as np                 # ports worked out with numpy go out as JSON integers
+    wire = schema.circuits_to_wire({np.int64(2): np.int32(18), 1: 17})
+    assert wire == [[1, 17], [2, 18]] and {type(p) for pair in wire for p in pair} == {int}
+    assert json.loads(schema.encode(schema.make("delta", device="x", incarnation="i", seq=1,
+                      ops=[["set", ["circuits"], wire]])))
     assert schema.circuits_from_wire([[1, 17]]) == {1: 17}
     with pytest.raises(schema.WrongType):
         schema.circuits_from_wire([[1, "17"]])

@@ -385,7 +385,8 @@ def topic(kind: str, device: str) -> bytes:
 
 def circuits_to_wire(circuits: Mapping[int, int]) -> list[list[int]]:
     """{input: output} -> [[input, output], ...] sorted by input (JSON keys are strings)."""
-    return [[int(a), int(b)] for a, b in sorted(circuits.items())]
+    return [[a, b] if type(a) is int and type(b) is int else [int(a), int(b)]
+            for a, b in sorted(circuits.items())]
 
 
 def circuits_from_wire(pairs) -> dict[int, int]:

@@ -663,12 +663,17 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
         service._loop = loop
         if device_threads:
             service._worker = _Worker(service.name, loop.done_by(service))
+    # When each service next has work of its own (a tick, a queued request or heartbeat, an
+    # awaited answer's deadline): worked out again only for the services handled or due, since
+    # nothing else changes it; -inf: to be worked out.
+    wake: dict[DeviceService, float] = {service: -math.inf for service in services}
     try:
         while not stop.is_set():
             now = time.monotonic()
-            due = now + 0.1                      # (how soon a set `stop` is noticed)
-            for service in services:
-                due = min(due, service._tick(now), service.server.due, service._deadline())
+            for service in [s for s, when in wake.items() if when <= now]:
+                wake[service] = min(service._tick(now), service.server.due,
+                                    service._deadline())
+            due = min(now + 0.1, min(wake.values()))    # (0.1: how soon `stop` is noticed)
             if loop.timers:
                 due = min(due, min(loop.timers.values()))
             events = loop.poller.poll(math.ceil(max(0.0, due - time.monotonic()) * 1e3))
@@ -697,7 +702,7 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
                     del loop.timers[service]
                     service._look_again()
                     todo[service] = None
-            for service in services:
+            for service in [s for s, when in wake.items() if when <= now]:
                 if service.server.due <= now:
                     todo[service] = None
                 elif service._deadline() <= now:
@@ -706,6 +711,7 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
                     todo[service] = None
             for service in todo:
                 service.server.poll(0)
+                wake[service] = -math.inf
     finally:
         workers = [(s, s._worker) for s in services if s._worker is not None]
         for _, worker in workers:
