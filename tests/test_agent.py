@@ -478,3 +478,27 @@ def test_a_switch_that_refuses_and_a_job_event_that_fails_raise_alarms_not_type_
     alarms = [e.cause for e in w.journal.entries(kinds=("alarm",))]
     assert any("refused the circuits" in a for a in alarms)
     assert any("cannot serve job event 'phase'" in a for a in alarms)
+
+
+def test_a_rank_map_naming_a_gpu_that_cannot_take_a_rank_is_refused(tmp_path):
+    """An explicit rank map is checked against what the agent knows of each GPU: a failed one,
+    one that failed its circuits' verification and one still in quarantine after a failure
+    are each refused by name; once the quarantine is over and the GPU reports ok, it may be
+    named again."""
+    from photonic_testbed.hil.gpu_health import GpuHealth
+    w = make_world(tmp_path, lumion(), quarantine_s=30.0)
+    ranks = {r: f"gpu{r}" for r in range(8)}
+    w.agent.on_health(GpuHealth("gpu3", "failed", ("xid 79",)))
+    with pytest.raises(AgentError, match=r"gpu3 has failed"):
+        w.agent.admit(dp_ring(8), ranks)
+    w.agent.on_health(GpuHealth("gpu3", "ok"))
+    with pytest.raises(AgentError, match=r"gpu3 failed 0\.0 s ago \(in quarantine for 30 s"):
+        w.agent.admit(dp_ring(8), ranks)
+    w.agent._rejected.add("gpu5")            # as a failed verification leaves it
+    w.clock.sleep(31.0)
+    with pytest.raises(AgentError, match=r"gpu5 failed its circuits' verification") as e:
+        w.agent.admit(dp_ring(8), ranks)
+    assert "gpu3" not in str(e.value)
+    assert w.agent.jobs == {}                # nothing was taken by the refusals
+    w.agent.return_to_pool("gpu5")
+    assert w.agent.admit(dp_ring(8), ranks) == ranks

@@ -480,6 +480,13 @@ class Agent:
                              + (f"GPUs the rack does not have: {unknown}" if unknown else
                                 f"GPUs another job holds: "
                                 f"{[(g, self._holder[g]) for g in taken]}"))
+        unusable = {g: why for g in rank_map.values() if (why := self._unusable(g))}
+        if unusable:
+            raise AgentError(f"job {name!r} cannot have GPUs that cannot take a rank now: "
+                             + "; ".join(f"{g} {why}" for g, why in
+                                         list(unusable.items())[:8])
+                             + (f" (and {len(unusable) - 8} more)" if len(unusable) > 8
+                                else ""))
         try:
             circuits = policies.JobCircuits(plan, self.layout, rank_map, self.matchings)
         except (policies.PolicyError, PlanError) as e:
@@ -801,6 +808,19 @@ class Agent:
             return []
         self._diagnosed_at += [now] * len(blamed)
         return blamed
+
+    def _unusable(self, gpu: str) -> str | None:
+        """Why `gpu` cannot take a rank now (failed, failed its circuits' verification, or
+        in quarantine after a failure), or None."""
+        if self._health.get(gpu) == "failed":
+            return "has failed"
+        if gpu in self._rejected:
+            return "failed its circuits' verification (return it to the pool once repaired)"
+        since = self.clock() - self._failed_at.get(gpu, -float("inf"))
+        if since < self.quarantine_s:
+            return (f"failed {since:.1f} s ago (in quarantine for {self.quarantine_s:g} s "
+                    f"after a failure)")
+        return None
 
     def spares(self) -> list[str]:
         """GPUs that may take a rank now (held by no job), in rack order."""
