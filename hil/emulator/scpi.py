@@ -539,7 +539,7 @@ class _Conn:
         self.skipping = False          # dropping input up to the next newline (-363)
         self.line = ""                 # the line running, while it runs
         self.running: Waiting | None = None    # its generator, while a command waits
-        self.out = memoryview(b"")     # what is left to send of its reply
+        self.out: bytes | memoryview = b""     # what is left to send of its reply
         self.sent_at = 0.0             # when the reply last made progress
         self.events = 0                # what the selector watches for
         self.closed = False
@@ -674,8 +674,7 @@ class _Conn:
         if reply is None:
             server._end_line(session)
             return
-        self.out = memoryview(reply.encode("ascii", "replace") + b"\r\n")
-        self.sent_at = time.monotonic()
+        self.out = reply.encode("ascii", "replace") + b"\r\n"
         self._flush()
         if self.out:
             self.loop.at(self.sent_at + SEND_TIMEOUT_S, self._send_overdue)
@@ -689,12 +688,14 @@ class _Conn:
             log.info("%s: client vanished before its reply", self.session.peer)
             self.close()
             return
-        if n:
-            self.server.bytes_out += n
-            self.out = self.out[n:]
-            self.sent_at = time.monotonic()
-        if not self.out:
+        self.server.bytes_out += n
+        if n == len(self.out):
+            self.out, self.sent_at = b"", 0.0
             self.server._end_line(self.session)
+            return
+        self.out = memoryview(self.out)[n:]     # the rest as the client's socket takes it
+        if n or not self.sent_at:
+            self.sent_at = time.monotonic()
 
     def _send_overdue(self) -> None:
         if self.closed or not self.out:
@@ -911,7 +912,7 @@ class SCPIServer:
                 if not idle:
                     return False
                 victim = min(idle, key=lambda c: c.session.last_active)
-                victim.session.dropped = True     # under the lock: it cannot turn busy now
+                victim.session.dropped = True
             self._conns[conn.sock] = conn
         if victim is not None:
             log.warning("%s: cut (idle %.1f s) to make room for a new connection",
@@ -925,28 +926,31 @@ class SCPIServer:
             if self._conns.get(conn.sock) is conn:
                 del self._conns[conn.sock]
 
-    def _start_line(self, session: Session) -> bool:
-        """Mark the session busy unless it has been cut; False if it has."""
-        with self._clients_lock:
-            if session.dropped:
-                return False
-            session.busy = True
-            return True
+    # A session's `busy` and `last_active` change on the serving thread alone (which also
+    # admits newcomers and so picks whom to cut): no lock. Another thread may set `dropped`
+    # at any time (`drop_clients`); a line already started then runs, and its reply is not sent.
 
-    def _end_line(self, session: Session) -> None:
-        with self._clients_lock:
-            session.busy = False
-            session.last_active = time.monotonic()
+    @staticmethod
+    def _start_line(session: Session) -> bool:
+        """Mark the session busy unless it has been cut; False if it has."""
+        if session.dropped:
+            return False
+        session.busy = True
+        return True
+
+    @staticmethod
+    def _end_line(session: Session) -> None:
+        session.busy = False
+        session.last_active = time.monotonic()
 
     def _idle_too_long(self, session: Session) -> bool:
         """True (and the session marked cut) once it has completed no line for the timeout."""
-        with self._clients_lock:
-            if session.busy or session.dropped:
-                return False
-            if time.monotonic() - session.last_active > self.idle_timeout_s:
-                session.dropped = True
-                return True
+        if session.busy or session.dropped:
             return False
+        if time.monotonic() - session.last_active > self.idle_timeout_s:
+            session.dropped = True
+            return True
+        return False
 
     def _take_drop_rule(self, line: str, when: str) -> bool:
         for i, (rx, w) in enumerate(self._drop_rules):
