@@ -395,7 +395,7 @@ class SCPILoop:
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._stopping = False
+        self._stop = threading.Event()         # this run's: set by the last `release`
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -410,9 +410,9 @@ class SCPILoop:
             for s in (self._wake_r, self._wake_w):
                 s.setblocking(False)
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop",
-                                            daemon=True)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._stop,),
+                                            name=f"{self.name}-loop", daemon=True)
             self._thread.start()
 
     def release(self) -> None:
@@ -422,12 +422,15 @@ class SCPILoop:
             if self._users > 0 or self._thread is None:
                 return
             thread, self._thread = self._thread, None
-        self.call(self._stop)
+            stop, wake = self._stop, self._wake_w
+        stop.set()
+        if wake is not None:
+            try:
+                wake.send(b"\0")
+            except OSError:        # full (it is awake anyway) or closed (it has ended)
+                pass
         if thread is not threading.current_thread():
             thread.join(timeout=5)
-
-    def _stop(self) -> None:
-        self._stopping = True
 
     @property
     def on_loop(self) -> bool:
@@ -486,11 +489,11 @@ class SCPILoop:
             except (KeyError, ValueError):
                 pass
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         sel, wake, wake_w = self._sel, self._wake_r, self._wake_w
         assert sel is not None and wake is not None and wake_w is not None
         try:
-            while not self._stopping:
+            while not stop.is_set():
                 timeout = None
                 if self._calls:
                     timeout = 0.0
