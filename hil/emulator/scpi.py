@@ -28,6 +28,7 @@ is logged. Replies end in `\\r\\n`; replies of several queries on one line are j
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -135,6 +136,23 @@ def compile_header(pattern: str) -> re.Pattern:
 # (`SCPIServer`).
 Reply = str | None
 Waiting = Generator[float, None, Reply]
+
+
+def is_time(value: object) -> bool:
+    """A time.monotonic() a wait may end at: a finite int or float (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def next_wait(run: Waiting) -> float:
+    """When `run` (a line running) is to be resumed; StopIteration with its reply when it is
+    done. A handler that yields anything but a time gets an internal fault (-300) thrown in
+    where it yielded, as if it had raised it."""
+    until = next(run)
+    while not is_time(until):
+        log.error("a command waited until %r, not a time: internal fault", until)
+        until = run.throw(SCPIError(-300, f"internal fault: waited until {until!r:.40}"))
+    return until
 
 
 @dataclass
@@ -279,7 +297,7 @@ class Instrument:
         run = self.run(session, line)
         try:
             while True:
-                time.sleep(max(0.0, next(run) - time.monotonic()))
+                time.sleep(max(0.0, next_wait(run) - time.monotonic()))
         except StopIteration as done:
             return done.value
 
@@ -294,6 +312,8 @@ class Instrument:
         replies: list[str] = []
         path = ""
         for unit in split_units(line):
+            if session.dropped:        # cut while the line ran (it waited): nothing more runs
+                return None
             header, _, arg = unit.partition(" ")
             if "\t" in header:
                 header, _, rest = header.partition("\t")
@@ -411,6 +431,7 @@ class SCPILoop:
                 s.setblocking(False)
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
             self._stop = threading.Event()
+            self._calls, self._timers = collections.deque(), []     # this run's
             self._thread = threading.Thread(target=self._run, args=(self._stop,),
                                             name=f"{self.name}-loop", daemon=True)
             self._thread.start()
@@ -471,6 +492,8 @@ class SCPILoop:
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
         """Run fn on the loop's thread at time.monotonic() `when` (call it on the loop)."""
+        if not is_time(when):
+            raise ValueError(f"a timer is due at a finite time.monotonic(), not {when!r}")
         heapq.heappush(self._timers, (when, next(self._seq), fn))
 
     def register(self, sock: socket.socket, events: int, on_event: Callable[[int], None]
@@ -491,51 +514,63 @@ class SCPILoop:
 
     def _run(self, stop: threading.Event) -> None:
         sel, wake, wake_w = self._sel, self._wake_r, self._wake_w
+        calls, timers = self._calls, self._timers       # this run's (a later run has its own)
         assert sel is not None and wake is not None and wake_w is not None
         try:
             while not stop.is_set():
-                timeout = None
-                if self._calls:
-                    timeout = 0.0
-                elif self._timers:
-                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
-                for key, mask in sel.select(timeout):
-                    if key.data is None:
-                        try:
-                            while wake.recv(4096):
-                                pass
-                        except OSError:
-                            pass
-                        continue
-                    self._guarded(key.data, mask)
-                now = time.monotonic()
-                while self._timers and self._timers[0][0] <= now:
-                    self._guarded(heapq.heappop(self._timers)[2])
-                for _ in range(len(self._calls)):
-                    self._guarded(self._calls.popleft())
+                try:
+                    self._turn(sel, wake, calls, timers)
+                except Exception:      # never seen; the thread serves every instrument on it
+                    log.exception("%s: unexpected failure in the serving loop", self.name)
+                    time.sleep(0.01)
         finally:
             with self._lock:
                 if self._wake_w is wake_w:       # not already started again
                     self._wake_w = self._sel = self._wake_r = None
-                    self._timers.clear()
-                    self._calls.clear()
+            timers.clear()
+            calls.clear()
             sel.close()
             wake.close()
             wake_w.close()
 
+    def _turn(self, sel: selectors.BaseSelector, wake: socket.socket,
+              calls: collections.deque, timers: list) -> None:
+        """Wait for a socket, a timer or a call, then run what is ready."""
+        timeout = None
+        if calls:
+            timeout = 0.0
+        elif timers:
+            timeout = max(0.0, timers[0][0] - time.monotonic())
+        for key, mask in sel.select(timeout):
+            if key.data is None:
+                try:
+                    while wake.recv(4096):
+                        pass
+                except OSError:
+                    pass
+                continue
+            self._guarded(key.data, mask)
+        now = time.monotonic()
+        while timers and timers[0][0] <= now:
+            self._guarded(heapq.heappop(timers)[2])
+        for _ in range(len(calls)):
+            self._guarded(calls.popleft())
+
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:       # one session's fault must not stop every instrument
-            log.exception("%s: unexpected failure on the serving thread", self.name)
+        except BaseException:    # one session's fault (even a handler's sys.exit) must
+            log.exception("%s: unexpected failure on the serving thread", self.name)  # not
+            # stop every instrument this thread serves
 
 
 class _Conn:
     """One client session's socket on the loop: its input, the line it runs, its reply."""
 
-    def __init__(self, server: "SCPIServer", sock: socket.socket, session: Session):
+    def __init__(self, server: "SCPIServer", loop: SCPILoop, sock: socket.socket,
+                 session: Session):
         self.server = server
-        self.loop = server._loop_now()
+        self.loop = loop
         self.sock = sock
         self.session = session
         self.buf = bytearray()
@@ -545,6 +580,7 @@ class _Conn:
         self.out: bytes | memoryview = b""     # what is left to send of its reply
         self.sent_at = 0.0             # when the reply last made progress
         self.events = 0                # what the selector watches for
+        self.eof = False               # the client sent all it will (it may still read)
         self.closed = False
 
     # ---- the selector's events --------------------------------------------------------------
@@ -562,11 +598,14 @@ class _Conn:
             except OSError:
                 self.close()
                 return
-            if not data or self.session.dropped:
+            self.server.bytes_in += len(data)
+            if self.session.dropped:
                 self.close()
                 return
-            self.server.bytes_in += len(data)
-            self.buf += data
+            if data:
+                self.buf += data
+            else:        # a half-close: its complete lines are still run and answered
+                self.eof = True
         self.pump()
 
     def pump(self) -> None:
@@ -580,6 +619,9 @@ class _Conn:
                 return
             line = self._next_line()
             if line is None:
+                if self.eof:         # every line it sent is answered: close, gracefully
+                    self.close(reset=False)
+                    return
                 break
             self._begin(line)
         else:
@@ -591,7 +633,7 @@ class _Conn:
         """Read while idle, write while a reply waits for the client, neither while a command
         waits (its input stays in the kernel's buffer, which throttles the client)."""
         want = 0 if self.running is not None else (
-            selectors.EVENT_WRITE if self.out else selectors.EVENT_READ)
+            selectors.EVENT_WRITE if self.out else 0 if self.eof else selectors.EVENT_READ)
         if want == self.events:
             return
         if not want:
@@ -646,7 +688,7 @@ class _Conn:
     def _step(self) -> None:
         assert self.running is not None
         try:
-            until = next(self.running)
+            until = next_wait(self.running)
         except StopIteration as done:
             self.running = None
             self._reply(done.value)
@@ -666,12 +708,12 @@ class _Conn:
 
     def _reply(self, reply: str | None) -> None:
         server, session = self.server, self.session
+        if session.dropped:            # cut while its line ran
+            self.close()
+            return
         if server._drop_rules and server._take_drop_rule(self.line, "after"):
             log.info("%s: connection cut after %r (fault injected)", session.peer,
                      self.line[:60])
-            self.close()
-            return
-        if session.dropped:            # cut while its line ran
             self.close()
             return
         if reply is None:
@@ -724,25 +766,34 @@ class _Conn:
         self.loop.at(max(self.session.last_active, time.monotonic() if self.session.busy
                          else 0.0) + server.idle_timeout_s, self.idle_check)
 
-    def close(self) -> None:
-        """Close the session's socket with a reset (RST), as when a link or the instrument
-        goes away: the client's next read fails at once."""
+    def close(self, reset: bool = True) -> None:
+        """Close the session's socket: with a reset (RST), as when a link or the instrument
+        goes away (the client's next read fails at once), or, once a half-closed client has
+        every reply, gracefully. A command still waiting is closed, and nothing more of its
+        line runs (the session is cut first)."""
         if self.closed:
             return
         self.closed = True
-        if self.running is not None:
-            self.running.close()
-            self.running = None
+        self.server._forget(self)              # session.dropped: its line runs nothing more
         if self.events:
             self.loop.unregister(self.sock)
             self.events = 0
-        self.server._forget(self)
+        running, self.running = self.running, None
+        self.buf, self.out = bytearray(), b""
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if reset:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                     struct.pack("ii", 1, 0))
         except OSError:
             pass
-        self.sock.close()
+        finally:
+            self.sock.close()
         log.info("%s: client disconnected", self.session.peer)
+        if running is not None:
+            try:
+                running.close()
+            except Exception:   # a handler's cleanup that failed (or that is running now)
+                log.exception("%s: a waiting command did not stop cleanly", self.session.peer)
 
 
 class SCPIServer:
@@ -762,6 +813,7 @@ class SCPIServer:
         self.port = 0
         self._given_loop = loop
         self._loop: SCPILoop | None = None
+        self._life = threading.Lock()     # start and close, one at a time
         self._listener: socket.socket | None = None
         self._conns: dict[socket.socket, _Conn] = {}
         self._clients_lock = threading.Lock()
@@ -774,11 +826,11 @@ class SCPIServer:
     def resource(self) -> str:
         return f"TCPIP::{self.host}::{self.port}::SOCKET"
 
-    def _loop_now(self) -> SCPILoop:
-        assert self._loop is not None, "the server is not started"
-        return self._loop
-
     def start(self) -> str:
+        with self._life:
+            return self._start()
+
+    def _start(self) -> str:
         if self._loop is not None:
             return self.resource
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -797,29 +849,32 @@ class SCPIServer:
         loop.acquire()
         try:
             loop.call_wait(lambda: loop.register(listener, selectors.EVENT_READ,
-                                                 self._on_accept))
+                                                 functools.partial(self._on_accept, loop)))
         except BaseException:
-            self.close()
+            self._close()
             raise
         log.info("%s listening on %s", self.name, self.resource)
         return self.resource
 
     def close(self) -> None:
-        loop = self._loop
+        with self._life:
+            self._close()
+
+    def _close(self) -> None:
+        loop, self._loop = self._loop, None
         if loop is None:
             return
         try:
-            loop.call_wait(self._shut)
+            loop.call_wait(functools.partial(self._shut, loop))
         except TimeoutError:
             log.error("%s: the serving thread did not close the server in time", self.name)
         finally:
-            self._loop = None
             loop.release()
 
-    def _shut(self) -> None:
+    def _shut(self, loop: SCPILoop) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
-            self._loop_now().unregister(listener)
+            loop.unregister(listener)
             listener.close()
         with self._clients_lock:
             conns = list(self._conns.values())
@@ -862,7 +917,10 @@ class SCPIServer:
         with self._clients_lock:
             cut = [c for c in self._conns.values() if c.session.dropped]
         for c in cut:
-            c.close()
+            try:
+                c.close()
+            except Exception:        # (close guards itself; the others are cut regardless)
+                log.exception("%s: closing a cut session failed", c.session.peer)
 
     def drop_on(self, header: str, when: str = "after") -> None:
         """Cut the connection of the next client that sends a line containing `header`
@@ -875,10 +933,10 @@ class SCPIServer:
             raise ValueError(f"header {header!r} is not a regular expression: {e}") from None
         self._drop_rules.append((rule, when))
 
-    def _on_accept(self, mask: int) -> None:
+    def _on_accept(self, loop: SCPILoop, mask: int) -> None:
         for _ in range(ACCEPTS_PER_TURN):
             listener = self._listener
-            if listener is None:
+            if listener is None or self._loop is not loop:
                 return
             try:
                 sock, addr = listener.accept()
@@ -888,7 +946,7 @@ class SCPIServer:
                 log.exception("%s: accept failed", self.name)
                 return
             session = Session(f"{self.name} {addr[0]}:{addr[1]}")
-            conn = _Conn(self, sock, session)
+            conn = _Conn(self, loop, sock, session)
             if not self._admit(conn):
                 log.warning("%s: refused a connection from %s:%s: all %d sessions are busy",
                             self.name, addr[0], addr[1], MAX_CLIENTS)
@@ -901,7 +959,7 @@ class SCPIServer:
                 conn.close()
                 continue
             conn.pump()                # watches for its input
-            self._loop_now().at(session.last_active + self.idle_timeout_s, conn.idle_check)
+            loop.at(session.last_active + self.idle_timeout_s, conn.idle_check)
             log.info("%s: client connected", session.peer)
 
     def _admit(self, conn: _Conn) -> bool:
