@@ -559,9 +559,10 @@ class SCPILoop:
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
-        except BaseException:    # one session's fault (even a handler's sys.exit) must
-            log.exception("%s: unexpected failure on the serving thread", self.name)  # not
-            # stop every instrument this thread serves
+        except BaseException:
+            # one session's fault (even a handler's sys.exit) must not stop every instrument
+            # this thread serves
+            log.exception("%s: unexpected failure on the serving thread", self.name)
 
 
 class _Conn:
