@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import test_scpi_server as scpi_client
 
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.emulator.scpi import (MAX_CLIENTS, Instrument, SCPILoop, SCPIServer,
@@ -27,28 +28,12 @@ WAIT_S = 30.0          # a bound for what normally takes milliseconds
 
 # ---- helpers --------------------------------------------------------------------------------
 
-class Client:
-    """A raw socket client that reads `\\r\\n`-terminated replies."""
+class Client(scpi_client.Client):
+    """The raw socket client of tests/test_scpi_server.py, with a generous timeout, reading
+    to the end and closing with a reset."""
 
     def __init__(self, server: SCPIServer, timeout: float = WAIT_S):
-        self.sock = socket.create_connection((server.host, server.port), timeout=timeout)
-        self.buf = b""
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def line(self) -> str:
-        while b"\r\n" not in self.buf:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("server closed the connection")
-            self.buf += chunk
-        out, _, self.buf = self.buf.partition(b"\r\n")
-        return out.decode()
-
-    def query(self, text: str) -> str:
-        self.send(text.encode() + b"\n")
-        return self.line()
+        super().__init__(server, timeout)
 
     def drain(self, within_s: float = WAIT_S) -> tuple[bytes, bool]:
         """Everything the server sends until it closes the connection (EOF or reset), and
@@ -74,9 +59,6 @@ class Client:
     def reset(self) -> None:
         """Close with a reset (RST), as a client process killed mid-session."""
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-    def close(self) -> None:
         self.sock.close()
 
 

@@ -21,8 +21,8 @@ from photonic_testbed.hil.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instr
 class Client:
     """A raw socket client that reads `\\r\\n`-terminated replies."""
 
-    def __init__(self, server: SCPIServer):
-        self.sock = socket.create_connection((server.host, server.port), timeout=5)
+    def __init__(self, server: SCPIServer, timeout: float = 5.0):
+        self.sock = socket.create_connection((server.host, server.port), timeout=timeout)
         self.buf = b""
 
     def send(self, data: bytes) -> None:
