@@ -36,6 +36,9 @@ from photonic_testbed.drivers.routing import BAR, CROSS, RoutingError, benes_cel
 log = logging.getLogger(__name__)
 
 STATE_TOLERANCE_RAD = 0.05       # a cell read back within this of pi / 0 is bar / cross
+# Circuit sets (and heater vectors) whose worked-out heater voltages (cell states) are kept,
+# for the calibration in use: a job's phases come back round after round.
+KEPT = 64
 
 
 def read_topology(spec: str | os.PathLike) -> Topology:
@@ -114,6 +117,8 @@ class Mesh(CircuitSwitch):
                               f"the DAC has {dac.channels}")
         self._active: Circuits | None = None
         self.lines_sent = 0
+        self._kept_for: Calibration | None = None
+        self._kept: dict[str, dict] = {}
 
     def _fitting(self, calibration: Calibration | str | os.PathLike) -> Calibration:
         """The calibration (read from its file when a path), checked against this chip."""
@@ -179,14 +184,34 @@ class Mesh(CircuitSwitch):
     def split(self) -> bool:
         return not self.topology.recirculating
 
+    def _keep(self, table: str, key, work):
+        """`work()`, kept under `key` while the calibration stays the one in use (at most
+        KEPT keys a table, the oldest dropped first)."""
+        if self._kept_for is not self.calibration:
+            self._kept_for, self._kept = self.calibration, {}
+        kept = self._kept.setdefault(table, {})
+        got = kept.get(key)
+        if got is None:
+            got = kept[key] = work()
+            if len(kept) > KEPT:
+                del kept[next(iter(kept))]
+        return got
+
+    def heater_settings(self, circuits: Circuits) -> dict[int, float]:
+        """{channel: volts} making these (checked) circuits with the calibration in use:
+        routed and solved once per circuit set, then kept (read only)."""
+        def work():
+            try:
+                cells = self.cell_phases(circuits)
+            except RoutingError as e:
+                raise SwitchError(f"{self.name}: {e}") from e
+            return self.calibration.voltages(self.heater_phases(cells))
+        return self._keep("volts", tuple(sorted(circuits.items())), work)
+
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         t0 = time.perf_counter()
         circuits = self.check(circuits)
-        try:
-            cells = self.cell_phases(circuits)
-        except RoutingError as e:
-            raise SwitchError(f"{self.name}: {e}") from e
-        volts = self.calibration.voltages(self.heater_phases(cells))
+        volts = self.heater_settings(circuits)
         commanded = self.dac.commanded
         changed = {ch: v for ch, v in volts.items() if abs(commanded[ch] - v) > 1e-4}
         if changed:
@@ -206,13 +231,17 @@ class Mesh(CircuitSwitch):
         (read back from the board unless given) and the calibration."""
         if volts is None:
             volts = self.dac.voltages()
-        phases = self.calibration.phases({ch: volts[ch] for ch in self._channels})
-        out = {}
-        for c in self.topology.cells:
-            theta = phases[c.channels[0]]
-            phi = phases[c.channels[1]] if len(c.channels) > 1 else 0.0
-            out[c.id] = {"state": classify(theta), "theta": theta, "phi": phi}
-        return out
+        mine = tuple(volts[ch] for ch in self._channels)
+
+        def work():
+            phases = self.calibration.phases(dict(zip(self._channels, mine)))
+            out = {}
+            for c in self.topology.cells:
+                theta = phases[c.channels[0]]
+                phi = phases[c.channels[1]] if len(c.channels) > 1 else 0.0
+                out[c.id] = {"state": classify(theta), "theta": theta, "phi": phi}
+            return out
+        return {cid: dict(s) for cid, s in self._keep("cells", mine, work).items()}
 
     def circuits(self) -> Circuits:
         """Circuits the chip makes now, from the heater voltages read back from the board. Once

@@ -193,6 +193,28 @@ def test_a_running_mesh_takes_a_new_calibration(rig, mesh, tmp_path):
     assert mesh.load_calibration(path) == 0 and mesh.lines_sent == sent   # same: nothing sent
 
 
+@pytest.mark.parametrize("rig", [False], indirect=True)
+def test_settings_kept_for_a_circuit_set_follow_the_calibration(rig, mesh):
+    """A circuit set's heater voltages (and a heater vector's cell states) are worked out once
+    and kept while the calibration stays: the same as worked out afresh; a new calibration
+    works them out again (a kept setting of the old one would scramble the light)."""
+    sets = [random_circuits(16, seed) for seed in (1, 2, 3)]
+    fresh = mesh.calibration.voltages(mesh.heater_phases(mesh.cell_phases(sets[1])))
+    for circuits in sets + sets:                        # the second round from what was kept
+        mesh.apply(circuits)
+        assert mesh.heater_settings(circuits) == \
+            mesh.calibration.voltages(mesh.heater_phases(mesh.cell_phases(circuits)))
+    states = mesh.cell_states()
+    states[next(iter(states))]["state"] = "changed by the caller"
+    assert mesh.cell_states() != states                 # what is kept is not the caller's
+    mesh.load_calibration(truth_calibration(rig.chip))
+    assert mesh.heater_settings(sets[1]) != fresh
+    for circuits in sets:                               # each set seen before, under the old one
+        mesh.apply(circuits)
+        assert shares(rig.chip, circuits).min() > 0.97
+        assert mesh.circuits() == circuits
+
+
 def test_a_mesh_takes_its_topology_by_name():
     """`Mesh("benes16", dac)` as the docs write it: a name (or a JSON file) is read with
     `read_topology`."""
