@@ -520,7 +520,8 @@ class HeaterDAC:
     @property
     def commanded(self) -> list[float]:
         """The voltages last asked for, per channel (restored after a reconnect)."""
-        return [self._volts(c) for c in self._commanded]
+        vfull = self._require_info().vfull          # (`_volts`, inline: read at every change)
+        return [round(code * vfull / CODE_FULL, 4) for code in self._commanded]
 
     def current(self, ch: int) -> float:
         """Measured heater current, mA."""
