@@ -38,7 +38,7 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         proc = AgentProcess(rig, args.journal, quarantine_s=args.quarantine,
-                            journal_sync=args.journal_sync.upper())
+                            journal_sync=args.journal_sync.upper(), settle_heap=True)
     except JournalError as e:
         raise CommandFailed(str(e)) from None
     try:

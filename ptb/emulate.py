@@ -10,6 +10,7 @@ import threading
 
 import zmq
 
+from photonic_testbed.hil import heap
 from photonic_testbed.hil.emulator.chip import ChipError
 from photonic_testbed.hil.emulator.rack import RackError
 from photonic_testbed.hil.emulator.rig import EmulatedRig
@@ -135,6 +136,7 @@ def run(args) -> int:
                 print(f"  dac: {rig.dac.pty} (link: {where})")
             else:
                 print(f"  {name:<11} {where}")
+        heap.settle("start-up")
         print("running; Ctrl-C to stop", flush=True)
         if args.job and rig.rack is not None:
             threading.Thread(target=_start_job, args=(rig.rack, args.job, stop),

@@ -9,6 +9,7 @@ import threading
 
 import zmq
 
+from photonic_testbed.hil import heap
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.bus.service import DeviceService, ServiceError, serve_together
 from photonic_testbed.hil.bus.supervisor import Manager, SupervisorError
@@ -93,6 +94,7 @@ def _run_in_process(specs, stop: threading.Event, args) -> int:
             services.append(service)
         loop = threading.Thread(target=serve_together, args=(services, stop), name="services",
                                 daemon=True)
+        heap.settle("start-up")
         loop.start()
         _announce("(one process)", endpoints, args)
         while not stop.wait(0.2):

@@ -30,6 +30,7 @@ import zmq
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
     CircuitConflict, SwitchError, check_circuits
+from photonic_testbed.hil import heap
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState, call_many
@@ -208,8 +209,12 @@ class AgentProcess:
 
     def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
                  verify_dbm: float = -12.0, quarantine_s: float = 60.0,
-                 journal_sync: str = "FULL"):
+                 journal_sync: str = "FULL", settle_heap: bool = False):
+        """`settle_heap` (the `ptb agent` process): the heap is settled (`hil.heap`) once
+        started and after each admission, once its answer has gone."""
         self.rig = rig
+        self._settle_heap = settle_heap
+        self._admitted = False                      # since the heap was last settled
         self.keys = rig.client_keys()
         self.timeout = timeout
         self.journal = Journal(journal_path, journal_sync)
@@ -281,6 +286,8 @@ class AgentProcess:
                                    telemetry=False)
         self.agent.start()              # reconcile; finish a swap a killed agent left
         self._publish()
+        if self._settle_heap:
+            heap.settle("start-up")
         log.info("agent of rig %s on %s, publishing on %s", self.rig.name, *bound)
         return bound
 
@@ -318,6 +325,9 @@ class AgentProcess:
                 (self.server.router.poll(0) or self.sub.sub.poll(0)):
             return
         self._publish()
+        if self._admitted and self._settle_heap:
+            self._admitted = False
+            heap.settle("an admission")     # its plan is kept for the job's life
 
     # --- inputs -----------------------------------------------------------------------------
     def _read_power(self, switch: str, port: int) -> float:
@@ -372,6 +382,7 @@ class AgentProcess:
         got = self.agent.admit(plan, None if rank_map is None
                                else {int(r): g for r, g in rank_map.items()}, job=name)
         self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
+        self._admitted = True
         return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
                 "restart_seq": self._order(name)["seq"]}
 

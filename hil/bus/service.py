@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
+from photonic_testbed.hil import heap
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest, DeadlineExceeded
 from photonic_testbed.hil.bus.security import server_keys
@@ -743,6 +744,8 @@ def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = No
         raise
     if ready is not None:
         ready.send(("ready", endpoints))
+    if threading.current_thread() is threading.main_thread():
+        heap.settle("start-up")         # (the process's own: not a test's thread)
     try:
         service.serve(stop)
     finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from photonic_testbed.hil import heap
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.jobplan import dp_tp
@@ -61,6 +62,7 @@ def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
         for _ in range(2):                       # warm-up: every circuit set seen once
             for ph, rnd in seq:
                 fabric.phase(ph, rnd)
+        heap.settle("the warm-up")               # (this process is the job)
         with ServiceClient(stack.rig.agent_endpoints()[0], timeout=10) as agent:
             if hops:
                 agent.call("relay_ping", device=hops)
