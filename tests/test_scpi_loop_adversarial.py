@@ -20,6 +20,7 @@ import pytest
 import test_scpi_server as scpi_client
 
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.emulator import scpi
 from photonic_testbed.hil.emulator.scpi import (MAX_CLIENTS, Instrument, SCPILoop, SCPIServer,
                                                  Session)
 
@@ -850,3 +851,28 @@ def test_a_full_server_cuts_an_idle_session_never_the_one_waiting():
             waiting.close()
             for c in idle:
                 c.close()
+
+
+def test_sessions_that_come_and_go_leave_no_timers_behind():
+    """A client reconnecting in a loop: each session's idle timer (300 s) is let go when the
+    session closes, so the loop's heap stays the size of what is open, not of every session
+    of the last idle timeout; a session cut mid-wait (`drop_clients`) takes its resume timer
+    with it."""
+    loop = SCPILoop("churn")
+    lab = _Lab(nap_s=60.0)
+    with SCPIServer(lab, name="churn", loop=loop) as server:
+        for k in range(300):
+            c = Client(server)
+            assert c.query(f"ECHO? {k}") == str(k)
+            c.reset() if k % 2 else c.close()
+        waiting = Client(server)
+        waiting.send(b"NAP? 1\n")                       # waits 60 s on the serving thread
+        assert _until(lambda: server.busy_clients == 1), server.busy_clients
+        assert server.drop_clients() == 1
+        assert _until(lambda: server.clients == 0), server.clients
+        waiting.close()
+        pending = loop.call_wait(lambda: [t for t in loop._timers if t[2] is not None])
+        assert pending == [], pending
+        held = loop.call_wait(lambda: len(loop._timers))
+        assert held <= 2 * scpi.CANCELLED_KEPT + 2, held
+        assert _served(server) == lab.idn

@@ -50,6 +50,7 @@ ERROR_QUEUE_LEN = 30
 MAX_CLIENTS = 16            # sessions served at once; see SCPIServer._admit
 SEND_TIMEOUT_S = 5.0        # a client that reads nothing for this long is dropped
 IDLE_TIMEOUT_S = 300.0      # a session that completes no line for this long is dropped
+CANCELLED_KEPT = 64         # cancelled timers left in a loop's heap before it is cleaned
 FOUND_KEPT = 1024            # headers whose lookup an instrument remembers
 LINES_PER_TURN = 16         # lines of one session run before other sockets get their turn
 ACCEPTS_PER_TURN = 16       # connections taken at once from a listening socket
@@ -413,7 +414,8 @@ class SCPILoop:
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timers: list[list] = []         # heap of [when, seq, fn]; fn None: cancelled
+        self._cancelled = 0                    # cancelled entries still in the heap
         self._seq = itertools.count()
         self._stop = threading.Event()         # this run's: set by the last `release`
 
@@ -432,6 +434,7 @@ class SCPILoop:
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
             self._stop = threading.Event()
             self._calls, self._timers = collections.deque(), []     # this run's
+            self._cancelled = 0
             self._thread = threading.Thread(target=self._run, args=(self._stop,),
                                             name=f"{self.name}-loop", daemon=True)
             self._thread.start()
@@ -490,11 +493,29 @@ class SCPILoop:
             raise out["error"]
         return out.get("value")
 
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        """Run fn on the loop's thread at time.monotonic() `when` (call it on the loop)."""
+    def at(self, when: float, fn: Callable[[], None]) -> list:
+        """Run fn on the loop's thread at time.monotonic() `when` (call it on the loop);
+        returns the timer, for `cancel`."""
         if not is_time(when):
             raise ValueError(f"a timer is due at a finite time.monotonic(), not {when!r}")
-        heapq.heappush(self._timers, (when, next(self._seq), fn))
+        timer = [when, next(self._seq), fn]
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def cancel(self, timer: list | None) -> None:
+        """A timer of `at` that is no longer wanted (one that ran or was cancelled: nothing
+        happens), on the loop. What it would have run is let go at once; cancelled timers are
+        taken out of the heap once they are half of it (a closed session's idle timer would
+        otherwise stay for the idle timeout: a client reconnecting in a loop piled them up)."""
+        if timer is None or timer[2] is None:
+            return
+        timer[2] = None
+        self._cancelled += 1
+        timers = self._timers
+        if self._cancelled > CANCELLED_KEPT and 2 * self._cancelled > len(timers):
+            timers[:] = [t for t in timers if t[2] is not None]
+            heapq.heapify(timers)
+            self._cancelled = 0
 
     def register(self, sock: socket.socket, events: int, on_event: Callable[[int], None]
                  ) -> None:
@@ -552,7 +573,12 @@ class SCPILoop:
             self._guarded(key.data, mask)
         now = time.monotonic()
         while timers and timers[0][0] <= now:
-            self._guarded(heapq.heappop(timers)[2])
+            timer = heapq.heappop(timers)
+            fn, timer[2] = timer[2], None                # ran: `cancel` does nothing now
+            if fn is None:
+                self._cancelled = max(0, self._cancelled - 1)
+            else:
+                self._guarded(fn)
         for _ in range(len(calls)):
             self._guarded(calls.popleft())
 
@@ -583,6 +609,7 @@ class _Conn:
         self.events = 0                # what the selector watches for
         self.eof = False               # the client sent all it will (it may still read)
         self.closed = False
+        self._timers: dict[str, list] = {}   # its pending timers: "idle", "wait", "send"
 
     # ---- the selector's events --------------------------------------------------------------
 
@@ -699,7 +726,7 @@ class _Conn:
                           self.session.peer, self.line[:60])
             self.close()
             return
-        self.loop.at(until, self._resume)
+        self._timers["wait"] = self.loop.at(until, self._resume)
 
     def _resume(self) -> None:
         if self.closed or self.running is None:
@@ -723,7 +750,8 @@ class _Conn:
         self.out = reply.encode("ascii", "replace") + b"\r\n"
         self._flush()
         if self.out:
-            self.loop.at(self.sent_at + SEND_TIMEOUT_S, self._send_overdue)
+            self._timers["send"] = self.loop.at(self.sent_at + SEND_TIMEOUT_S,
+                                                self._send_overdue)
 
     def _flush(self) -> None:
         try:
@@ -748,7 +776,7 @@ class _Conn:
             return
         due = self.sent_at + SEND_TIMEOUT_S
         if time.monotonic() < due:
-            self.loop.at(due, self._send_overdue)
+            self._timers["send"] = self.loop.at(due, self._send_overdue)
             return
         log.info("%s: dropped: it read nothing of its reply for %g s", self.session.peer,
                  SEND_TIMEOUT_S)
@@ -764,8 +792,9 @@ class _Conn:
                      server.idle_timeout_s)
             self.close()
             return
-        self.loop.at(max(self.session.last_active, time.monotonic() if self.session.busy
-                         else 0.0) + server.idle_timeout_s, self.idle_check)
+        self._timers["idle"] = self.loop.at(
+            max(self.session.last_active, time.monotonic() if self.session.busy else 0.0)
+            + server.idle_timeout_s, self.idle_check)
 
     def close(self, reset: bool = True) -> None:
         """Close the session's socket: with a reset (RST), as when a link or the instrument
@@ -781,6 +810,9 @@ class _Conn:
             self.events = 0
         running, self.running = self.running, None
         self.buf, self.out = bytearray(), b""
+        for timer in self._timers.values():     # (this session's: let go now, not when due)
+            self.loop.cancel(timer)
+        self._timers.clear()
         try:
             if reset:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
@@ -960,7 +992,8 @@ class SCPIServer:
                 conn.close()
                 continue
             conn.pump()                # watches for its input
-            loop.at(session.last_active + self.idle_timeout_s, conn.idle_check)
+            conn._timers["idle"] = loop.at(session.last_active + self.idle_timeout_s,
+                                           conn.idle_check)
             log.info("%s: client connected", session.peer)
 
     def _admit(self, conn: _Conn) -> bool:
