@@ -876,3 +876,28 @@ def test_sessions_that_come_and_go_leave_no_timers_behind():
         held = loop.call_wait(lambda: len(loop._timers))
         assert held <= 2 * scpi.CANCELLED_KEPT + 2, held
         assert _served(server) == lab.idn
+
+
+def test_a_client_reset_while_its_command_waits_frees_its_slot_at_once():
+    """A client that resets its connection while its command waits is gone: its session is
+    closed then (the command closed with it), not when the wait ends, so 16 such clients do
+    not lock newcomers out for the wait. One that half-closes, or pipelines a line, still gets
+    its replies."""
+    lab = _Lab(nap_s=60.0)
+    with SCPIServer(lab, name="reset-wait") as server:
+        gone = [Client(server) for _ in range(MAX_CLIENTS)]
+        for c in gone:
+            c.send(b"TICK?\n")                          # waits until cut (60 s at most)
+        assert _until(lambda: server.busy_clients == MAX_CLIENTS), server.busy_clients
+        for c in gone:
+            c.reset()
+        assert _until(lambda: server.clients == 0), server.clients
+        assert lab.tick_closed.is_set()
+        lab.nap_s = 0.2
+        half = Client(server)
+        half.send(b"NAP? 1\nECHO? 2\n")                  # a wait, with a line pipelined
+        assert _until(lambda: server.busy_clients == 1), server.busy_clients
+        half.sock.shutdown(socket.SHUT_WR)
+        data, closed = half.drain()
+        assert data.split() == [b"1", b"2"] and closed
+        assert _served(server) == lab.idn

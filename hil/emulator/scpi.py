@@ -609,6 +609,7 @@ class _Conn:
         self.events = 0                # what the selector watches for
         self.eof = False               # the client sent all it will (it may still read)
         self.closed = False
+        self.looked = False            # its socket looked at while the command waits
         self._timers: dict[str, list] = {}   # its pending timers: "idle", "wait", "send"
 
     # ---- the selector's events --------------------------------------------------------------
@@ -619,6 +620,9 @@ class _Conn:
         if mask & selectors.EVENT_WRITE:
             self._flush()
         elif mask & selectors.EVENT_READ:
+            if self.running is not None:
+                self._look_while_waiting()
+                return
             try:
                 data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -657,11 +661,33 @@ class _Conn:
         if not self.closed:
             self._watch()
 
+    def _look_while_waiting(self) -> None:
+        """The socket of a session whose command waits became readable: a reset means the
+        client is gone (the session is closed now, freeing its slot, and the command with it;
+        what the instrument started goes on); a byte or the end of its input (a half-close, or
+        a client gone without a reset: they look the same) stays unread in the kernel until
+        the command is done."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            log.info("%s: client vanished while its command waited", self.session.peer)
+            self.close()
+            return
+        self.looked = True
+        self._watch()
+
     def _watch(self) -> None:
-        """Read while idle, write while a reply waits for the client, neither while a command
-        waits (its input stays in the kernel's buffer, which throttles the client)."""
-        want = 0 if self.running is not None else (
-            selectors.EVENT_WRITE if self.out else 0 if self.eof else selectors.EVENT_READ)
+        """Read while idle, write while a reply waits for the client; while a command waits,
+        look once for the client having gone (`_look_while_waiting`), else nothing: its input
+        stays in the kernel's buffer, which throttles the client."""
+        if self.running is not None:
+            want = 0 if self.looked or self.eof else selectors.EVENT_READ
+        else:
+            self.looked = False
+            want = (selectors.EVENT_WRITE if self.out else 0 if self.eof
+                    else selectors.EVENT_READ)
         if want == self.events:
             return
         if not want:
