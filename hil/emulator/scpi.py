@@ -818,9 +818,12 @@ class _Conn:
                      server.idle_timeout_s)
             self.close()
             return
-        self._timers["idle"] = self.loop.at(
-            max(self.session.last_active, time.monotonic() if self.session.busy else 0.0)
-            + server.idle_timeout_s, self.idle_check)
+        self.watch_idle(max(self.session.last_active,
+                            time.monotonic() if self.session.busy else 0.0))
+
+    def watch_idle(self, since: float) -> None:
+        """Look for the session idle past the server's timeout, counted from `since`."""
+        self._timers["idle"] = self.loop.at(since + self.server.idle_timeout_s, self.idle_check)
 
     def close(self, reset: bool = True) -> None:
         """Close the session's socket: with a reset (RST), as when a link or the instrument
@@ -1018,8 +1021,7 @@ class SCPIServer:
                 conn.close()
                 continue
             conn.pump()                # watches for its input
-            conn._timers["idle"] = loop.at(session.last_active + self.idle_timeout_s,
-                                           conn.idle_check)
+            conn.watch_idle(session.last_active)
             log.info("%s: client connected", session.peer)
 
     def _admit(self, conn: _Conn) -> bool:
