@@ -69,14 +69,20 @@ def served(switches: list[tuple[OCSInstrument, dict]]):
             server.close()
 
 
-@pytest.fixture
-def switches():
+@contextlib.contextmanager
+def four_switches():
     """Four emulated 8 x 8 OCSes (the last moves in 1.5 s, the others at once), served
     together; yields [(SCPIServer, physics, request endpoint, service)]."""
     physics = [OCSPhysics(N, switching_s=1.5 if k == 3 else 0.0) for k in range(4)]
     with served([(RefusingOCS(p), {"settle_timeout_s": 10.0}) for p in physics]) as out:
         yield [(server, p, request, service)
                for p, (server, request, service) in zip(physics, out)]
+
+
+@pytest.fixture
+def switches():
+    with four_switches() as out:
+        yield out
 
 
 def test_changes_sent_together_are_answered_each_as_alone_and_published(switches):

@@ -33,7 +33,8 @@ from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, Circu
 from photonic_testbed.hil import heap
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import BusError, ServiceClient, StaleState, call_many
+from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient, StaleState, \
+    UnknownOperation, call_many, from_wire
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
@@ -59,6 +60,12 @@ class BusSwitch(CircuitSwitch):
         snap = client.call("snapshot")
         self._ports = int(snap["state"]["ports"])
         self.version = snap["state"]["version"]
+        # the switches served with this one, which one apply_circuits_together sent here may
+        # change (describe's `together`); None: none, or a service that does not say
+        together = client.call("describe").get("together") or {}
+        self.group: tuple[str, frozenset] | None = None
+        if name in together.get("switches", ()) and len(together["switches"]) > 1:
+            self.group = (str(together["group"]), frozenset(together["switches"]))
 
     @property
     def ports(self) -> int:
@@ -87,9 +94,8 @@ class BusSwitch(CircuitSwitch):
         t0 = time.perf_counter()
         pending = list(wires)
         for attempt in (0, 1):
-            answers = call_many([(work[i][0].client, "apply_circuits",
-                                  {"circuits": wires[i]}, work[i][0].version)
-                                 for i in pending], timeout)
+            answers = cls._send([work[i][0] for i in pending], [wires[i] for i in pending],
+                                timeout)
             stale = []
             for i, got in zip(pending, answers):
                 sw = work[i][0]
@@ -100,7 +106,6 @@ class BusSwitch(CircuitSwitch):
                 elif isinstance(got, BusError):
                     out[i] = SwitchError(f"{sw.name}: {got}")
                 else:
-                    sw.version = sw.client.version
                     out[i] = ApplyReport(dict(schema.circuits_from_wire(got["added"])),
                                          dict(schema.circuits_from_wire(got["removed"])),
                                          time.perf_counter() - t0)
@@ -116,6 +121,57 @@ class BusSwitch(CircuitSwitch):
                     out[i] = SwitchError(f"{sw.name}: {e}")
             if not pending:
                 break
+        return out
+
+    @staticmethod
+    def _send(switches: list["BusSwitch"], wires: list[list], timeout: float) -> list:
+        """Each switch's circuits sent, every request before any answer is awaited: the
+        switches served together (`group`) in one `apply_circuits_together` to one of them,
+        the others each in its own `apply_circuits`; each with the version the agent last
+        saw. Returns, per switch, its result or its BusError; each switch written has its new
+        version. A service that refuses a request together (restarted apart from the others,
+        say) is sent each switch's own request, and is not sent one together again."""
+        groups: dict[tuple, list[int]] = {}
+        for i, sw in enumerate(switches):
+            key = sw.group if sw.group is not None else ("", i)
+            groups.setdefault(key, []).append(i)
+        calls, members = [], []
+        for key, idx in groups.items():
+            sw = switches[idx[0]]
+            if len(idx) == 1:
+                calls.append((sw.client, "apply_circuits", {"circuits": wires[idx[0]]},
+                              sw.version))
+            else:
+                calls.append((sw.client, "apply_circuits_together", {"changes": [
+                    {"switch": switches[i].name, "circuits": wires[i],
+                     "expect": switches[i].version} for i in idx]}, None))
+            members.append(idx)
+        out: list = [None] * len(switches)
+        apart: list[int] = []
+        for idx, got in zip(members, call_many(calls, timeout)):
+            if len(idx) == 1:
+                if not isinstance(got, BusError):
+                    switches[idx[0]].version = switches[idx[0]].client.version
+                out[idx[0]] = got
+            elif isinstance(got, (BadRequest, UnknownOperation)):
+                log.warning("%s refused the switches' changes together (%s); sending each "
+                            "its own", switches[idx[0]].name, got)
+                for i in idx:
+                    switches[i].group = None
+                apart += idx
+            elif isinstance(got, BusError):
+                for i in idx:
+                    out[i] = got
+            else:
+                for i, part in zip(idx, got["changes"]):
+                    sw = switches[i]
+                    sw.version = part["version"]
+                    out[i] = (part["result"] if "result" in part else
+                              from_wire(part["error"], part["message"], part["version"]))
+        if apart:
+            for i, got in zip(apart, BusSwitch._send([switches[i] for i in apart],
+                                                     [wires[i] for i in apart], timeout)):
+                out[i] = got
         return out
 
     def circuits(self) -> Circuits:

@@ -40,6 +40,7 @@ TOPICS = (STATE, TELEMETRY, HEARTBEAT)
 # Sizes: what one request may carry. Ports of an N x N switch are 1..2N (Polatis: N <= 576).
 MAX_PORT = 4096
 MAX_CIRCUITS = 4096
+MAX_TOGETHER = 1024          # switches in one apply_circuits_together
 MAX_CHANNELS = 4096          # heater channels of one board chain, power meter channels
 MAX_NAME = 64                # a device, GPU, phase or request name
 MAX_TEXT = 4096              # free text (a failure's reason)
@@ -133,6 +134,18 @@ class ApplyCircuits(Args):
     circuits: Annotated[list[Circuit], _meta(max_length=MAX_CIRCUITS)]
 
 
+class SwitchChange(msgspec.Struct, forbid_unknown_fields=True):
+    """One switch's part of `apply_circuits_together`: its circuits, and the state version
+    they were computed from (compare-and-set for that switch alone)."""
+    switch: Name
+    circuits: Annotated[list[Circuit], _meta(max_length=MAX_CIRCUITS)]
+    expect: Annotated[str, _meta(max_length=MAX_NAME)] | None = None
+
+
+class ApplyTogether(Args):
+    changes: Annotated[list[SwitchChange], _meta(min_length=1, max_length=MAX_TOGETHER)]
+
+
 class SetHeaters(Args):
     volts: Annotated[list[Volts], _meta(max_length=MAX_CHANNELS)]
     first: Annotated[int, _meta(ge=0, lt=MAX_CHANNELS)] = 0
@@ -216,6 +229,9 @@ class Operation:
     args: type[Args]
     read_only: bool
     doc: str = ""
+    # a change that moves this server's version; False: it asks for changes of devices served
+    # with it, each counted by that device's server (`Server.claim_change`)
+    counted: bool = True
 
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in (
@@ -228,6 +244,9 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     # switches (an OCS, a chip's mesh)
     Operation("read_circuits", Args, True, "the circuits, read from the device"),
     Operation("apply_circuits", ApplyCircuits, False, "make the circuits exactly these"),
+    Operation("apply_circuits_together", ApplyTogether, False,
+              "apply_circuits on several switches served together with this one, each with "
+              "its own expect; one answer per switch", counted=False),
     # heater DACs and chips
     Operation("read_heaters", Args, True, "heater volts read back from the board"),
     Operation("set_heaters", SetHeaters, False, "set heater volts from channel `first` on"),

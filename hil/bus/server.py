@@ -21,6 +21,9 @@ The contract (docs/bus.md "Requests"):
 - A changing request that names a state version (`expect`) runs only at that version
   (compare-and-set, `StaleState` otherwise). The version is `INCARNATION:N`, N counting the
   changing requests this process ran.
+- A changing operation that changes the devices served with this one (`apply_circuits_together`,
+  declared not `counted`) moves each such device's version, not this server's; each device's
+  part names its own expected version (`claim_change`).
 - A request that waited in the queue longer than its `ttl_ms` is not run (`DeadlineExceeded`).
 - One request at a time, in arrival order: a device's one writer.
 
@@ -101,9 +104,11 @@ class Publisher:
 class Answer:
     """A handler's result with the state it changed: the reply carries `result`; `state`
     (top-level keys; a value may be a function of nothing, called then: work nobody waits
-    for) is published after the reply has gone."""
+    for) is published after the reply has gone, and `after` (a function of nothing: another
+    server's publication, say) is called then."""
     result: Any
     state: Mapping = field(default_factory=dict)
+    after: Callable[[], None] | None = None
 
 
 @dataclass
@@ -162,6 +167,7 @@ class Server:
         self._seen_empty = time.monotonic()   # when the request socket was last seen empty
         self._next_beat = 0.0
         self._unpublished: dict = {}          # state changes to publish after the reply
+        self._after: list[Callable[[], None]] = []   # ...and what to call then (Answer.after)
         self._done: collections.OrderedDict[str, tuple[str, bytes, float]] = \
             collections.OrderedDict()         # request id -> (op, answer frame, kept until)
         self._reads: collections.OrderedDict[str, tuple[str, bytes, float]] = \
@@ -259,6 +265,13 @@ class Server:
     def change(self, ops: list) -> dict | None:
         return self.state.change(ops)
 
+    def defer(self, state: Mapping) -> None:
+        """Publish these top-level keys (and the version, with `publish_version`) at the next
+        deferred publication: after the reply being answered has gone."""
+        self._unpublished.update(state)
+        if self._publish_version:
+            self._unpublished["version"] = self.version
+
     def _snapshot(self, args: dict) -> dict:
         self.publish_deferred()
         if self._settle is not None:
@@ -266,6 +279,13 @@ class Server:
         return self.state.snapshot()
 
     def publish_deferred(self) -> None:
+        if self._after:
+            after, self._after = self._after, []
+            for fn in after:
+                try:
+                    fn()
+                except Exception:              # (a bug: logged; the state still goes out)
+                    log.exception("%s: work after a reply failed", self.name)
         if not self._unpublished:
             return
         updates, self._unpublished = self._unpublished, {}
@@ -398,12 +418,13 @@ class Server:
             if op.read_only:
                 result = handler(args)
             else:
-                if req.expect is not None and req.expect != self.version:
-                    raise StaleState(f"{self.name} is at state version {self.version}, not "
-                                     f"{req.expect}: it changed since you read it; re-read "
-                                     "the state and decide again")
+                if not op.counted and req.expect is not None:
+                    raise BadRequest(f"{op.name} changes other devices, each with its own "
+                                     "expected version in its arguments; the request's "
+                                     "`expect` is not for it")
+                self._check_expect(req.expect)
                 try:
-                    result = self._run_change(handler, args)
+                    result = self._run_change(op, handler, args)
                 except Exception as e:
                     # it may have changed something half way: answered the same on a retry
                     self._log_failure(rid, e)
@@ -414,8 +435,7 @@ class Server:
                 self._running[rid] = _Pending(op, result, [envelope], req.ttl_ms)
                 return False
             if isinstance(result, Answer):
-                self._unpublished.update(result.state)
-                result = result.result
+                result = self._unpack(result)
             reply = self._reply_frame(rid, result)
             # a read answered within RETRY_GRACE_S of its arrival cannot have a retry on its
             # way (the client resends after FIRST_ATTEMPT_S): only slower ones are kept
@@ -429,7 +449,29 @@ class Server:
             send(self._error_frame(rid, e))
             return True
 
-    def _run_change(self, handler: Handler, args: dict):
+    def _unpack(self, answer: Answer) -> Any:
+        """An Answer's result; its state and `after` kept for after the reply."""
+        self._unpublished.update(answer.state)
+        if answer.after is not None:
+            self._after.append(answer.after)
+        return answer.result
+
+    def claim_change(self, expect: str | None) -> None:
+        """A change of this server's device asked for in its own process (another server's
+        request that changes several devices served together): refused with StaleState
+        unless the state is at `expect` (when given); counted in the version, as a changing
+        request is. The caller publishes the new version with the change's state."""
+        self._check_expect(expect)
+        self.changes += 1
+
+    def _check_expect(self, expect: str | None) -> None:
+        if expect is not None and expect != self.version:
+            raise StaleState(f"{self.name} is at state version {self.version}, not {expect}: "
+                             "it changed since you read it; re-read the state and decide again")
+
+    def _run_change(self, op: schema.Operation, handler: Handler, args: dict):
+        if not op.counted:
+            return handler(args)
         result = None
         try:
             result = handler(args)
@@ -481,7 +523,7 @@ class Server:
         for rid in [r for r, p in self._running.items() if p.future.done()]:
             pending = self._running.pop(rid)
             frame = self._future_frame(rid, pending.future)
-            if self._publish_version and not pending.op.read_only:
+            if self._publish_version and pending.op.counted and not pending.op.read_only:
                 self._unpublished["version"] = self.version
             self._remember(rid, pending.op, frame, pending.ttl_ms)
             for envelope in pending.envelopes:
@@ -494,8 +536,7 @@ class Server:
         try:
             result = future.result()
             if isinstance(result, Answer):
-                self._unpublished.update(result.state)
-                result = result.result
+                result = self._unpack(result)
             return self._reply_frame(rid, result)
         except Exception as e:
             self._log_failure(rid, e)

@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -37,7 +38,7 @@ import zmq
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil import heap
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.errors import BadRequest, DeadlineExceeded
+from photonic_testbed.hil.bus.errors import BadRequest, DeadlineExceeded, StaleState, to_wire
 from photonic_testbed.hil.bus.security import server_keys
 from photonic_testbed.hil.bus.server import Answer, Server
 
@@ -386,12 +387,13 @@ class DeviceService:
                     if spec.curve_secret else None)
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
+            handlers = {op: self._handler(op, fn) for op, fn in self.kind.ops.items()}
+            if "apply_circuits" in handlers:
+                handlers["apply_circuits_together"] = self._apply_together
             self.server = Server(
                 self.name, {"kind": spec.kind, "online": True, **self.kind.state(self.driver)},
                 kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
-                heartbeat=spec.heartbeat,
-                handlers={op: self._handler(op, fn) for op, fn in self.kind.ops.items()},
-                describe=lambda: {"device": self.kind.describe(self.driver)},
+                heartbeat=spec.heartbeat, handlers=handlers, describe=self._describe,
                 publish_version=True, context=self._context)
             request, publish = self.server.bind()
         except Exception:
@@ -401,19 +403,73 @@ class DeviceService:
                  publish)
         return request, publish
 
-    def _handler(self, name: str, fn: Op) -> Callable[[dict], Any]:
-        begin = self.kind.begins.get(name)
+    def _describe(self) -> dict:
+        out = {"device": self.kind.describe(self.driver)}
+        if "apply_circuits" in self.kind.ops:
+            # which switches one apply_circuits_together sent here may name
+            out["together"] = {"group": self._loop.id if self._loop else self.server.incarnation,
+                               "switches": sorted(self._peers())}
+        return out
 
+    def _handler(self, name: str, fn: Op) -> Callable[[dict], Any]:
         def run(args: dict):
-            if self._worker is None:
-                # the changes are published once the reply has gone
-                return Answer(*fn(self.driver, args))
-            future = self._queue(lambda: _worked_out(*fn(self.driver, args)),
-                                 None if begin is None else lambda: begin(self.driver, args),
-                                 name, self.server.request_deadline)
+            got = self._submit(name, args, self.server.request_deadline)
             # done already (an answer that was waiting): answered now, not at the next poll
-            return future.result() if future.done() else future
+            return got.result() if isinstance(got, Future) and got.done() else got
         return run
+
+    def _submit(self, name: str, args: dict, deadline: float | None) -> Answer | Future:
+        """Operation `name` on the driver: its Answer (the changes published once the reply
+        has gone), or, served together with device threads, the Future of it (queued behind
+        the device's calls before it)."""
+        fn = self.kind.ops[name]
+        if self._worker is None:
+            return Answer(*fn(self.driver, args))
+        begin = self.kind.begins.get(name)
+        return self._queue(lambda: _worked_out(*fn(self.driver, args)),
+                           None if begin is None else lambda: begin(self.driver, args),
+                           name, deadline)
+
+    def _peers(self) -> dict[str, "DeviceService"]:
+        """The switches served together with this one (itself included), by name."""
+        if self._loop is None:
+            return {self.name: self}
+        return self._loop.switches
+
+    def _apply_together(self, args: dict) -> Answer | Future:
+        """`apply_circuits_together`: each named switch served together with this one gets
+        its `apply_circuits`, queued behind its own calls (its one writer) and checked against
+        its own `expect`; the answer, once every switch is done, has one entry per switch, in
+        the order asked: its result or its error, and its state version. A name not served
+        here (or named twice) refuses the whole request before anything runs."""
+        changes = args["changes"]
+        peers = self._peers()
+        counts = collections.Counter(c.switch for c in changes)
+        twice = sorted(n for n, k in counts.items() if k > 1)
+        if twice:
+            raise BadRequest(f"apply_circuits_together names {', '.join(twice)} more than "
+                             "once: one change per switch")
+        strangers = [c.switch for c in changes if c.switch not in peers]
+        if strangers:
+            raise BadRequest(
+                f"{', '.join(strangers)} not served together with {self.name} (here: "
+                f"{', '.join(sorted(peers))}): send each its own apply_circuits")
+        deadline = self.server.request_deadline
+        parts: list[tuple[DeviceService, Any]] = []
+        for change in changes:
+            peer = peers[change.switch]
+            try:
+                peer.server.claim_change(change.expect)
+                got: Any = peer._submit("apply_circuits", {"circuits": change.circuits},
+                                        deadline)
+            except Exception as e:
+                got = e
+            parts.append((peer, got))
+        batch = _Batch(self, parts)
+        if batch.ready():
+            return batch.answer()
+        self._loop.batches.append(batch)
+        return batch.future
 
     # ---- the device's calls, served together --------------------------------------------------
 
@@ -596,6 +652,49 @@ class DeviceService:
                                               values))
 
 
+class _Batch:
+    """An `apply_circuits_together` under way: each switch's part (an Answer, the Future of
+    one, or the error that stopped it) and the Future its server answers from."""
+
+    def __init__(self, receiver: DeviceService, parts: list[tuple[DeviceService, Any]]):
+        self.receiver = receiver
+        self.parts = parts
+        self.future: Future = Future()
+
+    def ready(self) -> bool:
+        return all(not isinstance(got, Future) or got.done() for _, got in self.parts)
+
+    def answer(self) -> Answer:
+        """Once every part is done, on the thread serving the switches: one entry per part;
+        each switch's state (and version) goes out on its own publisher after the reply."""
+        out, others = [], {}
+        for peer, got in self.parts:
+            if isinstance(got, Future):
+                try:
+                    got = got.result()
+                except Exception as e:
+                    got = e
+            entry: dict[str, Any] = {"switch": peer.name}
+            if isinstance(got, Answer):
+                entry["result"] = got.result
+                peer.server.defer(got.state)
+            else:
+                if not isinstance(got, StaleState):      # (refused: nothing was sent)
+                    peer.server.defer({})                 # the new version, all the same
+                    log.info("%s: apply_circuits (sent with %s) failed: %s: %s", peer.name,
+                             self.receiver.name, type(got).__name__, got)
+                entry["error"], entry["message"] = to_wire(got)
+            entry["version"] = peer.server.version
+            out.append(entry)
+            if peer is not self.receiver:
+                others[peer.name] = peer.server
+
+        def publish() -> None:
+            for server in others.values():
+                server.publish_deferred()
+        return Answer({"changes": out}, after=publish)
+
+
 def _worked_out(result: Any, changes: dict) -> Answer:
     """An operation's answer with the state it changed worked out on the device's thread (a
     value that is a function is called there, not on the thread serving every device)."""
@@ -606,6 +705,9 @@ class _Loop:
     """What the services served together share: the poller and the wake-ups."""
 
     def __init__(self, services: Sequence[DeviceService]):
+        self.id = uuid.uuid4().hex[:12]
+        self.switches = {s.name: s for s in services if "apply_circuits" in s.kind.ops}
+        self.batches: list[_Batch] = []       # apply_circuits_together under way
         self.poller = zmq.Poller()
         self.ready: collections.deque = collections.deque()   # services with a call done
         self.owner: dict[Any, DeviceService] = {}
@@ -703,6 +805,10 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
                     del loop.timers[service]
                     service._look_again()
                     todo[service] = None
+            for batch in [b for b in loop.batches if b.ready()]:
+                loop.batches.remove(batch)
+                batch.future.set_result(batch.answer())
+                todo[batch.receiver] = None
             for service in [s for s, when in wake.items() if when <= now]:
                 if service.server.due <= now:
                     todo[service] = None
