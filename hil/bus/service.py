@@ -660,9 +660,14 @@ class _Batch:
         self.receiver = receiver
         self.parts = parts
         self.future: Future = Future()
+        futures = [got for _, got in parts if isinstance(got, Future)]
+        self._waiting = len(futures)
+        self._done: list[Future] = []          # appended to by the thread ending each part
+        for future in futures:
+            future.add_done_callback(self._done.append)
 
     def ready(self) -> bool:
-        return all(not isinstance(got, Future) or got.done() for _, got in self.parts)
+        return len(self._done) == self._waiting
 
     def answer(self) -> Answer:
         """Once every part is done, on the thread serving the switches: one entry per part;
@@ -779,6 +784,8 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
             due = min(now + 0.1, min(wake.values()))    # (0.1: how soon `stop` is noticed)
             if loop.timers:
                 due = min(due, min(loop.timers.values()))
+            if any(b.ready() for b in loop.batches):
+                due = now          # a part done in the last round's polls: answer it now
             events = loop.poller.poll(math.ceil(max(0.0, due - time.monotonic()) * 1e3))
             todo: dict[DeviceService, None] = {}
             for sock, _ in events:
