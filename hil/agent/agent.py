@@ -66,7 +66,14 @@ class SwapOutcome:
 
 
 def _pairs(c: Mapping[int, int]) -> list[tuple[int, int]]:
+    """Circuits as sorted (input, output) pairs of Python ints (a switch's report may hold
+    numpy integers)."""
+    if set(map(type, c)) | set(map(type, c.values())) <= _INT:
+        return sorted(c.items())                # the usual report: no conversion
     return sorted((int(a), int(b)) for a, b in c.items())
+
+
+_INT = {int}
 
 
 def _nothing(*args: Any) -> None:
