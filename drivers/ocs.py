@@ -251,7 +251,7 @@ class PendingChange:
 
     def take(self) -> str:
         """The answer, once `state()` says a line waits."""
-        return self.switch._res_io_read(self.switch.settle_timeout_s)
+        return self.switch.take_waiting(self.switch.settle_timeout_s)
 
     def wait(self) -> ApplyReport | None:
         if self.lost is None:

@@ -277,6 +277,28 @@ class SCPIInstrument:
             return "lost"                       # the instrument closed the session
         return "line" if b"\n" in data else "wait"
 
+    def take_waiting(self, timeout_s: float | None = None) -> str:
+        """The reply line `reply_state` said waits: taken straight off the session's socket
+        when the VISA library holds nothing read ahead (the whole line is in the socket: one
+        `recv` of exactly its bytes), else read through the library."""
+        session = self._session()
+        sock = getattr(session, "interface", None)
+        if isinstance(sock, socket.socket) and not getattr(session, "_pending_buffer", b"x"):
+            try:
+                data = sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                end = data.find(b"\n")
+                if end >= 0:
+                    line = sock.recv(end + 1, socket.MSG_DONTWAIT)
+                    if len(line) == end + 1:
+                        self.bytes_received += len(line)
+                        return line.decode(self._res.encoding).rstrip("\r\n")
+                    raise ConnectionLost(f"a reply line was cut: {line[:80]!r}")
+            except (BlockingIOError, InterruptedError):
+                pass                           # not there after all: the library waits
+            except OSError as e:
+                raise ConnectionLost(str(e)) from e
+        return self._res_io_read(timeout_s)
+
     # ---- public I/O --------------------------------------------------------------------------
 
     def query(self, line: str, timeout_s: float | None = None) -> str:

@@ -8,11 +8,13 @@ alone, a slow switch holding up only its own requests."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 
 import pytest
 
+from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.hil.bus.client import ServiceClient, call_many
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.bus.service import DeviceService, ServiceSpec, serve_together
@@ -276,3 +278,25 @@ def test_a_change_whose_client_gave_up_while_queued_is_not_run(switches):
         t.join(30)
         # the next call is queued behind the dropped one: if it had run, it would show
         assert s.call("read_circuits")["circuits"] == rotation(2)
+
+
+def test_a_waiting_reply_is_taken_off_the_socket_line_by_line(switches):
+    """`take_waiting`: two replies pipelined on one session are taken one line each, the
+    second left where it was; the library's own reads go on from there."""
+    driver = OpticalCircuitSwitch(switches[0][0].resource)     # a session of its own
+    try:
+        driver._res_io_write("*IDN?;:OXC:SWIT:SIZE?")
+        driver._res_io_write(":OXC:SWIT:SIZE?")
+        deadline = time.monotonic() + 30
+        while b"\n" not in (driver.session_socket().recv(4096, socket.MSG_PEEK)
+                            .partition(b"\n")[2]):
+            assert time.monotonic() < deadline, "the second reply never came"
+            time.sleep(0.002)
+        first = driver.take_waiting(10)
+        assert first.endswith(";8,8") and "\n" not in first, first
+        assert driver.reply_state() == "line"
+        assert driver.take_waiting(10) == "8,8"
+        assert driver.reply_state() == "wait"
+        assert driver.query(":OXC:SWIT:SIZE?") == "8,8"     # through the library again
+    finally:
+        driver.close()

@@ -308,6 +308,11 @@ class Server:
     # ---- the loop -------------------------------------------------------------------------------
 
     @property
+    def answering(self) -> bool:
+        """Whether requests wait for a Future's answer (`poll` sends it once done)."""
+        return bool(self._running)
+
+    @property
     def due(self) -> float:
         """When `poll` next has work without a new request (`time.monotonic()`): a heartbeat,
         or now when requests wait in its queue."""

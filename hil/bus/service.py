@@ -787,7 +787,8 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
             if any(b.ready() for b in loop.batches):
                 due = now          # a part done in the last round's polls: answer it now
             events = loop.poller.poll(math.ceil(max(0.0, due - time.monotonic()) * 1e3))
-            todo: dict[DeviceService, None] = {}
+            todo: dict[DeviceService, None] = {}        # to poll: requests, answers to send
+            touched: dict[DeviceService, None] = {}     # when next it has work: to work out
             for sock, _ in events:
                 if sock == loop.wake_r:
                     try:
@@ -801,11 +802,16 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
                 if isinstance(sock, int):                      # an awaited answer
                     service._answer_arrived(readable=True)
                     service._next()
+                    touched[service] = None
+                    if not service.server.answering:
+                        continue        # (a part of a request to another service)
                 todo[service] = None
             while loop.ready:
                 service = loop.ready.popleft()
                 service._done()
-                todo[service] = None
+                touched[service] = None
+                if service.server.answering:
+                    todo[service] = None
             now = time.monotonic()
             for service, when in list(loop.timers.items()):
                 if when <= now:
@@ -825,6 +831,8 @@ def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
                     todo[service] = None
             for service in todo:
                 service.server.poll(0)
+                wake[service] = -math.inf
+            for service in touched:
                 wake[service] = -math.inf
     finally:
         workers = [(s, s._worker) for s in services if s._worker is not None]
