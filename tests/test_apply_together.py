@@ -5,6 +5,7 @@ one answer per switch. Checked on emulated OCSes over their real sockets, and fr
 side (`BusSwitch.apply_together` sends one request per group)."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -241,3 +242,21 @@ def test_a_service_served_alone_says_so_and_is_sent_its_own_requests(switches):
             assert isinstance(got[0], ApplyReport) and not isinstance(got[0], BusError)
         finally:
             sw.close()
+
+
+def test_changes_together_leave_nothing_for_the_collector(switches):
+    """What a change together makes is freed as soon as it is answered (reference counts),
+    none of it left in cycles for the collector: the collector's passes over that garbage
+    paused the serving thread 25-40 ms every second under a stream of 64-switch changes."""
+    requests = {service.name: request for _, _, request, service in switches}
+    with ServiceClient(requests["ocs0"], timeout=30) as c:
+        c.call("apply_circuits_together", changes=_changes(ALL[:3], 1))
+        gc.collect()
+        gc.disable()
+        try:
+            for k in range(2, 42):
+                c.call("apply_circuits_together", changes=_changes(ALL[:3], k % 8))
+            found = gc.collect()
+        finally:
+            gc.enable()
+    assert found < 200, found

@@ -662,12 +662,16 @@ class _Batch:
         self.future: Future = Future()
         futures = [got for _, got in parts if isinstance(got, Future)]
         self._waiting = len(futures)
-        self._done: list[Future] = []          # appended to by the thread ending each part
+        # one item per part ended, appended by the thread ending it; the callback holds
+        # neither the future nor the batch (a cycle through them would leave every part's
+        # answer to the collector)
+        ended: collections.deque = collections.deque()
+        self._ended = ended
         for future in futures:
-            future.add_done_callback(self._done.append)
+            future.add_done_callback(lambda _: ended.append(None))
 
     def ready(self) -> bool:
-        return len(self._done) == self._waiting
+        return len(self._ended) == self._waiting
 
     def answer(self) -> Answer:
         """Once every part is done, on the thread serving the switches: one entry per part;
