@@ -133,7 +133,8 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
         got = self.begin_apply(circuits)
         return got.wait() if isinstance(got, PendingChange) else got
 
-    def begin_apply(self, circuits: Mapping[int, int]) -> "ApplyReport | PendingChange":
+    def begin_apply(self, circuits: Mapping[int, int] | Iterable[tuple[int, int]]
+                    ) -> "ApplyReport | PendingChange":
         """`apply` in two halves: the change sent and its answer read later (a
         `PendingChange`), or the report at once when the switch already holds `circuits`.
         Reads the map first when the driver does not know it (`can_begin` says it will not

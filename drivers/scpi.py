@@ -291,7 +291,8 @@ class SCPIInstrument:
                     line = sock.recv(end + 1, socket.MSG_DONTWAIT)
                     if len(line) == end + 1:
                         self.bytes_received += len(line)
-                        return line.decode(self._res.encoding).rstrip("\r\n")
+                        return line.decode(getattr(self._res, "encoding", "ascii")
+                                           ).rstrip("\r\n")
                     raise ConnectionLost(f"a reply line was cut: {line[:80]!r}")
             except (BlockingIOError, InterruptedError):
                 pass                           # not there after all: the library waits

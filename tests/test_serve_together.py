@@ -300,3 +300,23 @@ def test_a_waiting_reply_is_taken_off_the_socket_line_by_line(switches):
         assert driver.query(":OXC:SWIT:SIZE?") == "8,8"     # through the library again
     finally:
         driver.close()
+
+
+def test_a_port_named_twice_is_refused_as_sent_on_the_path_that_awaits(switches):
+    """On the path that sends from the serving thread (the map known), circuits naming an
+    input or an output twice are refused as they came, never merged, and nothing is sent."""
+    _, physics, request, service = switches[0]
+
+    def blocking_apply(circuits):
+        raise AssertionError("a change on a known map went to the device's thread")
+
+    with ServiceClient(request, timeout=30) as c:
+        c.call("apply_circuits", circuits=rotation(1))
+        service.driver.apply = blocking_apply
+        lines = switches[0][0].instrument.lines_in
+        for bad, says in (([[1, 9], [1, 10]], "port 1 "), ([[1, 9], [2, 9]], "port 9 ")):
+            with pytest.raises(BusError) as e:
+                c.call("apply_circuits", circuits=bad)
+            assert "CircuitConflict" in str(e.value) and says in str(e.value), e.value
+        assert switches[0][0].instrument.lines_in == lines
+        assert c.call("snapshot")["state"]["circuits"] == rotation(1)

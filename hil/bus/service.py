@@ -114,11 +114,16 @@ def _begin_apply_circuits(switch, args):
     can = getattr(switch, "can_begin", None)
     if can is None or not can():
         return None
-    circuits = switch.check(args["circuits"])
-    got = switch.begin_apply(circuits)
+    # checked by the driver, as the pairs came (an input or output named twice is refused,
+    # not merged); once made, the circuits are the map the driver knows the switch holds
+    got = switch.begin_apply(args["circuits"])
+
+    def answer(report: ApplyReport) -> Answer:
+        held = switch.known if switch.known is not None else switch.check(args["circuits"])
+        return Answer(*_applied(report, held))
     if isinstance(got, ApplyReport):
-        return Answer(*_applied(got, circuits))
-    return got, lambda report: Answer(*_applied(report, circuits))
+        return answer(got)
+    return got, answer
 
 
 def _read_circuits(switch: CircuitSwitch, args):
