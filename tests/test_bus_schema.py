@@ -171,6 +171,24 @@ def test_a_few_changed_cells_travel_alone_and_the_owner_keeps_its_own_copy():
     assert mirror.state == {"cells": {"x": {}}}
 
 
+
+def test_values_handed_over_are_kept_as_they_are_and_mirrored_the_same():
+    """`owned`: an answer's state built for it is kept by the publisher without a copy (the
+    caller keeps no reference); what is published, and what a mirror makes of it, is the
+    same as with a copy."""
+    sent, copied = [], []
+    circuits = [[1, 9], [2, 10]]
+    owner = StatePublisher("ocs", {"circuits": []}, sent.append)
+    twin = StatePublisher("ocs", {"circuits": []}, copied.append)
+    owner.update({"circuits": circuits, "version": "a:1"}, owned=True)
+    twin.update({"circuits": [[1, 9], [2, 10]], "version": "a:1"})
+    assert owner.state["circuits"] is circuits
+    assert twin.state == owner.state
+    assert [m["ops"] for m in sent] == [m["ops"] for m in copied]
+    mirror = Mirror("ocs")
+    mirror.load(twin.snapshot())
+    assert mirror.state == owner.state
+
 def test_late_subscriber_buffers_deltas_until_its_snapshot():
     sent = []
     owner = StatePublisher("sw", {"circuits": []}, sent.append)

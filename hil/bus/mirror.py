@@ -73,6 +73,10 @@ def apply_ops(state: dict, ops: list) -> None:
 _ATOMS = (str, int, float, bool, type(None))
 
 
+def _same(value):
+    return value
+
+
 def clone(value):
     """A copy of a JSON-like value (dicts, lists, tuples, strings, numbers): what
     `copy.deepcopy` gives, several times faster for the states the bus carries (a chip's 56
@@ -87,6 +91,7 @@ def clone(value):
     if t is tuple:
         return tuple(clone(v) for v in value)
     return copy.deepcopy(value)
+
 
 
 class StatePublisher:
@@ -118,10 +123,13 @@ class StatePublisher:
     def set(self, path: list, value) -> dict | None:
         return self.change([["set", list(path), clone(value)]])
 
-    def update(self, values: Mapping) -> dict | None:
+    def update(self, values: Mapping, *, owned: bool = False) -> dict | None:
         """Set several top-level keys in one delta, only those whose value differs. A list of
         the same length with few changed items (a heater vector) goes as those items alone, and
-        so does an object with few changed members (a chip's cells)."""
+        so does an object with few changed members (a chip's cells). The values are copied,
+        unless `owned`: handed over, nothing else keeps or changes them (a request's answer
+        built for it), they are kept as they are."""
+        copy_of = _same if owned else clone
         ops = []
         for k, v in values.items():
             old = self.state.get(k, _MISSING)
@@ -130,17 +138,17 @@ class StatePublisher:
             if isinstance(old, list) and isinstance(v, list) and len(old) == len(v):
                 changed = [i for i, (a, b) in enumerate(zip(old, v)) if a != b]
                 if len(changed) * 2 < len(v):
-                    ops += [["set", [k, i], clone(v[i])] for i in changed]
+                    ops += [["set", [k, i], copy_of(v[i])] for i in changed]
                     continue
             elif isinstance(old, dict) and isinstance(v, dict) and v and \
                     all(type(m) is str for m in v):
                 changed = [m for m, x in v.items() if old.get(m, _MISSING) != x]
                 gone = [m for m in old if m not in v]
                 if (len(changed) + len(gone)) * 2 < len(v):
-                    ops += [["set", [k, m], clone(v[m])] for m in changed]
+                    ops += [["set", [k, m], copy_of(v[m])] for m in changed]
                     ops += [["del", [k, m]] for m in gone]
                     continue
-            ops.append(["set", [k], clone(v)])
+            ops.append(["set", [k], copy_of(v)])
         return self.change(ops)
 
 

@@ -105,7 +105,8 @@ class Answer:
     """A handler's result with the state it changed: the reply carries `result`; `state`
     (top-level keys; a value may be a function of nothing, called then: work nobody waits
     for) is published after the reply has gone, and `after` (a function of nothing: another
-    server's publication, say) is called then."""
+    server's publication, say) is called then. The state's values are handed over: the
+    published state keeps them as they are (build them for the answer; keep no reference)."""
     result: Any
     state: Mapping = field(default_factory=dict)
     after: Callable[[], None] | None = None
@@ -267,7 +268,8 @@ class Server:
 
     def defer(self, state: Mapping) -> None:
         """Publish these top-level keys (and the version, with `publish_version`) at the next
-        deferred publication: after the reply being answered has gone."""
+        deferred publication: after the reply being answered has gone. The values are handed
+        over, as an Answer's state is."""
         self._unpublished.update(state)
         if self._publish_version:
             self._unpublished["version"] = self.version
@@ -297,7 +299,7 @@ class Server:
                     log.error("%s: state %r could not be worked out: %s: %s", self.name, k,
                               type(e).__name__, e)
                     del updates[k]
-        self.state.update(updates)
+        self.state.update(updates, owned=True)
 
     def send_heartbeat(self) -> None:
         self.pub.send(schema.make("heartbeat", device=self.name, incarnation=self.incarnation,
