@@ -12,11 +12,12 @@ import time
 import pytest
 import zmq
 
-from photonic_testbed.drivers.circuit_switch import ApplyReport
+from photonic_testbed.drivers.circuit_switch import ApplyReport, SwitchError
 from photonic_testbed.hil.agent.bus import BusSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
+from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
 from tests.test_serve_together import four_switches, moving, rotation, served
 
@@ -260,3 +261,30 @@ def test_changes_together_leave_nothing_for_the_collector(switches):
         finally:
             gc.enable()
     assert found < 200, found
+
+
+@pytest.mark.parametrize("answer", [{"changes": []}, {"changes": [{"switch": "b"}]}, [1, 2],
+                                    {"changes": [{"switch": "b"}, {"switch": "a"}]}])
+def test_an_answer_together_for_other_switches_fails_each_switch_not_the_agent(answer):
+    """A service that answers the changes together with entries for other switches than those
+    asked (at odds with the contract): each switch fails with a SwitchError, nothing raised."""
+    handlers = {"apply_circuits_together": lambda args: answer,
+                "describe": lambda args: {"together": {"group": "g", "switches": ["a", "b"]}}}
+    with Server("a", {"ports": 8}, kind="switch", handlers=handlers,
+                publish_version=True) as server:
+        request = server.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        stop = threading.Event()
+        t = threading.Thread(target=lambda: [server.poll(0.02) for _ in iter(stop.is_set, True)],
+                             daemon=True)
+        t.start()
+        try:
+            bus = [BusSwitch(n, ServiceClient(request, timeout=10)) for n in ("a", "b")]
+            assert bus[0].group == bus[1].group is not None
+            got = BusSwitch.apply_together([(sw, {1: 9}) for sw in bus])
+            assert all(isinstance(r, SwitchError) and "other switches" in str(r)
+                       for r in got), got
+            for sw in bus:
+                sw.close()
+        finally:
+            stop.set()
+            t.join(10)

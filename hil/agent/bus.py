@@ -162,6 +162,10 @@ class BusSwitch(CircuitSwitch):
             elif isinstance(got, BusError):
                 for i in idx:
                     out[i] = got
+            elif _switches_answered(got) != [switches[i].name for i in idx]:
+                for i in idx:                   # (a service at odds with the contract)
+                    out[i] = BusError(f"{switches[idx[0]].name} answered the changes together "
+                                      "for other switches than those asked")
             else:
                 for i, part in zip(idx, got["changes"]):
                     sw = switches[i]
@@ -188,6 +192,15 @@ class BusSwitch(CircuitSwitch):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _switches_answered(got: Any) -> list | None:
+    """The switches an `apply_circuits_together` answer has an entry for, in order (None: not
+    such an answer)."""
+    parts = got.get("changes") if isinstance(got, dict) else None
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        return None
+    return [p.get("switch") for p in parts]
 
 
 NO_ORDER: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}

@@ -93,7 +93,6 @@ def clone(value):
     return copy.deepcopy(value)
 
 
-
 class StatePublisher:
     """The owner's side: the state, its sequence number, and the messages to publish."""
 
