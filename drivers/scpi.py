@@ -139,6 +139,15 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
         return (OSError,)
 
 
+def _peek(sock: socket.socket) -> bytes | None:
+    """What waits unread on a socket, without taking it (b"": closed by the peer); None when
+    nothing waits. OSError when the socket is broken."""
+    try:
+        return sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+
+
 class SCPIInstrument:
     """A pyvisa session to one SCPI instrument that reopens itself when the link drops."""
 
@@ -268,11 +277,11 @@ class SCPIInstrument:
         if b"\n" in getattr(session, "_pending_buffer", b""):   # read ahead by pyvisa-py
             return "line"
         try:
-            data = sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return "wait"
+            data = _peek(sock)
         except OSError:
             return "lost"
+        if data is None:
+            return "wait"
         if not data:
             return "lost"                       # the instrument closed the session
         return "line" if b"\n" in data else "wait"
@@ -285,17 +294,13 @@ class SCPIInstrument:
         sock = getattr(session, "interface", None)
         if isinstance(sock, socket.socket) and not getattr(session, "_pending_buffer", b"x"):
             try:
-                data = sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                end = data.find(b"\n")
+                end = (_peek(sock) or b"").find(b"\n")
                 if end >= 0:
                     line = sock.recv(end + 1, socket.MSG_DONTWAIT)
-                    if len(line) == end + 1:
-                        self.bytes_received += len(line)
-                        return line.decode(getattr(self._res, "encoding", "ascii")
-                                           ).rstrip("\r\n")
-                    raise ConnectionLost(f"a reply line was cut: {line[:80]!r}")
-            except (BlockingIOError, InterruptedError):
-                pass                           # not there after all: the library waits
+                    if len(line) != end + 1:
+                        raise ConnectionLost(f"a reply line was cut: {line[:80]!r}")
+                    self.bytes_received += len(line)
+                    return line.decode(getattr(self._res, "encoding", "ascii")).rstrip("\r\n")
             except OSError as e:
                 raise ConnectionLost(str(e)) from e
         return self._res_io_read(timeout_s)
