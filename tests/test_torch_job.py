@@ -234,12 +234,13 @@ def test_torchrun_baseline_restarts_every_worker_from_the_checkpoint(tmp_path):
     ready = [e for e in ev if e["kind"] == "ready" and e["restart"] == 1]
     assert {e["gpu"] for e in ready} == {"gpu0", "gpu1"}
     ckpt = {e["checkpoint"] for e in ready}
-    killed_at = max(e["step"] for e in ev if e["kind"] == "step" and e["gen"] == 0
-                    and e["gpu"] == "gpu1")
+    # the last step either worker logged before the restart: rank 0 checkpoints after a step
+    # both workers finished, which the killed one may not have logged before it died
+    reached = max(e["step"] for e in ev if e["kind"] == "step" and e["gen"] == 0)
     assert len(ckpt) == 1
     c = ckpt.pop()
-    assert c % 5 == 0 and 10 <= c <= killed_at
+    assert c % 5 == 0 and 10 <= c <= reached
     first = min(e["step"] for e in ev if e["kind"] == "step" and e["gen"] == 1)
-    assert first == ready[0]["checkpoint"] + 1 <= killed_at + 1     # steps since are redone
+    assert first == ready[0]["checkpoint"] + 1 <= reached + 1       # steps since are redone
     done = [e for e in ev if e["kind"] == "done" and "digest" in e]
     assert {e["gpu"] for e in done} == {"gpu0", "gpu1"} and {e["step"] for e in done} == {steps}
