@@ -393,3 +393,90 @@ def test_driver_rides_through_an_instrument_restart_on_the_same_port():
         finally:
             timer.join()
             again.close()
+
+
+class _PortByPort:
+    """The emulated switch's light paths worked out one circuit at a time, as the physics
+    says (a stuck port keeps its old path; a new path needs both its ends dark; every port
+    of a path made or broken goes dark for the move): what `OCSPhysics` must agree with."""
+
+    def __init__(self, n: int):
+        self.n, self.commanded, self.actual, self.dark = n, {}, {}, set()
+        self.stuck: set[int] = set()
+
+    def move(self, remove: dict[int, int], add: dict[int, int]) -> None:
+        self.dark = set()
+        for i, e in remove.items():
+            del self.commanded[i]
+            if i in self.stuck or e in self.stuck:
+                continue
+            if self.actual.get(i) == e:
+                del self.actual[i]
+            self.dark |= {i, e}
+        for i, e in add.items():
+            self.commanded[i] = e
+            if i in self.stuck or e in self.stuck or i in self.actual \
+                    or e in self.actual.values():
+                continue
+            self.actual[i] = e
+            self.dark |= {i, e}
+
+    def replace(self, pairs: dict[int, int]) -> None:
+        self.move({i: e for i, e in self.commanded.items() if pairs.get(i) != e},
+                  {i: e for i, e in pairs.items() if self.commanded.get(i) != e})
+
+
+def test_light_paths_after_random_moves_agree_with_a_port_by_port_model():
+    import random
+    from photonic_testbed.hil.emulator.ocs import OCSPhysics
+    rng = random.Random(11)
+    for trial in range(300):
+        n = rng.choice([2, 3, 4, 8])
+        phys, model = OCSPhysics(n, seed=trial, switching_s=5.0), _PortByPort(n)
+        for step in range(25):
+            op = rng.random()
+            if op < 0.15:                   # a port sticks, or one comes free
+                port = rng.randint(1, 2 * n)
+                phys.stuck.add(port)
+                model.stuck.add(port)
+            elif op < 0.25 and model.stuck:
+                port = rng.choice(sorted(model.stuck))
+                phys.stuck.discard(port)
+                model.stuck.discard(port)
+            elif op < 0.3:                  # a power cycle forgets every circuit
+                phys.reboot()
+                model.commanded.clear()
+                model.actual.clear()
+                model.dark = set()
+                continue
+            else:
+                outs = list(range(n + 1, 2 * n + 1))
+                rng.shuffle(outs)
+                ins = rng.sample(range(1, n + 1), rng.randint(0, n))
+                pairs = dict(zip(ins, outs))
+                before = phys._dark_until.copy()
+                phys.replace(pairs)
+                model.replace(pairs)
+                changed = {p for p, t in phys._dark_until.items() if before.get(p) != t}
+                assert changed == model.dark, (trial, step)
+            assert phys.commanded == model.commanded, (trial, step)
+            assert phys.actual == model.actual, (trial, step)
+        lit = {1 + k: 1.0 for k in range(n)}
+        assert set(phys.transfer(lit)) == set(range(n + 1, 2 * n + 1))
+
+
+def test_port_lists_are_read_as_whole_numbers_however_written():
+    from photonic_testbed.hil.emulator.ocs import parse_pairs, port_list
+    from photonic_testbed.hil.emulator.scpi import SCPIError
+    assert port_list("1,2,3") == [1, 2, 3]
+    assert port_list(" 3 , 01,2:4") == [3, 1, 2, 3, 4]
+    assert port_list("") == []
+    assert port_list("-2") == [-2]
+    big = "1" * 23                      # past 64 bits: an int, as the user wrote it
+    assert port_list(big) == [int(big)] and type(port_list(big)[0]) is int
+    with pytest.raises(SCPIError, match=f"ingress port {big} is not in 1..32"):
+        parse_pairs(f"(@{big}),(@33)", 32)
+    for bad, code in (("1,,2", -104), ("1,x", -104), ("4:2", -222)):
+        with pytest.raises(SCPIError) as e:
+            port_list(bad)
+        assert e.value.code == code, bad

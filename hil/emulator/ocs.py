@@ -12,6 +12,7 @@ SCPI (`OCSInstrument`): the Polatis dialect; see docs/instruments.md.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import re
@@ -20,6 +21,7 @@ import time
 from typing import Callable
 
 import numpy as np
+import orjson
 
 from photonic_testbed.hil.emulator.scpi import Instrument, SCPIError, no_arg
 
@@ -54,32 +56,29 @@ class OCSPhysics:
     # ---- state changes (all-or-nothing; callers validated the ports) -------------------------
 
     def _move(self, remove: dict[int, int], add: dict[int, int]) -> None:
-        now = time.monotonic()
-        until = now + self.switching_s
-        for i, e in remove.items():
-            del self.commanded[i]
-            if i in self.stuck or e in self.stuck:
-                continue
-            if self.actual.get(i) == e:
-                del self.actual[i]
-            for p in (i, e):
-                self._dark_until[p] = until
-        lit = set(self.actual.values())         # egress ports with a light path now
-        for i, e in add.items():
-            self.commanded[i] = e
-            if i in self.stuck or e in self.stuck:
-                continue
-            # The light path changes only if no stuck port holds either end.
-            if i in self.actual or e in lit:
-                continue
-            self.actual[i] = e
-            lit.add(e)
-            for p in (i, e):
-                self._dark_until[p] = until
+        commanded, actual, stuck = self.commanded, self.actual, self.stuck
+        for i in remove:
+            del commanded[i]
+        commanded.update(add)
         self.moves += len(remove) + len(add)
-        for pairs in (remove, add):
-            self.port_moves.update(pairs.keys())
-            self.port_moves.update(pairs.values())
+        self.port_moves.update(itertools.chain(remove.keys(), remove.values(), add.keys(),
+                                               add.values()))
+        if stuck:       # a stuck port at either end: the light keeps its old path
+            remove = {i: e for i, e in remove.items() if i not in stuck and e not in stuck}
+            add = {i: e for i, e in add.items() if i not in stuck and e not in stuck}
+        for i, e in remove.items():
+            if actual.get(i) == e:
+                del actual[i]
+        # A new light path needs both its ends free of light (a stuck circuit, or one the
+        # controller forgot across a fault, can hold either); `add` names each egress once.
+        lit = set(actual.values())
+        if not (actual.keys().isdisjoint(add.keys()) and lit.isdisjoint(add.values())):
+            add = {i: e for i, e in add.items() if i not in actual and e not in lit}
+        actual.update(add)
+        if self.switching_s:    # the ports of every path made or broken: dark while it moves
+            self._dark_until.update(dict.fromkeys(itertools.chain(
+                remove.keys(), remove.values(), add.keys(), add.values()),
+                time.monotonic() + self.switching_s))
 
     def connect(self, pairs: dict[int, int]) -> None:
         with self.lock:
@@ -104,9 +103,9 @@ class OCSPhysics:
     def replace(self, pairs: dict[int, int]) -> None:
         """The whole map becomes `pairs`; circuits in both stay untouched (no move)."""
         with self.lock:
-            remove = {i: e for i, e in self.commanded.items() if pairs.get(i) != e}
-            add = {i: e for i, e in pairs.items() if self.commanded.get(i) != e}
-            self._move(remove, add)
+            had = self.commanded
+            self._move({i: e for i, e in had.items() if pairs.get(i) != e},
+                       {i: e for i, e in pairs.items() if had.get(i) != e})
 
     def egress_owner(self, e: int) -> int | None:
         for i, x in self.commanded.items():
@@ -186,15 +185,17 @@ class OCSPhysics:
 # ---- channel lists ------------------------------------------------------------------------
 
 _LIST = re.compile(r"\(@([^()]*)\)")
+# a list of whole numbers orjson reads as ints (up to 18 digits; longer ones it makes floats)
+_PLAIN = re.compile(r"(?:[ ,-]|[0-9]{1,18}(?![0-9]))*")
 
 
 def port_list(text: str) -> list[int]:
     """`1,2,5:7` -> [1, 2, 5, 6, 7]."""
-    if ":" not in text:
-        try:                     # the common case, a plain list: one pass in C
-            return [int(x) for x in text.split(",")]
-        except ValueError:
-            pass                 # an empty or bad entry: said below
+    if _PLAIN.fullmatch(text):  # the common case, a plain list: one pass in C
+        try:
+            return orjson.loads(f"[{text}]")
+        except orjson.JSONDecodeError:
+            pass                 # an empty entry, a leading zero, a lone sign: said below
     ports: list[int] = []
     for item in text.split(","):
         item = item.strip()
