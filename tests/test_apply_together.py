@@ -288,3 +288,41 @@ def test_an_answer_together_for_other_switches_fails_each_switch_not_the_agent(a
         finally:
             stop.set()
             t.join(10)
+
+
+def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_path):
+    """A service answers a change with a result whose circuit lists cannot be read (at odds
+    with the contract): the switch said it made the circuits, so the job gets its grant; the
+    journal says which report could not be read, and an alarm is raised."""
+    from photonic_testbed.hil.agent import Agent
+    from photonic_testbed.hil.jobplan import dp_tp
+    from photonic_testbed.hil.journal import Journal
+    from photonic_testbed.hil.rack_layout import opus
+    bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
+    handlers = {"apply_circuits": lambda args: bad}
+    with Server("ocs", {"ports": 32}, kind="switch", handlers=handlers,
+                publish_version=True) as server, Journal(tmp_path / "j.db") as journal:
+        request = server.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        stop = threading.Event()
+        t = threading.Thread(target=lambda: [server.poll(0.02) for _ in iter(stop.is_set, True)],
+                             daemon=True)
+        t.start()
+        try:
+            sw = BusSwitch("ocs", ServiceClient(request, timeout=10))
+            alarms, grants = [], []
+            agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0,
+                          on_alarm=lambda text, d: alarms.append(text),
+                          on_grant=lambda p, r: grants.append((p, r)))
+            agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
+            applied = journal.entries(kinds=("applied",))[-1].details
+            assert "added" not in applied and "input 1 is named twice" in applied["unreadable"]
+            key = next(k for k in agent._targets if k != agent.phase)
+            agent.on_phase(*key)                    # a phase switch: one entry for it
+            assert grants == [key]
+            phase = journal.entries(kinds=("phase",))[-1].details
+            assert "input 1 is named twice" in phase["applied"]["ocs"]["unreadable"]
+            assert len(alarms) == 2 and all("cannot be read" in a for a in alarms), alarms
+            sw.close()
+        finally:
+            stop.set()
+            t.join(10)

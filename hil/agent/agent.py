@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from photonic_testbed.drivers.circuit_switch import CircuitSwitch, Circuits, SwitchError
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, Circuits, \
+    SwitchError
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.policies import RankMap, Targets
 from photonic_testbed.hil.gpu_health import GpuHealth
@@ -78,6 +79,10 @@ _INT = {int}
 
 def _nothing(*args: Any) -> None:
     return None
+
+
+def _now(fn: Callable[[], None]) -> None:
+    fn()
 
 
 Key = tuple[str, int]
@@ -142,6 +147,9 @@ class Agent:
         self.on_order = on_order or _nothing
         self.on_rank_map = on_rank_map or _nothing
         self.on_alarm = on_alarm or _nothing
+        # how the work that follows a phase's grant is done: at once, by default; a caller
+        # whose grant is a reply (the agent on the bus) runs it once the reply has gone
+        self.after_grant: Callable[[Callable[[], None]], None] = _now
         self.jobs: dict[str, Job] = {}
         self._holder: dict[str, str] = {}              # GPU -> the job holding it
         self._order = {g: i for i, g in enumerate(layout.gpus)}
@@ -219,11 +227,12 @@ class Agent:
 
     # --- the switches -----------------------------------------------------------------------
     def _apply(self, job: Job, targets: Targets, cause: str, record: bool = True
-               ) -> dict[str, dict[str, Any]]:
+               ) -> dict[str, tuple[ApplyReport, float]]:
         """Make `job`'s part of every switch `targets`, leaving every other job's part alone:
         journal, then apply, every switch whose circuits (the union of the jobs' parts) differ;
-        {switch: what changed}. With record=False the caller journals the change and its
-        outcome in its own entry (phase rails: one entry per phase switch)."""
+        {switch: (its report, seconds)}. With record=False the caller journals the change and
+        its outcome in its own entry (phase rails: one entry per phase switch), with
+        `_reported`, once the job has its grant."""
         todo: dict[str, Circuits] = {}
         for s, c in targets.items():
             parts = self._held.setdefault(s, {})
@@ -240,27 +249,42 @@ class Agent:
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
-        took: dict[str, dict[str, Any]] = {}
+        took: dict[str, tuple[ApplyReport, float]] = {}
         failed: list[tuple[str, SwitchError]] = []
         for s, c, rep in self._write(todo):
             if isinstance(rep, SwitchError):
                 self._current.pop(s, None)        # unknown now: read back at reconcile
                 failed.append((s, rep))
                 continue
-            rep, seconds = rep
-            took[s] = {"seconds": seconds, "added": _pairs(rep.added),
-                       "removed": _pairs(rep.removed)}
+            took[s] = rep
             self._current[s] = dict(c)
             if record:
-                self.journal.record("applied", cause, took[s]["seconds"], switch=s,
-                                    added=took[s]["added"], removed=took[s]["removed"],
-                                    job=job.name, defer=True)
+                self.journal.record("applied", cause, rep[1], switch=s, job=job.name,
+                                    defer=True, **self._reported({s: rep}, cause)[s])
         for s, e in failed:
             self._alarm(f"switch {s} refused the circuits: {e}", switch=s, during=cause)
         if failed:
             s, e = failed[0]
             raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
         return took
+
+    def _reported(self, took: Mapping[str, tuple[ApplyReport, float]], cause: str
+                  ) -> dict[str, dict[str, Any]]:
+        """{switch: what its report says changed, for the journal}. A report that cannot be
+        read (a service at odds with the contract) is journaled as such, with an alarm: the
+        switch said it made the circuits, which the agent holds it to."""
+        out: dict[str, dict[str, Any]] = {}
+        for s, (rep, seconds) in took.items():
+            try:
+                out[s] = {"seconds": seconds, "added": _pairs(rep.added),
+                          "removed": _pairs(rep.removed)}
+            except Exception as e:
+                why = str(e) if str(e).startswith(type(e).__name__) else \
+                    f"{type(e).__name__}: {e}"
+                out[s] = {"seconds": seconds, "unreadable": why}
+                self._alarm(f"switch {s} made the circuits for {cause} but its report of "
+                            f"them cannot be read: {e}", switch=s, during=cause)
+        return out
 
     def _write(self, todo: dict[str, Circuits]):
         """Apply each switch's circuits; different switches at once (an OCS moving its
@@ -577,6 +601,17 @@ class Agent:
                     self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
                     return
             self.on_grant(*key)
+            latency = self.clock() - t0
+            self.after_grant(lambda: self._granted(j, key, previous, targets, applied, cause,
+                                                   latency))
+
+    def _granted(self, j: Job, key: Key, previous: Key | None, targets: Targets,
+                 applied: dict[str, tuple[ApplyReport, float]], cause: str,
+                 latency: float) -> None:
+        """What follows a phase's grant, which nothing the job waits for needs: the next
+        phase's circuits handed to the switches that can stage them, and the phase's journal
+        entry (deferred: durable with the next sync, as before)."""
+        with self._lock:
             staged = []
             if self.prestage:
                 keys = list(j.circuits.targets)
@@ -588,8 +623,9 @@ class Agent:
                         staged.append(s)
             if key == previous and not applied and not staged:
                 return      # the same phase again, nothing moved: no new journal entry
-            self.journal.record("phase", cause, self.clock() - t0, phase=phase, round=round,
-                                job=j.name, applied=applied, prestaged=staged, defer=True)
+            self.journal.record("phase", cause, latency, phase=key[0], round=key[1],
+                                job=j.name, applied=self._reported(applied, cause),
+                                prestaged=staged, defer=True)
 
     def on_phase_done(self, phase: str, round: int = 0, job: str | None = None) -> Key | None:
         """The job is done with (phase, round)'s links and computes before its next phase:
@@ -618,7 +654,8 @@ class Agent:
                 return None
             j.ready = nxt
             self.journal.record("phase", cause, self.clock() - t0, phase=nxt[0], round=nxt[1],
-                                job=j.name, applied=applied, ahead=True, defer=True)
+                                job=j.name, applied=self._reported(applied, cause), ahead=True,
+                                defer=True)
             return nxt
 
     def on_job_event(self, event: Any) -> None:

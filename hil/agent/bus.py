@@ -19,11 +19,12 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import zmq
@@ -36,7 +37,7 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient, StaleState, \
     UnknownOperation, call_many, from_wire
 from photonic_testbed.hil.bus.mirror import StateSubscriber
-from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.server import Answer, Server
 from photonic_testbed.hil.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.journal import Entry, Journal
 from photonic_testbed.hil.rack_layout import Attachment, RackLayout
@@ -49,6 +50,28 @@ EVENT_DETAILS_BYTES = 2048   # an event's details as published, at most (the jou
 EVENT_ITEMS_SHOWN = 8        # a longer list or table in a bulky event is published as its size
 DARK_DBM = -99.0
 PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
+
+
+class _AnsweredReport(ApplyReport):
+    """A switch service's report of an `apply_circuits` (its answer's result), its circuit
+    lists read off the wire (and checked, `circuits_from_wire`) when first looked at: by the
+    agent's journal, once the job has the grant the change was for, not while it waits for it
+    (a phase switch on 64 OCSes: 128 lists of 32 circuits, 1.5 ms). A list that cannot be
+    read raises then (`Agent._reported` journals it as such)."""
+
+    _result: Any
+
+    def __init__(self, result: Any, seconds: float):
+        object.__setattr__(self, "seconds", seconds)
+        object.__setattr__(self, "_result", result)
+
+    @functools.cached_property
+    def added(self) -> Circuits:                                  # type: ignore[override]
+        return schema.circuits_from_wire(self._result["added"])
+
+    @functools.cached_property
+    def removed(self) -> Circuits:                                # type: ignore[override]
+        return schema.circuits_from_wire(self._result["removed"])
 
 
 class BusSwitch(CircuitSwitch):
@@ -106,9 +129,7 @@ class BusSwitch(CircuitSwitch):
                 elif isinstance(got, BusError):
                     out[i] = SwitchError(f"{sw.name}: {got}")
                 else:
-                    out[i] = ApplyReport(dict(schema.circuits_from_wire(got["added"])),
-                                         dict(schema.circuits_from_wire(got["removed"])),
-                                         time.perf_counter() - t0)
+                    out[i] = _AnsweredReport(got, time.perf_counter() - t0)
             pending = []
             for i in stale:
                 sw = work[i][0]
@@ -489,10 +510,21 @@ class AgentProcess:
         return {"job": name, "rank_map": {str(r): g for r, g in agent.jobs[name].rank_map.items()},
                 "restart": self._order(name)}
 
-    def _phase(self, args: dict) -> dict:
+    def _phase(self, args: dict) -> Answer:
+        """The reply is the grant; what follows the grant in the agent (its journal entry,
+        prestaging) is done once the reply has gone (`Agent.after_grant`)."""
         phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
-        self.agent.on_phase(phase, rnd, job=args["job"])
-        return {"granted": True, "phase": phase, "round": rnd}
+        granted: list[Callable[[], None]] = []
+        before, self.agent.after_grant = self.agent.after_grant, granted.append
+        try:
+            self.agent.on_phase(phase, rnd, job=args["job"])
+        finally:
+            self.agent.after_grant = before
+
+        def after() -> None:
+            for fn in granted:
+                fn()
+        return Answer({"granted": True, "phase": phase, "round": rnd}, after=after)
 
     def _relay_ping(self, args: dict) -> dict:
         """A `ping_device` to a switch's service, through the same client a phase switch
