@@ -33,10 +33,18 @@ _LIST = re.compile(r"\(@([^()]*)\)")
 SETTLE_TIMEOUT_S = 10.0      # the longest a move may take before *OPC? is late
 
 
+_PORT_TEXT = tuple(map(str, range(4097)))      # port numbers as written (a 64-switch phase
+                                               # change writes 4,096 of them)
+
+
 def format_circuits(circuits: Mapping[int, int]) -> str:
     """{1: 33, 2: 34} -> `(@1,2),(@33,34)` (ingress ascending)."""
     ins = sorted(circuits)
-    return f"(@{','.join(map(str, ins))}),(@{','.join(str(circuits[i]) for i in ins)})"
+    outs = [circuits[i] for i in ins]
+    text = _PORT_TEXT
+    if ins and 0 <= ins[0] and ins[-1] < len(text) and 0 <= min(outs) and max(outs) < len(text):
+        return f"(@{','.join([text[i] for i in ins])}),(@{','.join([text[o] for o in outs])})"
+    return f"(@{','.join(map(str, ins))}),(@{','.join(map(str, outs))})"
 
 
 def parse_circuits(text: str) -> Circuits:

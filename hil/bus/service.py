@@ -103,9 +103,12 @@ def _apply_circuits(switch: CircuitSwitch, args):
 
 
 def _applied(report, circuits) -> tuple[dict, dict]:
+    """The answer to a change of circuits, and its state: the switch's whole map, put in wire
+    form when it is published (after the reply; `circuits` is the map the switch now holds,
+    which nothing changes in place)."""
     return ({"added": schema.circuits_to_wire(report.added),
              "removed": schema.circuits_to_wire(report.removed), "seconds": report.seconds},
-            {"circuits": schema.circuits_to_wire(circuits)})
+            {"circuits": lambda: schema.circuits_to_wire(circuits)})
 
 
 def _begin_apply_circuits(switch, args):
