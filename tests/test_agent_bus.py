@@ -21,7 +21,7 @@ from photonic_testbed.hil.bus.service import DeviceService
 from photonic_testbed.hil.fabric_client import Fabric
 from photonic_testbed.hil.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
-from photonic_testbed.hil.jobplan import dp_ring
+from photonic_testbed.hil.jobplan import dp_ring, dp_tp
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import layout
 
@@ -299,3 +299,45 @@ def test_received_powers_in_one_transfer_equal_the_sum_per_transmitter():
         assert once[20] < -90
         with pytest.raises(ValueError):
             rack.port_powers_dbm("chip", [40])
+
+
+def test_a_subscribers_mirror_follows_phases_swaps_and_releases_from_small_deltas(opus_bus,
+                                                                                   tmp_path):
+    """The agent publishes a job's changed fields alone: a phase switch's delta carries the
+    job's phase and round, not its rank map; a mirror built from deltas equals a snapshot after
+    phase switches, a swap (a new rank map) and the job's release."""
+    from photonic_testbed.hil.bus.mirror import StateSubscriber
+    emu, rig, path = opus_bus
+    agent = _agent(path, tmp_path / "journal.db")
+    deltas: list = []
+    sub = StateSubscriber({"agent": rig.agent_endpoints()}, telemetry=False,
+                          on_state=lambda d, s, ops: deltas.append(ops))
+    try:
+        with ServiceClient(rig.agent_endpoints()[0], timeout=10) as c:
+            _until(lambda: (sub.poll(0.05), sub.state("agent") is not None)[1],
+                   what="the agent's snapshot")
+            rank_map = c.call("admit", plan=dp_tp(4).to_dict(), job="j")["rank_map"]
+
+            def caught_up() -> bool:
+                sub.poll(0.05)
+                return sub.state("agent") == c.call("snapshot")["state"]
+            _until(caught_up, what="the mirror equal to a snapshot after the admission")
+            deltas.clear()
+            for phase in ("dp", "tp", "dp"):      # from tp (the first) to dp
+                c.call("phase", phase=phase, round=0, job="j")
+            _until(caught_up, what="the mirror equal to a snapshot after the phases")
+            paths = [op[1] for ops in deltas if ops for op in ops]
+            assert ["jobs", "j", "phase"] in paths, paths
+            assert not any(p[0] == "rank_map" or p[-1] == "rank_map" or p[-1] in ("jobs", "j")
+                           for p in paths), paths
+            assert sub.state("agent")["jobs"]["j"]["rank_map"] == rank_map
+            assert c.call("swap", gpu=rank_map["3"])["swaps"] == {rank_map["3"]: "server4"}
+            _until(caught_up, what="the mirror equal to a snapshot after the swap")
+            moved = sub.state("agent")["jobs"]["j"]["rank_map"]
+            assert moved != rank_map and sub.state("agent")["rank_map"] == moved
+            c.call("release", job="j")
+            _until(caught_up, what="the mirror equal to a snapshot after the release")
+            assert sub.state("agent")["jobs"] == {} and sub.state("agent")["rank_map"] == {}
+    finally:
+        sub.close()
+        _stop(agent)
