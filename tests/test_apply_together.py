@@ -5,6 +5,7 @@ one answer per switch. Checked on emulated OCSes over their real sockets, and fr
 side (`BusSwitch.apply_together` sends one request per group)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -263,6 +264,23 @@ def test_changes_together_leave_nothing_for_the_collector(switches):
     assert found < 200, found
 
 
+@contextlib.contextmanager
+def _contrary_server(name: str, ports: int, handlers: dict):
+    """A switch server whose handlers answer at odds with the contract, polled on a thread;
+    yields its request endpoint."""
+    with Server(name, {"ports": ports}, kind="switch", handlers=handlers,
+                publish_version=True) as server:
+        stop = threading.Event()
+        t = threading.Thread(target=lambda: [server.poll(0.02) for _ in iter(stop.is_set, True)],
+                             daemon=True)
+        t.start()
+        try:
+            yield server.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        finally:
+            stop.set()
+            t.join(10)
+
+
 @pytest.mark.parametrize("answer", [{"changes": []}, {"changes": [{"switch": "b"}]}, [1, 2],
                                     {"changes": [{"switch": "b"}, {"switch": "a"}]}])
 def test_an_answer_together_for_other_switches_fails_each_switch_not_the_agent(answer):
@@ -270,24 +288,14 @@ def test_an_answer_together_for_other_switches_fails_each_switch_not_the_agent(a
     asked (at odds with the contract): each switch fails with a SwitchError, nothing raised."""
     handlers = {"apply_circuits_together": lambda args: answer,
                 "describe": lambda args: {"together": {"group": "g", "switches": ["a", "b"]}}}
-    with Server("a", {"ports": 8}, kind="switch", handlers=handlers,
-                publish_version=True) as server:
-        request = server.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        stop = threading.Event()
-        t = threading.Thread(target=lambda: [server.poll(0.02) for _ in iter(stop.is_set, True)],
-                             daemon=True)
-        t.start()
-        try:
-            bus = [BusSwitch(n, ServiceClient(request, timeout=10)) for n in ("a", "b")]
-            assert bus[0].group == bus[1].group is not None
-            got = BusSwitch.apply_together([(sw, {1: 9}) for sw in bus])
-            assert all(isinstance(r, SwitchError) and "other switches" in str(r)
-                       for r in got), got
-            for sw in bus:
-                sw.close()
-        finally:
-            stop.set()
-            t.join(10)
+    with _contrary_server("a", 8, handlers) as request:
+        bus = [BusSwitch(n, ServiceClient(request, timeout=10)) for n in ("a", "b")]
+        assert bus[0].group == bus[1].group is not None
+        got = BusSwitch.apply_together([(sw, {1: 9}) for sw in bus])
+        assert all(isinstance(r, SwitchError) and "other switches" in str(r)
+                   for r in got), got
+        for sw in bus:
+            sw.close()
 
 
 def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_path):
@@ -300,29 +308,20 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     from photonic_testbed.hil.rack_layout import opus
     bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
     handlers = {"apply_circuits": lambda args: bad}
-    with Server("ocs", {"ports": 32}, kind="switch", handlers=handlers,
-                publish_version=True) as server, Journal(tmp_path / "j.db") as journal:
-        request = server.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        stop = threading.Event()
-        t = threading.Thread(target=lambda: [server.poll(0.02) for _ in iter(stop.is_set, True)],
-                             daemon=True)
-        t.start()
-        try:
-            sw = BusSwitch("ocs", ServiceClient(request, timeout=10))
-            alarms, grants = [], []
-            agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0,
-                          on_alarm=lambda text, d: alarms.append(text),
-                          on_grant=lambda p, r: grants.append((p, r)))
-            agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
-            applied = journal.entries(kinds=("applied",))[-1].details
-            assert "added" not in applied and "input 1 is named twice" in applied["unreadable"]
-            key = next(k for k in agent._targets if k != agent.phase)
-            agent.on_phase(*key)                    # a phase switch: one entry for it
-            assert grants == [key]
-            phase = journal.entries(kinds=("phase",))[-1].details
-            assert "input 1 is named twice" in phase["applied"]["ocs"]["unreadable"]
-            assert len(alarms) == 2 and all("cannot be read" in a for a in alarms), alarms
-            sw.close()
-        finally:
-            stop.set()
-            t.join(10)
+    with _contrary_server("ocs", 32, handlers) as request, \
+            Journal(tmp_path / "j.db") as journal:
+        sw = BusSwitch("ocs", ServiceClient(request, timeout=10))
+        alarms, grants = [], []
+        agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0,
+                      on_alarm=lambda text, d: alarms.append(text),
+                      on_grant=lambda p, r: grants.append((p, r)))
+        agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
+        applied = journal.entries(kinds=("applied",))[-1].details
+        assert "added" not in applied and "input 1 is named twice" in applied["unreadable"]
+        key = next(k for k in agent._targets if k != agent.phase)
+        agent.on_phase(*key)                    # a phase switch: one entry for it
+        assert grants == [key]
+        phase = journal.entries(kinds=("phase",))[-1].details
+        assert "input 1 is named twice" in phase["applied"]["ocs"]["unreadable"]
+        assert len(alarms) == 2 and all("cannot be read" in a for a in alarms), alarms
+        sw.close()
