@@ -125,11 +125,21 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                 t_fail = time.time()
                 request(stack.control, {"cmd": "fail_gpu", "gpu": victim}, 30.0)
 
+                journaled: list[str] = []
+
                 def done():
                     es = j.entries(since=last)
-                    return es if any(e.kind in ("verified", "verify_failed") for e in es) \
-                        and any(e.kind == "rank_map" for e in es) else None
-                es = wait_for(done)
+                    kinds = {e.kind for e in es}
+                    journaled[:] = [e.kind for e in es]
+                    return es if kinds & {"verified", "verify_failed"} and \
+                        {"decision", "applied", "rank_map"} <= kinds else None
+                try:
+                    es = wait_for(done)
+                except CommandFailed:
+                    raise CommandFailed(
+                        f"the swap of {victim} was not journaled whole in 30 s (a decision, "
+                        f"the switches applied, verified, the rank map): the journal has "
+                        f"{', '.join(journaled) or 'nothing'} since the failure") from None
                 last = es[-1].seq
                 t: dict[str, float] = {}
                 for e in es:
