@@ -393,3 +393,37 @@ def test_call_many_waits_for_the_slowest_and_keeps_every_answer():
         for s in servers + [prompt]:
             s.close()
         silent.close(linger=0)
+
+
+def test_a_device_that_dies_after_its_snapshot_before_any_heartbeat_is_seen_lost(monkeypatch):
+    """A service that answers the subscriber's snapshot and dies before its first heartbeat
+    (the mirror never learnt its interval) is marked down all the same, not alive for ever."""
+    monkeypatch.setattr(StateSubscriber, "FIRST_HEARTBEAT_S", 0.5)
+    ctx = zmq.Context.instance()
+    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    for sock in (router, pub):
+        sock.linger = 0
+    req_port = router.bind_to_random_port("tcp://127.0.0.1")
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[tuple[str, bool]] = []
+    sub = StateSubscriber({"ocs": (f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{pub_port}")},
+                          on_online=lambda dev, alive: seen.append((dev, alive)))
+    try:
+        answered = False
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and seen != [("ocs", True), ("ocs", False)]:
+            sub.poll(0.05)
+            if not answered and router.poll(0):
+                who, frame = router.recv_multipart()
+                ask = schema.decode(frame)
+                snap = schema.make("snapshot", device="ocs", incarnation="a1", seq=0,
+                                   state={"circuits": []})
+                router.send_multipart([who, schema.encode(schema.make(
+                    "reply", id=ask["id"], result=snap, version="a1:0"))])
+                answered = True         # then silence: no heartbeat, no more answers
+        assert answered
+        assert seen == [("ocs", True), ("ocs", False)]
+    finally:
+        sub.close()
+        router.close()
+        pub.close()

@@ -240,8 +240,9 @@ class _Device:
     dealer: zmq.Socket | None = None
     pending: str | None = None           # id of the snapshot request in flight
     asked_at: float = 0.0
-    last_heartbeat: float = 0.0
+    last_heartbeat: float = 0.0          # the last heartbeat (or snapshot reply, before one)
     interval: float = 1.0
+    heard: bool = False                  # a heartbeat seen (its interval known)
     alive: bool = False
 
 
@@ -253,6 +254,9 @@ class StateSubscriber:
 
     SNAPSHOT_RETRY_S = 0.5
     MISSED_HEARTBEATS = 3
+    # A device seen alive by its snapshot reply alone (it has sent no heartbeat yet, so its
+    # interval is unknown) is taken as lost after this long without one.
+    FIRST_HEARTBEAT_S = 5.0
 
     def __init__(self, devices: Mapping[str, tuple[str, str]], *,
                  on_state: Callable[[str, dict, list | None], None] | None = None,
@@ -365,6 +369,7 @@ class StateSubscriber:
         if msg["type"] == "heartbeat":
             dev.last_heartbeat = time.monotonic()
             dev.interval = float(msg["interval"])
+            dev.heard = True
             self._set_alive(dev, True)
         was_synced = not dev.mirror.needs_snapshot
         ops = dev.mirror.feed(msg)
@@ -406,6 +411,8 @@ class StateSubscriber:
             return
         if dev.mirror.load(snap) and self.on_state:
             self.on_state(dev.name, dev.mirror.state, None)
+        if not dev.heard:
+            dev.last_heartbeat = time.monotonic()     # the reply is its sign of life so far
         self._set_alive(dev, True)
 
     def _housekeeping(self) -> None:
@@ -414,8 +421,9 @@ class StateSubscriber:
             if dev.mirror.needs_snapshot and (dev.pending is None or
                                               now - dev.asked_at > self.SNAPSHOT_RETRY_S):
                 self._ask_snapshot(dev)
-            if dev.alive and dev.last_heartbeat and \
-                    now - dev.last_heartbeat > self.MISSED_HEARTBEATS * dev.interval:
+            silence = self.MISSED_HEARTBEATS * dev.interval if dev.heard \
+                else max(self.FIRST_HEARTBEAT_S, self.MISSED_HEARTBEATS * dev.interval)
+            if dev.alive and dev.last_heartbeat and now - dev.last_heartbeat > silence:
                 self._set_alive(dev, False)
 
     def _set_alive(self, dev: _Device, alive: bool) -> None:
