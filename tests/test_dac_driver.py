@@ -131,6 +131,25 @@ def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
         assert dac_board.outputs[3] == pytest.approx(1.0, abs=2e-4)
 
 
+def test_the_board_ticks_on_the_clock_only_with_its_watchdog_armed(dac_board):
+    """The firmware's tick runs the watchdog and its ramp; with neither, the emulated board
+    waits for the host (at most IDLE_S), not every TICK_S."""
+    from photonic_testbed.hil.emulator.dac_board import IDLE_S
+    ticks = []
+    board = dac_board.board
+    tick = board.tick
+    board.tick = lambda: (ticks.append(None), tick())[1]
+    with HeaterDAC(str(dac_board.link)) as dac:
+        dac.set_voltage(0, 1.0)
+        ticks.clear()
+        time.sleep(0.5)                      # silent host, no watchdog: a tick per IDLE_S
+        assert len(ticks) <= 0.5 / IDLE_S + 3, len(ticks)
+        dac.set_watchdog(60_000)             # armed (it will not trip): ticks on the clock
+        ticks.clear()
+        assert wait_until(lambda: len(ticks) > 0.5 / IDLE_S + 3, timeout=10.0)
+        dac.set_watchdog(0)
+
+
 def test_garbage_on_the_line_is_answered_and_the_board_keeps_serving(dac_board):
     with serial.Serial(str(dac_board.link), 115200, timeout=10.0) as raw:
         raw.reset_input_buffer()

@@ -24,6 +24,7 @@ from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 log = logging.getLogger(__name__)
 
 TICK_S = 0.002             # firmware main-loop period (watchdog and ramp resolution)
+IDLE_S = 0.05              # the loop's wait when the firmware has nothing timed to do
 MAX_PENDING = 1 << 16      # reply bytes held for a client that does not read
 
 
@@ -143,8 +144,12 @@ class EmulatedDACBoard:
                 continue
             try:
                 wants_write = bool(self._pending)
+                # the firmware's tick does something only with its watchdog armed or a ramp
+                # under way; else the loop waits for the host (500 wake-ups a second less)
+                board = self.board
+                wait = TICK_S if board.wdt_ms or board.ramp else IDLE_S
                 readable, writable, _ = select.select(
-                    [master], [master] if wants_write else [], [], TICK_S)
+                    [master], [master] if wants_write else [], [], wait)
             except (OSError, ValueError):
                 continue  # unplugged under us
             with self._lock:
