@@ -217,7 +217,8 @@ def test_the_agent_sends_switches_served_together_in_one_request(switches):
 
 def test_switches_the_agent_thought_together_but_served_apart_are_sent_each_its_own(switches):
     """A group that is no longer served together (the services restarted apart): the request
-    together is refused and each switch is sent its own, and from then on alone."""
+    together is refused and each switch is sent its own, alone until it asks its service
+    again (REGROUP_S later): then with the group its service says it is in."""
     phys = OCSPhysics(8, switching_s=0.0)
     with served([(OCSInstrument(phys), {})]) as apart:
         bus = _bus_switches(switches, ["ocs0", "ocs1"])
@@ -230,6 +231,18 @@ def test_switches_the_agent_thought_together_but_served_apart_are_sent_each_its_
             assert _held(phys) == rotation(1) and _held(switches[1][1]) == rotation(1)
             assert _held(switches[0][1]) == []          # the ocs0 served together: untouched
             assert lone.group is None and bus[1].group is None
+            # asked again once REGROUP_S has passed: ocs1's service says it serves ocs0..3
+            # together, the lone ocs0's that it serves ocs0 alone
+            for sw in (lone, bus[1]):
+                assert sw._regroup_at is not None and sw._regroup_at > time.monotonic()
+                sw._regroup_at = time.monotonic()
+            got = BusSwitch.apply_together([(bus[0], dict(rotation(2))),
+                                            (bus[1], dict(rotation(2))),
+                                            (lone, dict(rotation(2)))])
+            assert all(isinstance(r, ApplyReport) for r in got), got
+            assert bus[1].group == bus[0].group and bus[0].group[1] == frozenset(ALL)
+            assert lone.group is None and lone._regroup_at > time.monotonic()
+            assert _held(switches[0][1]) == _held(switches[1][1]) == _held(phys) == rotation(2)
         finally:
             for sw in (*bus, lone):
                 sw.close()

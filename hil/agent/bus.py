@@ -77,18 +77,41 @@ class _AnsweredReport(ApplyReport):
 class BusSwitch(CircuitSwitch):
     """A switch service on the bus, as a CircuitSwitch."""
 
+    # A switch whose service refused a request together is sent its own requests; it asks its
+    # service again (describe) this long after, and rejoins a group the service says it is in
+    # (the services restarted together again, say).
+    REGROUP_S = 30.0
+
     def __init__(self, name: str, client: ServiceClient):
         self.name = name
         self.client = client
         snap = client.call("snapshot")
         self._ports = int(snap["state"]["ports"])
         self.version = snap["state"]["version"]
-        # the switches served with this one, which one apply_circuits_together sent here may
-        # change (describe's `together`); None: none, or a service that does not say
-        together = client.call("describe").get("together") or {}
+        self._regroup_at: float | None = None
         self.group: tuple[str, frozenset] | None = None
-        if name in together.get("switches", ()) and len(together["switches"]) > 1:
+        self._learn_group()
+
+    def _learn_group(self) -> None:
+        """The switches served with this one, which one apply_circuits_together sent here may
+        change (describe's `together`); None: none, or a service that does not say."""
+        together = self.client.call("describe").get("together") or {}
+        self.group = None
+        if self.name in together.get("switches", ()) and len(together["switches"]) > 1:
             self.group = (str(together["group"]), frozenset(together["switches"]))
+
+    def _regroup(self, now: float) -> None:
+        """Ask the service again whether it serves this switch together with others, when a
+        refusal together set it apart REGROUP_S ago."""
+        if self.group is not None or self._regroup_at is None or now < self._regroup_at:
+            return
+        try:
+            self._learn_group()
+        except BusError as e:
+            log.info("%s: cannot ask whether it is served together (%s)", self.name, e)
+        self._regroup_at = None if self.group is not None else now + self.REGROUP_S
+        if self.group is not None:
+            log.info("%s is served together again (%d switches)", self.name, len(self.group[1]))
 
     @property
     def ports(self) -> int:
@@ -108,6 +131,9 @@ class BusSwitch(CircuitSwitch):
         refused again, or any other error: a SwitchError for that switch alone."""
         out: list = [None] * len(work)
         wires: dict[int, list] = {}
+        now = time.monotonic()
+        for sw, _ in work:
+            sw._regroup(now)
         for i, (sw, circuits) in enumerate(work):
             try:
                 wires[i] = schema.circuits_to_wire(check_circuits(circuits, sw._ports))
@@ -151,7 +177,7 @@ class BusSwitch(CircuitSwitch):
         the others each in its own `apply_circuits`; each with the version the agent last
         saw. Returns, per switch, its result or its BusError; each switch written has its new
         version. A service that refuses a request together (restarted apart from the others,
-        say) is sent each switch's own request, and is not sent one together again."""
+        say) is sent each switch's own request, and asks again after REGROUP_S."""
         groups: dict[tuple, list[int]] = {}
         for i, sw in enumerate(switches):
             key = sw.group if sw.group is not None else ("", i)
@@ -179,6 +205,7 @@ class BusSwitch(CircuitSwitch):
                             "its own", switches[idx[0]].name, got)
                 for i in idx:
                     switches[i].group = None
+                    switches[i]._regroup_at = time.monotonic() + BusSwitch.REGROUP_S
                 apart += idx
             elif isinstance(got, BusError):
                 for i in idx:
