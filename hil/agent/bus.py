@@ -107,7 +107,8 @@ class BusSwitch(CircuitSwitch):
             return
         try:
             self._learn_group()
-        except BusError as e:
+        except (BusError, AttributeError, TypeError) as e:    # (a `together` not as documented)
+            self.group = None
             log.info("%s: cannot ask whether it is served together (%s)", self.name, e)
         self._regroup_at = None if self.group is not None else now + self.REGROUP_S
         if self.group is not None:

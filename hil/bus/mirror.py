@@ -240,7 +240,7 @@ class _Device:
     dealer: zmq.Socket | None = None
     pending: str | None = None           # id of the snapshot request in flight
     asked_at: float = 0.0
-    last_heartbeat: float = 0.0          # the last heartbeat (or snapshot reply, before one)
+    last_heartbeat: float = 0.0          # the last heartbeat or snapshot reply
     interval: float = 1.0
     heard: bool = False                  # a heartbeat seen (its interval known)
     alive: bool = False
@@ -411,8 +411,7 @@ class StateSubscriber:
             return
         if dev.mirror.load(snap) and self.on_state:
             self.on_state(dev.name, dev.mirror.state, None)
-        if not dev.heard:
-            dev.last_heartbeat = time.monotonic()     # the reply is its sign of life so far
+        dev.last_heartbeat = time.monotonic()         # the reply is a sign of life too
         self._set_alive(dev, True)
 
     def _housekeeping(self) -> None:
