@@ -7,7 +7,7 @@ import pytest
 import serial
 
 from photonic_testbed.drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
-from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.hil.emulator.dac_board import IDLE_S, EmulatedDACBoard
 
 
 def wait_until(predicate, timeout=10.0, step=0.01):
@@ -134,7 +134,6 @@ def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
 def test_the_board_ticks_on_the_clock_only_with_its_watchdog_armed(dac_board):
     """The firmware's tick runs the watchdog and its ramp; with neither, the emulated board
     waits for the host (at most IDLE_S), not every TICK_S."""
-    from photonic_testbed.hil.emulator.dac_board import IDLE_S
     ticks = []
     board = dac_board.board
     tick = board.tick

@@ -206,7 +206,7 @@ class BusSwitch(CircuitSwitch):
                             "its own", switches[idx[0]].name, got)
                 for i in idx:
                     switches[i].group = None
-                    switches[i]._regroup_at = time.monotonic() + BusSwitch.REGROUP_S
+                    switches[i]._regroup_at = time.monotonic() + switches[i].REGROUP_S
                 apart += idx
             elif isinstance(got, BusError):
                 for i in idx:

@@ -241,8 +241,7 @@ class _Device:
     pending: str | None = None           # id of the snapshot request in flight
     asked_at: float = 0.0
     last_heartbeat: float = 0.0          # the last heartbeat or snapshot reply
-    interval: float = 1.0
-    heard: bool = False                  # a heartbeat seen (its interval known)
+    interval: float | None = None        # from its heartbeats (None: none seen yet)
     alive: bool = False
 
 
@@ -369,7 +368,6 @@ class StateSubscriber:
         if msg["type"] == "heartbeat":
             dev.last_heartbeat = time.monotonic()
             dev.interval = float(msg["interval"])
-            dev.heard = True
             self._set_alive(dev, True)
         was_synced = not dev.mirror.needs_snapshot
         ops = dev.mirror.feed(msg)
@@ -420,8 +418,8 @@ class StateSubscriber:
             if dev.mirror.needs_snapshot and (dev.pending is None or
                                               now - dev.asked_at > self.SNAPSHOT_RETRY_S):
                 self._ask_snapshot(dev)
-            silence = self.MISSED_HEARTBEATS * dev.interval if dev.heard \
-                else max(self.FIRST_HEARTBEAT_S, self.MISSED_HEARTBEATS * dev.interval)
+            silence = self.FIRST_HEARTBEAT_S if dev.interval is None \
+                else self.MISSED_HEARTBEATS * dev.interval
             if dev.alive and dev.last_heartbeat and now - dev.last_heartbeat > silence:
                 self._set_alive(dev, False)
 
