@@ -107,6 +107,14 @@ class ApplyReport:
     removed: Circuits = field(default_factory=dict)
     seconds: float = 0.0
 
+    def pairs(self, which: str) -> list[tuple[int, int]]:
+        """`added` or `removed` as sorted (input, output) pairs of Python ints (as journaled;
+        a driver's report may hold numpy integers)."""
+        c = getattr(self, which)
+        if set(map(type, c)) | set(map(type, c.values())) <= _INT:
+            return sorted(c.items())                # the usual report: no conversion
+        return sorted((int(a), int(b)) for a, b in c.items())
+
 
 class CircuitSwitch(abc.ABC):
     """Apply a set of circuits, read back what is set."""

@@ -66,17 +66,6 @@ class SwapOutcome:
     steps: dict[str, float] = field(default_factory=dict)   # decided/applied/verified times
 
 
-def _pairs(c: Mapping[int, int]) -> list[tuple[int, int]]:
-    """Circuits as sorted (input, output) pairs of Python ints (a switch's report may hold
-    numpy integers)."""
-    if set(map(type, c)) | set(map(type, c.values())) <= _INT:
-        return sorted(c.items())                # the usual report: no conversion
-    return sorted((int(a), int(b)) for a, b in c.items())
-
-
-_INT = {int}
-
-
 def _nothing(*args: Any) -> None:
     return None
 
@@ -276,8 +265,8 @@ class Agent:
         out: dict[str, dict[str, Any]] = {}
         for s, (rep, seconds) in took.items():
             try:
-                out[s] = {"seconds": seconds, "added": _pairs(rep.added),
-                          "removed": _pairs(rep.removed)}
+                out[s] = {"seconds": seconds, "added": rep.pairs("added"),
+                          "removed": rep.pairs("removed")}
             except Exception as e:
                 why = str(e) if str(e).startswith(type(e).__name__) else \
                     f"{type(e).__name__}: {e}"
@@ -379,7 +368,7 @@ class Agent:
                     t1 = self.clock()
                     rep = sw.apply(want)
                     self.journal.record("reconcile", cause, self.clock() - t1, switch=name,
-                                        added=_pairs(rep.added), removed=_pairs(rep.removed))
+                                        added=rep.pairs("added"), removed=rep.pairs("removed"))
                 self._current[name] = want
             self.journal.record("reconcile", cause, self.clock() - t0, moves=moves)
             return moves

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import msgspec
 import orjson
 import zmq
 
@@ -72,6 +73,25 @@ class _AnsweredReport(ApplyReport):
     @functools.cached_property
     def removed(self) -> Circuits:                                # type: ignore[override]
         return schema.circuits_from_wire(self._result["removed"])
+
+    def pairs(self, which: str) -> list[tuple[int, int]]:
+        """The list as it came, checked in one pass in C (pairs of two integers, no input or
+        output named twice) and sorted; a list that fails is read as `added`/`removed` are,
+        which says what is wrong (a 64-OCS phase switch's journal entry: 128 lists, half the
+        time of making each a dict first)."""
+        raw = self._result[which]
+        try:
+            got = msgspec.convert(raw, _WIRE_PAIRS, strict=True)
+        except (msgspec.ValidationError, TypeError):
+            got = None
+        if got is None or len({a for a, _ in got}) != len(got) \
+                or len({b for _, b in got}) != len(got):
+            return super().pairs(which)
+        got.sort()
+        return got
+
+
+_WIRE_PAIRS = list[tuple[int, int]]
 
 
 class BusSwitch(CircuitSwitch):
@@ -362,7 +382,8 @@ class AgentProcess:
         self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
         self._fresh: collections.deque[dict] = collections.deque()  # written, not published
-        self._rack_cache: tuple[tuple, list[dict]] | None = None   # (what it shows, rows)
+        # (what the rows show: each job's rank map and every GPU's health, copied; the rows)
+        self._rack_cache: tuple[tuple[dict, dict], list[dict]] | None = None
         self._wired: dict[str, tuple[dict, dict[str, str]]] = {}   # job -> (rank map, wired)
         self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
         self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
@@ -644,12 +665,15 @@ class AgentProcess:
         """Every GPU's row, rebuilt only when a job's ranks or a GPU's health changed (a phase
         switch changes neither; at 2,048 GPUs the rebuild was a fifth of the agent's work)."""
         a = self.agent
-        key = (tuple((j.name, tuple(j.rank_map.items())) for j in a.jobs.values()),
-               tuple(a._health.items()))
-        if self._rack_cache is not None and self._rack_cache[0] == key:
-            return self._rack_cache[1]
+        got = self._rack_cache
+        if got is not None:
+            (ranks, health), rows = got
+            if health == a._health and len(ranks) == len(a.jobs) and all(
+                    ranks.get(name) == j.rank_map for name, j in a.jobs.items()):
+                return rows           # (dicts compared in C; copied only when they change)
         rows = self._build_rack()
-        self._rack_cache = (key, rows)
+        self._rack_cache = (({name: dict(j.rank_map) for name, j in a.jobs.items()},
+                             dict(a._health)), rows)
         return rows
 
     def _build_rack(self) -> list[dict]:
