@@ -338,3 +338,27 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
         assert "input 1 is named twice" in phase["applied"]["ocs"]["unreadable"]
         assert len(alarms) == 2 and all("cannot be read" in a for a in alarms), alarms
         sw.close()
+
+
+@pytest.mark.parametrize("raw", [
+    [[3, 40], [1, 33], [2, 35]],          # the usual list, out of order
+    [],
+    [[1, 33], [2, 33]],                   # an output named twice
+    [[1, 33], [1, 34]],                   # an input named twice
+    [[1, True]], [[1, 2.0]], [[1, 2, 3]], [1, 2], "(@1),(@33)", None,
+])
+def test_a_reports_lists_are_journaled_as_reading_them_as_circuits_says(raw):
+    """The agent's one-pass reading of a service's report gives the pairs, or the refusal,
+    that reading the list as circuits gives."""
+    from photonic_testbed.drivers.circuit_switch import ApplyReport
+    from photonic_testbed.hil.agent.bus import _AnsweredReport
+
+    def outcome(read):
+        try:
+            return read(_AnsweredReport({"added": raw, "removed": []}, 0.0), "added")
+        except Exception as e:                         # noqa: BLE001 (compared below)
+            return type(e), str(e)
+    want = outcome(ApplyReport.pairs)
+    assert outcome(_AnsweredReport.pairs) == want
+    if isinstance(want, list):
+        assert want == sorted(want) and all(type(a) is int and type(b) is int for a, b in want)
