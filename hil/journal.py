@@ -12,6 +12,13 @@ read of the journal (`entries`, `intended`, `flush`, `close`). Nothing acts on a
 before that commit, so a `kill -9` in between loses only entries whose effect never left the
 process.
 
+Long lists are kept once: an entry whose details run past `SHARE_ABOVE` bytes (a phase switch
+on 64 OCSes names each switch's circuits added and removed, 35 KB) has each list of
+`SHARED_ITEMS` or more items stored in `shared_values` under its digest and referred to by it;
+a job's phases come back round after round and with them the same lists, so such an entry
+costs a few KB instead of its whole text. Readers (`entries`) get the details whole, as
+before.
+
 Opening: a journal is created only where no file exists, and created whole (in a scratch file
 beside it, linked into place once its schema is written), so a file at the path is always a
 complete journal or damage. An existing file is checked before anything reads it: an SQLite
@@ -23,6 +30,7 @@ it forget silently. Any later SQLite failure is a `JournalError` too.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +46,8 @@ import orjson
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2           # 2: long lists kept once (`shared_values`, `events.shares`); a
+                             # journal of schema 1 is brought to 2 when opened
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -48,7 +57,8 @@ CREATE TABLE IF NOT EXISTS events (
     kind       TEXT    NOT NULL,
     cause      TEXT    NOT NULL DEFAULT '',
     latency_s  REAL,
-    details    TEXT    NOT NULL DEFAULT '{}'
+    details    TEXT    NOT NULL DEFAULT '{}',
+    shares     INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events(kind);
 CREATE TABLE IF NOT EXISTS intended (
@@ -56,7 +66,9 @@ CREATE TABLE IF NOT EXISTS intended (
     circuits   TEXT NOT NULL,
     seq        INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+_SHARED_TABLE = "CREATE TABLE shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
 # What the agent writes; the GUI filters on these.
 KINDS = ("start", "failure", "detected", "decision", "applied", "verified", "verify_failed",
@@ -67,7 +79,65 @@ MAX_SEQ = 2 ** 63 - 1         # SQLite's largest INTEGER
 CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database this often,
                               # off the writers' path (a checkpoint costs 10-20 ms)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-_TABLES = {"meta", "events", "intended"}
+_TABLES = {"meta", "events", "intended"}     # (and `shared_values` from schema 2)
+SHARE_ABOVE = 2048           # an entry's details longer than this (JSON bytes) share their lists
+SHARED_ITEMS = 16            # ... of this many items or more
+_SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
+_KNOWN_KEPT = 100_000        # digests remembered as stored (past this, forgotten and asked)
+_OPTS = orjson.OPT_NON_STR_KEYS
+
+
+class _Unshareable(Exception):
+    """The details hold a mapping with the key that marks a shared value: stored whole."""
+
+
+def _shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
+    """The details as stored with each list of SHARED_ITEMS items or more replaced by
+    {"$shared": digest}, and {digest: the list as JSON}; _Unshareable if a mapping in them
+    already has that key (it would be read as a reference)."""
+    values: dict[str, bytes] = {}
+
+    def walk(v: Any) -> Any:
+        if type(v) is dict:
+            if _SHARED in v:
+                raise _Unshareable
+            return {k: walk(x) if type(x) in _NESTED else x for k, x in v.items()}
+        if len(v) >= SHARED_ITEMS:
+            body = orjson.dumps(v, default=str, option=_OPTS)
+            digest = hashlib.blake2b(body, digest_size=16).hexdigest()
+            values[digest] = body
+            return {_SHARED: digest}
+        return [walk(x) if type(x) in _NESTED else x for x in v]
+    form = walk(details)
+    return orjson.dumps(form, default=str, option=_OPTS).decode(), values
+
+
+_NESTED = (dict, list, tuple)
+
+
+def _references(value: Any, out: set[str]) -> None:
+    """The digests of the shared values `value` (stored details, read) refers to, into `out`."""
+    if type(value) is dict:
+        if len(value) == 1 and type(value.get(_SHARED)) is str:
+            out.add(value[_SHARED])
+            return
+        for v in value.values():
+            _references(v, out)
+    elif type(value) is list:
+        for v in value:
+            _references(v, out)
+
+
+def _resolved(value: Any, texts: Mapping[str, str]) -> Any:
+    """Stored details, read, with each reference replaced by the value it stands for (a new
+    object each time: a reader may change what it is given)."""
+    if type(value) is dict:
+        if len(value) == 1 and type(value.get(_SHARED)) is str:
+            return orjson.loads(texts[value[_SHARED]])
+        return {k: _resolved(v, texts) for k, v in value.items()}
+    if type(value) is list:
+        return [_resolved(v, texts) for v in value]
+    return value
 
 
 def _details(text: str) -> dict:
@@ -233,6 +303,8 @@ class Journal:
             self._db.close()
             raise
         self._listeners: list[Callable[[Entry, str], None]] = []
+        self._stored: set[str] = set()        # digests of shared values known to be stored
+        self._storing: set[str] = set()       # ... written in the transaction under way
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name=f"journal-checkpoint {self.path}")
@@ -274,9 +346,32 @@ class Journal:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         if row is None:
             raise _refuse(self.path, "no schema version recorded")
-        if row[0] != str(SCHEMA_VERSION):
+        if row[0] == "1":
+            self._upgrade()
+        elif row[0] != str(SCHEMA_VERSION):
             raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
-                               f"reads schema {SCHEMA_VERSION}")
+                               f"reads schemas 1 and {SCHEMA_VERSION}")
+        elif "shared_values" not in tables:
+            raise _refuse(self.path, "a journal of schema 2 without its shared_values table")
+
+    def _upgrade(self) -> None:
+        """Schema 1 -> 2 in one transaction (every entry stays as it was: none refers to a
+        shared value); a second process that opened the same journal meanwhile finds it done."""
+        with _sqlite_errors(self.path, "bringing the journal to schema 2"):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                got = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+                if got is not None and got[0] == "1":
+                    self._db.execute("ALTER TABLE events ADD COLUMN shares INTEGER NOT NULL "
+                                     "DEFAULT 0")
+                    self._db.execute(_SHARED_TABLE)
+                    self._db.execute("UPDATE meta SET value=? WHERE key='schema'",
+                                     (str(SCHEMA_VERSION),))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        log.info("%s: journal brought from schema 1 to %d", self.path, SCHEMA_VERSION)
 
     def close(self) -> None:
         self._closing.set()
@@ -285,8 +380,7 @@ class Journal:
         with self._lock:
             try:
                 with _sqlite_errors(self.path, "committing the last entries"):
-                    if self._db.in_transaction:
-                        self._db.execute("COMMIT")
+                    self._commit()
             finally:
                 self._db.close()
 
@@ -299,12 +393,21 @@ class Journal:
     def flush(self) -> None:
         """Make the deferred entries durable (one transaction, one sync)."""
         with self._lock, _sqlite_errors(self.path, "committing"):
-            if self._db.in_transaction:
-                self._db.execute("COMMIT")
+            self._commit()
 
     def _begin(self) -> None:
         if not self._db.in_transaction:
+            self._storing.clear()                 # (what a failed transaction wrote: not kept)
             self._db.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("COMMIT")
+        if self._storing:
+            if len(self._stored) + len(self._storing) > _KNOWN_KEPT:
+                self._stored.clear()
+            self._stored |= self._storing
+            self._storing.clear()
 
     def record(self, kind: str, cause: str = "", latency_s: float | None = None,
                ts: float | None = None, *, defer: bool = False, **details: Any) -> int:
@@ -312,17 +415,28 @@ class Journal:
         once it is written: on disk with the next entry that is not deferred)."""
         if kind not in KINDS:
             raise ValueError(f"unknown journal kind {kind!r}; one of {', '.join(KINDS)}")
-        text = orjson.dumps(details, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+        text = orjson.dumps(details, default=str, option=_OPTS).decode()
+        stored, values = text, dict[str, bytes]()
+        if len(text) > SHARE_ABOVE:
+            try:
+                stored, values = _shared_form(details)
+            except _Unshareable:
+                pass
         ts = time.time() if ts is None else ts
         with self._lock, _sqlite_errors(self.path, f"recording {kind!r}"):
             self._begin()
             try:
+                for digest, body in values.items():
+                    if digest not in self._stored and digest not in self._storing:
+                        self._db.execute("INSERT OR IGNORE INTO shared_values VALUES (?,?)",
+                                         (digest, body.decode()))
+                        self._storing.add(digest)
                 cur = self._db.execute(
-                    "INSERT INTO events (ts, kind, cause, latency_s, details) VALUES (?,?,?,?,?)",
-                    (ts, kind, cause, latency_s, text))
+                    "INSERT INTO events (ts, kind, cause, latency_s, details, shares) "
+                    "VALUES (?,?,?,?,?,?)", (ts, kind, cause, latency_s, stored, int(bool(values))))
             finally:
                 if not defer:
-                    self._db.execute("COMMIT")
+                    self._commit()
             self._tell(Entry(cur.lastrowid, ts, kind, cause, latency_s, details), text)
             return cur.lastrowid
 
@@ -381,7 +495,7 @@ class Journal:
                 self._db.execute("RELEASE intended")
                 raise
             finally:
-                self._db.execute("COMMIT")
+                self._commit()
             return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
@@ -396,7 +510,8 @@ class Journal:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
         if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
             raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
-        query = "SELECT seq, ts, kind, cause, latency_s, details FROM events WHERE seq > ?"
+        query = ("SELECT seq, ts, kind, cause, latency_s, details, shares FROM events "
+                 "WHERE seq > ?")
         args: list[Any] = [since]
         if kinds:
             query += f" AND kind IN ({','.join('?' * len(kinds))})"
@@ -408,8 +523,37 @@ class Journal:
         with self._lock, _sqlite_errors(self.path, "reading the entries"):
             self.flush()
             rows = self._db.execute(query, args).fetchall()
-        return [Entry(seq, ts, kind, cause, lat, _details(det))
-                for seq, ts, kind, cause, lat, det in rows]
+            details = [_details(row[5]) for row in rows]
+            sharing = [i for i, row in enumerate(rows) if row[6]]
+            if sharing:
+                self._resolve(rows, details, sharing)
+        return [Entry(seq, ts, kind, cause, lat, d)
+                for (seq, ts, kind, cause, lat, _, _), d in zip(rows, details)]
+
+    def _resolve(self, rows: list, details: list[dict], sharing: list[int]) -> None:
+        """Put in place the shared values that the details of rows `sharing` refer to (read
+        in one go)."""
+        refs: dict[int, set[str]] = {}
+        for i in sharing:
+            _references(details[i], refs.setdefault(i, set()))
+        names = sorted(set().union(*refs.values()))
+        texts: dict[str, str] = {}
+        for k in range(0, len(names), 500):
+            part = names[k:k + 500]
+            texts.update(self._db.execute(
+                f"SELECT digest, value FROM shared_values WHERE digest IN "
+                f"({','.join('?' * len(part))})", part).fetchall())
+        for i in sharing:
+            missing = refs[i] - texts.keys()
+            if missing:
+                raise JournalError(f"{self.path}: damaged: entry {rows[i][0]} refers to "
+                                   f"{len(missing)} shared value(s) the journal does not "
+                                   f"hold ({min(missing)})")
+            try:
+                details[i] = _resolved(details[i], texts)
+            except orjson.JSONDecodeError as e:
+                raise JournalError(f"{self.path}: damaged: a shared value entry {rows[i][0]} "
+                                   f"refers to is not JSON ({e})") from None
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries())

@@ -370,3 +370,112 @@ def test_a_bulky_entry_is_briefed_alike_from_the_writer_or_the_file(tmp_path):
     assert _brief_details(live) == published_details(stored)      # as JSON has it already
     assert published_details(stored)["rank_map"] == {"items": 64}
     assert published_details(stored)["applied"]["added"] == 160
+
+
+def _phase_details(phase: int, switches: int = 64) -> dict:
+    """A phase switch's entry on `switches` OCSes of 32 x 32: each switch's circuits added and
+    removed (phase 0 and 1 alternate, as a job's phases do)."""
+    def circuits(p: int) -> list[list[int]]:
+        return [[i, 33 + (i * (3 + 2 * p)) % 32] for i in range(1, 33)]
+    return {"phase": "dp" if phase % 2 else "pp", "round": 0, "job": "a", "prestaged": [],
+            "applied": {f"rail{k % 8}-pod{k // 8}": {
+                "seconds": 0.001 * (k + phase), "added": circuits(phase % 2),
+                "removed": circuits(1 - phase % 2)} for k in range(switches)}}
+
+
+def _stored_bytes(path) -> tuple[int, int]:
+    import sqlite3
+    db = sqlite3.connect(str(path))
+    try:
+        events = db.execute("SELECT SUM(LENGTH(details)) FROM events").fetchone()[0]
+        shared = db.execute("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM shared_values"
+                            ).fetchone()[0]
+    finally:
+        db.close()
+    return events, shared
+
+
+def test_long_lists_are_kept_once_and_read_back_whole(tmp_path):
+    """A 64-OCS phase switch's entry names the same circuit lists round after round: they are
+    stored once, and every entry reads back with its details whole."""
+    import orjson
+    path = tmp_path / "j.db"
+    heard = []
+    with Journal(path) as j:
+        j.listen(lambda e, text: heard.append(text))
+        for k in range(40):
+            j.record("phase", f"phase {k}", 0.01, defer=k % 3 != 0, **_phase_details(k))
+        j.record("note", "small", pairs=[[1, 33]] * 20)           # under SHARE_ABOVE: whole
+        got = j.entries(kinds=("phase",))
+    assert [e.details for e in got] == [_phase_details(k) for k in range(40)]
+    assert [orjson.loads(t) for t in heard[:40]] == [_phase_details(k) for k in range(40)]
+    whole = sum(len(orjson.dumps(_phase_details(k))) for k in range(40))
+    events, shared = _stored_bytes(path)
+    assert shared < 2 * len(orjson.dumps(_phase_details(0)))     # two phases' lists, once
+    assert events + shared < whole / 3, (events, shared, whole)     # 35 KB -> 9 KB an entry
+    with Journal(path) as j:                                     # a new writer: the same
+        j.record("phase", "again", **_phase_details(1))
+        assert j.entries()[-1].details == _phase_details(1)
+    assert _stored_bytes(path)[1] == shared
+
+
+def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
+    import sqlite3
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.executescript("""BEGIN;
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,
+            kind TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', latency_s REAL,
+            details TEXT NOT NULL DEFAULT '{}');
+        CREATE INDEX events_kind ON events(kind);
+        CREATE TABLE intended (switch TEXT PRIMARY KEY, circuits TEXT NOT NULL,
+            seq INTEGER NOT NULL);
+        INSERT INTO meta VALUES ('schema', '1');
+        COMMIT;""")
+    import orjson
+    old = _phase_details(0, switches=8)
+    db.execute("INSERT INTO events (ts, kind, cause, details) VALUES (1.0, 'phase', 'p', ?)",
+               (orjson.dumps(old).decode(),))
+    db.execute("INSERT INTO intended VALUES ('rail0-pod0', '[[1,33]]', 1)")
+    db.close()
+    with Journal(path) as j:
+        assert j._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+        j.record("phase", "q", **_phase_details(1))
+        assert [e.details for e in j.entries()] == [old, _phase_details(1)]
+        assert j.intended() == {"rail0-pod0": [(1, 33)]}
+    with Journal(path) as j:                                     # opened again: as it was
+        assert [e.details for e in j.entries()] == [old, _phase_details(1)]
+    assert _stored_bytes(path)[1] > 0
+
+
+def test_a_lost_or_damaged_shared_value_is_a_clear_error(tmp_path):
+    import sqlite3
+    path = tmp_path / "j.db"
+    with Journal(path) as j:
+        j.record("note", "small")
+        seq = j.record("phase", "p", **_phase_details(0))
+    db = sqlite3.connect(str(path), isolation_level=None)
+    digest = db.execute("SELECT digest FROM shared_values").fetchone()[0]
+    db.execute("UPDATE shared_values SET value='[[1,' WHERE digest=?", (digest,))
+    db.close()
+    with Journal(path) as j:
+        with pytest.raises(JournalError, match=f"entry {seq}.*not JSON"):
+            j.entries()
+        assert [e.cause for e in j.entries(limit=1)] == ["small"]    # the others read
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("DELETE FROM shared_values WHERE digest=?", (digest,))
+    db.close()
+    with Journal(path) as j:
+        with pytest.raises(JournalError, match=f"damaged: entry {seq} refers to 1 shared "
+                                               f"value.*{digest}"):
+            j.entries()
+
+
+def test_details_that_hold_the_reference_key_are_stored_whole(tmp_path):
+    odd = {**_phase_details(0), "note": {"$shared": "not a reference"}}
+    with Journal(tmp_path / "j.db") as j:
+        j.record("note", "odd", **odd)
+        assert j.entries()[-1].details == odd
+    assert _stored_bytes(tmp_path / "j.db")[1] == 0

@@ -10,6 +10,8 @@ threads of one process) and `ptb agent`, as processes; zero device delays.
   an all-to-all over the servers of each pod on every rail, so that each (phase, round) sets
   circuits on all 64 OCSes); `Fabric.phase` timed from the job's request to the grant, the job
   computing `--gap-ms` between two.
+- Journal: how much the agent's journal grows per timed phase switch (its pages, as SQLite
+  counts them, before and after).
 - Failover: the GPU of a rank fails (control endpoint); its server's ranks move to a spare
   server of its pod (8 OCSes, one per rail); timed from the failure event on the bus (the
   `gpus` delta, as a subscriber here hears it) to the new circuits applied on every OCS
@@ -18,6 +20,7 @@ threads of one process) and `ptb agent`, as processes; zero device delays.
 """
 from __future__ import annotations
 
+import sqlite3
 import statistics
 import time
 
@@ -77,15 +80,27 @@ def _rows(label: str, xs: list[float]) -> dict:
             "p99_ms": f"{1e3 * percentile(xs, 0.99):.2f}", "max_ms": f"{1e3 * max(xs):.2f}"}
 
 
+def journal_bytes(path) -> int:
+    """The journal's size as SQLite counts it (pages in use, the write-ahead log's included)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return db.execute("PRAGMA page_count").fetchone()[0] * \
+            db.execute("PRAGMA page_size").fetchone()[0]
+    finally:
+        db.close()
+
+
 def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
-            ) -> tuple[list[float], list[int]]:
-    """Time `runs` phase requests; each one's number of OCSes written (from the journal)."""
+            ) -> tuple[list[float], list[int], float]:
+    """Time `runs` phase requests; each one's number of OCSes written (from the journal), and
+    the journal's growth per switch (bytes)."""
     seq = plan.sequence()
     for ph, rnd in seq:                        # warm-up: every circuit set seen once
         fabric.phase(ph, rnd)
     times: list[float] = []
     with Journal(stack.journal) as j:
         last = j.entries()[-1].seq
+        size0 = journal_bytes(stack.journal)
         while len(times) < runs:
             for ph, rnd in seq:
                 time.sleep(gap_s)
@@ -95,9 +110,10 @@ def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
                 if len(times) == runs:
                     break
         wait_for(lambda: len([e for e in j.entries(since=last, kinds=("phase",))]) >= runs)
+        grown = (journal_bytes(stack.journal) - size0) / runs
         written = [len(e.details.get("applied", {}))
                    for e in j.entries(since=last, kinds=("phase",))][:runs]
-    return times, written
+    return times, written, grown
 
 
 def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int,
@@ -186,7 +202,8 @@ def run(args) -> dict:
         rss["job admitted"] = stack.rss_mb()
         heap.settle("the job's admission")   # this process is the job: the plan is kept
         cpu0 = stack.cpu_s()
-        phase_s, written = _phases(stack, fabric, plan, args.phases, args.gap_ms / 1e3)
+        phase_s, written, grown = _phases(stack, fabric, plan, args.phases,
+                                          args.gap_ms / 1e3)
         cpu1 = stack.cpu_s()
         cpu_ms = {name: 1e3 * (cpu1[name] - cpu0[name]) / len(phase_s) for name in cpu0}
         parts = _failovers(stack, fabric, rank_map, args.failovers, spec.rails * group)
@@ -226,10 +243,12 @@ def run(args) -> dict:
     ]
     notes.append("CPU per phase switch (user + system, over the timed switches): " +
                  ", ".join(f"{name} {ms:.1f} ms" for name, ms in cpu_ms.items()))
+    notes.append(f"journal: {grown / 1e3:.1f} KB more per timed phase switch")
     notes += [f"RSS of {m['process']}: " + ", ".join(f"{k} {v}" for k, v in m.items()
                                                     if k != "process") for m in mem]
     return {"rows": rows, "memory": mem, "notes": notes, "started_s": stack.started,
-            "rss_mib": rss, "cpu_ms_per_phase_switch": cpu_ms, "samples_ms": {
+            "rss_mib": rss, "cpu_ms_per_phase_switch": cpu_ms,
+            "journal_bytes_per_phase_switch": round(grown), "samples_ms": {
                 "phase": [round(1e3 * x, 3) for x in phase_s], "ocs_written": written,
                 **{f"failover {k}": [round(1e3 * x, 3) for x in v]
                    for k, v in parts.items() if k != "ocs"}}}
