@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import threading
 import time
 
@@ -309,6 +310,27 @@ def test_an_answer_together_for_other_switches_fails_each_switch_not_the_agent(a
                    for r in got), got
         for sw in bus:
             sw.close()
+
+
+@pytest.mark.parametrize("together", [
+    {"group": "g", "switches": "ab"},            # a string: 'a' is in it, as a substring
+    {"group": "g", "switches": ["a", 2]}, {"group": 7, "switches": ["a", "b"]},
+    {"group": "g"}, ["a", "b"], "g", 0,
+])
+def test_a_together_not_as_documented_leaves_the_switch_on_its_own(together, caplog):
+    """A service whose `describe` names the switches served together in another shape than
+    {group: an id, switches: [names]}: the switch is sent its own requests, with a warning
+    saying why, and still applies its circuits."""
+    handlers = {"describe": lambda args: {"together": together},
+                "apply_circuits": lambda args: {"added": [[1, 9]], "removed": [],
+                                                "seconds": 0.0}}
+    with _contrary_server("a", 8, handlers) as request:
+        with caplog.at_level(logging.WARNING, logger="photonic_testbed.hil.agent.bus"):
+            sw = BusSwitch("a", ServiceClient(request, timeout=10))
+        assert sw.group is None
+        assert "not {group: an id, switches: [names]}" in caplog.text
+        assert sw.apply({1: 9}).added == {1: 9}
+        sw.close()
 
 
 def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_path):

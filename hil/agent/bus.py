@@ -115,10 +115,20 @@ class BusSwitch(CircuitSwitch):
     def _learn_group(self) -> None:
         """The switches served with this one, which one apply_circuits_together sent here may
         change (describe's `together`); None: none, or a service that does not say."""
-        together = self.client.call("describe").get("together") or {}
+        described = self.client.call("describe")
+        together = described.get("together") if isinstance(described, dict) else None
         self.group = None
-        if self.name in together.get("switches", ()) and len(together["switches"]) > 1:
-            self.group = (str(together["group"]), frozenset(together["switches"]))
+        if together is None:
+            return
+        switches = together.get("switches") if isinstance(together, dict) else None
+        group = together.get("group") if isinstance(together, dict) else None
+        if not (isinstance(switches, list) and all(isinstance(s, str) for s in switches)
+                and isinstance(group, str)):
+            log.warning("%s: its service describes `together` as %.80r, not {group: an id, "
+                        "switches: [names]}: sent its own requests", self.name, together)
+            return
+        if self.name in switches and len(set(switches)) > 1:
+            self.group = (group, frozenset(switches))
 
     def _regroup(self, now: float) -> None:
         """Ask the service again whether it serves this switch together with others, when a
@@ -127,7 +137,7 @@ class BusSwitch(CircuitSwitch):
             return
         try:
             self._learn_group()
-        except (BusError, AttributeError, TypeError) as e:    # (a `together` not as documented)
+        except BusError as e:
             self.group = None
             log.info("%s: cannot ask whether it is served together (%s)", self.name, e)
         self._regroup_at = None if self.group is not None else now + self.REGROUP_S
