@@ -479,3 +479,32 @@ def test_details_that_hold_the_reference_key_are_stored_whole(tmp_path):
         j.record("note", "odd", **odd)
         assert j.entries()[-1].details == odd
     assert _stored_bytes(tmp_path / "j.db")[1] == 0
+
+
+SHARING_WRITER = """
+import sys
+from photonic_testbed.hil.journal import Journal
+j = Journal(sys.argv[1])
+for k in range(100000):
+    circuits = [[i, 33 + (i * (3 + 2 * (k % 5))) % 32] for i in range(1, 33)]
+    fresh = [[i, 33 + (i * k) % 32] for i in range(1, 33)]     # a list never seen before
+    seq = j.record("phase", f"phase {k}", k=k, applied={
+        f"ocs{s}": {"added": circuits, "removed": fresh if s == 0 else circuits}
+        for s in range(16)})
+    print(seq, flush=True)
+"""
+
+
+def test_entries_with_shared_lists_reported_written_survive_kill_9(tmp_path):
+    path = tmp_path / "journal.db"
+    acknowledged = acknowledged_then_killed(SHARING_WRITER, path, 150)
+    with Journal(path) as j:
+        got = {e.seq: e.details for e in j.entries()}
+    assert set(acknowledged) <= set(got)
+    for seq in acknowledged:
+        k = got[seq]["k"]
+        assert got[seq]["applied"]["ocs0"]["removed"] == \
+            [[i, 33 + (i * k) % 32] for i in range(1, 33)]
+        assert got[seq]["applied"]["ocs15"]["added"] == \
+            [[i, 33 + (i * (3 + 2 * (k % 5))) % 32] for i in range(1, 33)]
+    assert _stored_bytes(path)[1] > 0
