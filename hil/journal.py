@@ -38,6 +38,7 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Iterator
@@ -188,6 +189,19 @@ def _check_file(path: str) -> None:
         raise _refuse(path, "no SQLite header (overwritten or damaged)")
 
 
+def _writable_folder(path: str) -> bool:
+    """Whether the journal's folder takes new files (SQLite's log beside the journal)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return not _read_only_medium(path) and os.access(folder, os.W_OK | os.X_OK)
+
+
+def _read_only_medium(path: str) -> bool:
+    try:
+        return bool(os.statvfs(os.path.dirname(os.path.abspath(path))).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _exists(path: str) -> bool:
     """Whether anything is at `path`; a path that cannot be looked at is an error, not absent
     (os.path.exists would say False, and a new journal would hide the old one)."""
@@ -212,6 +226,9 @@ def _create(path: str) -> None:
         why = "no folder" if isinstance(e, (FileNotFoundError, NotADirectoryError)) else \
             (e.strerror or str(e)).lower() + " at"
         raise JournalError(f"{path}: cannot create the journal: {why} {folder}") from None
+    if not _writable_folder(path):
+        raise JournalError(f"{path}: cannot create the journal: {folder} is on a read-only "
+                           f"medium or not writable")
     scratch = f"{path}.new-{os.getpid()}"
     for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
         with contextlib.suppress(FileNotFoundError):
@@ -270,35 +287,42 @@ class Journal:
     """Append-only event log plus the intended circuits per switch. Thread-safe."""
 
     def __init__(self, path: str | os.PathLike, synchronous: str = "FULL", *,
-                 create: bool = True):
+                 create: bool = True, read_only: bool = False):
         """`synchronous` FULL (default) syncs every commit to the disk; NORMAL (WAL) still
         survives a kill -9 of the process (the commit is in the OS's hands) but may lose the
         last commits on a power loss or OS crash, for a fsync less per event. `create`: make a
-        new journal if no file is at `path` (else that is a JournalError too)."""
+        new journal if no file is at `path` (else that is a JournalError too). `read_only`: to
+        read it (`ptb journal`), never to write it: a journal on a read-only medium reads, and
+        one of schema 1 is read as it is."""
         if synchronous not in ("FULL", "NORMAL"):
             raise JournalError(f"synchronous is FULL or NORMAL, not {synchronous!r}")
         self.path = os.fspath(path)
         if not self.path:
             raise JournalError("the journal's path is empty")
         self._lock = threading.RLock()
+        self.read_only = read_only
+        self._schema = SCHEMA_VERSION
         if not _exists(self.path):
-            if not create:
+            if not create or read_only:
                 raise JournalError(f"no journal at {self.path}")
             _create(self.path)
         _check_file(self.path)
+        if not read_only and not _writable_folder(self.path):
+            raise JournalError(f"{self.path}: cannot write the journal: its folder is on a "
+                               f"read-only medium or not writable (`ptb journal` reads it)")
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                       timeout=5.0)
+            self._db = self._connect()
         except sqlite3.DatabaseError as e:
             raise JournalError(f"{self.path}: cannot open the journal: {e}") from None
         try:
             self._check_contents()
-            with _sqlite_errors(self.path, "opening the journal"):
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute(f"PRAGMA synchronous={synchronous}")
-                # SQLite checkpoints inside the commit that fills the log past 1,000 pages: a
-                # decision paying 10-20 ms now and then. A thread of ours does it instead.
-                self._db.execute("PRAGMA wal_autocheckpoint=0")
+            if not read_only:
+                with _sqlite_errors(self.path, "opening the journal"):
+                    self._db.execute("PRAGMA journal_mode=WAL")
+                    self._db.execute(f"PRAGMA synchronous={synchronous}")
+                    # SQLite checkpoints inside the commit that fills the log past 1,000
+                    # pages: a decision paying 10-20 ms now and then. A thread of ours does it.
+                    self._db.execute("PRAGMA wal_autocheckpoint=0")
         except BaseException:
             self._db.close()
             raise
@@ -308,7 +332,27 @@ class Journal:
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name=f"journal-checkpoint {self.path}")
-        self._checkpointer.start()
+        if not read_only:
+            self._checkpointer.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        if not self.read_only:
+            return sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=5.0)
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False,
+                             timeout=5.0)
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            if not _read_only_medium(self.path):
+                raise
+        db.close()
+        # a write-ahead-log database on a read-only medium: no one can write it, and SQLite
+        # then reads it only as immutable (it cannot make the log's shared-memory index)
+        return sqlite3.connect(uri + "&immutable=1", uri=True, isolation_level=None,
+                               check_same_thread=False, timeout=5.0)
 
     def _checkpoints(self) -> None:
         """Every CHECKPOINT_S, copy what the log holds into the database (PASSIVE: never
@@ -346,7 +390,9 @@ class Journal:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         if row is None:
             raise _refuse(self.path, "no schema version recorded")
-        if row[0] == "1":
+        if row[0] == "1" and self.read_only:
+            self._schema = 1                  # read as it is
+        elif row[0] == "1":
             self._upgrade()
         elif row[0] != str(SCHEMA_VERSION):
             raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
@@ -375,7 +421,7 @@ class Journal:
 
     def close(self) -> None:
         self._closing.set()
-        if self._checkpointer is not threading.current_thread():
+        if self._checkpointer.is_alive() and self._checkpointer is not threading.current_thread():
             self._checkpointer.join(5.0)
         with self._lock:
             try:
@@ -396,6 +442,8 @@ class Journal:
             self._commit()
 
     def _begin(self) -> None:
+        if self.read_only:
+            raise JournalError(f"{self.path}: opened to be read, not written")
         if not self._db.in_transaction:
             self._storing.clear()                 # (what a failed transaction wrote: not kept)
             self._db.execute("BEGIN IMMEDIATE")
@@ -510,8 +558,8 @@ class Journal:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
         if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
             raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
-        query = ("SELECT seq, ts, kind, cause, latency_s, details, shares FROM events "
-                 "WHERE seq > ?")
+        query = ("SELECT seq, ts, kind, cause, latency_s, details, "
+                 f"{'shares' if self._schema >= 2 else 0} FROM events WHERE seq > ?")
         args: list[Any] = [since]
         if kinds:
             query += f" AND kind IN ({','.join('?' * len(kinds))})"

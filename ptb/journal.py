@@ -32,7 +32,7 @@ def _seq(text: str) -> int:
 
 def run(args) -> int:
     try:
-        journal = Journal(args.path, create=False)
+        journal = Journal(args.path, read_only=True)
     except JournalError as e:
         raise CommandFailed(str(e)) from None
     kinds = tuple(args.kind) if args.kind else None

@@ -508,3 +508,75 @@ def test_entries_with_shared_lists_reported_written_survive_kill_9(tmp_path):
         assert got[seq]["applied"]["ocs15"]["added"] == \
             [[i, 33 + (i * (3 + 2 * (k % 5))) % 32] for i in range(1, 33)]
     assert _stored_bytes(path)[1] > 0
+
+
+def _schema_1_journal(path) -> None:
+    import sqlite3
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.executescript("""BEGIN;
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,
+            kind TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', latency_s REAL,
+            details TEXT NOT NULL DEFAULT '{}');
+        CREATE TABLE intended (switch TEXT PRIMARY KEY, circuits TEXT NOT NULL,
+            seq INTEGER NOT NULL);
+        INSERT INTO meta VALUES ('schema', '1');
+        INSERT INTO events (ts, kind, cause) VALUES (1.0, 'note', 'old');
+        COMMIT;""")
+    db.close()
+
+
+def test_a_journal_opened_to_be_read_is_never_written(tmp_path):
+    """`ptb journal` reads a journal of schema 1 as it is, and a read-only journal refuses
+    every write with a JournalError."""
+    path = tmp_path / "old.db"
+    _schema_1_journal(path)
+    before = path.read_bytes()
+    with Journal(path, read_only=True) as j:
+        assert [e.cause for e in j.entries()] == ["old"]
+        for write in (lambda: j.record("note", "new"),
+                      lambda: j.set_intended("ocs", [(1, 33)], "x")):
+            with pytest.raises(JournalError, match="opened to be read, not written"):
+                write()
+    out = subprocess.run([sys.executable, "-m", "photonic_testbed.ptb", "journal", str(path)],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "note" in out.stdout and "(old)" in out.stdout, out
+    assert path.read_bytes() == before
+    with pytest.raises(JournalError, match="no journal at"):
+        Journal(tmp_path / "absent.db", read_only=True)
+
+
+def test_a_journal_on_a_read_only_medium_is_read_and_not_written(tmp_path):
+    """On a read-only mount (a namespace of the test's own): `ptb journal` prints it; the
+    agent's journal is refused with the reason, not called damaged."""
+    if not shutil.which("unshare"):
+        pytest.skip("unshare is missing")
+    folder, mounted = tmp_path / "disk", tmp_path / "ro"
+    folder.mkdir()
+    mounted.mkdir()
+    with Journal(folder / "j.db") as j:
+        j.record("note", "kept")
+        j.record("phase", "p", **_phase_details(0))
+    script = f"""
+set -e
+mount --bind {folder} {mounted}
+mount -o remount,bind,ro {mounted}
+{sys.executable} -m photonic_testbed.ptb journal {mounted}/j.db
+echo ---
+{sys.executable} -c 'from photonic_testbed.hil.journal import Journal; Journal("{mounted}/j.db")' \\
+    2>&1 || true
+"""
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"],
+                           capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode()[:80]}")
+    out = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out
+    printed, _, refused = out.stdout.partition("---")
+    assert "(kept)" in printed and '"rail0-pod0": {"added": [[1, 36]' in printed, printed
+    assert "cannot write the journal: its folder is on a read-only medium" in refused, refused
+    assert "damaged" not in refused
