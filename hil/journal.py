@@ -99,21 +99,27 @@ def _shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
     values: dict[str, bytes] = {}
 
     def walk(v: Any) -> Any:
-        if type(v) is dict:
+        if isinstance(v, dict):
             if _SHARED in v:
                 raise _Unshareable
-            return {k: walk(x) if type(x) in _NESTED else x for k, x in v.items()}
+            return {k: walk(x) if isinstance(x, _NESTED) or type(x) is tuple else x
+                    for k, x in v.items()}
         if len(v) >= SHARED_ITEMS:
             body = orjson.dumps(v, default=str, option=_OPTS)
-            digest = hashlib.blake2b(body, digest_size=16).hexdigest()
-            values[digest] = body
-            return {_SHARED: digest}
-        return [walk(x) if type(x) in _NESTED else x for x in v]
+            values[_digest(body)] = body
+            return {_SHARED: _digest(body)}
+        return [walk(x) if isinstance(x, _NESTED) or type(x) is tuple else x for x in v]
     form = walk(details)
     return orjson.dumps(form, default=str, option=_OPTS).decode(), values
 
 
-_NESTED = (dict, list, tuple)
+# what orjson writes as a JSON object or array: dicts and lists and their subclasses, and
+# tuples (a tuple's subclass, a named tuple, it writes as its text)
+_NESTED = (dict, list)
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def _references(value: Any, out: set[str]) -> None:
@@ -329,6 +335,7 @@ class Journal:
         self._listeners: list[Callable[[Entry, str], None]] = []
         self._stored: set[str] = set()        # digests of shared values known to be stored
         self._storing: set[str] = set()       # ... written in the transaction under way
+        self._deferred: list[int] = []        # entries written deferred, not yet committed
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name=f"journal-checkpoint {self.path}")
@@ -349,8 +356,18 @@ class Journal:
             if not _read_only_medium(self.path):
                 raise
         db.close()
-        # a write-ahead-log database on a read-only medium: no one can write it, and SQLite
-        # then reads it only as immutable (it cannot make the log's shared-memory index)
+        # a write-ahead-log database on a read-only medium without the log's shared-memory
+        # index (-shm), which SQLite cannot make there: read as immutable, which reads the
+        # database alone, so only when no log holds entries not yet copied into it
+        try:
+            log_bytes = os.path.getsize(self.path + "-wal")
+        except OSError:
+            log_bytes = 0
+        if log_bytes:
+            raise JournalError(f"{self.path}: its write-ahead log ({log_bytes} bytes of "
+                               f"entries) is on a read-only medium without SQLite's index "
+                               f"(-shm): copy the journal's folder somewhere writable to "
+                               f"read it")
         return sqlite3.connect(uri + "&immutable=1", uri=True, isolation_level=None,
                                check_same_thread=False, timeout=5.0)
 
@@ -425,7 +442,7 @@ class Journal:
             self._checkpointer.join(5.0)
         with self._lock:
             try:
-                with _sqlite_errors(self.path, "committing the last entries"):
+                with self._writing("committing the last entries"):
                     self._commit()
             finally:
                 self._db.close()
@@ -438,24 +455,44 @@ class Journal:
 
     def flush(self) -> None:
         """Make the deferred entries durable (one transaction, one sync)."""
-        with self._lock, _sqlite_errors(self.path, "committing"):
+        with self._lock, self._writing("committing"):
             self._commit()
 
     def _begin(self) -> None:
         if self.read_only:
             raise JournalError(f"{self.path}: opened to be read, not written")
         if not self._db.in_transaction:
-            self._storing.clear()                 # (what a failed transaction wrote: not kept)
+            self._storing.clear()
+            self._deferred.clear()
             self._db.execute("BEGIN IMMEDIATE")
 
     def _commit(self) -> None:
-        if self._db.in_transaction:
-            self._db.execute("COMMIT")
+        if not self._db.in_transaction:
+            return
+        self._db.execute("COMMIT")
+        self._deferred.clear()
         if self._storing:
             if len(self._stored) + len(self._storing) > _KNOWN_KEPT:
                 self._stored.clear()
             self._stored |= self._storing
             self._storing.clear()
+
+    @contextlib.contextmanager
+    def _writing(self, doing: str):
+        """`_sqlite_errors` for a write; when the failure made SQLite roll the transaction
+        back (a full disk, an I/O error), the shared values it wrote are not taken as stored,
+        and the deferred entries it held, lost, are named."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            lost = ""
+            if not self._db.in_transaction:
+                self._storing.clear()
+                gone, self._deferred = self._deferred, []
+                if gone:
+                    lost = (f"; the transaction was rolled back and the {len(gone)} deferred "
+                            f"entries before it (seq {gone[0]}..{gone[-1]}) are lost")
+            raise JournalError(f"{self.path}: {doing} failed: {e}{lost}") from e
 
     def record(self, kind: str, cause: str = "", latency_s: float | None = None,
                ts: float | None = None, *, defer: bool = False, **details: Any) -> int:
@@ -471,7 +508,7 @@ class Journal:
             except _Unshareable:
                 pass
         ts = time.time() if ts is None else ts
-        with self._lock, _sqlite_errors(self.path, f"recording {kind!r}"):
+        with self._lock, self._writing(f"recording {kind!r}"):
             self._begin()
             try:
                 for digest, body in values.items():
@@ -485,6 +522,8 @@ class Journal:
             finally:
                 if not defer:
                     self._commit()
+            if defer:
+                self._deferred.append(cur.lastrowid)
             self._tell(Entry(cur.lastrowid, ts, kind, cause, latency_s, details), text)
             return cur.lastrowid
 
@@ -514,7 +553,7 @@ class Journal:
         """`set_intended` for several switches in one transaction and one sync (a phase switch
         that moves every rail's OCS)."""
         rows = {name: sorted(circuits) for name, circuits in switches.items()}
-        with self._lock, _sqlite_errors(self.path, "recording intended circuits"):
+        with self._lock, self._writing("recording intended circuits"):
             self._begin()
             self._db.execute("SAVEPOINT intended")
             try:
@@ -558,8 +597,8 @@ class Journal:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
         if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
             raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
-        query = ("SELECT seq, ts, kind, cause, latency_s, details, "
-                 f"{'shares' if self._schema >= 2 else 0} FROM events WHERE seq > ?")
+        query = ("SELECT seq, ts, kind, cause, latency_s, details, {shares} FROM events "
+                 "WHERE seq > ?")
         args: list[Any] = [since]
         if kinds:
             query += f" AND kind IN ({','.join('?' * len(kinds))})"
@@ -570,6 +609,10 @@ class Journal:
             args.append(int(limit))
         with self._lock, _sqlite_errors(self.path, "reading the entries"):
             self.flush()
+            if self._schema < SCHEMA_VERSION and self._db.execute(
+                    "SELECT value FROM meta WHERE key='schema'").fetchone() == ("2",):
+                self._schema = 2          # brought to schema 2 by a writer since we opened it
+            query = query.format(shares="shares" if self._schema >= 2 else "0")
             rows = self._db.execute(query, args).fetchall()
             details = [_details(row[5]) for row in rows]
             sharing = [i for i, row in enumerate(rows) if row[6]]
@@ -591,17 +634,18 @@ class Journal:
             texts.update(self._db.execute(
                 f"SELECT digest, value FROM shared_values WHERE digest IN "
                 f"({','.join('?' * len(part))})", part).fetchall())
+        bad = {d for d, text in texts.items() if _digest(text.encode()) != d}
         for i in sharing:
             missing = refs[i] - texts.keys()
+            if refs[i] & bad:
+                raise JournalError(f"{self.path}: damaged: a shared value entry {rows[i][0]} "
+                                   f"refers to does not match its digest "
+                                   f"({min(refs[i] & bad)})")
             if missing:
                 raise JournalError(f"{self.path}: damaged: entry {rows[i][0]} refers to "
                                    f"{len(missing)} shared value(s) the journal does not "
                                    f"hold ({min(missing)})")
-            try:
-                details[i] = _resolved(details[i], texts)
-            except orjson.JSONDecodeError as e:
-                raise JournalError(f"{self.path}: damaged: a shared value entry {rows[i][0]} "
-                                   f"refers to is not JSON ({e})") from None
+            details[i] = _resolved(details[i], texts)    # (as stored: JSON, its digest says)
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries())
