@@ -81,7 +81,7 @@ CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database 
                               # off the writers' path (a checkpoint costs 10-20 ms)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = {"meta", "events", "intended"}     # (and `shared_values` from schema 2)
-SHARE_ABOVE = 2048           # an entry's details longer than this (JSON bytes) share their lists
+SHARE_ABOVE = 2048           # an entry's details longer than this (JSON characters) share lists
 SHARED_ITEMS = 16            # ... of this many items or more
 _SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
 _KNOWN_KEPT = 100_000        # digests remembered as stored (past this, forgotten and asked)
@@ -614,7 +614,13 @@ class Journal:
                 self._schema = 2          # brought to schema 2 by a writer since we opened it
             query = query.format(shares="shares" if self._schema >= 2 else "0")
             rows = self._db.execute(query, args).fetchall()
-            details = [_details(row[5]) for row in rows]
+            details = []
+            for row in rows:
+                try:
+                    details.append(_details(row[5]))
+                except ValueError as e:            # (JSONDecodeError, either library's)
+                    raise JournalError(f"{self.path}: damaged: the details of entry {row[0]} "
+                                       f"are not JSON ({e})") from None
             sharing = [i for i, row in enumerate(rows) if row[6]]
             if sharing:
                 self._resolve(rows, details, sharing)

@@ -581,3 +581,19 @@ echo ---
     assert "(kept)" in printed and '"rail0-pod0": {"added": [[1, 36]' in printed, printed
     assert "cannot write the journal: its folder is on a read-only medium" in refused, refused
     assert "damaged" not in refused
+
+
+def test_an_entry_whose_details_are_not_json_is_named(tmp_path):
+    import sqlite3
+    path = tmp_path / "j.db"
+    with Journal(path) as j:
+        j.record("note", "fine")
+        seq = j.record("note", "hurt", k=1)
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("UPDATE events SET details='{\"k\": ' WHERE seq=?", (seq,))
+    db.close()
+    with Journal(path, read_only=True) as j:
+        with pytest.raises(JournalError, match=f"damaged: the details of entry {seq} are not "
+                                               f"JSON"):
+            j.entries()
+        assert [e.cause for e in j.entries(limit=1)] == ["fine"]
