@@ -575,14 +575,15 @@ class Journal:
                     self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
                                      (name, text, seq))
                 self._db.execute("RELEASE intended")
-                for entry, details in written:
-                    self._tell(entry, details)
             except BaseException:
-                self._db.execute("ROLLBACK TO intended")
-                self._db.execute("RELEASE intended")
+                if self._db.in_transaction:        # (else SQLite rolled it all back)
+                    self._db.execute("ROLLBACK TO intended")
+                    self._db.execute("RELEASE intended")
                 raise
             finally:
                 self._commit()
+            for entry, details in written:          # on disk now
+                self._tell(entry, details)
             return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:

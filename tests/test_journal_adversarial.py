@@ -488,7 +488,7 @@ def test_deferred_shared_entries_made_durable_survive_kill_9(tmp_path):
             assert got[seq]["fresh"] == [[i, 33 + (i * k) % 32] for i in range(1, 33)]
 
 
-# ---------------------------------------------------------------- defects
+# ---------------------------------------- what failed on the first version of schema 2, and more
 
 
 def _fill_up(j: Journal) -> None:
@@ -662,3 +662,20 @@ def test_a_journal_on_a_read_only_medium_with_its_log_alone_is_read_whole(tmp_pa
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out
     assert "entries: 20" in out.stdout or "refused:" in out.stdout, out.stdout
+
+
+def test_listeners_hear_no_decision_that_a_full_disk_kept_off_the_journal(tmp_path):
+    """`set_intended_many` tells its listeners of its decisions once they are committed: a
+    commit refused (a full disk) leaves them untold, and the intended circuits as before."""
+    heard: list[str] = []
+    with Journal(tmp_path / "j.db") as j:
+        j.set_intended("ocs", [(1, 33)], "before")
+        j.listen(lambda e, text: heard.append(e.cause))
+        _fill_up(j)
+        big = {f"ocs{k}": [(i, 10_000 + i) for i in range(2000)] for k in range(50)}
+        with pytest.raises(JournalError, match="full"):
+            j.set_intended_many(big, "too big")
+        _room_again(j)
+        assert heard == [] and j.intended() == {"ocs": [(1, 33)]}
+        j.set_intended_many({"ocs": [(2, 34)]}, "after")
+        assert heard == ["after"] and j.intended() == {"ocs": [(2, 34)]}
