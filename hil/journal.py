@@ -12,12 +12,13 @@ read of the journal (`entries`, `intended`, `flush`, `close`). Nothing acts on a
 before that commit, so a `kill -9` in between loses only entries whose effect never left the
 process.
 
-Long lists are kept once: an entry whose details run past `SHARE_ABOVE` bytes (a phase switch
-on 64 OCSes names each switch's circuits added and removed, 35 KB) has each list of
-`SHARED_ITEMS` or more items stored in `shared_values` under its digest and referred to by it;
-a job's phases come back round after round and with them the same lists, so such an entry
-costs a few KB instead of its whole text. Readers (`entries`) get the details whole, as
-before.
+Long lists are kept once: an entry whose details run past `SHARE_ABOVE` characters of JSON (a
+phase switch on 64 OCSes names each switch's circuits added and removed, 35 KB) has each list
+of `SHARED_ITEMS` or more items stored in `shared_values` under its digest and referred to by
+it; a job's phases come back round after round and with them the same lists, so such an entry
+costs a few KB instead of its whole text. Readers (`entries`) get the details whole, each
+shared value checked against its digest. `read_only` opens a journal to read it only (`ptb
+journal`): never written, on a read-only medium too.
 
 Opening: a journal is created only where no file exists, and created whole (in a scratch file
 beside it, linked into place once its schema is written), so a file at the path is always a
@@ -106,8 +107,9 @@ def _shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
                     for k, x in v.items()}
         if len(v) >= SHARED_ITEMS:
             body = orjson.dumps(v, default=str, option=_OPTS)
-            values[_digest(body)] = body
-            return {_SHARED: _digest(body)}
+            digest = _digest(body)
+            values[digest] = body
+            return {_SHARED: digest}
         return [walk(x) if isinstance(x, _NESTED) or type(x) is tuple else x for x in v]
     form = walk(details)
     return orjson.dumps(form, default=str, option=_OPTS).decode(), values
