@@ -229,7 +229,7 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
             raise CommandFailed(f"the job made no step in {args.seconds:g} s "
                                 f"({before['state']}); agent log:\n{procs.tail('agent')}")
         say(t0, f"job running: {before['step']} steps done")
-        with Journal(journal, create=False) as j:      # where the agent's entries start
+        with Journal(journal, read_only=True) as j:    # where the agent's entries start
             seq = max((e.seq for e in j.entries()), default=0)
         t_fail = time.time()
         request(control, {"cmd": "fail_gpu", "gpu": gpu, "mode": "hard"})
@@ -244,7 +244,7 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
         time.sleep(max(args.seconds, WINDOW_S))
         status = request(control, {"cmd": "job_status"})
         state = agent.call("snapshot")["state"]
-        with Journal(journal, create=False) as j:       # the agent's own record of it
+        with Journal(journal, read_only=True) as j:     # the agent's own record of it
             entries = [{"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
                         "latency_s": e.latency_s, "details": e.details}
                        for e in j.entries(since=seq)]

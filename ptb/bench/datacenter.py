@@ -20,9 +20,11 @@ threads of one process) and `ptb agent`, as processes; zero device delays.
 """
 from __future__ import annotations
 
+import os
 import sqlite3
 import statistics
 import time
+import urllib.parse
 
 from photonic_testbed.hil import heap
 from photonic_testbed.hil.bus.mirror import SubscriberThread
@@ -82,7 +84,8 @@ def _rows(label: str, xs: list[float]) -> dict:
 
 def journal_bytes(path) -> int:
     """The journal's size as SQLite counts it (pages in use, the write-ahead log's included)."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro",
+                         uri=True)
     try:
         return db.execute("PRAGMA page_count").fetchone()[0] * \
             db.execute("PRAGMA page_size").fetchone()[0]
@@ -98,7 +101,7 @@ def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
     for ph, rnd in seq:                        # warm-up: every circuit set seen once
         fabric.phase(ph, rnd)
     times: list[float] = []
-    with Journal(stack.journal) as j:
+    with Journal(stack.journal, read_only=True) as j:
         last = j.entries()[-1].seq
         size0 = journal_bytes(stack.journal)
         while len(times) < runs:
@@ -133,7 +136,7 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                            telemetry=False).start()
     pods = len(rank_map) // per_pod_ranks
     try:
-        with Journal(stack.journal) as j:
+        with Journal(stack.journal, read_only=True) as j:
             last = j.entries()[-1].seq
             for run in range(-1, runs):          # run -1: a warm-up, not kept
                 # a rank in a different pod each run (rank 43: GPU 3 of the 6th server)

@@ -59,7 +59,7 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
         parts: dict[str, list[float]] = {k: [] for k in ("detect", "decide", "apply",
                                                         "verify", "total", "bus event",
                                                         "from bus event")}
-        with Journal(stack.journal) as j:
+        with Journal(stack.journal, read_only=True) as j:
             last = j.entries()[-1].seq
             for _ in range(runs):
                 victim = rank_map[3]

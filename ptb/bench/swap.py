@@ -137,7 +137,7 @@ def _free_gpus_ready(job: _Job, stack: Stack) -> bool:
 
 
 def _journal_after(path, t: float) -> list:
-    with Journal(path) as j:
+    with Journal(path, read_only=True) as j:
         return [e for e in j.entries() if e.ts >= t]
 
 
