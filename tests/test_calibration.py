@@ -175,6 +175,20 @@ def _ptb(*args, **kw):
                             **kw)
 
 
+# `ptb` with Ctrl-C at its default in the child: a test run started in the background by a
+# shell without job control inherits SIGINT ignored, and so would the child (POSIX: a program
+# keeps an ignored SIGINT, and Python then raises no KeyboardInterrupt)
+_INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
+                  "signal.default_int_handler); sys.argv[0] = 'ptb'; "
+                  "runpy.run_module('photonic_testbed.ptb', run_name='__main__')")
+
+
+def _interruptible_ptb(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
     """Ctrl-C in the middle of a calibration keeps its progress and the same command goes on
     from it. The emulated rig runs here, and its heater DAC board holds the line it is given
@@ -208,7 +222,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
         board.feed = holding_feed
         args = ("calibrate", "--endpoints", str(ep), "--out", str(out), "--cells", "s3r0",
                 "s3r5", "--no-crosstalk", *PEER_TIMEOUT)
-        proc = _ptb(*args)
+        proc = _interruptible_ptb(*args)
         try:
             assert held.wait(120), "the calibration never fitted two cells"
             proc.send_signal(signal.SIGINT)
