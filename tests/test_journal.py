@@ -422,18 +422,8 @@ def test_long_lists_are_kept_once_and_read_back_whole(tmp_path):
 def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
     import sqlite3
     path = tmp_path / "old.db"
+    _schema_1_journal(path)                  # (one note: 'old')
     db = sqlite3.connect(str(path), isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.executescript("""BEGIN;
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,
-            kind TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', latency_s REAL,
-            details TEXT NOT NULL DEFAULT '{}');
-        CREATE INDEX events_kind ON events(kind);
-        CREATE TABLE intended (switch TEXT PRIMARY KEY, circuits TEXT NOT NULL,
-            seq INTEGER NOT NULL);
-        INSERT INTO meta VALUES ('schema', '1');
-        COMMIT;""")
     import orjson
     old = _phase_details(0, switches=8)
     db.execute("INSERT INTO events (ts, kind, cause, details) VALUES (1.0, 'phase', 'p', ?)",
@@ -443,10 +433,10 @@ def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
     with Journal(path) as j:
         assert j._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
         j.record("phase", "q", **_phase_details(1))
-        assert [e.details for e in j.entries()] == [old, _phase_details(1)]
+        assert [e.details for e in j.entries()] == [{}, old, _phase_details(1)]
         assert j.intended() == {"rail0-pod0": [(1, 33)]}
     with Journal(path) as j:                                     # opened again: as it was
-        assert [e.details for e in j.entries()] == [old, _phase_details(1)]
+        assert [e.details for e in j.entries()] == [{}, old, _phase_details(1)]
     assert _stored_bytes(path)[1] > 0
 
 

@@ -22,6 +22,7 @@ import pytest
 
 import photonic_testbed.hil.journal as journal_module
 from photonic_testbed.hil.journal import SHARE_ABOVE, SHARED_ITEMS, Journal, JournalError
+from tests.test_journal import _schema_1_journal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -50,22 +51,6 @@ def _shared_count(path) -> int:
 
 def _circuits(k: int, n: int = 32) -> list[list[int]]:
     return [[i, 33 + (i * (3 + 2 * k)) % n] for i in range(1, n + 1)]
-
-
-def _schema_1_journal(path) -> None:
-    db = sqlite3.connect(str(path), isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.executescript("""BEGIN;
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,
-            kind TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', latency_s REAL,
-            details TEXT NOT NULL DEFAULT '{}');
-        CREATE TABLE intended (switch TEXT PRIMARY KEY, circuits TEXT NOT NULL,
-            seq INTEGER NOT NULL);
-        INSERT INTO meta VALUES ('schema', '1');
-        INSERT INTO events (ts, kind, cause) VALUES (1.0, 'note', 'old');
-        COMMIT;""")
-    db.close()
 
 
 def _namespace_or_skip() -> None:
