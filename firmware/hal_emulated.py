@@ -1,6 +1,6 @@
 """HAL for running the firmware core off the board: heaters modelled as resistors.
 
-The emulator (hil/emulator) builds this with seeded heater resistances and a clock, and
+The emulator (emulator) builds this with seeded heater resistances and a clock, and
 listens to the outputs through `on_write` (the chip's heaters hear the board). The current
 readback passes through a 16-bit ADC over the module's current full scale, like the board's.
 """

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QHeaderView,
                                QPushButton, QTableView, QVBoxLayout, QWidget)
 
 from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
-from photonic_testbed.hil.journal import KINDS, Entry
+from photonic_testbed.hil.agent.journal import KINDS, Entry
 
 COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")
 KIND_COLUMNS = 7

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from PySide6.QtWidgets import QWidget
 
 from photonic_testbed.gui.events import readable
-from photonic_testbed.hil.journal import Entry
+from photonic_testbed.hil.agent.journal import Entry
 
 CSV_COLUMNS = ("seq", "time", "unix_time", "kind", "cause", "latency_ms", "details",
                "details_json")

@@ -29,7 +29,7 @@ Messages (what an adapter translates the bus's mirror into):
 
 A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
 "power_dbm": {port: dBm}}; a gpu {"name", "port", "switch", "health", "role", "rank", "job"}; a
-journal entry a `hil.journal.Entry` or a dict with its fields. A delta whose `seq` is not the
+journal entry a `hil.agent.journal.Entry` or a dict with its fields. A delta whose `seq` is not the
 one after the last is still applied, and `gap` is emitted so the adapter can ask for a fresh
 snapshot.
 """
@@ -47,8 +47,8 @@ from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from photonic_testbed.common.topology import Topology, TopologyError
 from photonic_testbed.gui.series import SeriesStore
-from photonic_testbed.hil.journal import KINDS as JOURNAL_KINDS
-from photonic_testbed.hil.journal import Entry
+from photonic_testbed.hil.agent.journal import KINDS as JOURNAL_KINDS
+from photonic_testbed.hil.agent.journal import Entry
 
 log = logging.getLogger(__name__)
 

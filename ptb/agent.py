@@ -7,7 +7,7 @@ import threading
 from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.bus.security import KeyFileError
-from photonic_testbed.hil.journal import JournalError
+from photonic_testbed.hil.agent.journal import JournalError
 from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed
 

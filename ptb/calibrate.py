@@ -384,7 +384,7 @@ def _emulated_here(rig_arg: str) -> bool:
 
 
 def _start_emulated(stack, args):
-    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import RigFileError, rig_spec
     try:
         spec = rig_spec(args.rig)

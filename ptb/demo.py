@@ -129,7 +129,7 @@ def _wait(what: str, cond, procs: Processes, timeout: float = READY_TIMEOUT_S):
 def _gpu_to_fail(rig: str, gpu: str | None) -> str:
     """The GPU the demo fails: one the job runs on (a worker of the rig's rack, not a spare),
     checked before anything starts."""
-    from photonic_testbed.hil.rack_layout import layout
+    from photonic_testbed.common.rack_layout import layout
     workers = layout(rig).workers
     gpu = RIG_JOBS[rig][1] if gpu is None else gpu
     if gpu not in workers:
@@ -175,8 +175,8 @@ def run(args) -> int:
 def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
     from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
-    from photonic_testbed.hil.emulator.control import ControlError, request
-    from photonic_testbed.hil.journal import Journal
+    from photonic_testbed.hil.lab.control_client import ControlError, request
+    from photonic_testbed.hil.agent.journal import Journal
 
     t0 = time.monotonic()
     rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"

@@ -1,7 +1,7 @@
 """`ptb demo --job torch`: the stack with a real PyTorch training job in the loop.
 
 The same processes as `ptb demo` (emulated rig, services, agent, the GUI when there is a
-display), then the job's controller (`python -m photonic_testbed.hil.torch_job launch`) with a
+display), then the job's controller (`python -m photonic_testbed.hil.job.torch_job launch`) with a
 rank process on each GPU of the rank map and a warm standby on each spare. After `--seconds`
 of training one GPU fails (the emulator takes its process down) and the timeline is printed:
 the failure, the agent's detection, circuits applied and verified, the restart order, the
@@ -35,9 +35,9 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
         raise CommandFailed("--job torch needs PyTorch: pip install 'photonic-testbed[torch]' "
                             "(torch==2.13.0, the CPU build: about 190 MB)")
     from photonic_testbed.hil import rig as rigfile
-    from photonic_testbed.hil import torch_job
+    from photonic_testbed.hil.job import torch_job
     from photonic_testbed.hil.bus.client import BusError, ServiceClient
-    from photonic_testbed.hil.emulator.control import ControlError, request
+    from photonic_testbed.hil.lab.control_client import ControlError, request
 
     t0 = time.monotonic()
     rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
@@ -76,7 +76,7 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
         job_dir = workdir / "torch-job"
         with open(workdir / "torch-job.log", "w") as log:     # the child keeps its copy
             proc = subprocess.Popen(
-                [sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch", "--workdir",
+                [sys.executable, "-m", "photonic_testbed.hil.job.torch_job", "launch", "--workdir",
                  str(job_dir), "--rig", str(rig_path), "--control", control, "--plan", plan,
                  "--world", "8", "--steps", "1000000", "--restart-timeout", "10", *MODEL],
                 stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
@@ -125,7 +125,7 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _report(t_fail: float, gpu: str, ev: list[dict], agent: dict, proc, workdir) -> int:
-    from photonic_testbed.hil import torch_job
+    from photonic_testbed.hil.job import torch_job
     journal = [e for e in agent["events"] if e["ts"] >= t_fail]
 
     def first(kind):

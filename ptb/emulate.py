@@ -10,10 +10,10 @@ import threading
 
 import zmq
 
-from photonic_testbed.hil import heap
-from photonic_testbed.hil.emulator.chip import ChipError
-from photonic_testbed.hil.emulator.rack import RackError
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.common import heap
+from photonic_testbed.emulator.chip import ChipError
+from photonic_testbed.emulator.rack import RackError
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import RIGS, rig_spec
 from photonic_testbed.ptb.cli import CommandFailed
 
@@ -78,7 +78,7 @@ def _start(spec, args) -> EmulatedRig:
 
 def _start_job(rack, plan: str, stop: threading.Event) -> None:
     """Start the job as soon as the agent admits it (it may start after the emulator)."""
-    from photonic_testbed.hil.emulator.control import ControlError
+    from photonic_testbed.hil.lab.control_client import ControlError
     while not stop.is_set():
         try:
             got = rack.start_job(plan, 1_000_000)

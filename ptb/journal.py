@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from photonic_testbed.hil.journal import KINDS, MAX_SEQ, Journal, JournalError
+from photonic_testbed.hil.agent.journal import KINDS, MAX_SEQ, Journal, JournalError
 from photonic_testbed.ptb.cli import CommandFailed
 
 

@@ -49,8 +49,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from photonic_testbed.hil.recorder import Recorder, RecorderError
-    from photonic_testbed.hil.session import SessionError, device_wires, read_endpoints
+    from photonic_testbed.hil.lab.recorder import Recorder, RecorderError
+    from photonic_testbed.hil.lab.session import SessionError, device_wires, read_endpoints
     for path, option in ((args.out, "--out"), (args.write_endpoints, "--write-endpoints"),
                          (args.write_rig, "--write-rig")):
         check_output(path, option)

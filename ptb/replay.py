@@ -66,8 +66,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from photonic_testbed.hil.replayer import ReplayError, replay
-    from photonic_testbed.hil.session import Comparison, Session, SessionError, device_wires
+    from photonic_testbed.hil.lab.replayer import ReplayError, replay
+    from photonic_testbed.hil.lab.session import Comparison, Session, SessionError, device_wires
     for path, option in ((args.report, "--report"), (args.write_endpoints, "--write-endpoints")):
         check_output(path, option)
     if not 0 < args.timeout_s <= 3600:
@@ -121,8 +121,8 @@ def _finish(report, args) -> int:
 
 
 def _as_device(session, args) -> int:
-    from photonic_testbed.hil.replayer import ReplayError, ScriptedDevices
-    from photonic_testbed.hil.session import SessionError
+    from photonic_testbed.hil.lab.replayer import ReplayError, ScriptedDevices
+    from photonic_testbed.hil.lab.session import SessionError
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # HUP: its terminal closed
         signal.signal(sig, lambda *_: stop.set())
@@ -171,11 +171,11 @@ def replay_on_emulator(session_path: str | os.PathLike, *, rig: str = "lumion", 
     endpoint. The session's devices are found by endpoint key (dac, ocs, ...) or by the device
     names an emulated rig file gives them (chip, heaters, powermeter, ...). Returns the
     ReplayReport."""
-    from photonic_testbed.hil.emulator.control import request
-    from photonic_testbed.hil.emulator.rig import EmulatedRig
-    from photonic_testbed.hil.replayer import replay
+    from photonic_testbed.hil.lab.control_client import request
+    from photonic_testbed.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.lab.replayer import replay
     from photonic_testbed.hil.rig import rig_spec
-    from photonic_testbed.hil.session import Comparison, Session, parse_address
+    from photonic_testbed.hil.lab.session import Comparison, Session, parse_address
     session = Session.load(session_path)
     with EmulatedRig(rig_spec(rig), seed=seed) as emulated:
         if emulated.dac is not None:

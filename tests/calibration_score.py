@@ -16,8 +16,8 @@ from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.drivers.routing import benes_cell_states
-from photonic_testbed.hil.emulator.chip import cell_matrix
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.chip import cell_matrix
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 N = 16

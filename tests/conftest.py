@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
+from photonic_testbed.emulator.dac_board import EmulatedDACBoard
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,12 +11,12 @@ from optics_doubles import PermutationSwitch
 
 from photonic_testbed.hil.agent import Agent, AgentError
 from photonic_testbed.hil.agent import policies
-from photonic_testbed.hil.emulator.clock import SimClock
-from photonic_testbed.hil.emulator.job import TrainingJob
-from photonic_testbed.hil.emulator.rack import EmulatedRack
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import lumion, opus
+from photonic_testbed.emulator.clock import SimClock
+from photonic_testbed.emulator.job import TrainingJob
+from photonic_testbed.emulator.rack import EmulatedRack
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import lumion, opus
 
 
 class Killed(BaseException):
@@ -329,7 +329,7 @@ def test_bad_requests_get_clear_errors(tmp_path):
 
 def test_wall_clock_threads_failover(tmp_path):
     """The demo's arrangement: the job in its thread, the rack polling health in another."""
-    from photonic_testbed.hil.emulator.clock import WallClock
+    from photonic_testbed.emulator.clock import WallClock
     clock = WallClock()
     sw = PermutationSwitch("chip", 16)
     rack = EmulatedRack(lumion(), {"chip": sw}, clock)
@@ -485,7 +485,7 @@ def test_a_rank_map_naming_a_gpu_that_cannot_take_a_rank_is_refused(tmp_path):
     one that failed its circuits' verification and one still in quarantine after a failure
     are each refused by name; once the quarantine is over and the GPU reports ok, it may be
     named again."""
-    from photonic_testbed.hil.gpu_health import GpuHealth
+    from photonic_testbed.hil.gpus.health import GpuHealth
     w = make_world(tmp_path, lumion(), quarantine_s=30.0)
     ranks = {r: f"gpu{r}" for r in range(8)}
     w.agent.on_health(GpuHealth("gpu3", "failed", ("xid 79",)))

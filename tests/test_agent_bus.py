@@ -1,5 +1,5 @@
 """The agent as a bus process: `ptb agent` against emulated switches, GPU health on the bus,
-the job side through hil.fabric_client.Fabric; and `ptb demo` end to end."""
+the job side through hil.job.fabric_client.Fabric; and `ptb demo` end to end."""
 from __future__ import annotations
 
 import contextlib
@@ -17,13 +17,13 @@ import zmq
 
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
-from photonic_testbed.hil.bus.service import DeviceService
-from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.devices.service import DeviceService
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
-from photonic_testbed.hil.jobplan import dp_ring, dp_tp
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import layout
+from photonic_testbed.common.jobplan import dp_ring, dp_tp
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import layout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -286,7 +286,7 @@ def test_lumion_two_failures_at_once_then_spares_exhausted_over_the_bus(lumion_b
 def test_received_powers_in_one_transfer_equal_the_sum_per_transmitter():
     """What the GPU monitor's rx_power reports (one transfer with every live TX lit) is the
     per-transmitter sum the rack's link model uses, faults included."""
-    from photonic_testbed.hil.emulator.rack import EmulatedRack
+    from photonic_testbed.emulator.rack import EmulatedRack
     with EmulatedRig(rig_spec("lumion"), ideal_chip=True) as emu:
         rack = EmulatedRack(layout("lumion"), {"chip": emu.chip})
         rack.faults.fail_gpu("gpu2")

@@ -11,9 +11,9 @@ import pytest
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import lumion, opus
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import lumion, opus
 
 CASES = json.loads((pathlib.Path(__file__).parent / "agent_decisions.json").read_text())
 PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),

@@ -105,9 +105,9 @@ def test_a_restart_order_journaled_but_never_published_reaches_the_job(tmp_path)
     agent started again publishes that order whole (its rank map, not an empty one), and the
     job's client takes it."""
     from photonic_testbed.hil.agent.bus import AgentProcess
-    from photonic_testbed.hil.fabric_client import Fabric
-    from photonic_testbed.hil.jobplan import dp_ring
-    from photonic_testbed.hil.journal import Journal
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    from photonic_testbed.common.jobplan import dp_ring
+    from photonic_testbed.hil.agent.journal import Journal
     from tests.test_bus_at_most_once import serving
 
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):
@@ -144,7 +144,7 @@ def test_a_cut_receive_fibre_on_the_real_stack_evicts_only_the_deaf_gpu(tmp_path
     """The issue's report, through the processes and wires: the fibre to gpu3's receiver is
     cut while the emulated job runs. The agent diagnoses the dark link end by end: gpu3 alone
     is replaced, no spare is rejected, the ring stays 8 ranks, one restart."""
-    from photonic_testbed.hil.journal import Journal
+    from photonic_testbed.hil.agent.journal import Journal
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):
         host = emu.rack
         journal = tmp_path / "journal.db"

@@ -6,11 +6,11 @@ from optics_doubles import PermutationSwitch
 
 from photonic_testbed.hil.agent import Agent, policies
 from photonic_testbed.hil.agent.policies import PolicyError
-from photonic_testbed.hil.emulator.clock import SimClock
-from photonic_testbed.hil.emulator.rack import EmulatedRack
-from photonic_testbed.hil.jobplan import dp_ring, dp_tp
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import Attachment, RackLayout, lumion
+from photonic_testbed.emulator.clock import SimClock
+from photonic_testbed.emulator.rack import EmulatedRack
+from photonic_testbed.common.jobplan import dp_ring, dp_tp
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import Attachment, RackLayout, lumion
 
 
 def test_circuits_for_a_ring_and_for_tp_pairs():
@@ -70,7 +70,7 @@ def test_switch_change_cost_counts_before_loss(tmp_path):
 
 
 def test_a_phases_peers_are_the_ranks_its_links_join():
-    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
     phases = [PhaseSpec("tp", "ring", group=2, stride=1), PhaseSpec("ring", "ring", group=4,
                                                                     stride=2),
               PhaseSpec("pp", "chain", group=4, stride=4), PhaseSpec("ep", "all_to_all",
@@ -87,7 +87,7 @@ def test_the_rank_index_answers_as_a_plain_index_of_every_link():
     """`JobCircuits.by_rank` (links sorted by rank once) against a dict of lists built link by
     link, for every rank and (phase, round) of plans of every pattern, self-links included."""
     from photonic_testbed.hil.agent.policies import _RankIndex
-    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
     plan = JobPlan("p", 24, (PhaseSpec("tp", "ring", group=2, stride=1),
                              PhaseSpec("pp", "chain", group=3, stride=8),
                              PhaseSpec("ep", "all_to_all", group=6, stride=4)))
@@ -116,7 +116,7 @@ def test_circuits_refuse_an_output_named_twice():
 
 
 def test_a_schedule_that_is_not_made_of_matchings_is_refused_without_listing_links():
-    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec, PlanError
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, PlanError
 
     def bad(n):                       # member 0 twice in one round
         return [[(0, 1), (0, 2)]] if n >= 3 else [[(0, 1)]]

@@ -7,9 +7,9 @@ import pytest
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent, AgentError
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import rail_rack
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import rail_rack
 
 
 class Switch(CircuitSwitch):
@@ -207,7 +207,7 @@ def test_a_refused_readmission_leaves_the_job_as_it_was(rack):
 
 def test_a_plan_bigger_than_the_rack_is_refused_before_its_links_are_worked_out():
     """An all-to-all of 20,000 ranks costs the agent hours to work out: refused first."""
-    from photonic_testbed.hil.jobplan import PlanError
+    from photonic_testbed.common.jobplan import PlanError
     huge = {"name": "e", "world": 20000, "phases": [{"name": "p", "pattern": "all_to_all"}]}
     with pytest.raises(PlanError, match="wants 20000 ranks; at most 128"):
         JobPlan.from_dict(huge, max_world=128)

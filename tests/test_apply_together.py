@@ -20,7 +20,7 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from tests.test_serve_together import four_switches, moving, rotation, served
 
 
@@ -338,9 +338,9 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     with the contract): the switch said it made the circuits, so the job gets its grant; the
     journal says which report could not be read, and an alarm is raised."""
     from photonic_testbed.hil.agent import Agent
-    from photonic_testbed.hil.jobplan import dp_tp
-    from photonic_testbed.hil.journal import Journal
-    from photonic_testbed.hil.rack_layout import opus
+    from photonic_testbed.common.jobplan import dp_tp
+    from photonic_testbed.hil.agent.journal import Journal
+    from photonic_testbed.common.rack_layout import opus
     bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
     handlers = {"apply_circuits": lambda args: bad}
     with _contrary_server("ocs", 32, handlers) as request, \

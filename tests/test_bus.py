@@ -15,9 +15,9 @@ from photonic_testbed.hil.bus.client import (BadRequest, RemoteError, ServiceCli
                                              ServiceUnavailable, StaleState, UnknownOperation)
 from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
 from photonic_testbed.hil.bus.security import client_keys, generate
-from photonic_testbed.hil.bus.service import ServiceSpec
-from photonic_testbed.hil.bus.supervisor import Manager
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.devices.service import ServiceSpec
+from photonic_testbed.hil.devices.supervisor import Manager
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")    # the Qt test needs no display

@@ -246,7 +246,7 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
     import threading
 
     from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
-    from photonic_testbed.hil.bus.service import DeviceService, ServiceSpec
+    from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
     from tests.bus_doubles import MemoryPowerMeter
 
     class NanMeter(MemoryPowerMeter):

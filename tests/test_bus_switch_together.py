@@ -12,8 +12,8 @@ from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitConflict
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.agent.bus import BusSwitch
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.bus.service import DeviceService
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.devices.service import DeviceService
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from tests.test_datacenter_rig import SMALL
 

@@ -195,7 +195,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
     once two cells are fitted until the interrupt is sent: the interrupt always lands mid-run
     (the whole run takes 0.4 s; on a busy machine a poll of the progress file could miss it)."""
     import threading
-    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import rig_spec
     out = tmp_path / "cal.json"
     progress = tmp_path / "cal.json.progress.json"
@@ -245,7 +245,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
 
 
 def test_cli_fails_clearly_when_an_instrument_does_not_answer(tmp_path):
-    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import rig_spec
     ep = tmp_path / "endpoints.json"
     with EmulatedRig(rig_spec("lumion"), seed=0, workdir=tmp_path,
@@ -271,7 +271,7 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 def test_cli_reads_a_rig_file(tmp_path):
     from photonic_testbed.hil import rig as rigfile
-    from photonic_testbed.hil.emulator.rig import EmulatedRig
+    from photonic_testbed.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import rig_spec
     with EmulatedRig(rig_spec("lumion"), seed=3, workdir=tmp_path, switching_s=0.0) as rig:
         path = tmp_path / "rig.toml"

@@ -18,8 +18,8 @@ from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.calibration.station import Station
 from photonic_testbed.common.topology import Topology, benes, hexagonal
 from photonic_testbed.drivers.mesh import Mesh, read_calibration, write_calibration
-from photonic_testbed.hil.emulator.chip import DARK_CURRENT_UA, MONITOR_TAP
-from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip
+from photonic_testbed.emulator.chip import DARK_CURRENT_UA, MONITOR_TAP
+from photonic_testbed.emulator.mesh_chip import RecirculatingChip
 from tests.calibration_score import cell_extinctions, circuit_errors, extinction_ok, \
     extinction_scores, heater_errors, random_circuits, rig_station
 

@@ -8,7 +8,7 @@ import pytest
 
 from photonic_testbed.common.topology import benes, clements
 from photonic_testbed.drivers.routing import benes_cell_states, clements_decompose
-from photonic_testbed.hil.emulator.chip import (MONITOR_TAP, NOMINAL_P_PI_MW, OUTPUT_TAP, ChipError,
+from photonic_testbed.emulator.chip import (MONITOR_TAP, NOMINAL_P_PI_MW, OUTPUT_TAP, ChipError,
                                EmulatedChip, cell_matrix)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.ptb.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import pytest
 import serial
 
 from photonic_testbed.drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
-from photonic_testbed.hil.emulator.dac_board import IDLE_S, EmulatedDACBoard
+from photonic_testbed.emulator.dac_board import IDLE_S, EmulatedDACBoard
 
 
 def wait_until(predicate, timeout=10.0, step=0.01):
@@ -56,7 +56,7 @@ def test_only_changed_channels_travel(dac_board):
 
 def test_long_runs_split_below_the_line_limit_and_scattered_lines_go_together(tmp_path):
     from photonic_testbed.drivers.heater_dac import LINE_LIMIT
-    from photonic_testbed.hil.emulator.dac_board import EmulatedDACBoard
+    from photonic_testbed.emulator.dac_board import EmulatedDACBoard
     board = EmulatedDACBoard(tmp_path / "dac", modules=16, seed=3)     # 128 channels
     board.start()
     try:

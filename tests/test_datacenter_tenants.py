@@ -13,11 +13,11 @@ import pytest
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.agent.bus import AgentProcess, published_details
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.bus.service import DeviceService
-from photonic_testbed.hil.emulator.control import request
-from photonic_testbed.hil.emulator.rig import EmulatedRig
-from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.devices.service import DeviceService
+from photonic_testbed.emulator.control import request
+from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.hil.rig import rig_spec
 from tests.test_agent_bus import _until
 from tests.test_bus_at_most_once import serving

@@ -20,10 +20,10 @@ import serial
 
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.emulator.rig import EmulatedRig
-from photonic_testbed.ptb.cli import CommandFailed
-from photonic_testbed.ptb.discover import (DAC_ID, Probe, discover, host_resource, probe_scpi,
-                                           probe_serial, skeleton)
+from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil.lab.discover import (DAC_ID, DiscoveryError, Probe, discover,
+                                               host_resource, probe_scpi, probe_serial,
+                                               skeleton)
 from photonic_testbed.ptb.replay import _wait_for_power_up
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,9 +42,9 @@ def test_board_ids_and_hosts():
     assert host_resource("10.0.0.9") == "TCPIP::10.0.0.9::5025::SOCKET"
     assert host_resource("ocs.lab:6000") == "TCPIP::ocs.lab::6000::SOCKET"
     assert host_resource("[::1]:7000") == "TCPIP::::1::7000::SOCKET"
-    with pytest.raises(CommandFailed, match="not a host"):
+    with pytest.raises(DiscoveryError, match="not a host"):
         host_resource("tcp://x")
-    with pytest.raises(CommandFailed, match="not in 1..65535"):
+    with pytest.raises(DiscoveryError, match="not in 1..65535"):
         host_resource("x:99999")
 
 
@@ -68,7 +68,7 @@ def test_the_skeleton_names_devices_by_kind_and_offers_the_chip():
     assert again.devices == rig.devices and again.chip is None
     with_chip = skeleton(probes, "bench-a", chip="benes16")
     assert with_chip.devices["chip"].kind == "chip" and with_chip.chip.topology == "benes16"
-    with pytest.raises(CommandFailed, match="no device answered"):
+    with pytest.raises(DiscoveryError, match="no device answered"):
         skeleton(probes[-1:], "x")
 
 

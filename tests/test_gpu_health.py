@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from photonic_testbed.hil.gpu_health import GpuHealthUnavailable, NvmlHealth, classify
+from photonic_testbed.hil.gpus.health import GpuHealthUnavailable, NvmlHealth, classify
 
 
 def test_verdicts():

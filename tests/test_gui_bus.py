@@ -22,7 +22,7 @@ from photonic_testbed.gui.portmap import EMPTY, NO_POWER, circuit_colour, power_
 from photonic_testbed.hil import rig as rigfile  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.bus.server import Server  # noqa: E402
-from photonic_testbed.hil.emulator.rig import EmulatedRig  # noqa: E402
+from photonic_testbed.emulator.rig import EmulatedRig  # noqa: E402
 from photonic_testbed.hil.rig import rig_spec  # noqa: E402
 from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
@@ -278,8 +278,8 @@ def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bu
                                                                  tmp_path):
     """`ptb agent` on the lumion rig: a GPU fails, the rack shows the spare in use and the chip
     the circuits to its port; then the operator swaps another GPU out through the GUI."""
-    from photonic_testbed.hil.fabric_client import Fabric
-    from photonic_testbed.hil.jobplan import dp_ring
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    from photonic_testbed.common.jobplan import dp_ring
     emu, rig, path = lumion_bus
     agent = _agent(path, tmp_path / "journal.db")
     fabric = win = None

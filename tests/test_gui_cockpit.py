@@ -23,8 +23,8 @@ from photonic_testbed.gui.app import rig_window  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
 from photonic_testbed.gui.trends import COLOURS  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
-from photonic_testbed.hil.bus.service import DeviceService  # noqa: E402
-from photonic_testbed.hil.emulator.control import request  # noqa: E402
+from photonic_testbed.hil.devices.service import DeviceService  # noqa: E402
+from photonic_testbed.emulator.control import request  # noqa: E402
 from tests.test_agent_bus import _agent, _ptb, _rig_on_bus, _serve, _stop  # noqa: E402
 from tests.test_gui import assert_not_blank, colour_at, near, pixels  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.bus.service import KINDS, open_driver
+from photonic_testbed.hil.devices.kinds import KINDS, open_driver
 
 pytestmark = pytest.mark.hardware
 

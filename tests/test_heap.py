@@ -1,4 +1,4 @@
-"""`hil.heap.settle`: what a long-running process built is moved out of the collector's sight,
+"""`common.heap.settle`: what a long-running process built is moved out of the collector's sight,
 and garbage in reference cycles is still collected (before the freeze, and at the next settle
 for what was frozen). Run in a fresh interpreter: it changes the process's collector."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import gc, weakref
-    from photonic_testbed.hil import heap
+    from photonic_testbed.common import heap
 
     class Node:
         pass

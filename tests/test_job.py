@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, strategies as st
 from optics_doubles import PermutationSwitch
 
-from photonic_testbed.hil.emulator.clock import SimClock, WallClock
-from photonic_testbed.hil.emulator.job import JobError, TrainingJob
-from photonic_testbed.hil.emulator.rack import EmulatedRack
-from photonic_testbed.hil.jobplan import (JobPlan, PhaseSpec, PlanError, dp_ring, dp_tp,
+from photonic_testbed.emulator.clock import SimClock, WallClock
+from photonic_testbed.emulator.job import JobError, TrainingJob
+from photonic_testbed.emulator.rack import EmulatedRack
+from photonic_testbed.common.jobplan import (JobPlan, PhaseSpec, PlanError, dp_ring, dp_tp,
                                           round_robin_matchings)
-from photonic_testbed.hil.rack_layout import lumion
+from photonic_testbed.common.rack_layout import lumion
 
 RING = {i: 17 + (i % 8) for i in range(1, 9)}
 RANKS = {r: f"gpu{r}" for r in range(8)}
@@ -202,7 +202,7 @@ def test_a_long_run_with_repeated_failures_keeps_bounded_history():
 
 
 def test_default_history_is_bounded():
-    from photonic_testbed.hil.emulator import job as job_module
+    from photonic_testbed.emulator import job as job_module
     plan = dp_ring(8, compute_s=0.0)
     job, _, _ = make(plan, gated=False)
     for ring, kept in ((job.records, job_module.RECORDS_KEPT),

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from photonic_testbed.hil.journal import Journal, JournalError
+from photonic_testbed.hil.agent.journal import Journal, JournalError
 
 WRITER = """
 import sys
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 j = Journal(sys.argv[1])
 for k in range(100000):
     seq = j.record("note", cause="test", k=k)
@@ -52,7 +52,7 @@ def test_entries_reported_written_survive_kill_9(tmp_path):
 def test_the_log_is_checkpointed_off_the_writers_path(tmp_path, monkeypatch):
     """No commit checkpoints (SQLite's own would, every 1,000 pages: 10-20 ms inside a
     decision); the journal's thread does, so the log does not grow with the entries."""
-    import photonic_testbed.hil.journal as journal_module
+    import photonic_testbed.hil.agent.journal as journal_module
     monkeypatch.setattr(journal_module, "CHECKPOINT_S", 0.05)
     path = tmp_path / "j.db"
     wal = pathlib.Path(str(path) + "-wal")
@@ -88,7 +88,7 @@ def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
 
 DEFERRING = """
 import sys
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 j = Journal(sys.argv[1])
 for k in range(100000):
     j.record("detected", cause="test", k=k, defer=True)
@@ -269,7 +269,7 @@ def test_an_unreadable_journal_is_refused():
         locked.mkdir(mode=0)
         try:
             for journal in (path, locked / "journal.db"):
-                for args in (["-c", "from photonic_testbed.hil.journal import Journal; "
+                for args in (["-c", "from photonic_testbed.hil.agent.journal import Journal; "
                                     "import sys; Journal(sys.argv[1])", str(journal)],
                              ["-m", "photonic_testbed.ptb", "journal", str(journal)]):
                     out = subprocess.run([*as_nobody, sys.executable, *args], cwd=ROOT,
@@ -474,7 +474,7 @@ def test_details_that_hold_the_reference_key_are_stored_whole(tmp_path):
 
 SHARING_WRITER = """
 import sys
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 j = Journal(sys.argv[1])
 for k in range(100000):
     circuits = [[i, 33 + (i * (3 + 2 * (k % 5))) % 32] for i in range(1, 33)]
@@ -556,7 +556,8 @@ mount --bind {folder} {mounted}
 mount -o remount,bind,ro {mounted}
 {sys.executable} -m photonic_testbed.ptb journal {mounted}/j.db
 echo ---
-{sys.executable} -c 'from photonic_testbed.hil.journal import Journal; Journal("{mounted}/j.db")' \\
+{sys.executable} -c "from photonic_testbed.hil.agent.journal import Journal as J; \\
+J('{mounted}/j.db')" \\
     2>&1 || true
 """
     probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"],

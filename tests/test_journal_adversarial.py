@@ -20,8 +20,8 @@ import time
 import orjson
 import pytest
 
-import photonic_testbed.hil.journal as journal_module
-from photonic_testbed.hil.journal import SHARE_ABOVE, SHARED_ITEMS, Journal, JournalError
+import photonic_testbed.hil.agent.journal as journal_module
+from photonic_testbed.hil.agent.journal import SHARE_ABOVE, SHARED_ITEMS, Journal, JournalError
 from tests.test_journal import _schema_1_journal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -288,7 +288,7 @@ def test_threads_recording_the_same_lists(tmp_path):
 
 CONCURRENT_WRITER = """
 import sys, time
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 path, me, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 while time.time() < start:
     time.sleep(0.005)
@@ -402,7 +402,7 @@ def test_a_schema_1_journal_left_with_a_log_by_a_killed_writer(tmp_path):
 
 UPGRADER = """
 import sys, time
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.agent.journal import Journal
 path, me, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 while time.time() < start:
     time.sleep(0.002)
@@ -430,7 +430,7 @@ def test_two_processes_bringing_one_journal_to_schema_2_at_once(tmp_path):
 
 DEFERRING_WRITER = """
 import sys
-import photonic_testbed.hil.journal as jm
+import photonic_testbed.hil.agent.journal as jm
 jm.CHECKPOINT_S = 0.02
 j = jm.Journal(sys.argv[1])
 for k in range(100000):
@@ -512,7 +512,7 @@ def test_a_disk_full_failure_does_not_leave_later_entries_without_their_lists(tm
 
 DISK_FULL = """
 import os, sys
-from photonic_testbed.hil.journal import Journal, JournalError
+from photonic_testbed.hil.agent.journal import Journal, JournalError
 folder = sys.argv[1]
 j = Journal(os.path.join(folder, "j.db"))
 j.record("note", "first")
@@ -611,7 +611,7 @@ def test_a_shared_value_damaged_into_other_json_is_not_read_as_the_entry(tmp_pat
 
 
 RO_READER = """
-from photonic_testbed.hil.journal import Journal, JournalError
+from photonic_testbed.hil.agent.journal import Journal, JournalError
 import sys
 try:
     with Journal(sys.argv[1], read_only=True) as r:
@@ -622,7 +622,7 @@ except JournalError as e:
 
 KILLED_WRITER = """
 import os, signal, sys
-import photonic_testbed.hil.journal as jm
+import photonic_testbed.hil.agent.journal as jm
 jm.CHECKPOINT_S = 3600                      # the log not yet copied into the database
 j = jm.Journal(sys.argv[1])
 for k in range(20):

@@ -11,7 +11,7 @@ from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.mesh import Mesh
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 N = 16

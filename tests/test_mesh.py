@@ -14,9 +14,9 @@ from photonic_testbed.drivers.circuit_switch import CircuitConflict, CircuitSwit
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh, \
     read_calibration, write_calibration
-from photonic_testbed.hil.emulator import chip as chip_physics
-from photonic_testbed.hil.emulator.chip import EmulatedChip
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator import chip as chip_physics
+from photonic_testbed.emulator.chip import EmulatedChip
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 

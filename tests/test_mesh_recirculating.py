@@ -14,9 +14,9 @@ from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Calibration, Mesh
 from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, \
     trace_waveguides
-from photonic_testbed.hil.emulator.chip import OUTPUT_TAP, ChipError
-from photonic_testbed.hil.emulator.mesh_chip import RecirculatingChip, make_chip
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.chip import OUTPUT_TAP, ChipError
+from photonic_testbed.emulator.mesh_chip import RecirculatingChip, make_chip
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 

@@ -17,9 +17,9 @@ from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.drivers.scpi import DataOutOfRange, IllegalParameterValue, UndefinedHeader
-from photonic_testbed.hil.emulator.bench_optics import LASER_INGRESS
-from photonic_testbed.hil.emulator.control import ControlError, request
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.bench_optics import LASER_INGRESS
+from photonic_testbed.emulator.control import ControlError, request
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +263,7 @@ def test_control_endpoint_refuses_bad_requests(rig):
         ctl(rig, cmd="explode")
     with pytest.raises(ControlError, match="device"):
         ctl(rig, cmd="reboot", device="toaster")
-    # the bench's OCS checks these as the rail OCSes do (hil/emulator/ocs_control.py)
+    # the bench's OCS checks these as the rail OCSes do (emulator/ocs_control.py)
     for port in (999, True, None, "3"):
         with pytest.raises(ControlError, match="port must be an integer in 1..64, not"):
             ctl(rig, cmd="stick", port=port)
@@ -373,8 +373,8 @@ def test_bench_ocs_runs_small(tmp_path):
 
 
 def test_driver_rides_through_an_instrument_restart_on_the_same_port():
-    from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
-    from photonic_testbed.hil.emulator.scpi import SCPIServer
+    from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+    from photonic_testbed.emulator.scpi import SCPIServer
     import threading
 
     phys = OCSPhysics(4, switching_s=0.0)
@@ -428,7 +428,7 @@ class _PortByPort:
 
 def test_light_paths_after_random_moves_agree_with_a_port_by_port_model():
     import random
-    from photonic_testbed.hil.emulator.ocs import OCSPhysics
+    from photonic_testbed.emulator.ocs import OCSPhysics
     rng = random.Random(11)
     for trial in range(300):
         n = rng.choice([2, 3, 4, 8])
@@ -466,8 +466,8 @@ def test_light_paths_after_random_moves_agree_with_a_port_by_port_model():
 
 
 def test_port_lists_are_read_as_whole_numbers_however_written():
-    from photonic_testbed.hil.emulator.ocs import parse_pairs, port_list
-    from photonic_testbed.hil.emulator.scpi import SCPIError
+    from photonic_testbed.emulator.ocs import parse_pairs, port_list
+    from photonic_testbed.emulator.scpi import SCPIError
     assert port_list("1,2,3") == [1, 2, 3]
     assert port_list(" 3 , 01,2:4") == [3, 1, 2, 3, 4]
     assert port_list("") == []

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.emulator.control import ControlError, request
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.control import ControlError, request
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 

@@ -20,10 +20,10 @@ import time
 import pytest
 
 from photonic_testbed.drivers.laser import Laser
-from photonic_testbed.hil.emulator.rig import EmulatedRig
-from photonic_testbed.hil.replayer import ScriptedDevices
+from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil.lab.replayer import ScriptedDevices
 from photonic_testbed.hil.rig import rig_spec
-from photonic_testbed.hil.session import Session
+from photonic_testbed.hil.lab.session import Session
 from photonic_testbed.ptb.replay import _wait_for_power_up, replay_on_emulator, session_fixture
 
 qontrol = pytest.importorskip("qontrol")
@@ -184,7 +184,7 @@ def test_a_pyvisa_ocs_session_replays_and_a_stuck_port_is_named(tmp_path):
     assert code == 0 and "6 exchanges replayed, every one of the answers" in out, out
 
     with lumion(tmp_path, light=True) as (rig, endpoints):
-        from photonic_testbed.hil.emulator.control import request
+        from photonic_testbed.emulator.control import request
         request(rig.endpoints["control"], {"cmd": "stick", "port": 1})
         code, out = _run("replay", str(session_path), "--endpoints", str(endpoints))
     assert code == 3, out

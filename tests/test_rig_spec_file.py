@@ -1,7 +1,7 @@
 """`ptb emulate --rig FILE.toml`: an emulated rig described in a file."""
 import pytest
 
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.rig import EmulatedRig
 
 from photonic_testbed.hil.rig import rig_spec
 

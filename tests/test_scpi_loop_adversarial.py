@@ -1,4 +1,4 @@
-"""Adversarial tests of the SCPI serving loop (`hil.emulator.scpi`): clients that vanish or
+"""Adversarial tests of the SCPI serving loop (`emulator.scpi`): clients that vanish or
 half-close while a command waits, `drop_clients` racing a line in flight or a reply half sent,
 servers closed and started again on a shared `SCPILoop`, `drop_on` fault rules, byte counters,
 and handlers that fail inside a wait. After every abuse the serving thread must still answer
@@ -19,9 +19,9 @@ from collections import defaultdict
 import pytest
 import test_scpi_server as scpi_client
 
-from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.hil.emulator import scpi
-from photonic_testbed.hil.emulator.scpi import (MAX_CLIENTS, Instrument, SCPILoop, SCPIServer,
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator import scpi
+from photonic_testbed.emulator.scpi import (MAX_CLIENTS, Instrument, SCPILoop, SCPIServer,
                                                  Session)
 
 WAIT_S = 30.0          # a bound for what normally takes milliseconds

@@ -17,9 +17,9 @@ import pytest
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.hil.bus.client import ServiceClient, call_many
 from photonic_testbed.hil.bus.errors import BusError
-from photonic_testbed.hil.bus.service import DeviceService, ServiceSpec, serve_together
-from photonic_testbed.hil.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.hil.emulator.scpi import SCPIError, SCPIServer
+from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec, serve_together
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator.scpi import SCPIError, SCPIServer
 
 N = 8
 DRIVER = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"

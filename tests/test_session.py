@@ -1,4 +1,4 @@
-"""The session file (hil.session): its format, exchanges, comparisons and addresses; and the
+"""The session file (hil.lab.session): its format, exchanges, comparisons and addresses; and the
 recorder and replayer on plain loopback sockets and ptys (no emulator)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 import pytest
 import serial
 
-from photonic_testbed.hil.recorder import Recorder, RecorderError
-from photonic_testbed.hil.replayer import ReplayError, ScriptedDevices, replay
-from photonic_testbed.hil.session import (Comparison, Session, SessionError, Wire, device_wires,
+from photonic_testbed.hil.lab.recorder import Recorder, RecorderError
+from photonic_testbed.hil.lab.replayer import ReplayError, ScriptedDevices, replay
+from photonic_testbed.hil.lab.session import (Comparison, Session, SessionError, Wire, device_wires,
                                           parse_address)
 
 HEADER = {"format": "ptb-session", "version": 1, "started": "2026-11-24T09:00:00.000Z",
@@ -449,7 +449,7 @@ def test_ptb_record_relays_a_rig_file_and_runs_the_client(tmp_path):
             f'[devices.laser]\nkind = "laser"\naddress = "TCPIP::127.0.0.1::{device.port}'
             '::SOCKET"\n')
         client = ("import socket, sys; from photonic_testbed.hil import rig; "
-                  "from photonic_testbed.hil.session import parse_address; "
+                  "from photonic_testbed.hil.lab.session import parse_address; "
                   "w = parse_address(rig.load('rec.toml').devices['laser'].address); "
                   "s = socket.create_connection((w.host, w.port)); s.sendall(b'p?\\n'); "
                   "assert s.makefile('rb').readline() == b'p!\\r\\n'; sys.exit(7)")

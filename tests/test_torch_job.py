@@ -1,5 +1,5 @@
-"""The PyTorch job (hil.torch_fabric, hil.torch_job): the model and its pieces in this process;
-the in-place swap with real rank processes on loopback (gloo, a TCPStore, generations of
+"""The PyTorch job (hil.job.torch_fabric, hil.job.torch_job): the model and its pieces in this
+process; the in-place swap with real rank processes on loopback (gloo, a TCPStore, generations of
 process groups), standalone: kill -9 a rank, a warm standby takes its place, nothing is lost."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from photonic_testbed.hil import torch_fabric as tf  # noqa: E402
-from photonic_testbed.hil import torch_job  # noqa: E402
-from photonic_testbed.hil.jobplan import PlanError, dp_ring, dp_tp  # noqa: E402
+from photonic_testbed.hil.job import torch_fabric as tf  # noqa: E402
+from photonic_testbed.hil.job import torch_job  # noqa: E402
+from photonic_testbed.common.jobplan import PlanError, dp_ring, dp_tp  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 400          # generous: eight torch imports on two shared cores take a while
@@ -100,7 +100,7 @@ def test_roles_of_the_plans():
     assert (r.tp_index, r.dp_index, r.tp) == (1, 2, 2)
     r = tf.roles(dp_ring(7), 7, 3)
     assert r.tp_group == (3,) and r.dp_group == tuple(range(7)) and r.dp_index == 3
-    from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
     with pytest.raises(PlanError, match="'dp' phase"):
         tf.roles(JobPlan("x", 4, (PhaseSpec("pp", "chain"),)), 4, 0)
 
@@ -123,7 +123,7 @@ def test_job_spec_refuses_bad_values(tmp_path):
 # --- rank processes -----------------------------------------------------------------------
 def launch(workdir: pathlib.Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
+    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.hil.job.torch_job", "launch",
                              "--workdir", str(workdir), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

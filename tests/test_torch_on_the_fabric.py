@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from photonic_testbed.hil import torch_job  # noqa: E402
+from photonic_testbed.hil.job import torch_job  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
-from photonic_testbed.hil.emulator.control import request  # noqa: E402
+from photonic_testbed.emulator.control import request  # noqa: E402
 from photonic_testbed.ptb.bench.stack import Stack  # noqa: E402
 
 from test_torch_job import events_of, finish, launch  # noqa: E402

@@ -28,9 +28,9 @@ from photonic_testbed.drivers.mesh import write_calibration
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.emulator.chip import ChipError, EmulatedChip, cell_matrix
-from photonic_testbed.hil.emulator.dac_board import heater_resistances
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.chip import ChipError, EmulatedChip, cell_matrix
+from photonic_testbed.emulator.dac_board import heater_resistances
+from photonic_testbed.emulator.rig import EmulatedRig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 16

@@ -36,10 +36,10 @@ from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, 
     SwitchError
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.policies import RankMap, Targets
-from photonic_testbed.hil.gpu_health import GpuHealth
-from photonic_testbed.hil.jobplan import JobPlan, PlanError, round_robin_matchings
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import RackLayout
+from photonic_testbed.hil.gpus.health import GpuHealth
+from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matchings
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import RackLayout
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
   requests to several monitors go out together (`call_many`).
 - Health: a `StateSubscriber` on every GPU monitor; every GPU whose state changed goes to
   `on_health`.
-- The job (through `hil.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
+- The job (through `hil.job.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
   rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`
@@ -32,16 +32,16 @@ import zmq
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
     CircuitConflict, SwitchError, check_circuits
-from photonic_testbed.hil import heap
+from photonic_testbed.common import heap
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient, StaleState, \
     UnknownOperation, call_many, from_wire
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
-from photonic_testbed.hil.jobplan import JobPlan, PlanError
-from photonic_testbed.hil.journal import Entry, Journal
-from photonic_testbed.hil.rack_layout import Attachment, RackLayout
+from photonic_testbed.common.jobplan import JobPlan, PlanError
+from photonic_testbed.hil.agent.journal import Entry, Journal
+from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ class AgentProcess:
     def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
                  verify_dbm: float = -12.0, quarantine_s: float = 60.0,
                  journal_sync: str = "FULL", settle_heap: bool = False):
-        """`settle_heap` (the `ptb agent` process): the heap is settled (`hil.heap`) once
+        """`settle_heap` (the `ptb agent` process): the heap is settled (`common.heap`) once
         started and after each admission, once its answer has gone."""
         self.rig = rig
         self._settle_heap = settle_heap

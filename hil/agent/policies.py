@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
-from photonic_testbed.hil.jobplan import JobPlan, round_robin_matchings
-from photonic_testbed.hil.rack_layout import RackLayout
+from photonic_testbed.common.jobplan import JobPlan, round_robin_matchings
+from photonic_testbed.common.rack_layout import RackLayout
 
 Targets = dict[str, Circuits]           # switch name -> circuits
 RankMap = dict[int, str]

@@ -2,7 +2,7 @@
 
 A spec names the instruments a rig has (heater DAC modules, the chip on them, the OCS, the
 power meter, the laser). The named rigs are `RIGS`; a TOML file with an `[emulator]` table
-describes another (docs/rigfile.md, "Emulated rigs"). `hil.emulator.rig.EmulatedRig` starts a
+describes another (docs/rigfile.md, "Emulated rigs"). `emulator.rig.EmulatedRig` starts a
 spec's instruments on their wires; `for_emulator(spec, endpoints)` is the rig file (a `Rig`)
 whose devices are those instruments, chip included, so every command reads it like a lab's.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from photonic_testbed.common.topology import TopologyError, build
-from photonic_testbed.hil.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
+from photonic_testbed.common.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
 from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
                                             GpuConfig, Rig, RigFileError)
 
@@ -39,7 +39,7 @@ class RigSpec:
     # A datacenter rack of rail OCSes (Opus): `servers` servers of `rails` GPUs, one NIC per
     # GPU on its rail; rail l of pod k is served by the `pod` x `pod` OCS rail{l}-pod{k}, each a
     # SCPI endpoint of its own; the last `spare_servers` servers of every pod are spares
-    # (hil.rack_layout.rail_rack). 0 servers: no such rack.
+    # (common.rack_layout.rail_rack). 0 servers: no such rack.
     servers: int = 0
     rails: int = 8
     pod: int = 0

@@ -17,7 +17,7 @@ import re
 import tomllib
 
 from photonic_testbed.common.topology import TopologyError, topology_named
-from photonic_testbed.hil.bus.service import KINDS
+from photonic_testbed.hil.devices.kinds import KINDS
 from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
                                             GpuConfig, Rig, RigFileError)
 

@@ -9,7 +9,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from photonic_testbed.hil.bus.security import ClientKeys, client_keys
-from photonic_testbed.hil.bus.service import ServiceSpec
+from photonic_testbed.hil.devices.service import ServiceSpec
 
 
 class RigFileError(ValueError):

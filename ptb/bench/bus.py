@@ -16,9 +16,9 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Publisher
-from photonic_testbed.hil.bus.service import ServiceSpec
-from photonic_testbed.hil.bus.supervisor import Manager
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.hil.devices.service import ServiceSpec
+from photonic_testbed.hil.devices.supervisor import Manager
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.bench import SEED, integer
 

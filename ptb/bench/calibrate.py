@@ -18,7 +18,7 @@ from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.bench import SEED, integer
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from photonic_testbed.drivers.heater_dac import HeaterDAC
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.bench import SEED, integer
 

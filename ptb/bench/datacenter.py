@@ -26,12 +26,12 @@ import statistics
 import time
 import urllib.parse
 
-from photonic_testbed.hil import heap
+from photonic_testbed.common import heap
 from photonic_testbed.hil.bus.mirror import SubscriberThread
-from photonic_testbed.hil.emulator.control import request
-from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.lab.control_client import request
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.rig import RigFileError, rig_spec
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for

@@ -19,10 +19,10 @@ import statistics
 import time
 
 from photonic_testbed.hil.bus.mirror import SubscriberThread
-from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.emulator.control import request
-from photonic_testbed.hil.jobplan import dp_ring
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.hil.lab.control_client import request
+from photonic_testbed.common.jobplan import dp_ring
+from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.ptb.bench import integer
 from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
 

@@ -1,6 +1,6 @@
 """The emulated training job at datacenter scale, in one process on simulated time.
 
-Scaling: the job (`hil.emulator.job.TrainingJob`, one process simulating every rank, the
+Scaling: the job (`emulator.job.TrainingJob`, one process simulating every rank, the
 rack's link physics per rank pair) on rail racks of 32 to 256 servers (pods of 32, one spare
 server each: up to 1,984 ranks on 2,048 GPUs and 64 OCSes), with the agent in the same process
 switching the OCSes' physics; wall time per step and per (round, link).
@@ -26,13 +26,13 @@ from typing import Any
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.hil.emulator.clock import SimClock
-from photonic_testbed.hil.emulator.job import JobEvent, TrainingJob
-from photonic_testbed.hil.emulator.ocs import OCSPhysics
-from photonic_testbed.hil.emulator.rack import EmulatedRack
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import RackLayout, duplex_rack
+from photonic_testbed.emulator.clock import SimClock
+from photonic_testbed.emulator.job import JobEvent, TrainingJob
+from photonic_testbed.emulator.ocs import OCSPhysics
+from photonic_testbed.emulator.rack import EmulatedRack
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import RackLayout, duplex_rack
 from photonic_testbed.hil.rig import RigSpec
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.datacenter import rack_plan

@@ -15,7 +15,7 @@ from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Mesh
 from photonic_testbed.drivers.routing import RoutingError, benes_route, clements_decompose, \
     route_mesh, route_waveguides, trace_waveguides
-from photonic_testbed.hil.emulator.rig import EmulatedRig
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.bench import SEED, integer
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from photonic_testbed.hil import heap
+from photonic_testbed.common import heap
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.fabric_client import Fabric
-from photonic_testbed.hil.jobplan import dp_tp
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.common.jobplan import dp_tp
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.stack import Stack, percentile
 

@@ -1,7 +1,7 @@
 """The agent's decisions at datacenter scale, in process: failover (a GPU fails: choose a
 spare, the new rank map, every phase's circuits, the journal's entries) and phase switch (the
 next phase's circuits), with switches that apply at once and receivers that always hear, so
-that only the decision is timed. Rail racks of 8-GPU servers (hil.rack_layout.rail_rack: one
+that only the decision is timed. Rail racks of 8-GPU servers (common.rack_layout.rail_rack: one
 OCS per rail), 32 to 2,048 GPUs; two plans: DP x TP x PP (TP inside a server, PP 4 stages and
 DP rings across servers on each rail) and all-to-all across servers on each rail (expert
 parallel). The journal is a file with synchronous=NORMAL (no fsync)."""
@@ -17,9 +17,9 @@ import numpy as np
 
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.hil.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.journal import Journal
-from photonic_testbed.hil.rack_layout import rail_rack
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.common.rack_layout import rail_rack
 
 NAME = "scale"
 HELP = "agent decision time (failover, phase switch) for 32 ... 2,048 GPUs, in process"

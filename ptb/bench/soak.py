@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from photonic_testbed.hil.emulator.control import ControlError, request
+from photonic_testbed.hil.lab.control_client import ControlError, request
 from photonic_testbed.ptb.bench import number
 from photonic_testbed.ptb.bench.stack import Stack
 from photonic_testbed.ptb.cli import CommandFailed

@@ -1,6 +1,6 @@
 """The whole stack as processes for the agent benchmarks: `ptb emulate` (rack included),
 `ptb serve` and `ptb agent`, as `ptb demo` starts them; the benchmark drives the control
-endpoint and the job side (`hil.fabric_client.Fabric`) and reads the agent's journal."""
+endpoint and the job side (`hil.job.fabric_client.Fabric`) and reads the agent's journal."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """Swap: a GPU failure -> the first completed training step on the spare, with a real PyTorch
-job in the loop; in place (hil.torch_fabric) against torchrun's restart-all, in the same run.
+job in the loop; in place (hil.job.torch_fabric) against torchrun's restart-all, in the same run.
 
 The stack runs as processes (emulator with its rack, services, agent; quarantine 0, so a healed
 GPU is a spare again), then the job's controller and its 8 rank processes (data-parallel ring
@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-from photonic_testbed.hil import torch_job
-from photonic_testbed.hil.emulator.control import request
-from photonic_testbed.hil.journal import Journal
+from photonic_testbed.hil.job import torch_job
+from photonic_testbed.hil.lab.control_client import request
+from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.ptb.bench.stack import Stack, percentile
 from photonic_testbed.ptb.cli import CommandFailed
 
@@ -82,7 +82,7 @@ def _tail(workdir: str, lines: int = 8) -> str:
 def _launch(stack: Stack, workdir: str, *extra: str) -> _Controller:
     os.makedirs(workdir, exist_ok=True)
     log = open(os.path.join(workdir, "controller.log"), "w")
-    proc = _Controller([sys.executable, "-m", "photonic_testbed.hil.torch_job", "launch",
+    proc = _Controller([sys.executable, "-m", "photonic_testbed.hil.job.torch_job", "launch",
                              "--workdir", workdir, "--rig", str(stack.workdir / "rig.toml"),
                              "--control", stack.control, "--plan", "dp", "--world", "8",
                              "--steps", "1000000", "--restart-timeout", "120", *MODEL,

@@ -1,0 +1,131 @@
+"""The rail OCSes of a datacenter rig (Opus's photonic rails), emulated: one Polatis-class
+switch per (rail, pod), each its own SCPI endpoint on loopback, all served by one thread of this
+process (one `SCPILoop`).
+
+`RailSwitches(layout)` makes an `OCSPhysics` and its SCPI persona (`OCSInstrument`) for every
+switch of a rail rack (`common.rack_layout.rail_rack`: `rail{l}-pod{k}`, N x N with N the pod's
+ports); `start()` puts each on its own port and returns {switch: VISA resource}. The rack's GPUs
+light the switches (`EmulatedRack`), and each switch's port power monitor (`:PMON:POW?`) sees
+their light once the rack is attached (`light_from`).
+
+Control handlers (docs/control.md), each naming its switch as `device`: `drop`, `reboot`,
+`stick`, `switching_time` (every switch when `device` is left out), and `switch_circuits`
+`{switches?: [names]}`: the circuits each switch holds as the emulator sees them (`commanded`,
+what its controller reports; `actual`, where the light goes) and the circuits made or broken on
+each port so far (`port_moves`), so a test checks the switches themselves rather than what the
+agent believes.
+"""
+from __future__ import annotations
+
+import functools
+
+import logging
+from typing import Any, Callable
+
+from photonic_testbed.emulator import ocs_control
+from photonic_testbed.emulator.control import ControlError, ControlServer
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator.scpi import SCPILoop, SCPIServer
+from photonic_testbed.common.rack_layout import RackLayout
+
+log = logging.getLogger(__name__)
+
+SEEDS_PER_RIG = 4096          # switch k of a rig of seed s draws its hidden truth from s*4096+k
+
+
+class RailSwitches:
+    """Every rail OCS of a rack, each on its own loopback port. Use as a context manager."""
+
+    def __init__(self, layout: RackLayout, *, seed: int = 0, switching_s: float = 0.025,
+                 host: str = "127.0.0.1", port_base: int | None = None):
+        if len(layout.switches) > SEEDS_PER_RIG:
+            raise ValueError(f"{len(layout.switches)} switches: at most {SEEDS_PER_RIG}")
+        self.layout = layout
+        self.physics: dict[str, OCSPhysics] = {}
+        self.servers: dict[str, SCPIServer] = {}
+        loop = SCPILoop("rails")        # one thread serves every switch's sessions
+        for k, (name, n) in enumerate(layout.switches.items()):
+            phys = OCSPhysics(n, seed=seed * SEEDS_PER_RIG + k, switching_s=switching_s)
+            self.physics[name] = phys
+            port = 0 if port_base is None else port_base + k
+            self.servers[name] = SCPIServer(OCSInstrument(phys, serial=f"{seed:03d}{k:03d}"),
+                                            host, port, name, loop=loop)
+
+    def light_from(self, launch_mw: Callable[[str], dict[int, float]]) -> None:
+        """What enters each switch's ingress ports (`launch_mw(switch)` -> {port: mW}): the
+        rack's live transmitters, so the switches' own port power monitors see the GPUs."""
+        for name, phys in self.physics.items():
+            phys.light_in = functools.partial(launch_mw, name)
+
+    def start(self) -> dict[str, str]:
+        endpoints = {}
+        try:
+            for name, server in self.servers.items():
+                endpoints[name] = server.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d rail OCSes listening", len(endpoints))
+        return endpoints
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+    def __enter__(self) -> "RailSwitches":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- control handlers ------------------------------------------------------------------
+
+    def register(self, control: ControlServer) -> None:
+        control.register("drop", self._drop)
+        control.register("reboot", self._reboot)
+        control.register("stick", self._stick)
+        control.register("switching_time", self._switching_time)
+        control.register("switch_circuits", self._circuits)
+
+    def _switch(self, req: dict) -> str:
+        name = req.get("device")
+        if name not in self.servers:
+            some = ", ".join(list(self.servers)[:3])
+            raise ControlError(f"device must name one of the {len(self.servers)} rail OCSes "
+                               f"({some}, ...), not {name!r}")
+        return name
+
+    def _drop(self, req: dict) -> Any:
+        return ocs_control.drop(self.servers[self._switch(req)], req)
+
+    def _reboot(self, req: dict) -> Any:
+        name = self._switch(req)
+        with self.servers[name].instrument.lock:
+            self.physics[name].reboot()
+        return {"dropped": self.servers[name].drop_clients()}
+
+    def _stick(self, req: dict) -> Any:
+        return ocs_control.stick(self.physics[self._switch(req)], req)
+
+    def _switching_time(self, req: dict) -> Any:
+        s = ocs_control.switching_seconds(req)
+        names = [self._switch(req)] if "device" in req else list(self.physics)
+        for name in names:
+            self.physics[name].switching_s = s
+        return {"seconds": s, "switches": len(names)}
+
+    def _circuits(self, req: dict) -> Any:
+        names = req.get("switches")
+        if names is None:
+            names = list(self.physics)
+        elif not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ControlError(f"switches must be a list of switch names, not {names!r}")
+        out = {}
+        for name in names:
+            phys = self.physics[self._switch({"device": name})]
+            with phys.lock:
+                out[name] = {"commanded": sorted(phys.commanded.items()),
+                             "actual": sorted(phys.actual.items()), "moves": phys.moves,
+                             "port_moves": sorted(phys.port_moves.items())}
+        return out

@@ -1,0 +1,266 @@
+"""The device kinds a service can serve: for each, the driver class it opens, its operations
+(each a function of the driver and the request's checked arguments, returning the result and
+the state keys it changed; each declared in `hil.bus.schema.OPERATIONS`), the state it starts
+from, how it describes itself and its telemetry. A new kind of instrument is a few lines here.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from photonic_testbed import moved
+from photonic_testbed.common.calibration import CalibrationError
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.errors import BadRequest
+from photonic_testbed.hil.bus.server import Answer
+
+
+class ServiceError(Exception):
+    """The service cannot start or run (bad configuration, driver that cannot open)."""
+
+
+# (driver, args) -> (result, state changes); a change's value may be a function of nothing,
+# called once the reply has gone (work the caller does not wait for)
+Op = Callable[[Any, dict], tuple[Any, dict]]
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    driver: str                                   # default driver class, "module:Class"
+    ops: Mapping[str, Op]
+    state: Callable[[Any], dict]                  # the published state, read from the driver
+    describe: Callable[[Any], dict]
+    telemetry: Callable[[Any], dict] | None = None
+    telemetry_hz: float = 0.0                     # default rate (the rig may change it)
+    # An operation that can be sent now and its answer waited for on the device's socket
+    # (served together, without a device thread's turn): (driver, args) -> None (not now:
+    # run the op on the device's thread), the Answer (nothing to wait for), or
+    # (PendingChange, Answer from what it concludes)
+    begins: Mapping[str, Callable[[Any, dict], Any]] = field(default_factory=dict)
+
+
+def _heater_volts(args: dict) -> dict[int, float]:
+    """{channel: volts} from the checked `set_heaters` arguments (finite numbers; the board
+    refuses channels it does not have and volts above its limits)."""
+    first = args["first"]
+    return {first + i: float(v) for i, v in enumerate(args["volts"])}
+
+
+def _set_heaters(dac, args):
+    lines = dac.set_voltages(_heater_volts(args))
+    return {"lines": lines}, {"volts": dac.commanded}
+
+
+def _read_heaters(dac, args):
+    return {"volts": dac.voltages()}, {}
+
+
+def _describe_heaters(dac) -> dict:
+    info = dac.info
+    return {"kind": "heater_dac", "port": dac.port, "ident": info.ident,
+            "firmware": info.firmware, "channels": info.channels, "vfull": info.vfull,
+            "ifull": info.ifull, "modules": [m.ident for m in info.modules],
+            "power_budget_mw": dac.power_budget()}
+
+
+def _apply_circuits(switch: CircuitSwitch, args):
+    # checked here, as the pairs came (an input or output named twice is refused, not merged)
+    circuits = switch.check(args["circuits"])
+    return _applied(switch.apply(circuits), circuits)
+
+
+def _applied(report, circuits) -> tuple[dict, dict]:
+    """The answer to a change of circuits, and its state: the switch's whole map, put in wire
+    form when it is published (after the reply; `circuits` is the map the switch now holds,
+    which nothing changes in place)."""
+    return ({"added": schema.circuits_to_wire(report.added),
+             "removed": schema.circuits_to_wire(report.removed), "seconds": report.seconds},
+            {"circuits": lambda: schema.circuits_to_wire(circuits)})
+
+
+def _begin_apply_circuits(switch, args):
+    """`apply_circuits` sent now, its answer waited for on the switch's socket, where the
+    driver can (`begin_apply`, and `can_begin` now); None otherwise."""
+    can = getattr(switch, "can_begin", None)
+    if can is None or not can():
+        return None
+    # checked by the driver, as the pairs came (an input or output named twice is refused,
+    # not merged); once made, the circuits are the map the driver knows the switch holds
+    got = switch.begin_apply(args["circuits"])
+
+    def answer(report: ApplyReport) -> Answer:
+        held = switch.known if switch.known is not None else switch.check(args["circuits"])
+        return Answer(*_applied(report, held))
+    if isinstance(got, ApplyReport):
+        return answer(got)
+    return got, answer
+
+
+def _read_circuits(switch: CircuitSwitch, args):
+    circuits = schema.circuits_to_wire(switch.circuits())
+    return {"circuits": circuits}, {"circuits": circuits}
+
+
+def _read_power(meter, args):
+    channels = args.get("channels")
+    power = meter.read_power(channels)
+    return {"power": {str(k): float(v) for k, v in power.items()}}, {}
+
+
+def _laser_state(laser) -> dict:
+    return {"on": laser.is_on(), "power_mw": laser.power_mw(),
+            "wavelength_nm": laser.wavelength_nm()}
+
+
+def _set_laser(laser, args):
+    if args["wavelength_nm"] is not None:
+        laser.set_wavelength_nm(args["wavelength_nm"])
+    if args["power_mw"] is not None:
+        laser.set_power_mw(args["power_mw"])
+    if args["on"] is not None:
+        laser.set_output(args["on"])
+    state = _laser_state(laser)
+    return state, state
+
+
+def _chip_state(mesh) -> dict:
+    volts = list(mesh.dac.commanded)
+    cal = mesh.calibration
+    return {"circuits": schema.circuits_to_wire(mesh.circuits()), "ports": mesh.ports,
+            "cells": mesh.cell_states(volts), "volts": volts,
+            "calibration": {"chip_id": cal.chip_id, "date": cal.date}}
+
+
+def _chip_apply(mesh, args):
+    result, changes = _apply_circuits(mesh, args)
+    volts = list(mesh.dac.commanded)
+    # the cells' states are worked out after the reply has gone (DeviceService.publish)
+    return result, {**changes, "cells": functools.partial(mesh.cell_states, volts),
+                    "volts": volts}
+
+
+def _chip_set_heaters(mesh, args):
+    lines = mesh.dac.set_voltages(_heater_volts(args))
+    volts = list(mesh.dac.commanded)
+    return {"lines": lines}, {"volts": volts, "cells": mesh.cell_states(volts),
+                              "circuits": schema.circuits_to_wire(mesh.circuits())}
+
+
+def _chip_load_calibration(mesh, args):
+    """A new calibration file (its text) for the running chip: checked (a damaged file, or
+    one for another chip, is refused before anything changes), then the circuits' heaters
+    derived again with it."""
+    from photonic_testbed.common.calibration import Calibration
+    try:
+        cal = Calibration.parse(args["calibration"], where="sent with load_calibration")
+        changed = mesh.load_calibration(cal)
+    except CalibrationError as e:       # (a CalibrationFileError is one)
+        raise BadRequest(str(e)) from None
+    volts = list(mesh.dac.commanded)
+    return ({"heaters_changed": changed, "chip_id": cal.chip_id, "method": cal.method},
+            {"volts": volts, "cells": functools.partial(mesh.cell_states, volts),
+             "calibration": {"chip_id": cal.chip_id, "date": cal.date}})
+
+
+def _chip_describe(mesh) -> dict:
+    d = dict(mesh.describe())
+    d["kind"] = "chip"
+    d["heaters"] = _describe_heaters(mesh.dac)
+    return d
+
+
+def _ping_device(driver, args):
+    """One round trip to the device (its driver's `ping`, or its heater DAC's)."""
+    ping = getattr(driver, "ping", None)
+    if not callable(ping):
+        ping = getattr(getattr(driver, "dac", None), "ping", None)
+    if not callable(ping):
+        raise ServiceError(f"{type(driver).__name__} has no ping")
+    t0 = time.perf_counter()
+    answer = ping()
+    return {"answer": str(answer), "seconds": time.perf_counter() - t0}, {}
+
+
+def _switch_telemetry(switch) -> dict:
+    """The switch's own port power monitors where it has them (an OCS's `:PMON:POW?`), dBm."""
+    if not callable(getattr(switch, "port_power", None)):
+        return {}
+    power = switch.port_power(range(1, 2 * switch.ports + 1))
+    return {"power_dbm": {str(p): float(v) for p, v in power.items()}}
+
+
+KINDS: dict[str, DeviceKind] = {
+    "heater_dac": DeviceKind(
+        "heater_dac", "photonic_testbed.drivers.heater_dac:HeaterDAC",
+        ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters,
+             "ping_device": _ping_device},
+        state=lambda dac: {"volts": dac.commanded, "channels": dac.channels},
+        describe=_describe_heaters,
+        telemetry=lambda dac: {"total_power_mw": dac.total_power()}, telemetry_hz=1.0),
+    # Any CircuitSwitch (an OCS, the chip's mesh): name its class in the rig (`driver =`).
+    "switch": DeviceKind(
+        "switch", "",
+        ops={"apply_circuits": _apply_circuits, "read_circuits": _read_circuits},
+        state=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits()),
+                          "ports": sw.ports},
+        describe=lambda sw: sw.describe(),
+        telemetry=_switch_telemetry, telemetry_hz=2.0,
+        begins={"apply_circuits": _begin_apply_circuits}),
+    # A power meter driver offers read_power(channels or None) -> {channel: mW}.
+    "power_meter": DeviceKind(
+        "power_meter", "photonic_testbed.drivers.power_meter:PowerMeter",
+        ops={"read_power": _read_power}, state=lambda m: {},
+        describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
+        telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
+        telemetry_hz=2.0),
+    # A chip: the mesh driver owns the heater DAC (one writer); topology and calibration
+    # come from the rig's [chip] section. Rigs without a chip keep `heater_dac`.
+    "chip": DeviceKind(
+        "chip", "photonic_testbed.drivers.mesh:open_chip",
+        ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
+             "set_heaters": _chip_set_heaters, "load_calibration": _chip_load_calibration,
+             "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args),
+             "ping_device": _ping_device},
+        state=_chip_state, describe=_chip_describe,
+        telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
+    "laser": DeviceKind(
+        "laser", "photonic_testbed.drivers.laser:Laser",
+        ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},
+        state=_laser_state, describe=lambda laser: laser.describe()),
+}
+
+
+def load_class(path: str) -> type:
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ServiceError(f"a driver is named 'module:Class', not {path!r}")
+    found = moved.current(module)
+    if found is not None:
+        warnings.warn(f"driver {path!r}: the module is now {found[0]!r} (since {found[1]}); "
+                      "update the rig file", DeprecationWarning, stacklevel=2)
+        module = found[0]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ServiceError(f"cannot load the driver {path}: {e}") from None
+
+
+def open_driver(kind: DeviceKind, driver: str, address: str, options: Mapping) -> Any:
+    cls = load_class(driver or kind.driver)
+    try:
+        drv = cls(address, **options)
+        if callable(getattr(drv, "open", None)):
+            drv.open()
+    except Exception as e:
+        raise ServiceError(f"cannot open {cls.__name__} at {address}: "
+                           f"{type(e).__name__}: {e}") from e
+    return drv
+
+
