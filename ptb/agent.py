@@ -8,8 +8,9 @@ from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import RigFileError, load
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 
 def add_parser(sub) -> None:
@@ -29,8 +30,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_output(args.journal, "--journal")
     try:
-        rig = load(args.rig)
+        rig = load(args.rig, wait_s=WAIT_S)
     except RigFileError as e:
         raise CommandFailed(str(e)) from None
     stop = threading.Event()

@@ -7,7 +7,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 GUI_START_S = 60.0          # a cold start imports Qt and checks the display first
 
@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from photonic_testbed.gui.app import GuiUnavailable, run as run_gui
+    from photonic_testbed.gui.app import SCREENSHOT_SUFFIXES, GuiUnavailable, run as run_gui
+    check_output(args.screenshot, "--screenshot", SCREENSHOT_SUFFIXES)
+    check_output(args.ready_file, "--ready-file")
     try:
         return run_gui(args)
     except GuiUnavailable as e:

@@ -13,7 +13,7 @@ from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, 
 from photonic_testbed.hil.agent.agent import Agent
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
 from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import lumion, opus
+from photonic_testbed.common.rack_layout import duplex_rack, lumion
 
 CASES = json.loads((pathlib.Path(__file__).parent / "agent_decisions.json").read_text())
 PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),
@@ -21,7 +21,8 @@ PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),
          "dp6": lambda: dp_ring(6),
          "pp": lambda: JobPlan("pp", 8, (PhaseSpec("pp", "chain"),
                                          PhaseSpec("dp", "ring", group=4, stride=2)))}
-RACKS = {"lumion": lumion, "opus": opus}
+# the opus rack as it was when the vectors were recorded (0.2: no spares; it has two since)
+RACKS = {"lumion": lumion, "opus": lambda: duplex_rack("opus", "ocs", 32, 8, 0, prefix="server")}
 
 
 class Recorder(CircuitSwitch):
