@@ -8,6 +8,7 @@ whether everything answered (0) or not (1).
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def _rig_askers(path: str, wanted: list[str]) -> dict[str, Callable[[], Answer]]
     if rig.gpus:
         endpoints.update((name, ("gpus", ends[0])) for name, ends in rig.gpu_monitors().items())
     names = _chosen(list(endpoints), wanted, f"rig {rig.name}")
-    return {n: (lambda n=n: _ping(n, *endpoints[n], keys)) for n in names}
+    return {n: functools.partial(_ping, n, *endpoints[n], keys) for n in names}
 
 
 def _ping(name: str, kind: str, endpoint: str, keys) -> Answer:
@@ -136,5 +137,5 @@ def _instrument_askers(path: str, wanted: list[str]) -> dict[str, Callable[[], A
             return Answer(name, wire.kind, False, f"{wire.address}: {why}")
         return Answer(name, probe.kind, True,
                       f"{(time.perf_counter() - t0) * 1000:.1f} ms  {probe.answer}")
-    return {n: (lambda n=n: ask(n)) for n in names}
+    return {n: functools.partial(ask, n) for n in names}
 
