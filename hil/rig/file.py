@@ -373,8 +373,11 @@ def dumps(rig: Rig) -> str:
     """A rig as TOML text that `parse` reads back to the same rig (paths as stored)."""
     out = ["[rig]", f"name = {_toml_value(rig.name)}", "", "[bus]"]
     b = rig.bus
-    out += [f"host = {_toml_value(b.host)}", f"base_port = {b.base_port}",
-            f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
+    out.append(f"host = {_toml_value(b.host)}")
+    # devices' endpoints are written out; the base port only where a process's is derived from it
+    if not all(getattr(b, f"{p}_{side}") for p in PROCESSES for side in ("request", "publish")):
+        out.append(f"base_port = {b.base_port}")
+    out += [f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
     if b.bind:
         out.append(f"bind = {_toml_value(b.bind)}")
     for p in PROCESSES:
