@@ -11,5 +11,5 @@ and the tests imports it: everything else reaches it over its wires (docs/design
     emulator.scpi, .ocs, .optical_instruments   SCPI servers: OCS, power meter, laser
     emulator.bench_optics, .rails   the optics a lab bench or a datacenter's rails connect
     emulator.rack, .rackhost, .job  GPUs, their health and the emulated training job
-    emulator.control, .ocs_control  the control endpoint: faults in, truth out
+    emulator.control, .instrument_faults  the control endpoint: faults in, truth out
 """

@@ -40,8 +40,9 @@ import struct
 import threading
 import time
 import types
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def next_wait(run: Waiting) -> float:
 @dataclass
 class Command:
     pattern: str
-    handler: Callable[["Session", tuple, str], Any]
+    handler: Callable[[Session, tuple, str], Any]
     locked: bool = True          # run holding the instrument lock (False for commands that wait;
     regex: re.Pattern | None = None     # they take the lock themselves between their waits)
 
@@ -268,6 +269,12 @@ class Instrument:
 
     def reset(self) -> None:
         """*RST: back to the default settings."""
+
+    def reboot(self) -> None:
+        """Power cycle: back to the power-on state (an instrument whose *RST keeps some state
+        says what a power cycle loses)."""
+        with self.lock:
+            self.reset()
 
     def pending_until(self) -> float:
         """time.monotonic() at which every operation started so far has completed."""
@@ -594,7 +601,7 @@ class SCPILoop:
 class _Conn:
     """One client session's socket on the loop: its input, the line it runs, its reply."""
 
-    def __init__(self, server: "SCPIServer", loop: SCPILoop, sock: socket.socket,
+    def __init__(self, server: SCPIServer, loop: SCPILoop, sock: socket.socket,
                  session: Session):
         self.server = server
         self.loop = loop
@@ -943,7 +950,7 @@ class SCPIServer:
         for c in conns:
             c.close()
 
-    def __enter__(self) -> "SCPIServer":
+    def __enter__(self) -> SCPIServer:
         self.start()
         return self
 
@@ -1081,3 +1088,20 @@ class SCPIServer:
                 del self._drop_rules[i]
                 return True
         return False
+
+
+def start_servers(servers: dict[str, SCPIServer]) -> dict[str, str]:
+    """Start every server: {name: its VISA resource}; if one cannot start, none stays open."""
+    endpoints = {}
+    try:
+        for name, server in servers.items():
+            endpoints[name] = server.start()
+    except BaseException:
+        close_servers(servers)
+        raise
+    return endpoints
+
+
+def close_servers(servers: dict[str, SCPIServer]) -> None:
+    for server in servers.values():
+        server.close()
