@@ -24,7 +24,7 @@ from photonic_testbed.emulator.instrument_faults import InstrumentFaults
 from photonic_testbed.emulator.mesh_chip import RecirculatingChip
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from photonic_testbed.emulator.scpi import SCPIServer, close_servers, start_servers
+from photonic_testbed.emulator.scpi_server import SCPIServer, close_servers, start_servers
 
 log = logging.getLogger(__name__)
 

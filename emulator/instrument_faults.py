@@ -10,7 +10,7 @@ from typing import Any
 
 from photonic_testbed.emulator.control import ControlError, ControlServer
 from photonic_testbed.emulator.ocs import OCSPhysics
-from photonic_testbed.emulator.scpi import SCPIServer
+from photonic_testbed.emulator.scpi_server import SCPIServer
 
 MAX_SWITCHING_S = 10.0
 NAMES_SHOWN = 4                # a refusal lists this many of the instruments' names at most

@@ -3,7 +3,7 @@
 The power meter reads the light that reaches each of its channels from a callable the rig gives
 it (the optics), adds a noise floor near -70 dBm and ~0.1 % relative noise (seeded), and honours
 the averaging time as a delay. The laser's output (mW when on, 0 when off) is what the optics
-reads. Both speak SCPI on a loopback socket through `emulator.scpi`; see docs/instruments.md.
+reads. Both speak SCPI on a loopback socket through `emulator.scpi_server`; see docs/instruments.md.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.control import ControlError, ControlServer
 from photonic_testbed.emulator.instrument_faults import InstrumentFaults
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.emulator.scpi import SCPILoop, SCPIServer, close_servers, start_servers
+from photonic_testbed.emulator.scpi_loop import SCPILoop
+from photonic_testbed.emulator.scpi_server import SCPIServer, close_servers, start_servers
 
 log = logging.getLogger(__name__)
 

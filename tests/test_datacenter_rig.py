@@ -13,11 +13,10 @@ import sys
 import time
 
 import pytest
-
-from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.emulator.control import request
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.rig import RigFileError, rig_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -171,7 +170,7 @@ def test_a_failing_control_handler_is_answered_and_the_endpoint_keeps_serving():
     """A handler's unexpected error (a bad regex for `drop`'s header raised re.error) is an
     answer, never the end of the control thread."""
     from photonic_testbed.emulator.control import ControlError, ControlServer, request
-    from photonic_testbed.emulator.scpi import SCPIServer
+    from photonic_testbed.emulator.scpi_server import SCPIServer
 
     def boom(req):
         raise RuntimeError("a bug")

@@ -379,7 +379,7 @@ def test_driver_rides_through_an_instrument_restart_on_the_same_port():
     import threading
 
     from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-    from photonic_testbed.emulator.scpi import SCPIServer
+    from photonic_testbed.emulator.scpi_server import SCPIServer
 
     phys = OCSPhysics(4, switching_s=0.0)
     server = SCPIServer(OCSInstrument(phys), name="ocs")
