@@ -1,5 +1,5 @@
 """Swap: a GPU failure -> the first completed training step on the spare, with a real PyTorch
-job in the loop; in place (hil.job.torch_fabric) against torchrun's restart-all, in the same run.
+job in the loop; in place (hil.job.worker) against torchrun's restart-all, in the same run.
 
 The stack runs as processes (emulator with its rack, services, agent; quarantine 0, so a healed
 GPU is a spare again), then the job's controller and its 8 rank processes (data-parallel ring
