@@ -1,4 +1,4 @@
-"""The PyTorch job's controller and its records, without torch (hil.job.torch_fabric has the ranks).
+"""The PyTorch job's controller and its records, without torch (hil.job.worker has the ranks).
 
 The controller is the job's part that no GPU failure takes down (torchrun's agent plays this
 role for torchrun): it hosts the job's store, admits the plan with the agent, starts one
@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from photonic_testbed.hil.lab import control_client
 from photonic_testbed.hil.lab.control_client import ControlError, ControlTimeout
-from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class JobSpec:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "JobSpec":
+    def load(cls, path: str | os.PathLike) -> JobSpec:
         try:
             d = json.loads(pathlib.Path(path).read_text())
             return cls(**d)
@@ -214,7 +214,7 @@ class Controller:
 
     # --- processes --------------------------------------------------------------------------
     def _spawn(self, gpu: str, why: str) -> None:
-        cmd = [self.opt.python, "-m", "photonic_testbed.hil.job.torch_fabric", "worker",
+        cmd = [self.opt.python, "-m", "photonic_testbed.hil.job.worker", "worker",
                "--job", str(self.workdir / "job.json"), "--gpu", gpu]
         err = open(self.workdir / "logs" / f"{gpu}-{len(self._logs)}.log", "w")
         self._logs.append(err)
@@ -325,9 +325,9 @@ class Controller:
 
     # --- the run ----------------------------------------------------------------------------
     def run(self) -> int:
-        from photonic_testbed.hil.job import torch_fabric     # torch: imported here only
+        from photonic_testbed.hil.job import worker  # torch: imported here only
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        self.store, port = torch_fabric.serve_store()
+        self.store, port = worker.serve_store()
         self.spec.store = ("127.0.0.1", port)
         self.spec.save(self.workdir / "job.json")
         try:
@@ -384,7 +384,7 @@ class Controller:
         while self.procs and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.02)
-        for gpu, proc in list(self.procs.items()):
+        for proc in list(self.procs.values()):
             proc.kill()
             proc.wait(5)
 
@@ -415,7 +415,7 @@ class Controller:
         cmd = [self.opt.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(self.plan.world), "--max-restarts",
                str(self.opt.max_restarts), "--monitor-interval", "0.1",
-               "-m", "photonic_testbed.hil.job.torch_fabric", "torchrun-worker",
+               "-m", "photonic_testbed.hil.job.worker", "torchrun-worker",
                "--job", str(self.workdir / "job.json")]
         err = open(self.workdir / "logs" / "torchrun.log", "w")
         self._logs.append(err)
