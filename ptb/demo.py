@@ -277,10 +277,17 @@ def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
         lat = sorted(1e3 * e["latency_s"] for e in phases)
         print(f"phase switches in the last {len(agent['events'])} journal entries: "
               f"{len(lat)}, median {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms")
-    ok = bool(restarted) and gpu not in rank_map.values()
+    world = len(before["rank_map"])
+    degraded = len(rank_map) < world
+    ok = bool(restarted) and gpu not in rank_map.values() and not degraded
     print()
     print(f"ranks now on {', '.join(rank_map.values())}; communications over a down link: "
           f"{status['down_communications']}")
-    print("demo " + ("succeeded" if ok else "FAILED: the job did not resume without the "
-                     "failed GPU"))
+    if ok:
+        print("demo succeeded")
+    elif degraded and restarted:
+        print(f"demo FAILED: no healthy spare took {gpu}'s place: the job runs degraded on "
+              f"{len(rank_map)} of its {world} ranks")
+    else:
+        print("demo FAILED: the job did not resume without the failed GPU")
     return 0 if ok else 1

@@ -55,3 +55,32 @@ def _running_in(folder: pathlib.Path) -> str:
     """The processes whose command line names `folder` (its rig file, journal, ...)."""
     return subprocess.run(["pgrep", "-a", "-f", str(folder)], capture_output=True,
                           text=True).stdout
+
+
+def _status(rank_map: dict, t_fail: float) -> dict:
+    """The emulated job's status (control `job_status`) after a restart at t_fail + 0.2 s."""
+    record = {"t": t_fail + 0.2, "cause": "restart", "rank_map": rank_map, "from_step": 10,
+              "lost_steps": 1, "failed_t": t_fail + 0.01, "failure": "GPU(s) gpu3 failed",
+              "resumed_t": t_fail + 0.25, "resumed_step": 11, "resumed_steps_done": 12}
+    return {"rank_map": rank_map, "steps_done": 20, "down_communications": 0,
+            "steps": [[12 + k, len(rank_map), t_fail + 0.3 + k, t_fail + 0.35 + k]
+                      for k in range(8)], "restart_records": [record]}
+
+
+def test_a_degraded_job_is_no_success(capsys):
+    """With no healthy spare the job shrinks and runs on: the demo says so and exits 1."""
+    from photonic_testbed.ptb.demo import _report
+    t = 1000.0
+    full = {str(r): f"gpu{r}" for r in range(8)}
+    before = {"rank_map": full, "steps": [[k, 8, t - 1 + k / 10, t - 1 + k / 10 + 0.05]
+                                          for k in range(10)], "steps_done": 10}
+    agent = {"alarms": ["no healthy spare for gpu3: job continues degraded on 7 ranks"],
+             "events": []}
+    shrunk = {str(r): g for r, g in enumerate(g for g in full.values() if g != "gpu3")}
+    assert _report(0.0, t, "gpu3", before, _status(shrunk, t), [], agent) == 1
+    out = capsys.readouterr().out
+    assert "demo FAILED: no healthy spare took gpu3's place: the job runs degraded on 7 of " \
+           "its 8 ranks" in out and "succeeded" not in out
+    swapped = {**full, "3": "spare0"}
+    assert _report(0.0, t, "gpu3", before, _status(swapped, t), [], agent) == 0
+    assert capsys.readouterr().out.rstrip().endswith("demo succeeded")
