@@ -176,6 +176,11 @@ def test_kill_a_rank_standby_takes_its_place_in_place_nothing_lost(tmp_path):
     out_run, out_ref = finish(run), finish(ref)
     assert run.returncode == 0, out_run
     assert ref.returncode == 0, out_ref
+    # the launcher says what it does: processes up, the first step, the swap, the end
+    for said in ("torch job: process on spare0 ready", "torch job: first step done",
+                 "torch job: generation 1, ranks on gpu0, gpu1, spare0, gpu3",
+                 f"torch job: step {steps}, loss ", "torch job: done"):
+        assert said in out_run, (said, out_run)
     ev = events_of(run_dir)
     orders = [e for e in ev if e["kind"] == "order"]
     assert [o["rank_map"] for o in orders] == [
