@@ -75,10 +75,9 @@ def run(args: argparse.Namespace) -> int:
             raise GuiUnavailable(problem)
     rig = None
     if args.rig:
-        from photonic_testbed.hil.files import WAIT_S
         from photonic_testbed.hil.rig import RigFileError, load
         try:
-            rig = load(args.rig, wait_s=WAIT_S)
+            rig = load(args.rig)
         except RigFileError as e:
             raise GuiUnavailable(str(e)) from None
     from PySide6.QtCore import QSettings, QTimer

@@ -40,6 +40,14 @@ def wait_event(proc, workdir, cond, what, timeout=TIMEOUT_S):
     raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
+def _until(cond, what, timeout=TIMEOUT_S):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
 def fail(stack, gpu):
     import time
     t = time.time()
@@ -126,6 +134,14 @@ def test_opus_tensor_and_data_parallel_phases_then_clean_stop(tmp_path):
                       stack.control, "--plan", "dp-tp", "--world", "8", "--steps", "1000",
                       "--audit", "--restart-timeout", "5", *SMALL)
         wait_event(proc, work, lambda e: e["kind"] == "step" and e["step"] >= 6, "step 6")
+        # the rig's two spares fail first (their standbys die with them): none is left
+        for spare in ("spare0", "spare1"):
+            fail(stack, spare)
+        with ServiceClient(stack.rig.agent_endpoints()[0], timeout=5) as c:
+            _until(lambda: {g["name"]: g["health"] for g in c.call("snapshot")["state"]["rack"]
+                            if g["name"].startswith("spare")} == {"spare0": "failed",
+                                                                   "spare1": "failed"},
+                   "the agent sees both spares failed")
         t = fail(stack, "server5")
         out = finish(proc)
         assert proc.returncode == torch_job.STOPPED, out
@@ -134,7 +150,8 @@ def test_opus_tensor_and_data_parallel_phases_then_clean_stop(tmp_path):
         stops = [e for e in ev if e.get("role") == "controller" and e["kind"] == "stopped"]
         assert len(stops) == 1 and "cannot run on 7 ranks" in stops[0]["reason"]
         # every rank process is gone, each with the stop's reason
-        exits = {e["gpu"]: e["code"] for e in ev if e["kind"] == "exit"}
+        exits = {e["gpu"]: e["code"] for e in ev if e["kind"] == "exit"
+                 and e["gpu"].startswith("server")}
         assert set(exits) == {f"server{i}" for i in range(8)}
         assert exits.pop("server5") == -9 and set(exits.values()) == {torch_job.STOPPED}
         # both phases ran: tensor-parallel all-reduces and the gradient all-reduce, each

@@ -201,7 +201,7 @@ class Progress:
                 self._last = (now, self.step)
             return
         t0, step0 = self._last
-        if now - t0 >= self.every_s:
+        if now - t0 >= self.every_s and self._loss:      # (none yet under a new rank map)
             self._line(now, t0, step0, say)
 
     def _absorb(self, say) -> None:
