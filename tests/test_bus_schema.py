@@ -5,8 +5,8 @@ import json
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.mirror import Mirror, MirrorError, StatePublisher, apply_ops
 
@@ -22,7 +22,7 @@ def test_heater_vectors_round_trip_exactly(volts):
     msg = schema.make("request", id="x", op="set_heaters", args={"volts": volts})
     back = schema.decode(schema.encode(msg))
     assert back["args"]["volts"] == volts
-    assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts))
+    assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts, strict=True))
 
 
 def test_encode_refuses_what_json_cannot_carry_and_keeps_the_rest():
@@ -95,7 +95,7 @@ def test_every_message_type_has_a_valid_example():
 
 def test_circuits_on_the_wire():
     assert schema.circuits_to_wire({2: 18, 1: 17}) == [[1, 17], [2, 18]]
-    import numpy as np                 # ports worked out with numpy go out as JSON integers
+    import numpy as np  # ports worked out with numpy go out as JSON integers
     wire = schema.circuits_to_wire({np.int64(2): np.int32(18), 1: 17})
     assert wire == [[1, 17], [2, 18]] and {type(p) for pair in wire for p in pair} == {int}
     assert json.loads(schema.encode(schema.make("delta", device="x", incarnation="i", seq=1,
@@ -121,7 +121,9 @@ def test_every_operation_is_declared_once_with_its_arguments():
     assert {"apply_circuits", "set_heaters", "set_laser", "admit", "phase", "job_failure",
             "swap", "clear_gpu", "load_calibration"}.isdisjoint(reads)
     checked = schema.check_args(schema.OPERATIONS["set_heaters"], {"volts": [1]})
-    assert checked == {"volts": [1.0], "first": 0}
+    # the handler receives the operation's own Struct, defaults filled in (not a dict)
+    assert checked == schema.SetHeaters(volts=[1.0], first=0)
+    assert type(checked.volts[0]) is float
 
 
 def test_apply_ops_paths_and_errors():
@@ -247,6 +249,7 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
 
     from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
     from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
+
     from tests.bus_doubles import MemoryPowerMeter
 
     class NanMeter(MemoryPowerMeter):

@@ -24,10 +24,16 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import orjson
-
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (the schema's errors, re-exported)
-    BadFrame, BadRequest, FrameTooLarge, MissingField, SchemaError, UnknownType,
-    UnknownVersion, WrongType)
+    BadFrame,
+    BadRequest,
+    FrameTooLarge,
+    MissingField,
+    SchemaError,
+    UnknownType,
+    UnknownVersion,
+    WrongType,
+)
 
 VERSION = 1
 MAX_FRAME = 1 << 20          # bytes; a whole 4096-channel heater vector is ~80 kB
@@ -276,14 +282,16 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
 )}
 
 
-def check_args(op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The operation's arguments checked (type, range, size) with defaults filled in, as a
-    dict; BadRequest saying which argument is wrong."""
+NO_ARGS = Args()             # what a handler of an operation without arguments receives
+
+
+def check_args(op: Operation, args: Mapping[str, Any]) -> Args:
+    """The operation's arguments checked (type, range, size) with defaults filled in: its
+    Struct, as the handler receives it; BadRequest saying which argument is wrong."""
     try:
-        checked = msgspec.convert(args, op.args)
+        return msgspec.convert(args, op.args)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{op.name} arguments: {_where(str(e), '$')}") from None
-    return msgspec.structs.asdict(checked)
 
 
 # ---- frames -----------------------------------------------------------------------------------

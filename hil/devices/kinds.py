@@ -13,21 +13,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from photonic_testbed import moved
 from photonic_testbed.common.calibration import CalibrationError
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.server import Answer
 
+from photonic_testbed import moved
+
 
 class ServiceError(Exception):
     """The service cannot start or run (bad configuration, driver that cannot open)."""
 
 
-# (driver, args) -> (result, state changes); a change's value may be a function of nothing,
-# called once the reply has gone (work the caller does not wait for)
-Op = Callable[[Any, dict], tuple[Any, dict]]
+# (driver, the operation's checked arguments: its schema Struct) -> (result, state changes); a
+# change's value may be a function of nothing, called once the reply has gone (work the caller
+# does not wait for)
+Op = Callable[[Any, Any], tuple[Any, dict]]
 
 
 @dataclass(frozen=True)
@@ -43,22 +45,21 @@ class DeviceKind:
     # (served together, without a device thread's turn): (driver, args) -> None (not now:
     # run the op on the device's thread), the Answer (nothing to wait for), or
     # (PendingChange, Answer from what it concludes)
-    begins: Mapping[str, Callable[[Any, dict], Any]] = field(default_factory=dict)
+    begins: Mapping[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
 
 
-def _heater_volts(args: dict) -> dict[int, float]:
+def _heater_volts(args: schema.SetHeaters) -> dict[int, float]:
     """{channel: volts} from the checked `set_heaters` arguments (finite numbers; the board
     refuses channels it does not have and volts above its limits)."""
-    first = args["first"]
-    return {first + i: float(v) for i, v in enumerate(args["volts"])}
+    return {args.first + i: float(v) for i, v in enumerate(args.volts)}
 
 
-def _set_heaters(dac, args):
+def _set_heaters(dac: Any, args: schema.SetHeaters) -> tuple[dict, dict]:
     lines = dac.set_voltages(_heater_volts(args))
     return {"lines": lines}, {"volts": dac.commanded}
 
 
-def _read_heaters(dac, args):
+def _read_heaters(dac: Any, args: schema.Args) -> tuple[dict, dict]:
     return {"volts": dac.voltages()}, {}
 
 
@@ -70,9 +71,9 @@ def _describe_heaters(dac) -> dict:
             "power_budget_mw": dac.power_budget()}
 
 
-def _apply_circuits(switch: CircuitSwitch, args):
+def _apply_circuits(switch: CircuitSwitch, args: schema.ApplyCircuits) -> tuple[dict, dict]:
     # checked here, as the pairs came (an input or output named twice is refused, not merged)
-    circuits = switch.check(args["circuits"])
+    circuits = switch.check(args.circuits)
     return _applied(switch.apply(circuits), circuits)
 
 
@@ -85,7 +86,7 @@ def _applied(report, circuits) -> tuple[dict, dict]:
             {"circuits": lambda: schema.circuits_to_wire(circuits)})
 
 
-def _begin_apply_circuits(switch, args):
+def _begin_apply_circuits(switch: Any, args: schema.ApplyCircuits) -> Any:
     """`apply_circuits` sent now, its answer waited for on the switch's socket, where the
     driver can (`begin_apply`, and `can_begin` now); None otherwise."""
     can = getattr(switch, "can_begin", None)
@@ -93,24 +94,23 @@ def _begin_apply_circuits(switch, args):
         return None
     # checked by the driver, as the pairs came (an input or output named twice is refused,
     # not merged); once made, the circuits are the map the driver knows the switch holds
-    got = switch.begin_apply(args["circuits"])
+    got = switch.begin_apply(args.circuits)
 
     def answer(report: ApplyReport) -> Answer:
-        held = switch.known if switch.known is not None else switch.check(args["circuits"])
+        held = switch.known if switch.known is not None else switch.check(args.circuits)
         return Answer(*_applied(report, held))
     if isinstance(got, ApplyReport):
         return answer(got)
     return got, answer
 
 
-def _read_circuits(switch: CircuitSwitch, args):
+def _read_circuits(switch: CircuitSwitch, args: schema.Args) -> tuple[dict, dict]:
     circuits = schema.circuits_to_wire(switch.circuits())
     return {"circuits": circuits}, {"circuits": circuits}
 
 
-def _read_power(meter, args):
-    channels = args.get("channels")
-    power = meter.read_power(channels)
+def _read_power(meter: Any, args: schema.ReadPower) -> tuple[dict, dict]:
+    power = meter.read_power(args.channels)
     return {"power": {str(k): float(v) for k, v in power.items()}}, {}
 
 
@@ -119,13 +119,13 @@ def _laser_state(laser) -> dict:
             "wavelength_nm": laser.wavelength_nm()}
 
 
-def _set_laser(laser, args):
-    if args["wavelength_nm"] is not None:
-        laser.set_wavelength_nm(args["wavelength_nm"])
-    if args["power_mw"] is not None:
-        laser.set_power_mw(args["power_mw"])
-    if args["on"] is not None:
-        laser.set_output(args["on"])
+def _set_laser(laser: Any, args: schema.SetLaser) -> tuple[dict, dict]:
+    if args.wavelength_nm is not None:
+        laser.set_wavelength_nm(args.wavelength_nm)
+    if args.power_mw is not None:
+        laser.set_power_mw(args.power_mw)
+    if args.on is not None:
+        laser.set_output(args.on)
     state = _laser_state(laser)
     return state, state
 
@@ -138,7 +138,7 @@ def _chip_state(mesh) -> dict:
             "calibration": {"chip_id": cal.chip_id, "date": cal.date}}
 
 
-def _chip_apply(mesh, args):
+def _chip_apply(mesh: Any, args: schema.ApplyCircuits) -> tuple[dict, dict]:
     result, changes = _apply_circuits(mesh, args)
     volts = list(mesh.dac.commanded)
     # the cells' states are worked out after the reply has gone (DeviceService.publish)
@@ -146,20 +146,20 @@ def _chip_apply(mesh, args):
                     "volts": volts}
 
 
-def _chip_set_heaters(mesh, args):
+def _chip_set_heaters(mesh: Any, args: schema.SetHeaters) -> tuple[dict, dict]:
     lines = mesh.dac.set_voltages(_heater_volts(args))
     volts = list(mesh.dac.commanded)
     return {"lines": lines}, {"volts": volts, "cells": mesh.cell_states(volts),
                               "circuits": schema.circuits_to_wire(mesh.circuits())}
 
 
-def _chip_load_calibration(mesh, args):
+def _chip_load_calibration(mesh: Any, args: schema.LoadCalibration) -> tuple[dict, dict]:
     """A new calibration file (its text) for the running chip: checked (a damaged file, or
     one for another chip, is refused before anything changes), then the circuits' heaters
     derived again with it."""
     from photonic_testbed.common.calibration import Calibration
     try:
-        cal = Calibration.parse(args["calibration"], where="sent with load_calibration")
+        cal = Calibration.parse(args.calibration, where="sent with load_calibration")
         changed = mesh.load_calibration(cal)
     except CalibrationError as e:       # (a CalibrationFileError is one)
         raise BadRequest(str(e)) from None
@@ -176,7 +176,7 @@ def _chip_describe(mesh) -> dict:
     return d
 
 
-def _ping_device(driver, args):
+def _ping_device(driver: Any, args: schema.Args) -> tuple[dict, dict]:
     """One round trip to the device (its driver's `ping`, or its heater DAC's)."""
     ping = getattr(driver, "ping", None)
     if not callable(ping):

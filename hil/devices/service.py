@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-
 from photonic_testbed.common import heap
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest, DeadlineExceeded, StaleState, to_wire
 from photonic_testbed.hil.bus.security import server_keys
-from photonic_testbed.hil.bus.server import Answer, Server
+from photonic_testbed.hil.bus.server import Answer, Handler, Server
 from photonic_testbed.hil.devices.kinds import KINDS, Op, ServiceError, open_driver
 
 log = logging.getLogger(__name__)
@@ -143,7 +142,8 @@ class DeviceService:
                     if spec.curve_secret else None)
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
-            handlers = {op: self._handler(op, fn) for op, fn in self.kind.ops.items()}
+            handlers: dict[str, Handler] = {op: self._handler(op, fn)
+                                            for op, fn in self.kind.ops.items()}
             if "apply_circuits" in handlers:
                 handlers["apply_circuits_together"] = self._apply_together
             self.server = Server(
@@ -167,14 +167,14 @@ class DeviceService:
                                "switches": sorted(self._peers())}
         return out
 
-    def _handler(self, name: str, fn: Op) -> Callable[[dict], Any]:
-        def run(args: dict):
+    def _handler(self, name: str, fn: Op) -> Handler:
+        def run(args: schema.Args) -> Any:
             got = self._submit(name, args, self.server.request_deadline)
             # done already (an answer that was waiting): answered now, not at the next poll
             return got.result() if isinstance(got, Future) and got.done() else got
         return run
 
-    def _submit(self, name: str, args: dict, deadline: float | None) -> Answer | Future:
+    def _submit(self, name: str, args: schema.Args, deadline: float | None) -> Answer | Future:
         """Operation `name` on the driver: its Answer (the changes published once the reply
         has gone), or, served together with device threads, the Future of it (queued behind
         the device's calls before it)."""
@@ -186,19 +186,19 @@ class DeviceService:
                            None if begin is None else lambda: begin(self.driver, args),
                            name, deadline)
 
-    def _peers(self) -> dict[str, "DeviceService"]:
+    def _peers(self) -> dict[str, DeviceService]:
         """The switches served together with this one (itself included), by name."""
         if self._loop is None:
             return {self.name: self}
         return self._loop.switches
 
-    def _apply_together(self, args: dict) -> Answer | Future:
+    def _apply_together(self, args: schema.ApplyTogether) -> Answer | Future:
         """`apply_circuits_together`: each named switch served together with this one gets
         its `apply_circuits`, queued behind its own calls (its one writer) and checked against
         its own `expect`; the answer, once every switch is done, has one entry per switch, in
         the order asked: its result or its error, and its state version. A name not served
         here (or named twice) refuses the whole request before anything runs."""
-        changes = args["changes"]
+        changes = args.changes
         peers = self._peers()
         counts = collections.Counter(c.switch for c in changes)
         twice = sorted(n for n, k in counts.items() if k > 1)
@@ -216,8 +216,8 @@ class DeviceService:
             peer = peers[change.switch]
             try:
                 peer.server.claim_change(change.expect)
-                got: Any = peer._submit("apply_circuits", {"circuits": change.circuits},
-                                        deadline)
+                got: Any = peer._submit("apply_circuits",
+                                        schema.ApplyCircuits(circuits=change.circuits), deadline)
             except Exception as e:
                 got = e
             parts.append((peer, got))
