@@ -171,6 +171,9 @@ class Server:
         self.state: StatePublisher | None = None
         self.incarnation = uuid.uuid4().hex[:12]
         self.online = True
+        # False: no heartbeats (the owner cannot stand behind them: its device is stuck), so
+        # that a supervisor takes the silence for a hang
+        self.beating = True
         self.changes = 0                      # changing requests run: the version's N
         self.requests = 0
         self._queue: collections.deque = collections.deque()
@@ -311,9 +314,12 @@ class Server:
         self.state.update(updates, owned=True)
 
     def send_heartbeat(self) -> None:
-        self.pub.send(schema.make("heartbeat", device=self.name, incarnation=self.incarnation,
-                                  seq=self.state.seq, t=time.time(), online=self.online,
-                                  interval=self.heartbeat))
+        """A heartbeat now (none while not `beating`); the next one heartbeat later."""
+        if self.beating:
+            self.pub.send(schema.make("heartbeat", device=self.name,
+                                      incarnation=self.incarnation, seq=self.state.seq,
+                                      t=time.time(), online=self.online,
+                                      interval=self.heartbeat))
         self._next_beat = time.monotonic() + self.heartbeat
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class DeviceCalls:
         self._thread = DeviceThread(name, lambda: loop.wake(self))
         self._queue: collections.deque[Call] = collections.deque()
         self._current: Call | None = None
+        self._began = 0.0                              # when the call under way started
         self._awaited: tuple[Any, Callable[[Any], Any], Any] | None = None  # change, finish, sock
 
     def submit(self, run: Callable[[], Any], begin: Callable[[], Any] | None = None,
@@ -105,6 +106,11 @@ class DeviceCalls:
         self._queue.append(call)
         self._start()
         return call.future
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the call under way started (time.monotonic()); None: the device is idle."""
+        return self._began if self._current is not None else None
 
     @property
     def deadline(self) -> float:
@@ -133,6 +139,7 @@ class DeviceCalls:
                 call.future.set_result(started)             # nothing to wait for
                 continue
             self._current = call
+            self._began = time.monotonic()
             if started is None:
                 self._thread.run(call.run, call.future)
                 return

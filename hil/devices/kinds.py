@@ -2,6 +2,12 @@
 (each a function of the driver and the request's checked arguments, returning the result and
 the state keys it changed; each declared in `hil.bus.schema.OPERATIONS`), the state it starts
 from, how it describes itself and its telemetry. A new kind of instrument is a few lines here.
+
+A description is answered by the service's loop at once, never behind the device: it is made
+without device I/O, from the driver's own attributes and the facts read from the device once,
+when the service opened it. A telemetry pass may be a generator: each `yield` is a turn for the
+requests that came meanwhile (a power meter reads its ports one at a time, each taking its
+averaging time), and the pass's values are what it returns.
 """
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import functools
 import importlib
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,13 @@ class ServiceError(Exception):
 # change's value may be a function of nothing, called once the reply has gone (work the caller
 # does not wait for)
 Op = Callable[[Any, Any], tuple[Any, dict]]
+# (driver) -> the values, or a generator of them: it yields between its device calls (a turn
+# for requests) and returns the values
+Telemetry = Callable[[Any], dict | Generator[None, None, dict]]
+
+
+def _no_facts(driver: Any) -> dict:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -38,9 +51,12 @@ class DeviceKind:
     driver: str                                   # default driver class, "module:Class"
     ops: Mapping[str, Op]
     state: Callable[[Any], dict]                  # the published state, read from the driver
-    describe: Callable[[Any], dict]
-    telemetry: Callable[[Any], dict] | None = None
+    # (driver, facts) -> what the device is, without device I/O (answered by the loop at once)
+    describe: Callable[[Any, Mapping], dict]
+    telemetry: Telemetry | None = None
     telemetry_hz: float = 0.0                     # default rate (the rig may change it)
+    # what the description needs from the device: read once, when the service opens it
+    facts: Callable[[Any], dict] = _no_facts
     # An operation that can be sent now and its answer waited for on the device's socket
     # (served together, without a device thread's turn): (driver, args) -> None (not now:
     # run the op on the device's thread), the Answer (nothing to wait for), or
@@ -63,12 +79,16 @@ def _read_heaters(dac: Any, args: schema.Args) -> tuple[dict, dict]:
     return {"volts": dac.voltages()}, {}
 
 
-def _describe_heaters(dac) -> dict:
-    info = dac.info
+def _heater_facts(dac: Any) -> dict:
+    return {"power_budget_mw": dac.power_budget()}
+
+
+def _describe_heaters(dac: Any, facts: Mapping) -> dict:
+    info = dac.info                     # (read when the driver opened the board)
     return {"kind": "heater_dac", "port": dac.port, "ident": info.ident,
             "firmware": info.firmware, "channels": info.channels, "vfull": info.vfull,
             "ifull": info.ifull, "modules": [m.ident for m in info.modules],
-            "power_budget_mw": dac.power_budget()}
+            "power_budget_mw": facts["power_budget_mw"]}
 
 
 def _apply_circuits(switch: CircuitSwitch, args: schema.ApplyCircuits) -> tuple[dict, dict]:
@@ -169,11 +189,29 @@ def _chip_load_calibration(mesh: Any, args: schema.LoadCalibration) -> tuple[dic
              "calibration": {"chip_id": cal.chip_id, "date": cal.date}})
 
 
-def _chip_describe(mesh) -> dict:
+def _chip_describe(mesh: Any, facts: Mapping) -> dict:
     d = dict(mesh.describe())
     d["kind"] = "chip"
-    d["heaters"] = _describe_heaters(mesh.dac)
+    d["heaters"] = _describe_heaters(mesh.dac, facts)
     return d
+
+
+def _meter_describe(meter: Any, facts: Mapping) -> dict:
+    return meter.describe() if hasattr(meter, "describe") else {"kind": "power_meter"}
+
+
+def _meter_telemetry(meter: Any) -> Generator[None, None, dict]:
+    """Every port's power, mW: one port at a time (each read takes the meter's averaging
+    time), requests served between them; a driver that does not say its `ports`: one read."""
+    ports = getattr(meter, "ports", None)
+    if not isinstance(ports, int) or isinstance(ports, bool):
+        return {"power": {str(k): float(v) for k, v in meter.read_power(None).items()}}
+    power: dict[str, float] = {}
+    for port in range(1, ports + 1):
+        if port > 1:
+            yield                       # a turn for the requests that came meanwhile
+        power[str(port)] = float(meter.read_power([port])[port])
+    return {"power": power}
 
 
 def _ping_device(driver: Any, args: schema.Args) -> tuple[dict, dict]:
@@ -202,7 +240,7 @@ KINDS: dict[str, DeviceKind] = {
         ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters,
              "ping_device": _ping_device},
         state=lambda dac: {"volts": dac.commanded, "channels": dac.channels},
-        describe=_describe_heaters,
+        describe=_describe_heaters, facts=_heater_facts,
         telemetry=lambda dac: {"total_power_mw": dac.total_power()}, telemetry_hz=1.0),
     # Any CircuitSwitch (an OCS, the chip's mesh): name its class in the rig (`driver =`).
     "switch": DeviceKind(
@@ -210,16 +248,15 @@ KINDS: dict[str, DeviceKind] = {
         ops={"apply_circuits": _apply_circuits, "read_circuits": _read_circuits},
         state=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits()),
                           "ports": sw.ports},
-        describe=lambda sw: sw.describe(),
+        describe=lambda sw, facts: sw.describe(),
         telemetry=_switch_telemetry, telemetry_hz=2.0,
         begins={"apply_circuits": _begin_apply_circuits}),
-    # A power meter driver offers read_power(channels or None) -> {channel: mW}.
+    # A power meter driver offers read_power(channels or None) -> {channel: mW}, and says how
+    # many `ports` it has (its telemetry reads them one at a time).
     "power_meter": DeviceKind(
         "power_meter", "photonic_testbed.drivers.power_meter:PowerMeter",
-        ops={"read_power": _read_power}, state=lambda m: {},
-        describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
-        telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
-        telemetry_hz=2.0),
+        ops={"read_power": _read_power}, state=lambda m: {}, describe=_meter_describe,
+        telemetry=_meter_telemetry, telemetry_hz=2.0),
     # A chip: the mesh driver owns the heater DAC (one writer); topology and calibration
     # come from the rig's [chip] section. Rigs without a chip keep `heater_dac`.
     "chip": DeviceKind(
@@ -229,11 +266,12 @@ KINDS: dict[str, DeviceKind] = {
              "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args),
              "ping_device": _ping_device},
         state=_chip_state, describe=_chip_describe,
+        facts=lambda mesh: _heater_facts(mesh.dac),
         telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
     "laser": DeviceKind(
         "laser", "photonic_testbed.drivers.laser:Laser",
         ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},
-        state=_laser_state, describe=lambda laser: laser.describe()),
+        state=_laser_state, describe=lambda laser, facts: laser.describe()),
 }
 
 

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,11 @@ from photonic_testbed.hil.devices.together import Batch, Loop, serve_together
 
 log = logging.getLogger(__name__)
 
+# At most this share of a device's time goes to its telemetry: after a pass that took t s, the
+# next begins t * (1 - share) / share s later at the earliest (never back to back; a pass that
+# costs more than the rig's rate allows is read less often), and never sooner than the rate.
+TELEMETRY_SHARE = 0.5
+
 
 @dataclass
 class ServiceSpec:
@@ -51,6 +56,9 @@ class ServiceSpec:
     heartbeat: float = 0.5
     health: float = 2.0
     telemetry_hz: float | None = None
+    # a driver call running longer than this is stuck (every blocking call has a shorter
+    # deadline): the service's heartbeats stop, so that its supervisor restarts it afresh
+    stuck_s: float = 15.0
     curve_secret: str | None = None           # server certificate (.key_secret)
     curve_authorized: str | None = None       # folder of authorised client .key files
 
@@ -76,7 +84,11 @@ class DeviceService:
         # of its own); neither when the service answers in-process (`handle`)
         self.calls: DeviceCalls | None = None
         self._group: Loop | None = None
-        self._background: tuple[str, Future] | None = None   # a health check or telemetry read
+        self._facts: dict = {}                   # read from the device when opened (describe)
+        # a health check or a turn of a telemetry pass, on the device's thread
+        self._background: tuple[str, Future] | None = None
+        self._pass: Generator[None, None, dict] | None = None    # (the device's thread's)
+        self._pass_began = 0.0
         hz = self.kind.telemetry_hz if spec.telemetry_hz is None else spec.telemetry_hz
         self._period = 1.0 / hz if hz and self.kind.telemetry else math.inf
         now = time.monotonic()
@@ -92,6 +104,7 @@ class DeviceService:
                     if spec.curve_secret else None)
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
+            self._facts = self.kind.facts(self.driver)
             handlers: dict[str, Handler] = {op: self._handler(op, fn)
                                             for op, fn in self.kind.ops.items()}
             if self.is_switch:
@@ -115,7 +128,8 @@ class DeviceService:
         return "apply_circuits" in self.kind.ops
 
     def _describe(self) -> dict:
-        out = {"device": self.kind.describe(self.driver)}
+        """What the device is, without device I/O: answered at once, never behind it."""
+        out = {"device": self.kind.describe(self.driver, self._facts)}
         if self.is_switch:
             # which switches one apply_circuits_together sent here may name
             group = self._group.id if self._group else self.server.incarnation
@@ -208,15 +222,16 @@ class DeviceService:
     # ---- served from a loop ----------------------------------------------------------------
 
     def serve(self, stop: threading.Event) -> None:
-        """Serve until `stop` is set, the driver called from this thread."""
-        serve_together([self], stop, device_threads=False)
+        """Serve until `stop` is set: requests answered from this thread, the driver called
+        from the device's own."""
+        serve_together([self], stop)
 
-    def attach(self, loop: Loop, *, device_thread: bool) -> None:
-        """Served from `loop` (with the switches served with it); with `device_thread` the
-        driver is called from a thread of the device's own, one call at a time."""
+    def attach(self, loop: Loop) -> None:
+        """Served from `loop` (with the switches served with it): the driver is called from a
+        thread of the device's own, one call at a time, so that the loop never waits for the
+        device (`ping`, `describe` and `snapshot` are answered at once)."""
         self._group = loop
-        if device_thread:
-            self.calls = DeviceCalls(self.name, self.driver, loop)
+        self.calls = DeviceCalls(self.name, self.driver, loop)
 
     def stop_calls(self) -> None:
         """No more driver calls: the device's thread ends once those under way are done."""
@@ -235,31 +250,57 @@ class DeviceService:
         return ended
 
     def tick(self, now: float) -> float:
-        """Start a health check or a telemetry read that is due (on the device's thread when
-        it has one) and publish one that is done; returns when the next falls due."""
+        """(Served from a loop) start a health check or a telemetry pass that is due, each a
+        call in the device's queue, and publish one that is done; a pass in turns goes on with
+        its next turn, queued behind the requests that came during the last. Returns when to
+        look again: a check due, or the call under way turning stuck (while a check or a turn
+        is under way, its end wakes the loop)."""
+        self._background_step(now)
+        look = self._watch_stuck(now)
         if self._background is not None:
-            if not self._background[1].done():
-                return math.inf                  # its end wakes the loop
+            return look
+        return min(self._next_health, self._next_telemetry, look)
+
+    def _background_step(self, now: float) -> None:
+        if self._background is not None:
             what, future = self._background
+            if not future.done():
+                return
             self._background = None
-            (self._apply_health if what == "health" else self._send_telemetry)(future)
+            if what == "health":
+                self._apply_health(future)
+            elif future.result() is None:                # more of the pass to read
+                self._start_background("telemetry", lambda: self._telemetry_turn(False))
+                return
+            else:
+                self._send_telemetry(future.result(), now)
         if now >= self._next_health:
             self._next_health = now + self.spec.health
             self._start_background("health", self._read_health)
         elif now >= self._next_telemetry:
-            self._next_telemetry = now + self._period
-            self._start_background("telemetry", self._read_telemetry)
-        if self._background is not None:
-            return math.inf
-        return min(self._next_health, self._next_telemetry)
+            self._next_telemetry, self._pass_began = math.inf, now
+            self._start_background("telemetry", lambda: self._telemetry_turn(True))
+
+    def _watch_stuck(self, now: float) -> float:
+        """Heartbeats stop while a driver call runs past `spec.stuck_s` (the device or its
+        driver hangs: the supervisor restarts the service with a fresh driver), and start
+        again once it ends; returns when to look again."""
+        began = self.calls.busy_since if self.calls is not None else None
+        stuck = began is not None and now - began >= self.spec.stuck_s
+        if stuck == self.server.beating:
+            self.server.beating = not stuck
+            self.server.online = not stuck        # (its next health check says more)
+            self.server.update({"online": not stuck})
+            if stuck:
+                log.warning("%s: a device call has run for %.1f s: stuck; heartbeats stop",
+                            self.name, now - began)
+            else:
+                log.warning("%s: the stuck device call ended; heartbeats again", self.name)
+        return began + self.spec.stuck_s if began is not None and not stuck else math.inf
 
     def _start_background(self, what: str, fn: Callable[[], Any]) -> None:
-        if self.calls is not None:
-            self._background = (what, self.calls.submit(fn))
-            return
-        future: Future = Future()
-        future.set_result(fn())                  # (both read functions catch what fails)
-        (self._apply_health if what == "health" else self._send_telemetry)(future)
+        assert self.calls is not None, "ticked without a loop"
+        self._background = (what, self.calls.submit(fn))
 
     def _read_health(self) -> bool | None:
         """Whether the device answers its driver's `ping` (None: the driver has none)."""
@@ -279,15 +320,31 @@ class DeviceService:
             self.server.online = online
             self.server.update({"online": online})
 
-    def _read_telemetry(self) -> dict:
+    def _telemetry_turn(self, first: bool) -> dict | None:
+        """(The device's thread) one turn of a telemetry pass: None while more are to come,
+        then the pass's values ({} when it failed or has nothing to report)."""
         try:
-            return self.kind.telemetry(self.driver)
+            if first:
+                got = self.kind.telemetry(self.driver)
+                if not isinstance(got, Generator):
+                    return got
+                self._pass = got
+            next(self._pass)
+            return None
+        except StopIteration as end:
+            self._pass = None
+            return end.value or {}
         except Exception as e:
+            self._pass = None
             log.debug("%s: telemetry read failed: %s", self.name, e)
             return {}
 
-    def _send_telemetry(self, future: Future) -> None:
-        values = future.result()
+    def _send_telemetry(self, values: dict, now: float) -> None:
+        """A pass's values published; the next pass set no sooner than the rate allows, and
+        late enough that telemetry takes at most TELEMETRY_SHARE of the device's time."""
+        cost = now - self._pass_began
+        self._next_telemetry = max(self._pass_began + self._period,
+                                   now + cost * (1.0 - TELEMETRY_SHARE) / TELEMETRY_SHARE)
         if not values:
             return                          # this driver has nothing to report
         self._telemetry_seq += 1

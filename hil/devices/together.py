@@ -138,23 +138,22 @@ class Loop:
         os.close(self.wake_w)
 
 
-def serve_together(services: Sequence[DeviceService], stop: threading.Event, *,
-                   device_threads: bool = True) -> None:
+def serve_together(services: Sequence[DeviceService], stop: threading.Event) -> None:
     """Serve bound services from this one thread until `stop` is set.
 
-    This thread takes every service's requests in, answers them and publishes their state.
-    With `device_threads` each device's driver calls run one at a time in arrival order (its
-    one writer): a change whose answer can be awaited on the device's socket (a switch's new
-    circuits: `DeviceKind.begins`) is sent from here and its answer read here when it comes;
-    every other call (and anything that may block: a refusal's error queue, a dropped
-    session) runs on the device's own thread. Requests to 64 switches at once are then 64
-    lines sent and 64 answers read by one thread, not 64 threads that each decode, write,
-    wait, answer and publish while contending for the interpreter (BENCHMARKS.md,
-    "datacenter"); a slow or silent device still holds up only its own requests. Without
-    `device_threads` the driver is called from this thread (one service: no hand-over)."""
+    This thread takes every service's requests in, answers them and publishes their state;
+    it never waits for a device, so `ping`, `describe` and `snapshot` are answered at once.
+    Each device's driver calls run one at a time in arrival order (its one writer): a change
+    whose answer can be awaited on the device's socket (a switch's new circuits:
+    `DeviceKind.begins`) is sent from here and its answer read here when it comes; every
+    other call (and anything that may block: a refusal's error queue, a dropped session, a
+    turn of a telemetry pass) runs on the device's own thread. Requests to 64 switches at
+    once are then 64 lines sent and 64 answers read by one thread, not 64 threads that each
+    decode, write, wait, answer and publish while contending for the interpreter
+    (BENCHMARKS.md, "datacenter"); a slow or silent device holds up only its own requests."""
     loop = Loop(services)
     for service in services:
-        service.attach(loop, device_thread=device_threads)
+        service.attach(loop)
         if service.calls is not None:
             loop.served[service.calls] = service
     # When each service next has work of its own (a tick, a queued request or heartbeat, an
