@@ -36,6 +36,7 @@ from photonic_testbed.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError
 from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.state import Set
 from photonic_testbed.hil.job.fabric_client import Fabric
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class RackHost:
             self.server.poll(0)
             changed = self.rack.poll()
             if changed:
-                self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+                self.server.change([Set(["gpus", h.gpu], h.to_dict()) for h in changed])
 
     def _wake(self) -> None:
         with self._wake_lock:

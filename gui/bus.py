@@ -213,7 +213,7 @@ class BusFabric(Commands):
 
     @staticmethod
     def _touched(ops: list | None, *keys: str) -> bool:
-        return ops is None or any(op[1] and op[1][0] in keys for op in ops)
+        return ops is None or any(op.path[0] in keys for op in ops)
 
     def _switch(self, device: str, kind: str, state: dict, ops: list | None) -> None:
         if self._touched(ops, "circuits", "ports"):

@@ -39,6 +39,7 @@ from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient,
     UnknownOperation, call_many, from_wire
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
+from photonic_testbed.hil.bus.state import Delete, Set, StateOp
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
@@ -273,17 +274,17 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
-def _job_changes(was: dict, now: dict) -> list:
-    """The published jobs' changes as delta operations: a job's changed fields alone (a phase
+def _job_changes(was: dict, now: dict) -> list[StateOp]:
+    """The published jobs' changes as state operations: a job's changed fields alone (a phase
     switch changes a job's phase and round, not its rank map of 2,048 ranks)."""
-    ops: list = []
+    ops: list[StateOp] = []
     for name, job in now.items():
         before = was.get(name)
         if isinstance(before, dict) and before.keys() == job.keys():
-            ops += [["set", ["jobs", name, f], x] for f, x in job.items() if before[f] != x]
+            ops += [Set(["jobs", name, f], x) for f, x in job.items() if before[f] != x]
         else:
-            ops.append(["set", ["jobs", name], job])
-    return ops + [["del", ["jobs", name]] for name in was if name not in now]
+            ops.append(Set(["jobs", name], job))
+    return ops + [Delete(["jobs", name]) for name in was if name not in now]
 
 
 def _switches_answered(got: Any) -> list | None:
@@ -754,13 +755,13 @@ class AgentProcess:
         self._published = time.monotonic()
         written = len(self._fresh)
         self.journal.flush()             # what is published is on disk (deferred entries too)
-        ops: list = []
+        ops: list[StateOp] = []
         for _ in range(written):
             ev = self._fresh.popleft()
-            ops.append(["set", ["events", len(self._events)], ev])
+            ops.append(Set(["events", len(self._events)], ev))
             self._events.append(ev)
             if len(self._events) > EVENTS_KEPT:
-                ops.append(["del", ["events", 0]])
+                ops.append(Delete(["events", 0]))
                 self._events.pop(0)
         if self.server is None:
             return
@@ -771,7 +772,7 @@ class AgentProcess:
             if was == v:
                 continue
             ops += _job_changes(was, v) if k == "jobs" and isinstance(was, dict) else \
-                [["set", [k], v]]
+                [Set([k], v)]
         if ops:
             self.server.change(ops)
 

@@ -63,6 +63,7 @@ from photonic_testbed.hil.bus.errors import (
 )
 from photonic_testbed.hil.bus.mirror import StatePublisher
 from photonic_testbed.hil.bus.security import ServerKeys, make_server, start_authenticator
+from photonic_testbed.hil.bus.state import StateOp
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +276,8 @@ class Server:
         """Publish these top-level keys now (one delta, only what differs)."""
         return self.state.update(values)
 
-    def change(self, ops: list) -> dict | None:
+    def change(self, ops: list[StateOp]) -> dict | None:
+        """Publish this change now (one delta)."""
         return self.state.change(ops)
 
     def defer(self, state: Mapping) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.state import Set
 from photonic_testbed.hil.gpus.ddm import DARK_DBM, DdmError, DdmReader
 from photonic_testbed.hil.gpus.health import (
     FATAL_XIDS,
@@ -251,7 +252,7 @@ class GpuMonitor:
                 self._nvml_failed("reading the GPUs", e)
                 return
             if changed:
-                self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+                self.server.change([Set(["gpus", h.gpu], h.to_dict()) for h in changed])
 
     def _nvml_failed(self, what: str, e: Exception) -> None:
         self._nvml_errors += 1
