@@ -27,16 +27,17 @@ import time
 from typing import Any
 
 import zmq
-
-from photonic_testbed.hil.bus.client import BusError
-from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.control import ControlError, ControlServer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
-from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
-from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.client import BusError
+from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.state import Set
+from photonic_testbed.hil.job.fabric_client import Fabric
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class RackHost:
             self.server.poll(0)
             changed = self.rack.poll()
             if changed:
-                self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+                self.server.change([Set(["gpus", h.gpu], h.to_dict()) for h in changed])
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -168,8 +169,8 @@ class RackHost:
             except BlockingIOError:             # already full of wake-ups
                 pass
 
-    def _rx_power(self, args: dict) -> dict:
-        switch, ports = args["switch"], args["ports"]      # checked: a name, port numbers
+    def _rx_power(self, args: schema.RxPower) -> dict:
+        switch, ports = args.switch, args.ports      # checked: a name, port numbers
         if switch not in self.layout.switches:
             raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)}, not "
                             f"{switch!r}")

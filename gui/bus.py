@@ -1,20 +1,21 @@
 """The GUI on a rig's bus: the services' mirrored state into `FabricModel`, commands out.
 
 `BusFabric(model, rig)` subscribes (hil.bus.mirror) to every device of the rig file and to the
-agent, on a thread of its own, and translates what arrives into the model's deltas, which the
-model queues to the Qt main thread:
+agent, on a thread of its own, and hands the model what arrives, which the model queues to the
+Qt main thread:
 
-    device kind `switch`   -> a switch of kind "ocs" (circuits, ports)
-    device kind `chip`     -> a switch of kind "chip", its topology (the service's `describe`,
-                              asked once per service incarnation) and its cell states
-    device `agent`         -> the rack, the jobs (with their own reports), the journal
-                              (events) and the alarms
-    GPU monitors (`gpus`)  -> their connection state; every `rx_period_s` one `rx_power`
-                              request per monitor reads the GPUs' receivers (the trends),
-                              except on switches whose own port monitors publish power
+    every device's state   -> as the bus has it: its snapshot, then each change (`Set`,
+                              `Delete`), with the device's kind (the model shows switches,
+                              chips and the agent: gui/model.py)
+    a chip, a heater DAC   -> its topology and heater budget (the service's `describe`, asked
+                              once per service incarnation)
+    GPU monitors (`gpus`)  -> every `rx_period_s` one `rx_power` request per monitor reads the
+                              GPUs' receivers (the trends), except on switches whose own port
+                              monitors publish power
     telemetry              -> `total_power_mw` of a chip or heater DAC (heater power trend),
                               an OCS's `power_dbm` (its matrix, and its GPUs' receivers)
-    every device           -> its connection state in the status bar
+    every device           -> its connection state in the status bar (the agent's with its
+                              alarms)
 
 It never waits on the network on the Qt thread. Mirrors resynchronise by themselves (snapshot +
 deltas, gap recovery), so a service that restarts, or comes up after the GUI, is picked up
@@ -39,6 +40,7 @@ from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.hil.bus.client import BusError, RemoteError, ServiceClient, StaleState
 from photonic_testbed.hil.bus.mirror import StateSubscriber, clone
 from photonic_testbed.hil.bus.security import ClientKeys
+from photonic_testbed.hil.bus.state import StateOp, touched
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ def link_sources(rig: Rig) -> list[str]:
 
 
 def _circuits(wire: Any) -> dict[int, int]:
-    """[[in, out], ...] (the bus's circuits) -> {in: out}; malformed pairs are skipped."""
+    """[[in, out], ...] (the bus's circuits) -> {in: out}; malformed pairs are skipped (a
+    command computed from them is checked by the service)."""
     out = {}
     for pair in wire or ():
         if isinstance(pair, (list, tuple)) and len(pair) == 2:
@@ -101,8 +104,7 @@ class BusFabric(Commands):
         self._lock = threading.Lock()
         self._states: dict[str, dict] = {}            # latest mirrored state per device
         self._described: dict[str, str | None] = {}
-        self._last_event = -1
-        self._alarms: list[str] = []
+        self._alarms: list[str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -113,7 +115,7 @@ class BusFabric(Commands):
         self.error: BaseException | None = None
 
     # ---- subscribing ----------------------------------------------------------------------
-    def start(self) -> "BusFabric":
+    def start(self) -> BusFabric:
         for name, (request, _) in self.endpoints.items():
             self._service(name, "connecting", f"waiting for {request}")
         self._started = time.monotonic()
@@ -168,26 +170,24 @@ class BusFabric(Commands):
             self._service(device, "down", "heartbeats lost; reconnecting by itself")
 
     def _service(self, name: str, state: str, detail: str) -> None:
-        self.model.post_delta({"op": "service", "name": name,
-                               "value": {"state": state, "detail": detail}})
+        self.model.post_service(name, state, detail)
 
-    def _on_state(self, device: str, state: dict, ops: list | None) -> None:
+    def _on_state(self, device: str, state: dict, ops: list[StateOp] | None) -> None:
         with self._lock:
             self._states[device] = clone(state)
-        kind = self.kinds.get(device)
-        try:
-            if kind == "switch":
-                self._switch(device, "ocs", state, ops)
-            elif kind == "chip":
-                self._chip(device, state, ops)
-            elif kind == "heater_dac":
-                self._describe_once(device, state)
-            elif kind == AGENT:
-                self._agent(state, ops)
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            log.warning("%s: state the GUI cannot show: %s", device, e)
-            self.model.post_delta({"op": "service", "name": device, "value": {
-                "state": "connected", "detail": f"state not understood: {e}"}})
+        kind = self.kinds.get(device, "")
+        if ops is None:
+            self.model.post_snapshot(device, kind, clone(state))
+        else:
+            self.model.post_change(device, ops)
+        if kind in HEATER_KINDS:
+            self._describe_once(device, state)
+        if kind == AGENT and (ops is None or "alarms" in touched(ops)):
+            alarms = [str(a) for a in state.get("alarms") or ()]
+            if alarms != self._alarms or ops is None:
+                self._alarms = alarms
+                detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
+                self._service(AGENT, "connected", detail)
 
     def _on_telemetry(self, device: str, msg: dict) -> None:
         """An OCS's port power monitors colour its matrix (after its first state) and give
@@ -196,45 +196,23 @@ class BusFabric(Commands):
         kind = self.kinds.get(device)
         t = msg.get("t", time.time())
         if kind in HEATER_KINDS and isinstance(values.get("total_power_mw"), (int, float)):
-            self.model.post_delta({"op": "samples", "value": {
-                f"heater/{device}": [[t, values["total_power_mw"]]]}})
+            self.model.post_samples({f"heater/{device}": [[t, values["total_power_mw"]]]})
         power = values.get("power_dbm")
         with self._lock:
             state = self._states.get(device)
         if kind != "switch" or state is None or not isinstance(power, dict) or not power:
             return
-        self.model.post_delta({"op": "switch", "value": {"name": device, "power_dbm": power}})
+        self.model.post_power(device, power)
         self._port_power_at[device] = time.monotonic()
         n = int(state.get("ports", 0))
         rx = {f"rx/{g.name}": [[t, power[str(n + g.port)]]] for g in self.rig.gpus
               if g.switch == device and isinstance(power.get(str(n + g.port)), (int, float))}
         if rx:
-            self.model.post_delta({"op": "samples", "value": rx})
-
-    @staticmethod
-    def _touched(ops: list | None, *keys: str) -> bool:
-        return ops is None or any(op[1] and op[1][0] in keys for op in ops)
-
-    def _switch(self, device: str, kind: str, state: dict, ops: list | None) -> None:
-        if self._touched(ops, "circuits", "ports"):
-            self.model.post_delta({"op": "switch", "value": {
-                "name": device, "kind": kind, "ports": int(state["ports"]),
-                "circuits": _circuits(state.get("circuits"))}})
-
-    def _chip(self, device: str, state: dict, ops: list | None) -> None:
-        self._describe_once(device, state)
-        self._switch(device, "chip", state, ops)
-        if self._touched(ops, "cells"):
-            self.model.post_delta({"op": "cells", "name": device,
-                                   "value": clone(state.get("cells", {}))})
-        if self._touched(ops, "drift"):
-            # A drift check the chip's service publishes (docs/gui.md); none publish it yet.
-            self.model.post_delta({"op": "drift", "name": device,
-                                   "value": clone(state.get("drift"))})
+            self.model.post_samples(rx)
 
     def _describe_once(self, device: str, state: dict) -> None:
         """Ask `describe` once per service incarnation (topology, heater budget)."""
-        incarnation = state.get("version", "").split(":")[0] or None
+        incarnation = str(state.get("version", "")).split(":")[0] or None
         if self._described.get(device, "?") != incarnation:
             self._described[device] = incarnation
             self._worker.submit(self._fetch_describe, device)
@@ -254,41 +232,13 @@ class BusFabric(Commands):
                 log.warning("%s: describe gives no topology", device)
                 self._described[device] = None
             else:
-                self.model.post_delta({"op": "topology", "name": device, "value": topology})
+                self.model.post_topology(device, topology)
         heaters = inner.get("heaters") if isinstance(inner.get("heaters"), dict) else inner
         budget = heaters.get("power_budget_mw", described.get("power_budget_mw"))
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
-            self.model.post_delta({"op": "budget", "name": device,
-                                   "value": {"mw": float(budget), "why": ""}})
+            self.model.post_budget(device, float(budget))
         else:
-            self.model.post_delta({"op": "budget", "name": device, "value": {
-                "mw": None, "why": "not in its describe"}})
-
-    def _agent(self, state: dict, ops: list | None) -> None:
-        if self._touched(ops, "rack"):
-            self.model.post_delta({"op": "rack", "value": clone(state.get("rack", []))})
-        if self._touched(ops, "events"):
-            events = state.get("events", [])
-            seqs = [int(e["seq"]) for e in events]
-            if ops is None and seqs and max(seqs) < self._last_event:
-                # A new journal (the agent started afresh): show it from its beginning.
-                self._last_event = -1
-                self.model.post_delta({"op": "journal_reset", "value": clone(events)})
-            else:
-                new = [e for e in events if int(e["seq"]) > self._last_event]
-                if new:
-                    self.model.post_delta({"op": "journal", "value": clone(new)})
-            if seqs:
-                self._last_event = max(self._last_event, max(seqs))
-        if self._touched(ops, "jobs"):
-            self.model.post_delta({"op": "jobs", "value": clone(state.get("jobs") or {})})
-        if self._touched(ops, "alarms"):
-            alarms = [str(a) for a in state.get("alarms", [])]
-            if alarms != self._alarms or ops is None:
-                self._alarms = alarms
-                self.model.post_delta({"op": "alarms", "value": list(alarms)})
-                detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
-                self._service(AGENT, "connected", detail)
+            self.model.post_budget(device, None, "not in its describe")
 
     # ---- received power ------------------------------------------------------------------
     def _poll_rx(self) -> None:
@@ -339,7 +289,7 @@ class BusFabric(Commands):
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     samples[f"rx/{gpu}"] = [[t, v]]
         if samples:
-            self.model.post_delta({"op": "samples", "value": samples})
+            self.model.post_samples(samples)
 
     def state(self, device: str) -> dict | None:
         """A copy of the latest mirrored state of `device` (any thread)."""

@@ -1,26 +1,32 @@
 """DEMO MODE ONLY: synthetic fabric data so an operator can see the GUI without a rig.
 
 Nothing here talks to hardware or to the bus. `python -m photonic_testbed.gui --demo-data` feeds a
-`FabricModel` from `DemoFabric`, and the window title says DEMO DATA. The Benes topology
+`FabricModel` from `DemoFabric`, and the window title says DEMO DATA. The demo's devices keep
+their states as the bus's services do (`StatePublisher`: an OCS, a chip, the agent), and the
+model gets them in the bus's own vocabulary: a snapshot, then each change. The Benes topology
 generator is also used by `ptb bench gui` to have a 16 x 16 chip to draw.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, QTimer
-
 from photonic_testbed.common.topology import Topology, benes
 from photonic_testbed.gui.commands import Command, CommandResult, Commands
 from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.gui.paths import trace
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.mirror import StatePublisher
+from photonic_testbed.hil.bus.state import Delete, Set, StateOp
+from PySide6.QtCore import QObject, QTimer
 
 VMAX = 7.0           # the demo heaters' voltage limit
 V_PI = 5.0           # volts for a pi phase shift in the demo's made-up heaters
+EVENTS_KEPT = 200    # journal entries in the demo agent's state (the agent's own number)
 
 
 def benes_topology(ports: int = 16, name: str | None = None) -> dict[str, Any]:
@@ -61,7 +67,7 @@ def demo_calibration(topology: dict, seed: int = 0) -> dict[str, Any]:
         ext = rng.uniform(18, 32)
         floor = 10 ** (-ext / 10)
 
-        def model(x):
+        def model(x, floor=floor, offset=offset, vpi2=vpi2):
             return floor + (1 - floor) * 0.5 * (1 + np.cos(offset + np.pi * x ** 2 / vpi2))
         cells[cid] = {"sweep_v": v.tolist(),
                       "power": (model(v) + rng.normal(0, 0.01, v.size)).tolist(),
@@ -80,7 +86,9 @@ def demo_calibration(topology: dict, seed: int = 0) -> dict[str, Any]:
 class DemoFabric(QObject):
     """A made-up 64-port OCS, a 16 x 16 Benes chip, 16 GPUs and an agent that acts on its own.
 
-    It feeds `model` through the same `post_snapshot` / `post_delta` calls a bus adapter uses.
+    It feeds `model` through the same calls a bus adapter makes: each device's state as a
+    snapshot, then its changes (`post_change`); connections, samples, port powers, the chip's
+    topology and budget through theirs.
     """
 
     OCS, CHIP = "ocs1", "benes16"
@@ -90,7 +98,6 @@ class DemoFabric(QObject):
         super().__init__(parent)
         self.model = model
         self.rng = random.Random(seed)
-        self.seq = 0
         self.t = 0
         self.topology = benes_topology(16, self.CHIP)
         self._topo = Topology.from_dict(self.topology)
@@ -102,7 +109,7 @@ class DemoFabric(QObject):
         self.ocs: dict[int, int] = {i: 64 + (i % 14) + 1 for i in range(1, 15)}
         outs = list(range(64 + 17, 129))
         self.rng.shuffle(outs)
-        for i, o in zip(range(17, 65), outs[:40]):
+        for i, o in zip(range(17, 65), outs[:40], strict=False):      # 40 of the 48
             self.ocs[i] = o
         self.power = {p: self.rng.uniform(-12, -3) for p in range(1, 129)}
         self.rack: list[dict[str, Any]] = [
@@ -120,6 +127,7 @@ class DemoFabric(QObject):
         self.outage = 0                 # ticks left of the job's outage after a swap
         self.restart_seq = 0
         self.heater_mw = 900.0
+        self._devices: dict[str, tuple[str, StatePublisher]] = {}   # name -> (kind, state)
         self.timer = QTimer(self)
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self.step)
@@ -127,19 +135,39 @@ class DemoFabric(QObject):
     # --- feeding the model --------------------------------------------------------------
     def start(self) -> None:
         self._note("start", "demo data: nothing here is real")
-        self.model.post_snapshot(self.snapshot())
-        self._delta("budget", {"mw": 1500.0, "why": ""}, self.CHIP)
+        for name, s in self.services.items():
+            self.model.post_service(name, s["state"], s["detail"])
+        self.model.post_topology(self.CHIP, self.topology)
+        for name, kind, state in ((self.OCS, "switch", self._ocs_state()),
+                                  (self.CHIP, "chip", self._chip_state()),
+                                  ("agent", "agent", self._agent_state())):
+            publisher = StatePublisher(name, state, functools.partial(self._published, name))
+            self._devices[name] = (kind, publisher)
+            self.model.post_snapshot(name, kind, publisher.snapshot()["state"])
+        self.model.post_power(self.OCS, dict(self.power))
+        self.model.post_power(self.CHIP, {p: self.power[p] - 3 for p in range(1, 33)})
+        self.model.post_budget(self.CHIP, 1500.0)
         self.timer.start()
 
     def stop(self) -> None:
         self.timer.stop()
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"seq": self.seq, "switches": [self._ocs_state(), self._chip_state()],
-                "topologies": {self.CHIP: self.topology},
-                "cells": {self.CHIP: {k: dict(v) for k, v in self.cells.items()}},
-                "rack": [dict(g) for g in self.rack], "journal": list(self.journal),
-                "services": dict(self.services), "jobs": self._jobs()}
+    def _published(self, device: str, delta: dict[str, Any]) -> None:
+        """A change a demo device published, to the model as a bus adapter hands it on."""
+        self.model.post_change(device, delta["ops"])
+
+    def _publish(self, device: str, values: dict[str, Any]) -> None:
+        """New values of a device's state: published as a change of what differs."""
+        if device in self._devices:
+            self._devices[device][1].update(values)
+
+    def _change(self, device: str, ops: list[StateOp]) -> None:
+        if device in self._devices:
+            self._devices[device][1].change(ops)
+
+    def _agent_state(self) -> dict[str, Any]:
+        return {"rack": [dict(g) for g in self.rack], "events": self.journal[-EVENTS_KEPT:],
+                "jobs": self._jobs(), "alarms": []}
 
     def _jobs(self) -> dict[str, Any]:
         """The demo's one job as the agent publishes it, with the job's own report."""
@@ -172,20 +200,23 @@ class DemoFabric(QObject):
                     values[f"rx/{receiver}"] = [[t, self.power[out]]]
         self.heater_mw = min(1450.0, max(300.0, self.heater_mw + self.rng.gauss(0, 15)))
         values[f"heater/{self.CHIP}"] = [[t, self.heater_mw]]
-        self._delta("samples", values)
+        self.model.post_samples(values)
 
     def _ocs_state(self) -> dict:
-        return {"name": self.OCS, "kind": "ocs", "ports": self.ocs_ports,
-                "circuits": dict(self.ocs), "power_dbm": dict(self.power)}
+        return {"kind": "switch", "online": True, "ports": self.ocs_ports,
+                "circuits": schema.circuits_to_wire(self.ocs)}
 
     def _chip_state(self) -> dict:
-        return {"name": self.CHIP, "kind": "chip", "ports": 16,
-                "circuits": self._chip_circuits(),
-                "power_dbm": {p: self.power[p] - 3 for p in range(1, 33)}}
+        return {"kind": "chip", "online": True, "ports": 16,
+                "circuits": schema.circuits_to_wire(self._chip_circuits()),
+                "cells": {k: dict(v) for k, v in self.cells.items()}}
 
-    def _delta(self, op: str, value: Any, name: str = "") -> None:
-        self.seq += 1
-        self.model.post_delta({"seq": self.seq, "op": op, "name": name, "value": value})
+    def publish_ocs(self) -> None:
+        """The OCS's circuits as they now are."""
+        self._publish(self.OCS, {"circuits": schema.circuits_to_wire(self.ocs)})
+
+    def _publish_rack(self) -> None:
+        self._publish("agent", {"rack": [dict(g) for g in self.rack]})
 
     def _note(self, kind: str, cause: str = "", latency_s: float | None = None, **details):
         self.journal_seq += 1
@@ -196,7 +227,20 @@ class DemoFabric(QObject):
         return e
 
     def _journal(self, *entries: dict) -> None:
-        self._delta("journal", list(entries))
+        """Entries appended to the agent's `events`, the oldest dropped past EVENTS_KEPT, as
+        the agent publishes them."""
+        if "agent" not in self._devices:
+            return
+        events = self._devices["agent"][1].state["events"]
+        ops: list[StateOp] = []
+        kept = len(events)
+        for e in entries:
+            ops.append(Set(["events", kept], dict(e)))
+            kept += 1
+            if kept > EVENTS_KEPT:
+                ops.append(Delete(["events", 0]))
+                kept -= 1
+        self._change("agent", ops)
 
     # --- what happens by itself ---------------------------------------------------------
     def step(self) -> None:
@@ -206,17 +250,17 @@ class DemoFabric(QObject):
         else:
             self.step_count += 2
         if self.t % 2 == 0:
-            self._delta("jobs", self._jobs())
+            self._publish("agent", {"jobs": self._jobs()})
         if self.t % 4 == 0:
             self._samples()
         for p in self.rng.sample(range(1, 129), 6):
             self.power[p] = min(0.0, max(-40.0, self.power[p] + self.rng.gauss(0, 0.4)))
-        self._delta("switch", {"name": self.OCS, "power_dbm": dict(self.power)})
+        self.model.post_power(self.OCS, dict(self.power))
         if self.t % 4 == 0:
             a, b = self.rng.sample(range(17, 65), 2)
             if a in self.ocs and b in self.ocs:
                 self.ocs[a], self.ocs[b] = self.ocs[b], self.ocs[a]
-                self._delta("switch", {"name": self.OCS, "circuits": dict(self.ocs)})
+                self.publish_ocs()
         if self.t % 6 == 0:
             cid = self.rng.choice(sorted(self.cells))
             theta = math.pi if self.cells[cid]["state"] == "bar" else 0.0
@@ -240,20 +284,20 @@ class DemoFabric(QObject):
         broken = next((g for g in self.rack if g["health"] == "failed"), None)
         if broken is not None:
             broken.update(health="ok", role="spare", rank=None, job=None)
-            self._delta("gpu", dict(broken))
+            self._publish_rack()
             self._journal(self._note("note", f"{broken['name']} replaced: a spare again",
                                      gpu=broken["name"]))
 
     def _service(self, name: str, state: str, detail: str) -> None:
         self.services[name] = {"state": state, "detail": detail}
-        self._delta("service", self.services[name], name)
+        self.model.post_service(name, state, detail)
         self._journal(self._note("alarm" if state != "connected" else "note",
                                  f"{name} {state}", service=name))
 
     def _set_cell(self, cid: str, theta: float) -> None:
         self.cells[cid] = {"state": cell_state(theta), "theta": theta, "phi": 0.0}
-        self._delta("cells", {cid: dict(self.cells[cid])}, self.CHIP)
-        self._delta("switch", {"name": self.CHIP, "circuits": self._chip_circuits()})
+        self._change(self.CHIP, [Set(["cells", cid], dict(self.cells[cid]))])
+        self._publish(self.CHIP, {"circuits": schema.circuits_to_wire(self._chip_circuits())})
 
     def _chip_circuits(self) -> dict[int, int]:
         # The agent uses 10 of the chip's 16 inputs in this demo; the rest carry no circuit.
@@ -282,9 +326,8 @@ class DemoFabric(QObject):
         self.restart_seq += 1
         lat = 0.35 + self.rng.uniform(0, 0.5)
         self._journal(self._note("decision", cause, gpu=gpu, spare=s["name"]))
-        self._delta("switch", {"name": self.OCS, "circuits": dict(self.ocs)})
-        self._delta("gpu", dict(g))
-        self._delta("gpu", dict(s))
+        self.publish_ocs()
+        self._publish_rack()
         self._journal(self._note("applied", cause, latency_s=lat, switch=self.OCS),
                       self._note("verified", cause, latency_s=lat + 0.05 + time.time() - t0),
                       self._note("rank_map", cause, rank=s["rank"], gpu=s["name"]))
@@ -324,7 +367,7 @@ class DemoCommands(Commands):
                     return CommandResult(c, False, f"output {b} already carries input {holder}: "
                                          "disconnect it first")
                 f.ocs[a] = b
-            f._delta("switch", {"name": f.OCS, "circuits": dict(f.ocs)})
+            f.publish_ocs()
             f._journal(f._note("applied", f"operator {c.action}", switch=f.OCS))
             return CommandResult(c, True, "done")
         if c.action == "set_heater":

@@ -1,37 +1,25 @@
-"""The GUI's picture of the fabric: Qt objects fed by plain dict snapshots and deltas.
+"""The GUI's picture of the fabric: Qt objects fed by the bus's own state and changes.
 
-The bus adapter (a client of the bus's state mirror) calls `FabricModel.post_snapshot` and
-`post_delta` from its own background thread; both only queue the message, which the Qt main
-thread applies and announces with signals. Nothing here waits on the network.
+A bus adapter (gui/bus.py; the demo's synthetic fabric, gui/demo.py) gives the model each
+device's state in the bus's vocabulary (hil.bus.state): a snapshot (`post_snapshot(device,
+kind, state)`), then its changes (`post_change(device, ops)`, `Set`/`Delete` operations, as the
+device published them). The model keeps its own copy of each state, applies the changes to it,
+and works out what the views show from the parts a change touched:
 
-Messages (what an adapter translates the bus's mirror into):
+    kind `switch` (an OCS)  `ports`, `circuits` ([[input, output], ...])  -> a switch "ocs"
+    kind `chip`             the same -> a switch "chip"; `cells` -> its cell states; `drift`
+    kind `agent`            `rack` -> the GPUs; `events` -> the journal (kept past the agent's
+                            last 200); `jobs` -> the jobs and their reports; `alarms`
+                            (docs/agent-bus.md)
 
-    snapshot = {"seq": n,
-                "switches": [switch state, ...],
-                "topologies": {chip: topology}, "cells": {chip: {cell: cell state}},
-                "rack": [gpu, ...], "journal": [entry, ...],
-                "services": {service: {"state": ..., "detail": ...}},
-                "jobs": {job: job dict}, "alarms": [text, ...]}            (every key optional)
-    delta    = {"seq": n, "op": OP, "name": ..., "value": ...} with OP one of
-        "switch"    value = switch state (whole or partial: circuits replace, power_dbm merges)
-        "topology"  name = chip, value = topology
-        "cells"     name = chip, value = {cell: cell state} (merged)
-        "rack"      value = [gpu, ...] (replaces the rack)
-        "gpu"       value = gpu dict (merged by name)
-        "journal"   value = [entry, ...] (appended)
-        "journal_reset"  value = [entry, ...] (replaces the journal: a new one started)
-        "service"   name = service, value = {"state": ..., "detail": ...}
-        "jobs"      value = {job: job dict} (replaces every job; docs/agent-bus.md `jobs`)
-        "alarms"    value = [text, ...] (the agent's alarms, replaced)
-        "samples"   value = {series: [[t, value], ...]} (appended to the trends, gui/series.py)
-        "budget"    name = device, value = {"mw": heater power budget or None, "why": text}
-        "drift"     name = chip, value = {"worst_rad", "threshold_rad", "t"} or None
-
-A switch state is {"name", "kind": "ocs"|"chip", "ports": N, "circuits": {in: out},
-"power_dbm": {port: dBm}}; a gpu {"name", "port", "switch", "health", "role", "rank", "job"}; a
-journal entry a `hil.agent.journal.Entry` or a dict with its fields. A delta whose `seq` is not the
-one after the last is still applied, and `gap` is emitted so the adapter can ask for a fresh
-snapshot.
+Other kinds' states are kept, not shown. What is not a device's state has its own entry point:
+`post_service` (a service's connection, for the status bar), `post_samples` (the trends:
+`{series: [[t, value], ...]}`, gui/series.py), `post_power` (a switch's port powers, from its
+telemetry), `post_topology` (a chip's, from its `describe`), `post_budget` (a device's heater
+power budget). Every `post_*` may be called from any thread: it only queues the call, which
+the Qt main thread makes (`apply_*`/`set_*`, callable there directly) and announces with
+signals; a call that does not fit is announced by `rejected`. Nothing here waits on the
+network.
 """
 from __future__ import annotations
 
@@ -39,16 +27,17 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from photonic_testbed.common.topology import Topology, TopologyError
 from photonic_testbed.gui.series import SeriesStore
 from photonic_testbed.hil.agent.journal import KINDS as JOURNAL_KINDS
 from photonic_testbed.hil.agent.journal import Entry
+from photonic_testbed.hil.bus.mirror import clone
+from photonic_testbed.hil.bus.state import Set, StateError, StateOp, apply, touched
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +47,8 @@ SERVICE_STATES = ("connected", "connecting", "down")
 # What a job says of itself (`job_report`), and "admitted" until it first does.
 JOB_STATES = ("running", "waiting", "failed", "restarting", "stopped", "done", "admitted")
 MAX_ENTRIES = 5000          # the events view keeps the newest; the journal keeps everything
+AGENT = "agent"             # the agent's kind (a device service's is the rig's kind)
+SHOWN_SWITCHES = {"switch": "ocs", "chip": "chip"}     # device kind -> the switch shown
 
 
 class ModelError(ValueError):
@@ -76,39 +67,39 @@ def _int_map(value: Any, what: str, conv=int) -> dict:
 @dataclass(frozen=True)
 class SwitchState:
     name: str
-    kind: str
+    kind: str                   # "ocs" or "chip"
     ports: int
     circuits: dict[int, int] = field(default_factory=dict)
     power_dbm: dict[int, float] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], old: "SwitchState | None" = None) -> "SwitchState":
-        if not isinstance(d, Mapping) or "name" not in d:
-            raise ModelError(f"a switch state is a dict with a 'name', not {d!r}")
-        name = str(d["name"])
-        if old is None:
-            for key in ("kind", "ports"):
-                if key not in d:
-                    raise ModelError(f"switch {name!r}: the first state must give {key!r}")
-        kind = str(d.get("kind", old.kind if old else ""))
-        if kind not in ("ocs", "chip"):
-            raise ModelError(f"switch {name!r}: kind {kind!r} is not 'ocs' or 'chip'")
+    def from_state(cls, name: str, kind: str, state: Mapping[str, Any],
+                   old: SwitchState | None = None) -> SwitchState:
+        """A switch from its service's state (`ports`, `circuits` as [[input, output], ...]);
+        the port powers kept from `old`."""
         try:
-            ports = int(d.get("ports", old.ports if old else 0))
+            ports = int(state["ports"])
+        except KeyError:
+            raise ModelError(f"switch {name!r}: its state gives no 'ports'") from None
         except (TypeError, ValueError):
-            raise ModelError(f"switch {name!r}: ports {d.get('ports')!r} is not a number") from None
+            raise ModelError(f"switch {name!r}: ports {state['ports']!r} is not a number") \
+                from None
         if ports < 1:
             raise ModelError(f"switch {name!r}: ports must be >= 1, not {ports}")
-        circuits = (_int_map(d["circuits"], f"switch {name!r} circuits") if "circuits" in d
-                    else dict(old.circuits) if old else {})
-        for a, b in circuits.items():
+        circuits: dict[int, int] = {}
+        for pair in state.get("circuits") or ():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ModelError(f"switch {name!r}: a circuit is [input, output], not {pair!r}")
+            try:
+                a, b = int(pair[0]), int(pair[1])
+            except (TypeError, ValueError):
+                raise ModelError(f"switch {name!r}: circuit {pair!r} is not two ports") \
+                    from None
             if not (1 <= a <= ports < b <= 2 * ports):
                 raise ModelError(f"switch {name!r}: circuit {a}->{b} is not input 1..{ports} "
                                  f"to output {ports + 1}..{2 * ports}")
-        power = dict(old.power_dbm) if old else {}
-        if "power_dbm" in d:
-            power.update(_int_map(d["power_dbm"], f"switch {name!r} power_dbm", float))
-        return cls(name, kind, ports, circuits, power)
+            circuits[a] = b
+        return cls(name, kind, ports, circuits, dict(old.power_dbm) if old else {})
 
 
 @dataclass(frozen=True)
@@ -122,7 +113,7 @@ class Gpu:
     job: str | None = None        # the job holding it (docs/agent-bus.md `rack[].job`)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], old: "Gpu | None" = None) -> "Gpu":
+    def from_dict(cls, d: Mapping[str, Any], old: Gpu | None = None) -> Gpu:
         if not isinstance(d, Mapping) or "name" not in d:
             raise ModelError(f"a GPU is a dict with a 'name', not {d!r}")
         base = old or cls(str(d["name"]), None, "", "ok", "active", None)
@@ -164,7 +155,7 @@ class JobReport:
     t: float | None = None               # when the agent received it (Unix time)
 
     @classmethod
-    def from_dict(cls, d: Any, what: str) -> "JobReport":
+    def from_dict(cls, d: Any, what: str) -> JobReport:
         if not d:
             return cls()
         if not isinstance(d, Mapping):
@@ -198,7 +189,7 @@ class Job:
     state_since: float            # since when the report's state holds
 
     @classmethod
-    def from_dict(cls, name: str, d: Any, old: "Job | None", now: float) -> "Job":
+    def from_dict(cls, name: str, d: Any, old: Job | None, now: float) -> Job:
         what = f"job {name!r}"
         if not isinstance(d, Mapping):
             raise ModelError(f"{what} is a dict, not {d!r}")
@@ -257,7 +248,7 @@ class FabricModel(QObject):
     switchChanged = Signal(str, object, int)   # name, SwitchChange, seq
     topologyChanged = Signal(str)              # chip name
     cellsChanged = Signal(str, object, int)    # chip name, set of changed cell ids, seq
-    rackChanged = Signal(object)               # set of changed GPU names (all on replace)
+    rackChanged = Signal(object)               # set of changed GPU names
     entriesAdded = Signal(object)              # list[Entry]
     entriesReset = Signal()
     serviceChanged = Signal(str)               # service name
@@ -266,12 +257,13 @@ class FabricModel(QObject):
     samplesAdded = Signal(object)              # set of series names (gui/series.py)
     budgetChanged = Signal(str)                # device
     driftChanged = Signal(str)                 # chip
-    gap = Signal(int, int)                     # expected seq, received seq
-    rejected = Signal(str)                     # a message that could not be applied, and why
-    _inbox = Signal(str, object)
+    rejected = Signal(str)                     # a call that could not be applied, and why
+    _inbox = Signal(object)
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
+        self.states: dict[str, dict[str, Any]] = {}   # device -> its state, as published
+        self.kinds: dict[str, str] = {}               # device -> its kind
         self.switches: dict[str, SwitchState] = {}
         self.topologies: dict[str, Topology] = {}
         self.cells: dict[str, dict[str, dict[str, Any]]] = {}
@@ -284,166 +276,174 @@ class FabricModel(QObject):
         self.budgets: dict[str, tuple[float | None, str]] = {}   # device -> (mW, why not)
         self.drift: dict[str, dict[str, float]] = {}
         self.circuits_changed: dict[str, float] = {}              # switch -> Unix time
-        self.seq = 0
+        self.seq = 0                       # state snapshots and changes applied so far
+        self._last_event = -1              # the newest journal entry taken in
         self._inbox.connect(self._receive, Qt.ConnectionType.QueuedConnection)
 
     # --- thread-safe entry points (any thread) -------------------------------------------
-    def post_snapshot(self, snapshot: Mapping[str, Any]) -> None:
-        self._inbox.emit("snapshot", snapshot)
+    def post_snapshot(self, device: str, kind: str, state: Mapping[str, Any]) -> None:
+        """A device's whole state (handed over: the caller keeps no reference)."""
+        self._inbox.emit((self.apply_snapshot, (device, kind, state)))
 
-    def post_delta(self, delta: Mapping[str, Any]) -> None:
-        self._inbox.emit("delta", delta)
+    def post_change(self, device: str, ops: Sequence[StateOp]) -> None:
+        """A change of a device's state, as it published it (the values are copied)."""
+        self._inbox.emit((self.apply_change, (device, ops)))
 
-    @Slot(str, object)
-    def _receive(self, what: str, message: Mapping[str, Any]) -> None:
+    def post_service(self, name: str, state: str, detail: str = "") -> None:
+        self._inbox.emit((self.set_service, (name, state, detail)))
+
+    def post_samples(self, samples: Mapping[str, Any]) -> None:
+        self._inbox.emit((self.add_samples, (samples,)))
+
+    def post_power(self, switch: str, power_dbm: Mapping[Any, float]) -> None:
+        self._inbox.emit((self.set_power, (switch, power_dbm)))
+
+    def post_topology(self, chip: str, topology: Mapping[str, Any]) -> None:
+        self._inbox.emit((self.set_topology, (chip, topology)))
+
+    def post_budget(self, device: str, mw: float | None, why: str = "") -> None:
+        self._inbox.emit((self.set_budget, (device, mw, why)))
+
+    @Slot(object)
+    def _receive(self, call: tuple[Callable[..., None], tuple]) -> None:
+        method, args = call
         try:
-            if what == "snapshot":
-                self.apply_snapshot(message)
-            else:
-                self.apply_delta(message)
+            method(*args)
         except (ModelError, TopologyError) as e:
-            log.warning("ignored a %s: %s", what, e)
-            self.rejected.emit(f"{what}: {e}")
+            self._reject(method, args, str(e))
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # (a state of a shape the model does not check field by field)
+            self._reject(method, args, f"not understood: {type(e).__name__}: {e}")
 
-    # --- main-thread application ----------------------------------------------------------
-    def apply_snapshot(self, snap: Mapping[str, Any]) -> None:
-        if not isinstance(snap, Mapping):
-            raise ModelError(f"a snapshot is a dict, not {type(snap).__name__}")
-        self.seq = int(snap.get("seq", 0))
-        switches = snap.get("switches", [])
-        if isinstance(switches, Mapping):
-            switches = list(switches.values())
-        new = {}
-        for d in switches:
-            state = SwitchState.from_dict(d)
-            new[state.name] = state
-        topologies = {str(k): Topology.from_dict(v) for k, v in snap.get("topologies", {}).items()}
-        self.switches = new
-        self.topologies = topologies
-        self.cells = {str(k): {str(c): dict(s) for c, s in v.items()}
-                      for k, v in snap.get("cells", {}).items()}
-        self.rack = {}
-        for d in snap.get("rack", []):
-            gpu = Gpu.from_dict(d)
-            self.rack[gpu.name] = gpu
-        self.entries.clear()
-        self.entries.extend(to_entry(e) for e in snap.get("journal", []))
-        for name, s in snap.get("services", {}).items():
-            self._set_service(str(name), s, emit=False)
-        if "jobs" in snap:
-            self._set_jobs(snap["jobs"])
-        if "alarms" in snap:
-            self.apply_delta({"op": "alarms", "value": snap["alarms"]})
-        self.switchesChanged.emit()
-        for name in self.topologies:
-            self.topologyChanged.emit(name)
-        self.rackChanged.emit(set(self.rack))
-        self.entriesReset.emit()
-        for name in self.services:
-            self.serviceChanged.emit(name)
+    def _reject(self, method: Callable[..., None], args: tuple, why: str) -> None:
+        what = f"{method.__name__} of {args[0]}" if args else method.__name__
+        log.warning("ignored %s: %s", what, why)
+        self.rejected.emit(f"{what}: {why}")
 
-    def apply_delta(self, delta: Mapping[str, Any]) -> None:
-        if not isinstance(delta, Mapping) or "op" not in delta:
-            raise ModelError(f"a delta is a dict with an 'op', not {delta!r}")
-        if "seq" in delta:
-            seq = int(delta["seq"])
-            if seq != self.seq + 1:
-                self.gap.emit(self.seq + 1, seq)
-            self.seq = seq
-        op, value = delta["op"], delta.get("value")
-        name = str(delta.get("name", ""))
-        if op == "switch":
-            self._update_switch(value)
-        elif op == "topology":
-            self.topologies[name] = Topology.from_dict(value)
-            self.topologyChanged.emit(name)
-        elif op == "cells":
-            self._update_cells(name, value)
-        elif op == "rack":
-            if not isinstance(value, list):
-                raise ModelError(f"a rack is a list of GPUs, not {value!r}")
-            gpus = [Gpu.from_dict(d) for d in value]
-            self.rack = {g.name: g for g in gpus}
-            self.rackChanged.emit(set(self.rack))
-        elif op == "gpu":
-            old = self.rack.get(str(value.get("name"))) if isinstance(value, Mapping) else None
-            gpu = Gpu.from_dict(value, old)
-            self.rack[gpu.name] = gpu
-            self.rackChanged.emit({gpu.name})
-        elif op == "journal":
-            entries = [to_entry(e) for e in (value or [])]
-            self.entries.extend(entries)
-            self.entriesAdded.emit(entries)
-        elif op == "journal_reset":
-            entries = [to_entry(e) for e in (value or [])]
-            self.entries.clear()
-            self.entries.extend(entries)
-            self.entriesReset.emit()
-        elif op == "service":
-            self._set_service(name, value)
-        elif op == "jobs":
-            self._set_jobs(value)
-        elif op == "alarms":
-            if not isinstance(value, list):
-                raise ModelError(f"alarms are a list of texts, not {value!r}")
-            self.agent_alarms = [str(a) for a in value]
-            self.alarmsChanged.emit()
-        elif op == "samples":
-            self._add_samples(value)
-        elif op == "budget":
-            if not isinstance(value, Mapping):
-                raise ModelError(f"a budget is {{'mw', 'why'}}, not {value!r}")
-            mw = _number(value, "mw", f"budget of {name!r}")
-            self.budgets[name] = (mw, str(value.get("why", "")))
-            self.budgetChanged.emit(name)
-        elif op == "drift":
-            if value is None:
-                self.drift.pop(name, None)
-            else:
-                if not isinstance(value, Mapping):
-                    raise ModelError(f"a drift report is a dict, not {value!r}")
-                what = f"drift of {name!r}"
-                worst, limit = _number(value, "worst_rad", what), _number(value, "threshold_rad",
-                                                                         what)
-                if worst is None or limit is None:
-                    raise ModelError(f"{what} needs worst_rad and threshold_rad")
-                self.drift[name] = {"worst_rad": worst, "threshold_rad": limit,
-                                    "t": _number(value, "t", what) or time.time()}
-            self.driftChanged.emit(name)
-        else:
-            raise ModelError(f"unknown delta op {op!r}")
+    # --- device states (main thread) ------------------------------------------------------
+    def apply_snapshot(self, device: str, kind: str, state: Mapping[str, Any]) -> None:
+        """A device's whole state: everything shown of it worked out again."""
+        if not isinstance(state, Mapping):
+            raise ModelError(f"the state of {device!r} is a dict, not {type(state).__name__}")
+        self.kinds[device] = kind
+        self.states[device] = clone(dict(state))
+        self.seq += 1
+        self._show(device, None, snapshot=True)
 
-    def _update_switch(self, value: Any) -> None:
-        if not isinstance(value, Mapping) or "name" not in value:
-            raise ModelError(f"a switch delta is a switch state with a 'name', not {value!r}")
-        old = self.switches.get(str(value["name"]))
-        state = SwitchState.from_dict(value, old)
-        self.switches[state.name] = state
+    def apply_change(self, device: str, ops: Sequence[StateOp]) -> None:
+        """A change of a device's state: applied to the model's copy, and what it touched
+        shown. A change that does not fit the state (a path that is not there) is refused;
+        what is shown stays as it was until a change that can be shown comes."""
+        state = self.states.get(device)
+        if state is None:
+            raise ModelError(f"a change of {device!r} before its state")
+        try:
+            apply(state, [Set(op.path, clone(op.value)) if type(op) is Set else op
+                          for op in ops])
+        except StateError as e:
+            raise ModelError(f"{device}: {e}") from None
+        self.seq += 1
+        self._show(device, ops, snapshot=False)
+
+    def _show(self, device: str, ops: Sequence[StateOp] | None, *, snapshot: bool) -> None:
+        kind, state = self.kinds[device], self.states[device]
+        keys = None if ops is None else touched(ops)
+
+        def changed(*names: str) -> bool:
+            return keys is None or any(n in keys for n in names)
+        if kind in SHOWN_SWITCHES:
+            if changed("circuits", "ports"):
+                self._show_switch(device, SHOWN_SWITCHES[kind], state)
+            if kind == "chip" and changed("cells"):
+                self._show_cells(device, state.get("cells") or {})
+            if kind == "chip" and changed("drift"):
+                self._show_drift(device, state.get("drift"))
+        elif kind == AGENT:
+            if changed("rack"):
+                self._show_rack(state.get("rack") or [])
+            if changed("events"):
+                self._show_events(state.get("events") or [], snapshot)
+            if changed("jobs"):
+                self._show_jobs(state.get("jobs") or {})
+            if changed("alarms"):
+                self._show_alarms(state.get("alarms") or [])
+
+    def _show_switch(self, name: str, kind: str, state: Mapping[str, Any]) -> None:
+        old = self.switches.get(name)
+        new = SwitchState.from_state(name, kind, state, old)
+        self.switches[name] = new
         if old is None:
             self.switchesChanged.emit()
             return
-        change = SwitchChange.between(old, state)
+        change = SwitchChange.between(old, new)
         if change.added or change.removed:
-            self.circuits_changed[state.name] = time.time()
-        self.switchChanged.emit(state.name, change, self.seq)
+            self.circuits_changed[name] = time.time()
+        self.switchChanged.emit(name, change, self.seq)
 
-    def _update_cells(self, chip: str, value: Any) -> None:
+    def _show_cells(self, chip: str, value: Any) -> None:
         if not isinstance(value, Mapping):
             raise ModelError(f"cell states of {chip!r} must be a dict, not {value!r}")
-        cells = self.cells.setdefault(chip, {})
-        changed = set()
+        old = self.cells.get(chip, {})
+        cells = {}
         for cid, s in value.items():
             if not isinstance(s, Mapping):
                 raise ModelError(f"cell {cid!r} of {chip!r}: a state is a dict, not {s!r}")
-            cid = str(cid)
-            old = cells.get(cid, {})
-            new = {**old, **s}
-            if new.get("state") != old.get("state"):
-                changed.add(cid)
-            cells[cid] = new
+            cells[str(cid)] = dict(s)
+        changed = {cid for cid, s in cells.items()
+                   if s.get("state") != old.get(cid, {}).get("state")}
+        self.cells[chip] = cells
         self.cellsChanged.emit(chip, changed, self.seq)
 
-    def _set_jobs(self, value: Any) -> None:
+    def _show_drift(self, chip: str, value: Any) -> None:
+        """A drift check the chip's service publishes (docs/gui.md)."""
+        if value is None:
+            self.drift.pop(chip, None)
+        else:
+            if not isinstance(value, Mapping):
+                raise ModelError(f"a drift report is a dict, not {value!r}")
+            what = f"drift of {chip!r}"
+            worst, limit = _number(value, "worst_rad", what), _number(value, "threshold_rad",
+                                                                     what)
+            if worst is None or limit is None:
+                raise ModelError(f"{what} needs worst_rad and threshold_rad")
+            self.drift[chip] = {"worst_rad": worst, "threshold_rad": limit,
+                                "t": _number(value, "t", what) or time.time()}
+        self.driftChanged.emit(chip)
+
+    def _show_rack(self, value: Any) -> None:
+        if not isinstance(value, list):
+            raise ModelError(f"a rack is a list of GPUs, not {value!r}")
+        rack = {}
+        for d in value:
+            gpu = Gpu.from_dict(d)
+            rack[gpu.name] = gpu
+        changed = {n for n, g in rack.items() if self.rack.get(n) != g} | \
+            {n for n in self.rack if n not in rack}
+        self.rack = rack
+        if changed:
+            self.rackChanged.emit(changed)
+
+    def _show_events(self, value: Any, snapshot: bool) -> None:
+        """New journal entries (by their seq) are added to those shown; a snapshot whose newest
+        entry is older than one already shown is a new journal (the agent started afresh):
+        shown from its beginning."""
+        if not isinstance(value, list):
+            raise ModelError(f"the agent's events are a list, not {value!r}")
+        entries = [to_entry(e) for e in value]
+        newest = max((e.seq for e in entries), default=-1)
+        if snapshot and entries and newest < self._last_event:
+            self.entries.clear()
+            self.entries.extend(entries)
+            self._last_event = newest
+            self.entriesReset.emit()
+            return
+        new = [e for e in entries if e.seq > self._last_event]
+        self._last_event = max(self._last_event, newest)
+        if new:
+            self.entries.extend(new)
+            self.entriesAdded.emit(new)
+
+    def _show_jobs(self, value: Any) -> None:
         if not isinstance(value, Mapping):
             raise ModelError(f"jobs are a dict by name, not {value!r}")
         now = time.time()
@@ -469,7 +469,25 @@ class FabricModel(QObject):
         if added:
             self.samplesAdded.emit(added)
 
-    def _add_samples(self, value: Any) -> None:
+    def _show_alarms(self, value: Any) -> None:
+        if not isinstance(value, list):
+            raise ModelError(f"alarms are a list of texts, not {value!r}")
+        self.agent_alarms = [str(a) for a in value]
+        self.alarmsChanged.emit()
+
+    # --- what is not a device's state (main thread) ---------------------------------------
+    def set_service(self, name: str, state: str, detail: str = "") -> None:
+        """A service's connection: one of SERVICE_STATES, and what it means."""
+        if state not in SERVICE_STATES:
+            raise ModelError(f"service {name!r}: state must be one of "
+                             f"{', '.join(SERVICE_STATES)}, not {state!r}")
+        old = self.services.get(name)
+        since = old.since if old and old.state == state else time.time()
+        self.services[name] = Service(name, state, str(detail), since)
+        self.serviceChanged.emit(name)
+
+    def add_samples(self, value: Any) -> None:
+        """{series: [[t, value], ...]} appended to the trends (older samples refused)."""
         if not isinstance(value, Mapping):
             raise ModelError(f"samples are {{series: [[t, value], ...]}}, not {value!r}")
         added = set()
@@ -483,15 +501,25 @@ class FabricModel(QObject):
         if added:
             self.samplesAdded.emit(added)
 
-    def _set_service(self, name: str, value: Any, emit: bool = True) -> None:
-        if not isinstance(value, Mapping) or value.get("state") not in SERVICE_STATES:
-            raise ModelError(f"service {name!r}: state must be one of "
-                             f"{', '.join(SERVICE_STATES)}, got {value!r}")
-        old = self.services.get(name)
-        since = old.since if old and old.state == value["state"] else time.time()
-        self.services[name] = Service(name, value["state"], str(value.get("detail", "")), since)
-        if emit:
-            self.serviceChanged.emit(name)
+    def set_power(self, switch: str, power_dbm: Mapping[Any, float]) -> None:
+        """Port powers of a switch, dBm, from its own monitors (merged into those known)."""
+        old = self.switches.get(switch)
+        if old is None:
+            raise ModelError(f"port powers of {switch!r} before its state")
+        power = {**old.power_dbm, **_int_map(power_dbm, f"switch {switch!r} power_dbm",
+                                              float)}
+        new = replace(old, power_dbm=power)
+        self.switches[switch] = new
+        self.switchChanged.emit(switch, SwitchChange.between(old, new), self.seq)
+
+    def set_topology(self, chip: str, topology: Mapping[str, Any]) -> None:
+        self.topologies[chip] = Topology.from_dict(topology)
+        self.topologyChanged.emit(chip)
+
+    def set_budget(self, device: str, mw: float | None, why: str = "") -> None:
+        """A device's heater power budget, mW, or None and why it is not known."""
+        self.budgets[device] = (_number({"mw": mw}, "mw", f"budget of {device!r}"), str(why))
+        self.budgetChanged.emit(device)
 
     # --- questions the views ask ----------------------------------------------------------
     def chips(self) -> list[str]:
@@ -522,7 +550,7 @@ class SwitchChange:
     power: frozenset[int]
 
     @classmethod
-    def between(cls, old: SwitchState, new: SwitchState) -> "SwitchChange":
+    def between(cls, old: SwitchState, new: SwitchState) -> SwitchChange:
         added = {a: b for a, b in new.circuits.items() if old.circuits.get(a) != b}
         removed = {a: b for a, b in old.circuits.items() if new.circuits.get(a) != b}
         power = frozenset(p for p, v in new.power_dbm.items() if old.power_dbm.get(p) != v)

@@ -6,11 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QStatusBar,
-                               QVBoxLayout, QWidget)
-
 from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
 from photonic_testbed.gui.commands import CommandResult, CommandRunner, Commands
@@ -23,6 +18,17 @@ from photonic_testbed.gui.portmap import PortMapView
 from photonic_testbed.gui.rack import RackView
 from photonic_testbed.gui.stale import StaleFrame
 from photonic_testbed.gui.trends import TrendsView
+from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QStatusBar,
+    QVBoxLayout,
+    QWidget,
+)
 
 SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53935"}
 LAYOUT_VERSION = 2          # 2: the Jobs and Trends docks (an older saved layout is not used)
@@ -136,7 +142,6 @@ class MainWindow(QMainWindow):
             self.statusBar().addWidget(tag)
         self.runner.finished.connect(self._answer)
         # Bound methods, not lambdas: Qt drops these connections when the window goes.
-        model.gap.connect(self._gap)
         model.rejected.connect(self._rejected)
         model.serviceChanged.connect(self.mark_stale)
         model.switchesChanged.connect(self.mark_stale)
@@ -207,7 +212,7 @@ class MainWindow(QMainWindow):
 
     def _actions(self) -> None:
         view = self.menuBar().addMenu("&View")
-        for i, (key, dock) in enumerate(self.docks.items(), start=2):
+        for i, dock in enumerate(self.docks.values(), start=2):
             act = dock.toggleViewAction()
             act.setShortcut(QKeySequence(f"Ctrl+{i}"))
             view.addAction(act)
@@ -246,10 +251,6 @@ class MainWindow(QMainWindow):
             act.setShortcut(QKeySequence(key))
             act.triggered.connect(lambda _=False, s=slot: (self._show("control"), s()))
             control.addAction(act)
-
-    def _gap(self, want: int, got: int) -> None:
-        self.statusBar().showMessage(
-            f"bus: missed updates {want}..{got - 1}; waiting for a fresh snapshot", 5000)
 
     def _rejected(self, why: str) -> None:
         self.statusBar().showMessage(f"ignored {why}", 5000)

@@ -326,7 +326,7 @@ def test_a_subscribers_mirror_follows_phases_swaps_and_releases_from_small_delta
             for phase in ("dp", "tp", "dp"):      # from tp (the first) to dp
                 c.call("phase", phase=phase, round=0, job="j")
             _until(caught_up, what="the mirror equal to a snapshot after the phases")
-            paths = [op[1] for ops in deltas if ops for op in ops]
+            paths = [op.path for ops in deltas if ops for op in ops]
             assert ["jobs", "j", "phase"] in paths, paths
             assert not any(p[0] == "rank_map" or p[-1] == "rank_map" or p[-1] in ("jobs", "j")
                            for p in paths), paths

@@ -13,14 +13,15 @@ import time
 
 import pytest
 import zmq
-
 from photonic_testbed.drivers.circuit_switch import ApplyReport, SwitchError
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.agent.bus import BusSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.hil.bus.state import Set
+
 from tests.test_serve_together import four_switches, moving, rotation, served
 
 
@@ -82,7 +83,7 @@ def test_each_switch_is_changed_counted_and_published_as_its_own(switches):
         # ocs2's new circuits and version went out on its own publisher, unasked
         delta = _next_message(sub, lambda msg: msg["type"] == "delta")
         sub.close()
-        changed = {tuple(op[1]): op[2] for op in delta["ops"] if op[0] == "set"}
+        changed = {tuple(op.path): op.value for op in delta["ops"] if isinstance(op, Set)}
         assert changed[("circuits",)] == rotation(1), delta
         assert changed[("version",)] == got["changes"][0]["version"], delta
         for part in got["changes"]:
@@ -337,10 +338,10 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     """A service answers a change with a result whose circuit lists cannot be read (at odds
     with the contract): the switch said it made the circuits, so the job gets its grant; the
     journal says which report could not be read, and an alarm is raised."""
-    from photonic_testbed.hil.agent import Agent
     from photonic_testbed.common.jobplan import dp_tp
-    from photonic_testbed.hil.agent.journal import Journal
     from photonic_testbed.common.rack_layout import opus
+    from photonic_testbed.hil.agent import Agent
+    from photonic_testbed.hil.agent.journal import Journal
     bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
     handlers = {"apply_circuits": lambda args: bad}
     with _contrary_server("ocs", 32, handlers) as request, \

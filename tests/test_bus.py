@@ -9,15 +9,20 @@ import time
 
 import pytest
 import zmq
-
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import (BadRequest, RemoteError, ServiceClient,
-                                             ServiceUnavailable, StaleState, UnknownOperation)
+from photonic_testbed.hil.bus.client import (
+    BadRequest,
+    RemoteError,
+    ServiceClient,
+    ServiceUnavailable,
+    StaleState,
+    UnknownOperation,
+)
 from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
 from photonic_testbed.hil.bus.security import client_keys, generate
 from photonic_testbed.hil.devices.service import ServiceSpec
 from photonic_testbed.hil.devices.supervisor import Manager
-from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")    # the Qt test needs no display
@@ -215,13 +220,13 @@ def test_malformed_and_hostile_frames_get_errors_while_valid_clients_continue(sw
 
 def test_two_clients_racing_to_change_a_switch_exactly_one_wins(switches):
     request, _ = switches.endpoints["ocs"]
-    for round_ in range(5):
+    for _ in range(5):
         clients = [ServiceClient(request, timeout=5) for _ in range(2)]
         version = clients[0].call("ping")["version"]
         barrier = threading.Barrier(2)
-        results = [None, None]
+        results: list = [None, None]
 
-        def attempt(k):
+        def attempt(k, clients=clients, version=version, barrier=barrier, results=results):
             barrier.wait(5)
             try:
                 clients[k].call("apply_circuits", circuits=[[1 + k, 9 + k]], expect=version)
@@ -331,8 +336,10 @@ def test_a_qt_event_loop_polls_the_mirror_without_blocking(switches, qtbot):
 
 
 def test_a_hung_service_is_killed_and_restarted():
+    """A driver call that never ends: the service goes on answering `ping` but stops its
+    heartbeats once the call has run `stuck_s`, and its supervisor restarts it afresh."""
     spec = ServiceSpec("wedged", "switch", "mem://w", driver="tests.bus_doubles:HangingSwitch",
-                       heartbeat=0.1, options={"ports": 4})
+                       heartbeat=0.1, stuck_s=0.5, options={"ports": 4})
     with Supervised([spec], silence_s=0.5) as s, \
             ServiceClient(s.endpoints["wedged"][0], timeout=10) as c:
         first = s.manager.pid("wedged")
@@ -341,6 +348,7 @@ def test_a_hung_service_is_killed_and_restarted():
             time.sleep(0.05)                  # the manager hears it before it wedges
         with pytest.raises(ServiceUnavailable):
             c.call("apply_circuits", circuits=[[1, 5]], timeout=0.3)
+        assert c.call("ping")["device"] == "wedged"     # its loop answers, its device hangs
         deadline = time.monotonic() + 10
         while s.manager.pid("wedged") in (first, None) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -5,10 +5,11 @@ import json
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.mirror import Mirror, MirrorError, StatePublisher, apply_ops
+from photonic_testbed.hil.bus.mirror import Mirror, StatePublisher
+from photonic_testbed.hil.bus.state import Delete, Set, StateError, apply, touched
 
 
 def req(**fields):
@@ -22,7 +23,7 @@ def test_heater_vectors_round_trip_exactly(volts):
     msg = schema.make("request", id="x", op="set_heaters", args={"volts": volts})
     back = schema.decode(schema.encode(msg))
     assert back["args"]["volts"] == volts
-    assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts))
+    assert all(type(a) is type(b) for a, b in zip(back["args"]["volts"], volts, strict=True))
 
 
 def test_encode_refuses_what_json_cannot_carry_and_keeps_the_rest():
@@ -83,7 +84,7 @@ def test_every_message_type_has_a_valid_example():
         "reply": dict(id="a", result=None, version="i:0"),
         "error": dict(id=None, error="BadFrame", message="m"),
         "snapshot": dict(device="d", incarnation="i", seq=0, state={}),
-        "delta": dict(device="d", incarnation="i", seq=1, ops=[["set", ["a"], 1]]),
+        "delta": dict(device="d", incarnation="i", seq=1, ops=[Set(["a"], 1), Delete(["b"])]),
         "telemetry": dict(device="d", seq=1, t=1.5, values={}),
         "heartbeat": dict(device="d", incarnation="i", seq=0, t=1.0, online=True, interval=0.5),
     }
@@ -95,11 +96,11 @@ def test_every_message_type_has_a_valid_example():
 
 def test_circuits_on_the_wire():
     assert schema.circuits_to_wire({2: 18, 1: 17}) == [[1, 17], [2, 18]]
-    import numpy as np                 # ports worked out with numpy go out as JSON integers
+    import numpy as np  # ports worked out with numpy go out as JSON integers
     wire = schema.circuits_to_wire({np.int64(2): np.int32(18), 1: 17})
     assert wire == [[1, 17], [2, 18]] and {type(p) for pair in wire for p in pair} == {int}
     assert json.loads(schema.encode(schema.make("delta", device="x", incarnation="i", seq=1,
-                      ops=[["set", ["circuits"], wire]])))
+                      ops=[Set(["circuits"], wire)])))
     assert schema.circuits_from_wire([[1, 17]]) == {1: 17}
     with pytest.raises(schema.WrongType):
         schema.circuits_from_wire([[1, "17"]])
@@ -121,17 +122,37 @@ def test_every_operation_is_declared_once_with_its_arguments():
     assert {"apply_circuits", "set_heaters", "set_laser", "admit", "phase", "job_failure",
             "swap", "clear_gpu", "load_calibration"}.isdisjoint(reads)
     checked = schema.check_args(schema.OPERATIONS["set_heaters"], {"volts": [1]})
-    assert checked == {"volts": [1.0], "first": 0}
+    # the handler receives the operation's own Struct, defaults filled in (not a dict)
+    assert checked == schema.SetHeaters(volts=[1.0], first=0)
+    assert type(checked.volts[0]) is float
 
 
-def test_apply_ops_paths_and_errors():
+def test_state_operations_paths_and_errors():
     state = {"a": {"b": [1, 2]}, "c": 1}
-    apply_ops(state, [["set", ["a", "b", 1], 5], ["set", ["a", "b", 2], 6], ["del", ["c"]]])
+    apply(state, [Set(["a", "b", 1], 5), Set(["a", "b", 2], 6), Delete(["c"])])
     assert state == {"a": {"b": [1, 5, 6]}}
-    with pytest.raises(MirrorError, match="does not exist"):
-        apply_ops(state, [["set", ["x", "y"], 1]])
-    with pytest.raises(MirrorError):
-        apply_ops(state, [["put", ["a"], 1]])
+    assert touched([Set(["a", "b", 1], 5), Delete(["c"])]) == {"a", "c"}
+    with pytest.raises(StateError, match="does not exist"):
+        apply(state, [Set(["x", "y"], 1)])
+    with pytest.raises(StateError, match="non-empty"):
+        apply(state, [Delete([])])
+
+
+def test_state_operations_on_the_wire_are_the_lists_of_protocol_1():
+    """The wire as docs/bus.md has it: `["set", path, value]` and `["del", path]`, read back
+    as the same operations; anything else in a delta is refused when decoded."""
+    ops = [Set(["gpus", "gpu3"], {"state": "failed"}), Set(["events", 4], None),
+           Delete(["events", 0])]
+    frame = schema.encode(schema.make("delta", device="agent", incarnation="i", seq=2,
+                                      ops=ops))
+    assert json.loads(frame)["ops"] == [["set", ["gpus", "gpu3"], {"state": "failed"}],
+                                        ["set", ["events", 4], None], ["del", ["events", 0]]]
+    assert schema.decode(frame)["ops"] == ops
+    for bad in ([["put", ["a"], 1]], [["set", ["a"]]], [["del", "a"]], [["set", [1.5], 0]]):
+        frame = json.dumps({"v": 1, "type": "delta", "device": "d", "incarnation": "i",
+                            "seq": 1, "ops": bad}).encode()
+        with pytest.raises(schema.SchemaError):
+            schema.decode(frame)
 
 
 def test_a_few_changed_heaters_travel_alone():
@@ -140,9 +161,9 @@ def test_a_few_changed_heaters_travel_alone():
     mirror = Mirror("dac")
     mirror.load(owner.snapshot())
     owner.update({"volts": [0.0] * 10 + [1.5] + [0.0] * 45, "version": "a:1"})
-    assert sent[-1]["ops"] == [["set", ["volts", 10], 1.5], ["set", ["version"], "a:1"]]
+    assert sent[-1]["ops"] == [Set(["volts", 10], 1.5), Set(["version"], "a:1")]
     owner.update({"volts": [2.0] * 56})
-    assert sent[-1]["ops"] == [["set", ["volts"], [2.0] * 56]]
+    assert sent[-1]["ops"] == [Set(["volts"], [2.0] * 56)]
     for msg in sent:
         mirror.feed(msg)
     assert mirror.state == owner.state
@@ -157,15 +178,15 @@ def test_a_few_changed_cells_travel_alone_and_the_owner_keeps_its_own_copy():
     new = {k: dict(v) for k, v in cells.items() if k != "c7"}
     new["c2"]["state"] = "cross"
     owner.update({"cells": new})
-    assert sent[-1]["ops"] == [["set", ["cells", "c2"], {"state": "cross", "theta": 3.14}],
-                               ["del", ["cells", "c7"]]]
+    assert sent[-1]["ops"] == [Set(["cells", "c2"], {"state": "cross", "theta": 3.14}),
+                               Delete(["cells", "c7"])]
     new["c2"]["theta"] = 0.0                     # the caller's object is not the state
     assert owner.state["cells"]["c2"]["theta"] == 3.14
     owner.update({"cells": {"x": {}}})          # most members changed: the whole object
-    assert sent[-1]["ops"] == [["set", ["cells"], {"x": {}}]]
+    assert sent[-1]["ops"] == [Set(["cells"], {"x": {}})]
     owner.update({"pairs": {1: 2}})             # keys JSON would turn into strings: whole
     owner.update({"pairs": {1: 2, 3: 4, 5: 6}})
-    assert sent[-1]["ops"] == [["set", ["pairs"], {1: 2, 3: 4, 5: 6}]]
+    assert sent[-1]["ops"] == [Set(["pairs"], {1: 2, 3: 4, 5: 6})]
     for msg in sent[:-2]:
         mirror.feed(msg)
     assert mirror.state == {"cells": {"x": {}}}
@@ -214,7 +235,7 @@ def test_a_mirror_that_loses_deltas_recovers_by_snapshot(changes, rnd):
     mirror.load(owner.snapshot())
     for key, value, lost in changes:
         owner.update({key: value}) if rnd.random() < 0.7 else owner.change(
-            [["del", [key]]] if key in owner.state else [])
+            [Delete([key])] if key in owner.state else [])
         while sent:
             msg = sent.pop(0)
             if not lost:
@@ -247,6 +268,7 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
 
     from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
     from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
+
     from tests.bus_doubles import MemoryPowerMeter
 
     class NanMeter(MemoryPowerMeter):

@@ -345,7 +345,7 @@ def test_a_failed_gpu_reaches_a_subscriber_as_the_agent_sees_it(monitor):
         h = GpuHealth(**{**sub.state("gpus")["gpus"]["gpu0"],
                          "reasons": tuple(sub.state("gpus")["gpus"]["gpu0"]["reasons"])})
         assert h.reasons == ("fatal Xid 79",) and h.xids == [79]
-        assert [op for ops in deltas if ops for op in ops][-1][1] == ["gpus", "gpu0"]
+        assert [op for ops in deltas if ops for op in ops][-1].path == ["gpus", "gpu0"]
 
         # a fatal Xid stays: later polls keep gpu0 failed; other GPUs change on their own
         host.temps[2] = 91

@@ -10,15 +10,16 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
-from PySide6.QtGui import QColor, QImage  # noqa: E402
-from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
-
 from photonic_testbed.common.calibration import checksum  # noqa: E402
 from photonic_testbed.common.topology import Topology, TopologyError  # noqa: E402
 from photonic_testbed.gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
-from photonic_testbed.gui.commands import (Command, CommandError, CommandResult, CommandRunner,  # noqa: E402
-                          Commands)
+from photonic_testbed.gui.commands import (  # noqa: E402
+    Command,
+    CommandError,
+    CommandResult,
+    CommandRunner,
+    Commands,
+)
 from photonic_testbed.gui.control import ManualControl, describe_change  # noqa: E402
 from photonic_testbed.gui.demo import DemoCommands, DemoFabric, benes_topology, demo_calibration  # noqa: E402
 from photonic_testbed.gui.events import EventsView  # noqa: E402
@@ -27,6 +28,11 @@ from photonic_testbed.gui.paths import trace  # noqa: E402
 from photonic_testbed.gui.portmap import FLASH, ChipView, OcsMatrixView, circuit_colour  # noqa: E402
 from photonic_testbed.gui.rack import RackView  # noqa: E402
 from photonic_testbed.gui.window import MainWindow  # noqa: E402
+from photonic_testbed.hil.bus.schema import circuits_to_wire  # noqa: E402
+from photonic_testbed.hil.bus.state import Set  # noqa: E402
+from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
+from PySide6.QtGui import QColor, QImage  # noqa: E402
+from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -55,23 +61,36 @@ def colour_at(rgb: np.ndarray, point) -> QColor:
 
 
 def near(a: QColor, b: QColor, tol=40) -> bool:
-    return all(abs(x - y) <= tol for x, y in zip(a.getRgb()[:3], b.getRgb()[:3]))
+    return all(abs(x - y) <= tol for x, y in zip(a.getRgb()[:3], b.getRgb()[:3], strict=True))
 
 
-def ocs(name="ocs1", ports=64, circuits=None, power=None):
-    return {"name": name, "kind": "ocs", "ports": ports, "circuits": circuits or {},
-            "power_dbm": power or {}}
+# Devices' states as their services publish them (docs/bus.md, docs/agent-bus.md).
+def ocs_state(ports=64, circuits=None) -> dict:
+    return {"kind": "switch", "online": True, "ports": ports,
+            "circuits": circuits_to_wire(circuits or {})}
+
+
+def agent_state(rack=(), events=(), jobs=None, alarms=()) -> dict:
+    return {"rack": [dict(g) for g in rack], "events": [dict(e) for e in events],
+            "jobs": dict(jobs or {}), "alarms": list(alarms), "phase": None}
+
+
+def show_ocs(model, name="ocs1", ports=64, circuits=None, power=None) -> None:
+    model.apply_snapshot(name, "switch", ocs_state(ports, circuits))
+    if power:
+        model.set_power(name, power)
 
 
 BENES = benes_topology(16, "benes16")
 
 
-def chip_snapshot(states=None, circuits=None):
-    cells = {c["id"]: {"state": "bar", "theta": 0.0, "phi": 0.0} for c in BENES["cells"]}
+def show_chip(model, states=None, circuits=None, name="benes16", topology=BENES) -> None:
+    cells = {c["id"]: {"state": "bar", "theta": 0.0, "phi": 0.0} for c in topology["cells"]}
     cells.update(states or {})
-    return {"seq": 1, "switches": [{"name": "benes16", "kind": "chip", "ports": 16,
-                                    "circuits": circuits or {}, "power_dbm": {}}],
-            "topologies": {"benes16": BENES}, "cells": {"benes16": cells}}
+    model.set_topology(name, topology)
+    model.apply_snapshot(name, "chip", {"kind": "chip", "ports": topology["ports"],
+                                        "circuits": circuits_to_wire(circuits or {}),
+                                        "cells": cells})
 
 
 RACK = [{"name": f"gpu{i}", "port": i + 1, "switch": "ocs1", "health": "ok",
@@ -125,29 +144,37 @@ def test_commands_are_checked_before_they_are_sent():
 
 
 # --- model -----------------------------------------------------------------------------------
-def test_model_applies_deltas_posted_from_another_thread(qtbot):
+def test_model_applies_state_changes_posted_from_another_thread(qtbot):
+    """The model takes each device's state and changes in the bus's vocabulary (Set, Delete)
+    and shows what they touched; what does not fit is refused, saying why."""
     model = FabricModel()
-    model.apply_snapshot({"seq": 10, "switches": [ocs(circuits={1: 65})], "rack": RACK})
+    show_ocs(model, circuits={1: 65})
+    model.apply_snapshot("agent", "agent", agent_state(rack=RACK))
+    seq = model.seq
     with qtbot.waitSignal(model.switchChanged) as got:
-        threading.Thread(target=model.post_delta, args=(
-            {"seq": 11, "op": "switch", "value": {"name": "ocs1", "circuits": {"1": 66, "2": 65},
-                                                  "power_dbm": {"66": -7.5}}},)).start()
-    name, change, seq = got.args
-    assert (name, seq) == ("ocs1", 11)
+        threading.Thread(target=model.post_change, args=(
+            "ocs1", [Set(["circuits"], [[1, 66], [2, 65]])])).start()
+    name, change, shown = got.args
+    assert (name, shown) == ("ocs1", seq + 1)
     assert change.added == {1: 66, 2: 65} and change.removed == {1: 65}
+    with qtbot.waitSignal(model.switchChanged):
+        model.post_power("ocs1", {"66": -7.5})              # its port monitors' telemetry
     assert model.switches["ocs1"].power_dbm[66] == -7.5
-    with qtbot.waitSignal(model.gap) as gap:
-        model.post_delta({"seq": 15, "op": "gpu", "value": {"name": "gpu2", "health": "failed"}})
-    assert gap.args == [12, 15] and model.rack["gpu2"].health == "failed"
+    with qtbot.waitSignal(model.rackChanged) as gpus:
+        model.post_change("agent", [Set(["rack", 2, "health"], "failed")])
+    assert gpus.args == [{"gpu2"}] and model.rack["gpu2"].health == "failed"
+    for ops, says in (([Set(["circuits"], [[1, 3]])], "circuit 1->3"),
+                      ([Set(["cells", "s0r0"], {})], "does not exist"),
+                      ([Set(["circuits"], [[1, "x"]])], "not two ports")):
+        with qtbot.waitSignal(model.rejected) as bad:
+            model.post_change("ocs1", ops)
+        assert says in bad.args[0] and bad.args[0].startswith("apply_change of ocs1")
+        assert model.switches["ocs1"].circuits == {1: 66, 2: 65}   # what is shown stayed
     with qtbot.waitSignal(model.rejected) as bad:
-        model.post_delta({"seq": 16, "op": "switch", "value": {"name": "ocs1",
-                                                               "circuits": {"1": 3}}})
-    assert "circuit 1->3" in bad.args[0]
-    assert model.switches["ocs1"].circuits == {1: 66, 2: 65}     # the bad delta changed nothing
+        model.post_change("ocs9", [Set(["circuits"], [])])
+    assert "a change of 'ocs9' before its state" in bad.args[0]
     with pytest.raises(ModelError, match="health 'sick'"):
-        model.apply_delta({"op": "gpu", "value": {"name": "gpu1", "health": "sick"}})
-    with pytest.raises(ModelError, match="unknown delta op"):
-        model.apply_delta({"op": "teleport"})
+        model.apply_change("agent", [Set(["rack", 1, "health"], "sick")])
 
 
 # --- views -----------------------------------------------------------------------------------
@@ -155,7 +182,7 @@ def test_ocs_matrix_shows_circuits_by_power_and_flashes_a_new_one(qtbot, tmp_pat
     model = FabricModel()
     circuits = {i: 64 + ((i * 7) % 64) + 1 for i in range(1, 41)}
     power = {p: -3.0 - (p % 30) for p in range(1, 129)}
-    model.apply_snapshot({"seq": 1, "switches": [ocs(circuits=circuits, power=power)]})
+    show_ocs(model, circuits=circuits, power=power)
     view = OcsMatrixView(model, "ocs1")
     qtbot.addWidget(view)
     view.resize(700, 700)
@@ -165,16 +192,15 @@ def test_ocs_matrix_shows_circuits_by_power_and_flashes_a_new_one(qtbot, tmp_pat
     assert_not_blank(before)
     target = view.cell_rect(50, 100).center()
     assert near(colour_at(before, target), QColor("#20232a"), 12)        # empty cell
-    model.apply_delta({"seq": 2, "op": "switch", "value": {"name": "ocs1",
-                                                           "circuits": {**circuits, 50: 100}}})
+    model.apply_change("ocs1", [Set(["circuits"], circuits_to_wire({**circuits, 50: 100}))])
     after = pixels(view, tmp_path / "ocs-after.png")
     assert near(colour_at(after, target), FLASH), colour_at(after, target).name()
-    assert view.applied_seq == 2
+    assert view.applied_seq == model.seq
 
 
 def test_chip_view_draws_the_light_path_of_a_changed_circuit(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot(chip_snapshot(circuits={1: 17}))
+    show_chip(model, circuits={1: 17})
     view = ChipView(model, "benes16")
     qtbot.addWidget(view)
     view.resize(900, 600)
@@ -190,10 +216,9 @@ def test_chip_view_draws_the_light_path_of_a_changed_circuit(qtbot, tmp_path):
     # Cross the first cell: input 1 now reaches output 18, drawn from the new cell states.
     first = "s0r0"
     with qtbot.waitSignal(view.painted, timeout=10000):
-        model.apply_delta({"seq": 2, "op": "cells", "name": "benes16",
-                           "value": {first: {"state": "cross", "theta": 3.14}}})
-        model.apply_delta({"seq": 3, "op": "switch", "value": {"name": "benes16",
-                                                               "circuits": {1: 18}}})
+        model.apply_change("benes16", [Set(["cells", first], {"state": "cross", "theta": 3.14,
+                                                              "phi": 0.0}),
+                                       Set(["circuits"], [[1, 18]])])
     after = pixels(view, tmp_path / "chip-after.png")
     new_links = view.paths()[1].links
     assert view.paths()[1].ends == {18} and new_links != lit
@@ -201,25 +226,24 @@ def test_chip_view_draws_the_light_path_of_a_changed_circuit(qtbot, tmp_path):
     assert any(near(colour_at(after, view.link_midpoint(i)), circuit_colour(1, 16))
                for i in fresh)
     # ... and a cell switched back to bar flashes (its centre carries no routing line).
-    model.apply_delta({"seq": 4, "op": "cells", "name": "benes16",
-                       "value": {first: {"state": "bar"}}})
+    model.apply_change("benes16", [Set(["cells", first, "state"], "bar")])
     flashed = pixels(view, tmp_path / "chip-flash.png")
     assert near(colour_at(flashed, view.cell_center(first)), FLASH)
-    assert view.applied_seq == 4
+    assert view.applied_seq == model.seq
 
 
 def test_rack_view_shows_health_role_rank_and_port(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "rack": RACK})
+    model.apply_snapshot("agent", "agent", agent_state(rack=RACK))
     view = RackView(model)
     qtbot.addWidget(view)
     view.resize(600, 400)
     view.show()
     assert_not_blank(pixels(view, tmp_path / "rack.png"), min_fraction=0.02)
-    model.apply_delta({"seq": 2, "op": "gpu", "value": {"name": "gpu2", "health": "failed",
-                                                        "rank": None}})
-    model.apply_delta({"seq": 3, "op": "gpu", "value": {"name": "gpu6", "role": "in_use_spare",
-                                                        "rank": 2}})
+    model.apply_change("agent", [Set(["rack", 2, "health"], "failed"),
+                                 Set(["rack", 2, "rank"], None)])
+    model.apply_change("agent", [Set(["rack", 6, "role"], "in_use_spare"),
+                                 Set(["rack", 6, "rank"], 2)])
     row = view.row_of("gpu2")
     assert view.table.item(row, 1).text() == "failed"
     assert view.table.item(row, 1).background().color() == QColor("#c62828")
@@ -238,7 +262,7 @@ def test_events_view_is_live_filterable_and_shows_latency(qtbot, tmp_path):
     entries = [{"seq": i, "ts": 1.7e9 + i, "kind": k, "cause": "gpu3 lost",
                 "latency_s": 0.4213 if k == "applied" else None, "details": {"gpu": "gpu3"}}
                for i, k in enumerate(["failure", "detected", "decision", "applied", "verified"], 1)]
-    model.apply_snapshot({"seq": 1, "journal": entries})
+    model.apply_snapshot("agent", "agent", agent_state(events=entries))
     view = EventsView(model)
     qtbot.addWidget(view)
     view.resize(900, 400)
@@ -246,8 +270,9 @@ def test_events_view_is_live_filterable_and_shows_latency(qtbot, tmp_path):
     assert_not_blank(pixels(view, tmp_path / "events.png"), min_fraction=0.02)
     assert view.visible_kinds() == ["failure", "detected", "decision", "applied", "verified"]
     assert view.proxy.index(3, 4).data() == "421.3"
-    model.apply_delta({"seq": 2, "op": "journal", "value": [
-        {"seq": 6, "ts": 1.7e9 + 6, "kind": "alarm", "cause": "powermeter down"}]})
+    model.apply_change("agent", [Set(["events", 5], {"seq": 6, "ts": 1.7e9 + 6,
+                                                     "kind": "alarm",
+                                                     "cause": "powermeter down"})])
     assert view.visible_kinds()[-1] == "alarm"
     view.set_kinds({"alarm", "failure"})
     assert view.visible_kinds() == ["failure", "alarm"]
@@ -301,7 +326,8 @@ def _answer_dialog(qtbot, button, seen: list):
 
 def test_manual_control_confirms_the_change_and_shows_a_refusal(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "switches": [ocs(circuits={3: 66, 9: 70})], "rack": RACK})
+    show_ocs(model, circuits={3: 66, 9: 70})
+    model.apply_snapshot("agent", "agent", agent_state(rack=RACK))
     backend = ScriptedCommands(lambda c: CommandResult(
         c, False, "output 70 already carries input 9: disconnect it first"))
     panel = ManualControl(model, CommandRunner(backend))
@@ -364,8 +390,7 @@ def test_main_window_demo_remembers_layout_and_labels_demo(qtbot, tmp_path):
     fabric.stop()
     assert window.services.labels["agent"].text().endswith("agent: connected")
     assert_not_blank(pixels(window, tmp_path / "window.png"), min_colours=50, min_fraction=0.2)
-    window.model.apply_delta({"op": "service", "name": "agent",
-                              "value": {"state": "down", "detail": "no heartbeat for 3 s"}})
+    window.model.set_service("agent", "down", "no heartbeat for 3 s")
     label = window.services.labels["agent"]
     assert label.text().endswith("agent: down") and "no heartbeat" in label.toolTip()
     shortcuts = {a.shortcut().toString() for a in window.findChildren(type(

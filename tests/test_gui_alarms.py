@@ -22,11 +22,21 @@ from photonic_testbed.gui.series import Ring, SeriesStore  # noqa: E402
 from photonic_testbed.gui.stale import StaleFrame  # noqa: E402
 from photonic_testbed.gui.startup import install_hint, missing_in, qt_start_problem  # noqa: E402
 from photonic_testbed.gui.trends import TrendsView  # noqa: E402
+from photonic_testbed.hil.bus.state import Delete, Set  # noqa: E402
 from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QColor  # noqa: E402
 from PySide6.QtWidgets import QLabel  # noqa: E402
 
-from tests.test_gui import BENES, assert_not_blank, colour_at, near, ocs, pixels  # noqa: E402
+from tests.test_gui import (  # noqa: E402
+    BENES,
+    agent_state,
+    assert_not_blank,
+    colour_at,
+    near,
+    pixels,
+    show_chip,
+    show_ocs,
+)
 
 LIMITS = Limits(report_old_s=5.0, failed_s=3.0, stuck_s=15.0, link_dbm=-12.0,
                 link_settle_s=1.0)
@@ -69,20 +79,25 @@ def test_a_series_keeps_its_newest_samples_in_time_order():
         Ring(1)
 
 
+def jobs(model, **by_name) -> None:
+    """The agent's published jobs, as a change of its state."""
+    model.apply_change("agent", [Set(["jobs"], by_name)])
+
+
 def test_jobs_and_their_reports_reach_the_model_and_the_throughput_trend(qtbot):
     model = FabricModel()
+    model.apply_snapshot("agent", "agent", agent_state())
     t0 = time.time()
     with qtbot.waitSignal(model.samplesAdded):
-        model.apply_delta({"op": "jobs", "value": {"dp": job_dict(t=t0, loss=2.5)}})
+        jobs(model, dp=job_dict(t=t0, loss=2.5))
     job = model.jobs["dp"]
     assert (job.report.state, job.report.step, job.rank_map[3], job.restart_seq) == \
         ("running", 100, "gpu3", 1)
     assert model.trends.last("throughput/dp") == (t0, 9.5)
     assert model.trends.last("loss/dp") == (t0, 2.5)
-    model.apply_delta({"op": "jobs", "value": {"dp": job_dict(t=t0, loss=2.5)}})
+    jobs(model, dp=job_dict(t=t0, loss=2.5))
     assert len(model.trends.series["throughput/dp"]) == 1          # the same report: no sample
-    model.apply_delta({"op": "jobs", "value": {"dp": job_dict("failed", t=t0 + 1,
-                                                              throughput=None)}})
+    jobs(model, dp=job_dict("failed", t=t0 + 1, throughput=None))
     assert model.trends.last("throughput/dp") == (t0 + 1, 0.0)     # failed: not stepping
     assert model.jobs["dp"].state_since >= job.state_since
     for bad, message in ((job_dict("sleeping"), "sleeping"),
@@ -90,8 +105,8 @@ def test_jobs_and_their_reports_reach_the_model_and_the_throughput_trend(qtbot):
                          ({**job_dict(), "report": {"state": "running", "loss": "high"}},
                           "loss")):
         with pytest.raises(ModelError, match=message):
-            model.apply_delta({"op": "jobs", "value": {"dp": bad}})
-    model.apply_delta({"op": "jobs", "value": {}})
+            jobs(model, dp=bad)
+    jobs(model)
     assert model.jobs == {}
 
 
@@ -118,47 +133,47 @@ def test_every_alarm_begins_and_clears_with_its_condition():
     model = FabricModel()
     book = AlarmBook(LIMITS)
     now = time.time()
-    model.apply_snapshot({"seq": 1, "rack": rack(), "switches": [
-        ocs(ports=8, circuits={1: 10, 2: 11})],
-        "services": {"agent": {"state": "connected"}, "ocs1": {"state": "connected"}}})
-    model.apply_delta({"op": "jobs", "value": {"dp": job_dict(t=now)}})
+    model.apply_snapshot("agent", "agent", agent_state(rack=rack()))
+    show_ocs(model, ports=8, circuits={1: 10, 2: 11})
+    model.set_service("agent", "connected")
+    model.set_service("ocs1", "connected")
+    jobs(model, dp=job_dict(t=now))
     assert book.evaluate(model, now) == []
 
     # A service and the agent down: named, with the time they went down; jobs not judged.
-    model.apply_delta({"op": "service", "name": "ocs1", "value": {
-        "state": "down", "detail": "heartbeats lost"}})
-    model.apply_delta({"op": "service", "name": "agent", "value": {"state": "down"}})
+    model.set_service("ocs1", "down", "heartbeats lost")
+    model.set_service("agent", "down")
     got = {a.key: a for a in book.evaluate(model, now + 60)}
     assert set(got) == {"service:ocs1", "service:agent"}
     assert "ocs1 down (heartbeats lost)" in got["service:ocs1"].text
     assert got["service:ocs1"].since == model.services["ocs1"].since
     assert "stale" in got["service:agent"].text
-    model.apply_delta({"op": "service", "name": "agent", "value": {"state": "connected"}})
-    model.apply_delta({"op": "service", "name": "ocs1", "value": {"state": "connected"}})
+    model.set_service("agent", "connected")
+    model.set_service("ocs1", "connected")
     # ... and once it is back, the silent job is stuck.
     got = {a.key: a for a in book.evaluate(model, now + 60)}
     assert set(got) == {"job:dp"} and "STUCK" in got["job:dp"].text
-    model.apply_delta({"op": "jobs", "value": {"dp": job_dict(t=now + 60)}})
+    jobs(model, dp=job_dict(t=now + 60))
     assert book.evaluate(model, time.time()) == []
 
     # No spare left: both in use; the agent's own alarm is folded in; a spare back clears.
-    model.apply_delta({"op": "rack", "value": rack(used=2)})
+    model.apply_change("agent", [Set(["rack"], rack(used=2))])
     text = "no healthy spare for gpu3: job continues degraded on 3 ranks"
-    model.apply_delta({"op": "journal", "value": [
-        {"seq": 7, "ts": now - 30, "kind": "alarm", "cause": text}]})
-    model.apply_delta({"op": "alarms", "value": [text]})
+    model.apply_change("agent", [Set(["events", 0], {"seq": 7, "ts": now - 30,
+                                                     "kind": "alarm", "cause": text}),
+                                 Set(["alarms"], [text])])
     got = book.evaluate(model, now)
     assert [a.key for a in got] == ["spares"]
     assert "in use: spare0, spare1" in got[0].text and text in got[0].text
     assert got[0].since == now - 30 and not got[0].ackable
-    model.apply_delta({"op": "rack", "value": rack(used=1)})
+    model.apply_change("agent", [Set(["rack"], rack(used=1))])
     assert book.evaluate(model, now) == []         # the agent's old text is answered
 
     # A link below threshold, judged once the circuit has settled; cleared by light.
     t = time.time()
-    model.apply_delta({"op": "switch", "value": {"name": "ocs1", "circuits": {1: 10}}})
+    model.apply_change("ocs1", [Set(["circuits"], [[1, 10]])])
     assert model.circuits_changed["ocs1"] >= t
-    model.apply_delta({"op": "samples", "value": {"rx/gpu1": [[t + 0.1, -30.0]]}})
+    model.add_samples({"rx/gpu1": [[t + 0.1, -30.0]]})
     assert book.evaluate(model, t + 0.2) == []          # too soon after the circuits changed
     model.circuits_changed["ocs1"] = t - 10
     got = book.evaluate(model, t + 0.2)
@@ -166,36 +181,38 @@ def test_every_alarm_begins_and_clears_with_its_condition():
     assert "link gpu0 → gpu1 on ocs1 (1 → 10): -30.0 dBm, below -12 dBm" in got[0].text
     began = got[0].since
     assert book.evaluate(model, t + 1)[0].since == began      # the same alarm, same start
-    model.apply_delta({"op": "samples", "value": {"rx/gpu1": [[t + 2, -3.0]]}})
+    model.add_samples({"rx/gpu1": [[t + 2, -3.0]]})
     assert book.evaluate(model, t + 2) == []
-    model.apply_delta({"op": "samples", "value": {"rx/gpu1": [[t + 3, -30.0]]}})
-    model.apply_delta({"op": "gpu", "value": {"name": "gpu0", "health": "failed"}})
+    model.add_samples({"rx/gpu1": [[t + 3, -30.0]]})
+    model.apply_change("agent", [Set(["rack", 0, "health"], "failed")])
     assert book.evaluate(model, t + 3) == []       # its transmitter failed: the GPU's fault
-    model.apply_delta({"op": "gpu", "value": {"name": "gpu0", "health": "ok"}})
-    model.apply_delta({"op": "samples", "value": {"rx/gpu1": [[t + 4, -3.0]]}})
+    model.apply_change("agent", [Set(["rack", 0, "health"], "ok")])
+    model.add_samples({"rx/gpu1": [[t + 4, -3.0]]})
 
     # A calibration drifting, where the chip's service says so.
-    model.apply_delta({"op": "drift", "name": "chip", "value": {
-        "worst_rad": 0.12, "threshold_rad": 0.05, "t": t}})
+    show_chip(model, name="chip")
+    model.apply_change("chip", [Set(["drift"], {"worst_rad": 0.12, "threshold_rad": 0.05,
+                                                "t": t})])
     got = book.evaluate(model, t + 4)
     assert [a.key for a in got] == ["drift:chip"] and "0.120 rad > 0.050 rad" in got[0].text
-    model.apply_delta({"op": "drift", "name": "chip", "value": None})
+    model.apply_change("chip", [Delete(["drift"])])
 
     # Any other alarm of the agent: shown until acknowledged, again if raised again.
-    model.apply_delta({"op": "alarms", "value": ["switch chip refused the circuits"]})
+    model.apply_change("agent", [Set(["alarms"], ["switch chip refused the circuits"])])
     got = book.evaluate(model, t + 4)
     assert [a.key for a in got] == ["agent:switch chip refused the circuits"] and got[0].ackable
     book.acknowledged.add(got[0].key)
     assert book.evaluate(model, t + 4) == []
-    model.apply_delta({"op": "alarms", "value": []})
+    model.apply_change("agent", [Set(["alarms"], [])])
     assert book.evaluate(model, t + 4) == []
-    model.apply_delta({"op": "alarms", "value": ["switch chip refused the circuits"]})
+    model.apply_change("agent", [Set(["alarms"], ["switch chip refused the circuits"])])
     assert len(book.evaluate(model, t + 4)) == 1
 
 
 def test_the_banner_turns_red_naming_the_alarm_and_green_when_fixed(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "services": {"agent": {"state": "connected"}}})
+    model.set_service("agent", "connected")
+    model.apply_snapshot("agent", "agent", agent_state())
     banner = AlarmBanner(model, AlarmBook(LIMITS))
     qtbot.addWidget(banner)
     banner.resize(900, 60)
@@ -203,20 +220,19 @@ def test_the_banner_turns_red_naming_the_alarm_and_green_when_fixed(qtbot, tmp_p
     left = QPoint(3, banner.height() // 2)
     assert near(colour_at(pixels(banner, tmp_path / "clear.png"), left), QColor(CLEAR_BG), 12)
     with qtbot.waitSignal(banner.changed):
-        model.apply_delta({"op": "service", "name": "agent", "value": {
-            "state": "down", "detail": "heartbeats lost"}})
+        model.set_service("agent", "down", "heartbeats lost")
     rgb = pixels(banner, tmp_path / "agent-down.png")
     assert near(colour_at(rgb, QPoint(3, banner.height() // 2)), QColor(ALARM_BG), 12)
     assert "agent down" in banner.label.text() and "since" in banner.label.text()
     white = np.all(rgb > 200, axis=2).sum()
     assert white > 200, "the alarm's text is not drawn"
     assert not banner.ack.isVisible()
-    model.apply_delta({"op": "alarms", "value": ["cannot read switch chip"]})
+    model.apply_change("agent", [Set(["alarms"], ["cannot read switch chip"])])
     qtbot.waitUntil(lambda: banner.ack.isVisible())
     banner.acknowledge()
     assert all(not a.ackable for a in banner.alarms)
     with qtbot.waitSignal(banner.changed):
-        model.apply_delta({"op": "service", "name": "agent", "value": {"state": "connected"}})
+        model.set_service("agent", "connected")
     assert banner.alarms == [] and banner.label.text().endswith("no alarms")
     assert near(colour_at(pixels(banner, tmp_path / "fixed.png"),
                           QPoint(3, banner.height() // 2)), QColor(CLEAR_BG), 12)
@@ -246,9 +262,8 @@ def test_a_stale_view_is_greyed_and_says_since_when(qtbot, tmp_path):
 # --- views ----------------------------------------------------------------------------------
 def test_the_job_view_shows_state_rate_rank_map_and_a_stuck_job(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "rack": rack(failed=("gpu2",))})
-    model.apply_delta({"op": "jobs", "value": {
-        "dp": job_dict(loss=2.3125), "old": job_dict("running", t=time.time() - 60)}})
+    model.apply_snapshot("agent", "agent", agent_state(rack=rack(failed=("gpu2",)), jobs={
+        "dp": job_dict(loss=2.3125), "old": job_dict("running", t=time.time() - 60)}))
     view = JobsView(model, LIMITS)
     qtbot.addWidget(view)
     view.resize(900, 400)
@@ -276,15 +291,16 @@ def test_event_details_read_as_words_and_export_as_csv(qtbot, tmp_path):
     assert readable(details) == ("swaps: gpu3 → spare0; added: 1 → 18, 2 → 17; "
                                  "latency: 0.1235; dark: none; ok: true")
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "journal": [
+    model.apply_snapshot("agent", "agent", agent_state(events=[
         {"seq": 1, "ts": 1.7e9, "kind": "decision", "cause": "gpu3 failed", "latency_s": 0.002,
          "details": details},
-        {"seq": 2, "ts": 1.7e9 + 1, "kind": "alarm", "cause": "no healthy spare"}]})
+        {"seq": 2, "ts": 1.7e9 + 1, "kind": "alarm", "cause": "no healthy spare"}]))
     from photonic_testbed.gui.app import demo_window
     win, fabric = demo_window(settings=QSettings(str(tmp_path / "g.ini"),
                                                  QSettings.Format.IniFormat))
     qtbot.addWidget(win)
-    win.model.apply_snapshot({"seq": 1, "journal": [dict(e.__dict__) for e in model.entries]})
+    win.model.apply_snapshot("agent", "agent", agent_state(
+        events=[dict(e.__dict__) for e in model.entries]))
     view = win.events
     assert view.proxy.index(0, 5).data() == readable(details)
     tip = view.proxy.index(0, 5).data(Qt.ItemDataRole.ToolTipRole)
@@ -307,8 +323,8 @@ def test_event_details_read_as_words_and_export_as_csv(qtbot, tmp_path):
 
 def test_the_ocs_map_has_a_dbm_scale_gpu_names_and_tooltips(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "rack": rack(used=1), "switches": [
-        ocs(ports=8, circuits={1: 10, 5: 9}, power={10: -4.25, 1: -2.0})]})
+    model.apply_snapshot("agent", "agent", agent_state(rack=rack(used=1)))
+    show_ocs(model, ports=8, circuits={1: 10, 5: 9}, power={10: -4.25, 1: -2.0})
     view = OcsMatrixView(model, "ocs1")
     qtbot.addWidget(view)
     view.resize(600, 600)
@@ -334,13 +350,11 @@ def test_the_ocs_map_has_a_dbm_scale_gpu_names_and_tooltips(qtbot, tmp_path):
 
 def test_chip_ports_carry_gpu_names_and_receiver_powers(qtbot, tmp_path):
     model = FabricModel()
-    model.apply_snapshot({"seq": 1, "switches": [{"name": "benes16", "kind": "chip",
-                                                  "ports": 16, "circuits": {1: 18}}],
-                          "topologies": {"benes16": BENES},
-                          "rack": [{"name": f"gpu{i}", "switch": "benes16", "port": i + 1,
-                                    "role": "active", "rank": i, "job": "dp", "health": "ok"}
-                                   for i in range(3)]})
-    model.apply_delta({"op": "samples", "value": {"rx/gpu1": [[time.time(), -6.0]]}})
+    show_chip(model, circuits={1: 18}, topology=BENES)
+    model.apply_snapshot("agent", "agent", agent_state(rack=[
+        {"name": f"gpu{i}", "switch": "benes16", "port": i + 1, "role": "active", "rank": i,
+         "job": "dp", "health": "ok"} for i in range(3)]))
+    model.add_samples({"rx/gpu1": [[time.time(), -6.0]]})
     view = ChipView(model, "benes16")
     qtbot.addWidget(view)
     view.resize(1000, 600)
@@ -360,10 +374,9 @@ def test_chip_ports_carry_gpu_names_and_receiver_powers(qtbot, tmp_path):
 def test_trends_follow_the_window_and_the_heater_budget(qtbot, tmp_path):
     model = FabricModel()
     now = time.time()
-    model.apply_delta({"op": "samples", "value": {
-        "rx/gpu0": [[now - 200 + i, -5.0] for i in range(200)],
-        "heater/chip": [[now - 200 + i, 800.0 + i] for i in range(200)]}})
-    model.apply_delta({"op": "jobs", "value": {"dp": job_dict(t=now)}})
+    model.add_samples({"rx/gpu0": [[now - 200 + i, -5.0] for i in range(200)],
+                       "heater/chip": [[now - 200 + i, 800.0 + i] for i in range(200)]})
+    model.apply_snapshot("agent", "agent", agent_state(jobs={"dp": job_dict(t=now)}))
     view = TrendsView(model, LIMITS)
     qtbot.addWidget(view)
     view.resize(1000, 500)
@@ -375,10 +388,9 @@ def test_trends_follow_the_window_and_the_heater_budget(qtbot, tmp_path):
     t, _ = view.curve_data("rx/gpu0")
     assert len(t) <= 61 and t[0] >= now - 61
     assert "budget unknown" not in view.budget_note.toPlainText()
-    model.apply_delta({"op": "budget", "name": "chip", "value": {
-        "mw": None, "why": "not in its describe"}})
+    model.set_budget("chip", None, "not in its describe")
     assert "budget unknown — chip: not in its describe" in view.budget_note.toPlainText()
-    model.apply_delta({"op": "budget", "name": "chip", "value": {"mw": 1500.0, "why": ""}})
+    model.set_budget("chip", 1500.0)
     assert view.budget_note.toPlainText() == "" and view.budget_lines["chip"].value() == 1500.0
     view.refresh()
     assert view.heaters.getPlotItem().vb.viewRange()[1][1] >= 1500.0

@@ -13,17 +13,18 @@ import time
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import pytest  # noqa: E402
-from PySide6.QtCore import QSettings  # noqa: E402
-from PySide6.QtWidgets import QMessageBox  # noqa: E402
-
+from photonic_testbed.emulator.rig import EmulatedRig  # noqa: E402
 from photonic_testbed.gui.app import rig_window  # noqa: E402
 from photonic_testbed.gui.commands import Command  # noqa: E402
 from photonic_testbed.gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
 from photonic_testbed.hil import rig as rigfile  # noqa: E402
+from photonic_testbed.hil.bus import schema  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.bus.server import Server  # noqa: E402
-from photonic_testbed.emulator.rig import EmulatedRig  # noqa: E402
 from photonic_testbed.hil.rig import rig_spec  # noqa: E402
+from PySide6.QtCore import QSettings  # noqa: E402
+from PySide6.QtWidgets import QMessageBox  # noqa: E402
+
 from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
 from tests.test_gui import _answer_dialog, assert_not_blank, colour_at, near, pixels  # noqa: E402
@@ -74,12 +75,12 @@ class Agent:
             while not self.todo.empty():
                 self.server.update(self.todo.get())
 
-    def _swap(self, args):
+    def _swap(self, args: schema.GpuArgs) -> dict:
         state = self.server.state.state
         rack = [dict(g) for g in state["rack"]]
-        out = next((g for g in rack if g["name"] == args.get("gpu")), None)
+        out = next((g for g in rack if g["name"] == args.gpu), None)
         if out is None or out["rank"] is None:
-            raise ValueError(f"{args.get('gpu')} holds no rank: there is nothing to swap")
+            raise ValueError(f"{args.gpu} holds no rank: there is nothing to swap")
         spare = next(g for g in rack if g["role"] == "spare")
         spare.update(role="in_use_spare", rank=out["rank"])
         out.update(role="active", rank=None, health="failed")
@@ -278,8 +279,8 @@ def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bu
                                                                  tmp_path):
     """`ptb agent` on the lumion rig: a GPU fails, the rack shows the spare in use and the chip
     the circuits to its port; then the operator swaps another GPU out through the GUI."""
-    from photonic_testbed.hil.job.fabric_client import Fabric
     from photonic_testbed.common.jobplan import dp_ring
+    from photonic_testbed.hil.job.fabric_client import Fabric
     emu, rig, path = lumion_bus
     agent = _agent(path, tmp_path / "journal.db")
     fabric = win = None

@@ -39,6 +39,7 @@ from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient,
     UnknownOperation, call_many, from_wire
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
+from photonic_testbed.hil.bus.state import Delete, Set, StateOp
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
@@ -273,17 +274,17 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
-def _job_changes(was: dict, now: dict) -> list:
-    """The published jobs' changes as delta operations: a job's changed fields alone (a phase
+def _job_changes(was: dict, now: dict) -> list[StateOp]:
+    """The published jobs' changes as state operations: a job's changed fields alone (a phase
     switch changes a job's phase and round, not its rank map of 2,048 ranks)."""
-    ops: list = []
+    ops: list[StateOp] = []
     for name, job in now.items():
         before = was.get(name)
         if isinstance(before, dict) and before.keys() == job.keys():
-            ops += [["set", ["jobs", name, f], x] for f, x in job.items() if before[f] != x]
+            ops += [Set(["jobs", name, f], x) for f, x in job.items() if before[f] != x]
         else:
-            ops.append(["set", ["jobs", name], job])
-    return ops + [["del", ["jobs", name]] for name in was if name not in now]
+            ops.append(Set(["jobs", name], job))
+    return ops + [Delete(["jobs", name]) for name in was if name not in now]
 
 
 def _switches_answered(got: Any) -> list | None:
@@ -535,13 +536,13 @@ class AgentProcess:
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
 
-    def _admit(self, args: dict) -> dict:
+    def _admit(self, args: schema.Admit) -> dict:
         try:
-            plan = JobPlan.from_dict(args["plan"], max_world=len(self.agent.layout.gpus))
+            plan = JobPlan.from_dict(args.plan, max_world=len(self.agent.layout.gpus))
         except (KeyError, PlanError) as e:
             raise AgentError(f"admit needs a job plan: {e}") from None
-        rank_map = args.get("rank_map")
-        name = args.get("job") or plan.name
+        rank_map = args.rank_map
+        name = args.job or plan.name
         got = self.agent.admit(plan, None if rank_map is None
                                else {int(r): g for r, g in rank_map.items()}, job=name)
         self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
@@ -549,7 +550,7 @@ class AgentProcess:
         return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
                 "restart_seq": self._order(name)["seq"]}
 
-    def _rejoin(self, args: dict) -> dict:
+    def _rejoin(self, args: schema.Rejoin) -> dict:
         """A running job tells a (re)started agent where it stands: its plan, the rank map it
         runs on, the last restart order it took, and whether it waits for one. The agent
         reconciles the job as it reconciles the switches: an order the job missed stands (it
@@ -558,39 +559,41 @@ class AgentProcess:
         failure the job saw (the fabric checked, then a restart)."""
         agent = self.agent
         try:
-            plan = JobPlan.from_dict(args["plan"], max_world=len(self.agent.layout.gpus))
+            plan = JobPlan.from_dict(args.plan, max_world=len(self.agent.layout.gpus))
         except PlanError as e:
             raise AgentError(f"rejoin needs the job's plan: {e}") from None
-        name = args.get("job") or plan.name
+        name = args.job or plan.name
         order = self._order(name)
-        rank_map = {int(r): g for r, g in args["rank_map"].items()}
-        if args["restart_seq"] < order["seq"]:
+        rank_map = {int(r): g for r, g in args.rank_map.items()}
+        if args.restart_seq < order["seq"]:
             agent.journal.record("note", f"job {name} rejoined: it has not taken restart "
-                                 f"order {order['seq']}", job=name, rejoin=args)
+                                 f"order {order['seq']}", job=name,
+                                 rejoin=msgspec.structs.asdict(args))
             return {"job": name, "rank_map": order["rank_map"], "restart": order}
         known = agent.jobs.get(name)
         if known is None or known.plan.to_dict() != plan.to_dict() or \
                 known.rank_map != rank_map:
             agent.journal.record("note", f"job {name} rejoined on a rank map the journal "
-                                 "does not hold: taken on as it runs", job=name, rejoin=args)
+                                 "does not hold: taken on as it runs", job=name,
+                                 rejoin=msgspec.structs.asdict(args))
             agent.admit(plan, rank_map, job=name)
         else:
             agent.journal.record("note", f"job {name} rejoined", job=name,
-                                 state=args["state"])
-        if args["state"] == "failed":
+                                 state=args.state)
+        if args.state == "failed":
             agent.on_job_failure("job waiting for a restart order after an agent restart",
                                  job=name)
         return {"job": name, "rank_map": {str(r): g for r, g in agent.jobs[name].rank_map.items()},
                 "restart": self._order(name)}
 
-    def _phase(self, args: dict) -> Answer:
+    def _phase(self, args: schema.PhaseArgs) -> Answer:
         """The reply is the grant; what follows the grant in the agent (its journal entry,
         prestaging) is done once the reply has gone (`Agent.after_grant`)."""
-        phase, rnd = args["phase"], args["round"]        # checked: a name, a round number
+        phase, rnd = args.phase, args.round        # checked: a name, a round number
         granted: list[Callable[[], None]] = []
         before, self.agent.after_grant = self.agent.after_grant, granted.append
         try:
-            self.agent.on_phase(phase, rnd, job=args["job"])
+            self.agent.on_phase(phase, rnd, job=args.job)
         finally:
             self.agent.after_grant = before
 
@@ -599,40 +602,41 @@ class AgentProcess:
                 fn()
         return Answer({"granted": True, "phase": phase, "round": rnd}, after=after)
 
-    def _relay_ping(self, args: dict) -> dict:
+    def _relay_ping(self, args: schema.DeviceArgs) -> dict:
         """A `ping_device` to a switch's service, through the same client a phase switch
         uses: the bare process hops job -> agent -> service -> device and back."""
-        sw = self.switches.get(args["device"])
+        sw = self.switches.get(args.device)
         if sw is None:
-            raise AgentError(f"no switch {args['device']!r}; the agent drives "
+            raise AgentError(f"no switch {args.device!r}; the agent drives "
                              f"{', '.join(self.switches)}")
         return sw.client.call("ping_device")
 
-    def _phase_done(self, args: dict) -> dict:
-        nxt = self.agent.on_phase_done(args["phase"], args["round"], job=args["job"])
+    def _phase_done(self, args: schema.PhaseArgs) -> dict:
+        nxt = self.agent.on_phase_done(args.phase, args.round, job=args.job)
         if nxt is not None:
             self._publish()          # the job looks for `ready` before it asks
         return {"ready": list(nxt) if nxt else None}
 
-    def _job_failure(self, args: dict) -> dict:
-        out = self.agent.on_job_failure(args["reason"], args["gpus"],
-                                        [tuple(x) for x in args["links"]], job=args["job"])
+    def _job_failure(self, args: schema.JobFailure) -> dict:
+        out = self.agent.on_job_failure(args.reason, args.gpus,
+                                        [tuple(x) for x in args.links], job=args.job)
         return {"swapped": dict(out.swaps) if out is not None else {}}
 
-    def _release(self, args: dict) -> dict:
-        job = self.agent.job(args["job"])
+    def _release(self, args: schema.JobArgs) -> dict:
+        job = self.agent.job(args.job)
         freed = self.agent.release(job.name)
         self._reports.pop(job.name, None)
         return {"job": job.name, "released": sorted(freed.values())}
 
-    def _job_report(self, args: dict) -> dict:
-        job = self.agent.job(args["job"])
-        self._reports[job.name] = {k: args[k] for k in ("state", "step", "throughput", "loss",
-                                                          "detail")} | {"t": time.time()}
+    def _job_report(self, args: schema.JobReport) -> dict:
+        job = self.agent.job(args.job)
+        self._reports[job.name] = {"state": args.state, "step": args.step,
+                                   "throughput": args.throughput, "loss": args.loss,
+                                   "detail": args.detail, "t": time.time()}
         return {"job": job.name}
 
-    def _swap(self, args: dict) -> dict:
-        gpu = args.get("gpu")
+    def _swap(self, args: schema.GpuArgs) -> dict:
+        gpu = args.gpu
         agent = self.agent
         if gpu not in agent.layout.gpus:
             raise AgentError(f"no GPU {gpu!r} in the rack; it has {', '.join(agent.layout.gpus)}")
@@ -648,7 +652,7 @@ class AgentProcess:
                                                        out.rank_map.items()},
                 "latency_s": out.latency_s}
 
-    def _describe(self, args: dict) -> dict:
+    def _describe(self, args: schema.Args) -> dict:
         a = self.agent
         return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
@@ -751,13 +755,13 @@ class AgentProcess:
         self._published = time.monotonic()
         written = len(self._fresh)
         self.journal.flush()             # what is published is on disk (deferred entries too)
-        ops: list = []
+        ops: list[StateOp] = []
         for _ in range(written):
             ev = self._fresh.popleft()
-            ops.append(["set", ["events", len(self._events)], ev])
+            ops.append(Set(["events", len(self._events)], ev))
             self._events.append(ev)
             if len(self._events) > EVENTS_KEPT:
-                ops.append(["del", ["events", 0]])
+                ops.append(Delete(["events", 0]))
                 self._events.pop(0)
         if self.server is None:
             return
@@ -768,7 +772,7 @@ class AgentProcess:
             if was == v:
                 continue
             ops += _job_changes(was, v) if k == "jobs" and isinstance(was, dict) else \
-                [["set", [k], v]]
+                [Set([k], v)]
         if ops:
             self.server.change(ops)
 

@@ -1,14 +1,12 @@
 """State mirroring: a snapshot, then ordered deltas with sequence numbers, and gap recovery.
 
 The owner of a state (a device service, the agent) holds a `StatePublisher`: every change is a
-list of operations on the state (a JSON object) and goes out as one `delta` with the next
-sequence number. Everyone else holds a `Mirror` per device: it applies deltas in order and,
-when one is missing (a lagging subscriber whose queue overflowed, a late joiner, a restarted
-service with a new incarnation, a heartbeat announcing a sequence number it never saw), it asks
-the owner for a fresh `snapshot` over the request socket and resumes from there.
-
-Delta operations: `["set", path, value]` and `["del", path]`, where `path` is a list of object
-keys (strings) and list indices (integers) from the root of the state.
+list of operations on the state (a JSON object; hil.bus.state: `Set(path, value)`,
+`Delete(path)`) and goes out as one `delta` with the next sequence number. Everyone else holds
+a `Mirror` per device: it applies deltas in order and, when one is missing (a lagging
+subscriber whose queue overflowed, a late joiner, a restarted service with a new incarnation, a
+heartbeat announcing a sequence number it never saw), it asks the owner for a fresh `snapshot`
+over the request socket and resumes from there.
 
 `StateSubscriber` is the receiving end for several devices. It never blocks unless asked to:
   - polling: call `poll(0)` from your own loop (a Qt `QTimer`, or a `QSocketNotifier` on
@@ -16,8 +14,9 @@ keys (strings) and list indices (integers) from the root of the state.
     `poll(0)` since ZeroMQ's descriptor is edge-triggered);
   - a thread: `SubscriberThread(...)` runs the loop and calls your callbacks on its own thread
     (in Qt, emit a signal from the callback; Qt queues it to the GUI thread).
-Callbacks: `on_state(device, state, ops)` (ops is None after a snapshot), `on_telemetry(device,
-msg)`, `on_online(device, alive)` (heartbeats seen or lost).
+Callbacks: `on_state(device, state, ops)` (ops, the delta's `Set`/`Delete` operations, is None
+after a snapshot), `on_telemetry(device, msg)`, `on_online(device, alive)` (heartbeats seen or
+lost).
 """
 from __future__ import annotations
 
@@ -28,53 +27,23 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
-
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
+from photonic_testbed.hil.bus.state import Set, StateError, StateOp, apply, changes
 
 log = logging.getLogger(__name__)
 
 MAX_BUFFERED = 10_000       # deltas held while a snapshot is on its way
-_MISSING = object()
 
 
 class MirrorError(Exception):
-    """A delta that does not fit the state it is applied to."""
-
-
-def apply_ops(state: dict, ops: list) -> None:
-    """Apply delta operations to `state` in place."""
-    for op in ops:
-        if not isinstance(op, list) or len(op) not in (2, 3) or op[0] not in ("set", "del"):
-            raise MirrorError(f"a delta operation is ['set', path, value] or ['del', path], "
-                              f"not {op!r}")
-        path = op[1]
-        if not isinstance(path, list) or not path:
-            raise MirrorError(f"a delta path is a non-empty list, not {path!r}")
-        target = state
-        try:
-            for key in path[:-1]:
-                target = target[key]
-            if op[0] == "set":
-                if len(op) != 3:
-                    raise MirrorError(f"'set' needs a value: {op!r}")
-                if isinstance(target, list) and path[-1] == len(target):
-                    target.append(op[2])
-                else:
-                    target[path[-1]] = op[2]
-            else:
-                del target[path[-1]]
-        except (KeyError, IndexError, TypeError) as e:
-            raise MirrorError(f"path {path!r} does not exist in the state ({e!r})") from None
+    """A subscriber that cannot start."""
 
 
 _ATOMS = (str, int, float, bool, type(None))
-
-
-def _same(value):
-    return value
 
 
 def clone(value):
@@ -108,47 +77,26 @@ class StatePublisher:
         return schema.make("snapshot", device=self.device, incarnation=self.incarnation,
                            seq=self.seq, state=clone(self.state))
 
-    def change(self, ops: list) -> dict | None:
+    def change(self, ops: list[StateOp]) -> dict | None:
         """Apply and publish one delta; nothing is sent for an empty change."""
         if not ops:
             return None
-        apply_ops(self.state, ops)
+        apply(self.state, ops)
         self.seq += 1
         msg = schema.make("delta", device=self.device, incarnation=self.incarnation,
                           seq=self.seq, ops=ops)
         self._publish(msg)
         return msg
 
-    def set(self, path: list, value) -> dict | None:
-        return self.change([["set", list(path), clone(value)]])
+    def set(self, path: list, value: Any) -> dict | None:
+        return self.change([Set(list(path), clone(value))])
 
     def update(self, values: Mapping, *, owned: bool = False) -> dict | None:
-        """Set several top-level keys in one delta, only those whose value differs. A list of
-        the same length with few changed items (a heater vector) goes as those items alone, and
-        so does an object with few changed members (a chip's cells). The values are copied,
-        unless `owned`: handed over, nothing else keeps or changes them (a request's answer
-        built for it), they are kept as they are."""
-        copy_of = _same if owned else clone
-        ops = []
-        for k, v in values.items():
-            old = self.state.get(k, _MISSING)
-            if old == v:
-                continue
-            if isinstance(old, list) and isinstance(v, list) and len(old) == len(v):
-                changed = [i for i, (a, b) in enumerate(zip(old, v)) if a != b]
-                if len(changed) * 2 < len(v):
-                    ops += [["set", [k, i], copy_of(v[i])] for i in changed]
-                    continue
-            elif isinstance(old, dict) and isinstance(v, dict) and v and \
-                    all(type(m) is str for m in v):
-                changed = [m for m, x in v.items() if old.get(m, _MISSING) != x]
-                gone = [m for m in old if m not in v]
-                if (len(changed) + len(gone)) * 2 < len(v):
-                    ops += [["set", [k, m], copy_of(v[m])] for m in changed]
-                    ops += [["del", [k, m]] for m in gone]
-                    continue
-            ops.append(["set", [k], copy_of(v)])
-        return self.change(ops)
+        """Set several top-level keys in one delta, only those whose value differs
+        (`state.changes`: a few changed items of a list or members of an object go alone).
+        The values are copied, unless `owned`: handed over, nothing else keeps or changes them
+        (a request's answer built for it), they are kept as they are."""
+        return self.change(changes(self.state, values, None if owned else clone))
 
 
 class Mirror:
@@ -184,7 +132,7 @@ class Mirror:
                     return False
         return True
 
-    def feed(self, msg: Mapping) -> list | None:
+    def feed(self, msg: Mapping) -> list[StateOp] | None:
         """A published message; returns the delta's ops when it changed the mirror."""
         if msg["type"] == "heartbeat":
             if self.state is not None and (msg["incarnation"] != self.incarnation
@@ -218,8 +166,8 @@ class Mirror:
             self._buffer.append(dict(msg))
             return False
         try:
-            apply_ops(self.state, msg["ops"])
-        except MirrorError as e:
+            apply(self.state, msg["ops"])
+        except StateError as e:
             self._gap(f"delta {msg['seq']} does not apply: {e}")
             return False
         self.seq = msg["seq"]
@@ -302,7 +250,7 @@ class StateSubscriber:
                 dev.dealer = None
         self.sub.close(linger=0)
 
-    def __enter__(self) -> "StateSubscriber":
+    def __enter__(self) -> StateSubscriber:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -442,7 +390,7 @@ class SubscriberThread:
         self._states: dict[str, dict] = {}
         self._thread = threading.Thread(target=self._run, name="bus-subscriber", daemon=True)
 
-    def start(self) -> "SubscriberThread":
+    def start(self) -> SubscriberThread:
         self._thread.start()
         if not self._ready.wait(5.0):
             raise MirrorError("the subscriber thread did not start within 5 s")
@@ -484,7 +432,7 @@ class SubscriberThread:
         self._stop.set()
         self._thread.join(timeout=2.0)
 
-    def __enter__(self) -> "SubscriberThread":
+    def __enter__(self) -> SubscriberThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

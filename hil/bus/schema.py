@@ -24,10 +24,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import orjson
-
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (the schema's errors, re-exported)
-    BadFrame, BadRequest, FrameTooLarge, MissingField, SchemaError, UnknownType,
-    UnknownVersion, WrongType)
+    BadFrame,
+    BadRequest,
+    FrameTooLarge,
+    MissingField,
+    SchemaError,
+    UnknownType,
+    UnknownVersion,
+    WrongType,
+)
+from photonic_testbed.hil.bus.state import Delete, Set, wire
 
 VERSION = 1
 MAX_FRAME = 1 << 20          # bytes; a whole 4096-channel heater vector is ~80 kB
@@ -95,10 +102,12 @@ class Snapshot(Message, tag="snapshot"):
 
 
 class Delta(Message, tag="delta"):
+    """A change of the device's state (hil.bus.state): `ops`, each `["set", path, value]` or
+    `["del", path]` on the wire, a `Set` or a `Delete` once decoded."""
     device: str
     incarnation: str
     seq: int
-    ops: list[Any]
+    ops: list[Set | Delete]
 
 
 class Telemetry(Message, tag="telemetry"):
@@ -276,14 +285,16 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
 )}
 
 
-def check_args(op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The operation's arguments checked (type, range, size) with defaults filled in, as a
-    dict; BadRequest saying which argument is wrong."""
+NO_ARGS = Args()             # what a handler of an operation without arguments receives
+
+
+def check_args(op: Operation, args: Mapping[str, Any]) -> Args:
+    """The operation's arguments checked (type, range, size) with defaults filled in: its
+    Struct, as the handler receives it; BadRequest saying which argument is wrong."""
     try:
-        checked = msgspec.convert(args, op.args)
+        return msgspec.convert(args, op.args)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{op.name} arguments: {_where(str(e), '$')}") from None
-    return msgspec.structs.asdict(checked)
 
 
 # ---- frames -----------------------------------------------------------------------------------
@@ -382,7 +393,15 @@ def telemetry(device: str, seq: int, t: float, values: dict) -> dict:
             "t": float(t), "values": values}
 
 
-_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+def _state_op(obj: Any) -> list:
+    """A delta's operation as JSON has it (orjson and the standard library call this for what
+    they do not know)."""
+    if isinstance(obj, (Set, Delete)):
+        return wire(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=_state_op)
 
 
 def encode(msg: Mapping) -> bytes:
@@ -390,7 +409,7 @@ def encode(msg: Mapping) -> bytes:
     sent: orjson writes them as null, so a frame holding null is written again by the standard
     library, which refuses them (and writes a real None as the same null)."""
     try:
-        frame = orjson.dumps(msg)
+        frame = orjson.dumps(msg, default=_state_op)
     except TypeError:          # int keys, integers beyond 64 bits: the standard library's rules
         return _JSON.encode(msg).encode()
     if b"null" in frame:

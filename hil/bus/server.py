@@ -27,7 +27,8 @@ The contract (docs/bus.md "Requests"):
 - A request that waited in the queue longer than its `ttl_ms` is not run (`DeadlineExceeded`).
 - One request at a time, in arrival order: a device's one writer.
 
-A handler takes the checked arguments (a dict, defaults filled in) and returns the result, or a
+A handler takes the checked arguments (the operation's Struct from `schema.OPERATIONS`, defaults
+filled in; `schema.NO_ARGS` for an operation without arguments) and returns the result, or a
 `concurrent.futures.Future` of it when the answer takes time (a slow instrument): the loop goes
 on (heartbeats, other requests) and the answer goes out at the first `poll` after it is done.
 A handler (or its Future) that changed state returns `Answer(result, state)`: `state` is
@@ -48,13 +49,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import (
-    BadFrame, BadRequest, DeadlineExceeded, RemoteError, StaleState, UnencodableResult,
-    UnknownOperation, UnknownType, to_wire)
+    BadFrame,
+    BadRequest,
+    DeadlineExceeded,
+    RemoteError,
+    StaleState,
+    UnencodableResult,
+    UnknownOperation,
+    UnknownType,
+    to_wire,
+)
 from photonic_testbed.hil.bus.mirror import StatePublisher
 from photonic_testbed.hil.bus.security import ServerKeys, make_server, start_authenticator
+from photonic_testbed.hil.bus.state import StateOp
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,8 @@ READ_KEPT_S = 30.0              # a read's answer serves its own retries for thi
 READ_BYTES = 4 << 20            # ...within this many bytes of reads' answers
 RETRY_GRACE_S = 0.1             # well inside the client's first wait (hil.bus.client)
 
-Handler = Callable[[dict], Any]
+# (the operation's checked arguments, a `schema.Args` Struct of its own type) -> its result
+Handler = Callable[[Any], Any]
 BUILTIN = ("ping", "describe", "snapshot")
 
 
@@ -162,6 +172,9 @@ class Server:
         self.state: StatePublisher | None = None
         self.incarnation = uuid.uuid4().hex[:12]
         self.online = True
+        # False: no heartbeats (the owner cannot stand behind them: its device is stuck), so
+        # that a supervisor takes the silence for a hang
+        self.beating = True
         self.changes = 0                      # changing requests run: the version's N
         self.requests = 0
         self._queue: collections.deque = collections.deque()
@@ -189,7 +202,7 @@ class Server:
         if op.name in BUILTIN and op.name != "describe":
             raise ValueError(f"{self.name}: {op.name!r} is every server's own")
         if op.name == "describe":         # the server's own description, added to the answer
-            self._describe = lambda: handler({})
+            self._describe = lambda: handler(schema.NO_ARGS)
             return
         self._ops[op.name] = (op, handler)
 
@@ -201,12 +214,12 @@ class Server:
     def version(self) -> str:
         return f"{self.incarnation}:{self.changes}"
 
-    def _ping(self, args: dict) -> dict:
+    def _ping(self, args: schema.Args) -> dict:
         return {"device": self.name, "kind": self.kind, "online": self.online,
                 "incarnation": self.incarnation, "seq": self.state.seq,
                 "version": self.version}
 
-    def _describe_op(self, args: dict) -> dict:
+    def _describe_op(self, args: schema.Args) -> dict:
         out = {"name": self.name, "kind": self.kind, "operations": self.operations,
                "changing": sorted(n for n, (op, _) in self._ops.items() if not op.read_only)}
         if self._describe is not None:
@@ -250,7 +263,7 @@ class Server:
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.bind()
         return self
 
@@ -263,7 +276,8 @@ class Server:
         """Publish these top-level keys now (one delta, only what differs)."""
         return self.state.update(values)
 
-    def change(self, ops: list) -> dict | None:
+    def change(self, ops: list[StateOp]) -> dict | None:
+        """Publish this change now (one delta)."""
         return self.state.change(ops)
 
     def defer(self, state: Mapping) -> None:
@@ -274,7 +288,7 @@ class Server:
         if self._publish_version:
             self._unpublished["version"] = self.version
 
-    def _snapshot(self, args: dict) -> dict:
+    def _snapshot(self, args: schema.Args) -> dict:
         self.publish_deferred()
         if self._settle is not None:
             self._settle()
@@ -302,9 +316,12 @@ class Server:
         self.state.update(updates, owned=True)
 
     def send_heartbeat(self) -> None:
-        self.pub.send(schema.make("heartbeat", device=self.name, incarnation=self.incarnation,
-                                  seq=self.state.seq, t=time.time(), online=self.online,
-                                  interval=self.heartbeat))
+        """A heartbeat now (none while not `beating`); the next one heartbeat later."""
+        if self.beating:
+            self.pub.send(schema.make("heartbeat", device=self.name,
+                                      incarnation=self.incarnation, seq=self.state.seq,
+                                      t=time.time(), online=self.online,
+                                      interval=self.heartbeat))
         self._next_beat = time.monotonic() + self.heartbeat
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -421,7 +438,7 @@ class Server:
             elif req.args:
                 raise BadRequest(f"{op.name} takes no arguments, not {', '.join(req.args)}")
             else:
-                args = {}
+                args = schema.NO_ARGS
             if op.read_only:
                 result = handler(args)
             else:
@@ -476,7 +493,7 @@ class Server:
             raise StaleState(f"{self.name} is at state version {self.version}, not {expect}: "
                              "it changed since you read it; re-read the state and decide again")
 
-    def _run_change(self, op: schema.Operation, handler: Handler, args: dict):
+    def _run_change(self, op: schema.Operation, handler: Handler, args: schema.Args) -> Any:
         if not op.counted:
             return handler(args)
         result = None

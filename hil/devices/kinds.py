@@ -2,6 +2,12 @@
 (each a function of the driver and the request's checked arguments, returning the result and
 the state keys it changed; each declared in `hil.bus.schema.OPERATIONS`), the state it starts
 from, how it describes itself and its telemetry. A new kind of instrument is a few lines here.
+
+A description is answered by the service's loop at once, never behind the device: it is made
+without device I/O, from the driver's own attributes and the facts read from the device once,
+when the service opened it. A telemetry pass may be a generator: each `yield` is a turn for the
+requests that came meanwhile (a power meter reads its ports one at a time, each taking its
+averaging time), and the pass's values are what it returns.
 """
 from __future__ import annotations
 
@@ -9,25 +15,34 @@ import functools
 import importlib
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from photonic_testbed import moved
 from photonic_testbed.common.calibration import CalibrationError
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.server import Answer
 
+from photonic_testbed import moved
+
 
 class ServiceError(Exception):
     """The service cannot start or run (bad configuration, driver that cannot open)."""
 
 
-# (driver, args) -> (result, state changes); a change's value may be a function of nothing,
-# called once the reply has gone (work the caller does not wait for)
-Op = Callable[[Any, dict], tuple[Any, dict]]
+# (driver, the operation's checked arguments: its schema Struct) -> (result, state changes); a
+# change's value may be a function of nothing, called once the reply has gone (work the caller
+# does not wait for)
+Op = Callable[[Any, Any], tuple[Any, dict]]
+# (driver) -> the values, or a generator of them: it yields between its device calls (a turn
+# for requests) and returns the values
+Telemetry = Callable[[Any], dict | Generator[None, None, dict]]
+
+
+def _no_facts(driver: Any) -> dict:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -36,43 +51,49 @@ class DeviceKind:
     driver: str                                   # default driver class, "module:Class"
     ops: Mapping[str, Op]
     state: Callable[[Any], dict]                  # the published state, read from the driver
-    describe: Callable[[Any], dict]
-    telemetry: Callable[[Any], dict] | None = None
+    # (driver, facts) -> what the device is, without device I/O (answered by the loop at once)
+    describe: Callable[[Any, Mapping], dict]
+    telemetry: Telemetry | None = None
     telemetry_hz: float = 0.0                     # default rate (the rig may change it)
+    # what the description needs from the device: read once, when the service opens it
+    facts: Callable[[Any], dict] = _no_facts
     # An operation that can be sent now and its answer waited for on the device's socket
     # (served together, without a device thread's turn): (driver, args) -> None (not now:
     # run the op on the device's thread), the Answer (nothing to wait for), or
     # (PendingChange, Answer from what it concludes)
-    begins: Mapping[str, Callable[[Any, dict], Any]] = field(default_factory=dict)
+    begins: Mapping[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
 
 
-def _heater_volts(args: dict) -> dict[int, float]:
+def _heater_volts(args: schema.SetHeaters) -> dict[int, float]:
     """{channel: volts} from the checked `set_heaters` arguments (finite numbers; the board
     refuses channels it does not have and volts above its limits)."""
-    first = args["first"]
-    return {first + i: float(v) for i, v in enumerate(args["volts"])}
+    return {args.first + i: float(v) for i, v in enumerate(args.volts)}
 
 
-def _set_heaters(dac, args):
+def _set_heaters(dac: Any, args: schema.SetHeaters) -> tuple[dict, dict]:
     lines = dac.set_voltages(_heater_volts(args))
     return {"lines": lines}, {"volts": dac.commanded}
 
 
-def _read_heaters(dac, args):
+def _read_heaters(dac: Any, args: schema.Args) -> tuple[dict, dict]:
     return {"volts": dac.voltages()}, {}
 
 
-def _describe_heaters(dac) -> dict:
-    info = dac.info
+def _heater_facts(dac: Any) -> dict:
+    return {"power_budget_mw": dac.power_budget()}
+
+
+def _describe_heaters(dac: Any, facts: Mapping) -> dict:
+    info = dac.info                     # (read when the driver opened the board)
     return {"kind": "heater_dac", "port": dac.port, "ident": info.ident,
             "firmware": info.firmware, "channels": info.channels, "vfull": info.vfull,
             "ifull": info.ifull, "modules": [m.ident for m in info.modules],
-            "power_budget_mw": dac.power_budget()}
+            "power_budget_mw": facts["power_budget_mw"]}
 
 
-def _apply_circuits(switch: CircuitSwitch, args):
+def _apply_circuits(switch: CircuitSwitch, args: schema.ApplyCircuits) -> tuple[dict, dict]:
     # checked here, as the pairs came (an input or output named twice is refused, not merged)
-    circuits = switch.check(args["circuits"])
+    circuits = switch.check(args.circuits)
     return _applied(switch.apply(circuits), circuits)
 
 
@@ -85,7 +106,7 @@ def _applied(report, circuits) -> tuple[dict, dict]:
             {"circuits": lambda: schema.circuits_to_wire(circuits)})
 
 
-def _begin_apply_circuits(switch, args):
+def _begin_apply_circuits(switch: Any, args: schema.ApplyCircuits) -> Any:
     """`apply_circuits` sent now, its answer waited for on the switch's socket, where the
     driver can (`begin_apply`, and `can_begin` now); None otherwise."""
     can = getattr(switch, "can_begin", None)
@@ -93,24 +114,23 @@ def _begin_apply_circuits(switch, args):
         return None
     # checked by the driver, as the pairs came (an input or output named twice is refused,
     # not merged); once made, the circuits are the map the driver knows the switch holds
-    got = switch.begin_apply(args["circuits"])
+    got = switch.begin_apply(args.circuits)
 
     def answer(report: ApplyReport) -> Answer:
-        held = switch.known if switch.known is not None else switch.check(args["circuits"])
+        held = switch.known if switch.known is not None else switch.check(args.circuits)
         return Answer(*_applied(report, held))
     if isinstance(got, ApplyReport):
         return answer(got)
     return got, answer
 
 
-def _read_circuits(switch: CircuitSwitch, args):
+def _read_circuits(switch: CircuitSwitch, args: schema.Args) -> tuple[dict, dict]:
     circuits = schema.circuits_to_wire(switch.circuits())
     return {"circuits": circuits}, {"circuits": circuits}
 
 
-def _read_power(meter, args):
-    channels = args.get("channels")
-    power = meter.read_power(channels)
+def _read_power(meter: Any, args: schema.ReadPower) -> tuple[dict, dict]:
+    power = meter.read_power(args.channels)
     return {"power": {str(k): float(v) for k, v in power.items()}}, {}
 
 
@@ -119,13 +139,13 @@ def _laser_state(laser) -> dict:
             "wavelength_nm": laser.wavelength_nm()}
 
 
-def _set_laser(laser, args):
-    if args["wavelength_nm"] is not None:
-        laser.set_wavelength_nm(args["wavelength_nm"])
-    if args["power_mw"] is not None:
-        laser.set_power_mw(args["power_mw"])
-    if args["on"] is not None:
-        laser.set_output(args["on"])
+def _set_laser(laser: Any, args: schema.SetLaser) -> tuple[dict, dict]:
+    if args.wavelength_nm is not None:
+        laser.set_wavelength_nm(args.wavelength_nm)
+    if args.power_mw is not None:
+        laser.set_power_mw(args.power_mw)
+    if args.on is not None:
+        laser.set_output(args.on)
     state = _laser_state(laser)
     return state, state
 
@@ -138,7 +158,7 @@ def _chip_state(mesh) -> dict:
             "calibration": {"chip_id": cal.chip_id, "date": cal.date}}
 
 
-def _chip_apply(mesh, args):
+def _chip_apply(mesh: Any, args: schema.ApplyCircuits) -> tuple[dict, dict]:
     result, changes = _apply_circuits(mesh, args)
     volts = list(mesh.dac.commanded)
     # the cells' states are worked out after the reply has gone (DeviceService.publish)
@@ -146,20 +166,20 @@ def _chip_apply(mesh, args):
                     "volts": volts}
 
 
-def _chip_set_heaters(mesh, args):
+def _chip_set_heaters(mesh: Any, args: schema.SetHeaters) -> tuple[dict, dict]:
     lines = mesh.dac.set_voltages(_heater_volts(args))
     volts = list(mesh.dac.commanded)
     return {"lines": lines}, {"volts": volts, "cells": mesh.cell_states(volts),
                               "circuits": schema.circuits_to_wire(mesh.circuits())}
 
 
-def _chip_load_calibration(mesh, args):
+def _chip_load_calibration(mesh: Any, args: schema.LoadCalibration) -> tuple[dict, dict]:
     """A new calibration file (its text) for the running chip: checked (a damaged file, or
     one for another chip, is refused before anything changes), then the circuits' heaters
     derived again with it."""
     from photonic_testbed.common.calibration import Calibration
     try:
-        cal = Calibration.parse(args["calibration"], where="sent with load_calibration")
+        cal = Calibration.parse(args.calibration, where="sent with load_calibration")
         changed = mesh.load_calibration(cal)
     except CalibrationError as e:       # (a CalibrationFileError is one)
         raise BadRequest(str(e)) from None
@@ -169,14 +189,32 @@ def _chip_load_calibration(mesh, args):
              "calibration": {"chip_id": cal.chip_id, "date": cal.date}})
 
 
-def _chip_describe(mesh) -> dict:
+def _chip_describe(mesh: Any, facts: Mapping) -> dict:
     d = dict(mesh.describe())
     d["kind"] = "chip"
-    d["heaters"] = _describe_heaters(mesh.dac)
+    d["heaters"] = _describe_heaters(mesh.dac, facts)
     return d
 
 
-def _ping_device(driver, args):
+def _meter_describe(meter: Any, facts: Mapping) -> dict:
+    return meter.describe() if hasattr(meter, "describe") else {"kind": "power_meter"}
+
+
+def _meter_telemetry(meter: Any) -> Generator[None, None, dict]:
+    """Every port's power, mW: one port at a time (each read takes the meter's averaging
+    time), requests served between them; a driver that does not say its `ports`: one read."""
+    ports = getattr(meter, "ports", None)
+    if not isinstance(ports, int) or isinstance(ports, bool):
+        return {"power": {str(k): float(v) for k, v in meter.read_power(None).items()}}
+    power: dict[str, float] = {}
+    for port in range(1, ports + 1):
+        if port > 1:
+            yield                       # a turn for the requests that came meanwhile
+        power[str(port)] = float(meter.read_power([port])[port])
+    return {"power": power}
+
+
+def _ping_device(driver: Any, args: schema.Args) -> tuple[dict, dict]:
     """One round trip to the device (its driver's `ping`, or its heater DAC's)."""
     ping = getattr(driver, "ping", None)
     if not callable(ping):
@@ -202,7 +240,7 @@ KINDS: dict[str, DeviceKind] = {
         ops={"set_heaters": _set_heaters, "read_heaters": _read_heaters,
              "ping_device": _ping_device},
         state=lambda dac: {"volts": dac.commanded, "channels": dac.channels},
-        describe=_describe_heaters,
+        describe=_describe_heaters, facts=_heater_facts,
         telemetry=lambda dac: {"total_power_mw": dac.total_power()}, telemetry_hz=1.0),
     # Any CircuitSwitch (an OCS, the chip's mesh): name its class in the rig (`driver =`).
     "switch": DeviceKind(
@@ -210,16 +248,15 @@ KINDS: dict[str, DeviceKind] = {
         ops={"apply_circuits": _apply_circuits, "read_circuits": _read_circuits},
         state=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits()),
                           "ports": sw.ports},
-        describe=lambda sw: sw.describe(),
+        describe=lambda sw, facts: sw.describe(),
         telemetry=_switch_telemetry, telemetry_hz=2.0,
         begins={"apply_circuits": _begin_apply_circuits}),
-    # A power meter driver offers read_power(channels or None) -> {channel: mW}.
+    # A power meter driver offers read_power(channels or None) -> {channel: mW}, and says how
+    # many `ports` it has (its telemetry reads them one at a time).
     "power_meter": DeviceKind(
         "power_meter", "photonic_testbed.drivers.power_meter:PowerMeter",
-        ops={"read_power": _read_power}, state=lambda m: {},
-        describe=lambda m: m.describe() if hasattr(m, "describe") else {"kind": "power_meter"},
-        telemetry=lambda m: {"power": {str(k): float(v) for k, v in m.read_power(None).items()}},
-        telemetry_hz=2.0),
+        ops={"read_power": _read_power}, state=lambda m: {}, describe=_meter_describe,
+        telemetry=_meter_telemetry, telemetry_hz=2.0),
     # A chip: the mesh driver owns the heater DAC (one writer); topology and calibration
     # come from the rig's [chip] section. Rigs without a chip keep `heater_dac`.
     "chip": DeviceKind(
@@ -229,11 +266,12 @@ KINDS: dict[str, DeviceKind] = {
              "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args),
              "ping_device": _ping_device},
         state=_chip_state, describe=_chip_describe,
+        facts=lambda mesh: _heater_facts(mesh.dac),
         telemetry=lambda mesh: {"total_power_mw": mesh.dac.total_power()}, telemetry_hz=1.0),
     "laser": DeviceKind(
         "laser", "photonic_testbed.drivers.laser:Laser",
         ops={"set_laser": _set_laser, "read_laser": lambda laser, args: (_laser_state(laser), {})},
-        state=_laser_state, describe=lambda laser: laser.describe()),
+        state=_laser_state, describe=lambda laser, facts: laser.describe()),
 }
 
 

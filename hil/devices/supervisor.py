@@ -13,11 +13,10 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
-
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
 from photonic_testbed.hil.devices.service import ServiceSpec, run_service
@@ -48,7 +47,7 @@ class Manager:
 
     def __init__(self, specs: list[ServiceSpec], *, backoff_min: float = 0.1,
                  backoff_max: float = 5.0, stable_s: float = 10.0, start_timeout: float = 20.0,
-                 missed_heartbeats: int = 6, silence_s: float = 15.0,
+                 missed_heartbeats: int = 6, silence_s: float = 5.0,
                  watch_heartbeats: bool = True,
                  keys: ClientKeys | None = None):
         self._mp = mp.get_context("spawn")
@@ -56,8 +55,8 @@ class Manager:
         self.backoff_min, self.backoff_max, self.stable_s = backoff_min, backoff_max, stable_s
         self.start_timeout = start_timeout
         self.missed_heartbeats = missed_heartbeats
-        # A service is silent while a driver call runs (a device reconnecting can take
-        # seconds): only a silence longer than this is a hang.
+        # A service's loop sends heartbeats while its device works, and stops them once a
+        # driver call is stuck (ServiceSpec.stuck_s): a silence longer than this is a hang.
         self.silence_s = silence_s
         self._ctx = zmq.Context()
         self._sub: zmq.Socket | None = None
@@ -201,7 +200,7 @@ class Manager:
             self._sub = None
         self._ctx.term()
 
-    def __enter__(self) -> "Manager":
+    def __enter__(self) -> Manager:
         self.start()
         return self
 

@@ -40,11 +40,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.state import Set
 from photonic_testbed.hil.gpus.ddm import DARK_DBM, DdmError, DdmReader
-from photonic_testbed.hil.gpus.health import (FATAL_XIDS, LOST_REASON, GpuHealth, NvmlHealth,
-                                              classify)
+from photonic_testbed.hil.gpus.health import (
+    FATAL_XIDS,
+    LOST_REASON,
+    GpuHealth,
+    NvmlHealth,
+    classify,
+)
 from photonic_testbed.hil.rig import GpuConfig, Rig, monitor_device
 
 log = logging.getLogger(__name__)
@@ -212,7 +219,7 @@ class GpuMonitor:
         self.server.close()
         self.ddm.close()
 
-    def __enter__(self) -> "GpuMonitor":
+    def __enter__(self) -> GpuMonitor:
         self.start()
         return self
 
@@ -245,7 +252,7 @@ class GpuMonitor:
                 self._nvml_failed("reading the GPUs", e)
                 return
             if changed:
-                self.server.change([["set", ["gpus", h.gpu], h.to_dict()] for h in changed])
+                self.server.change([Set(["gpus", h.gpu], h.to_dict()) for h in changed])
 
     def _nvml_failed(self, what: str, e: Exception) -> None:
         self._nvml_errors += 1
@@ -278,8 +285,8 @@ class GpuMonitor:
         return changed
 
     # --- requests ---------------------------------------------------------------------------
-    def _clear_gpu(self, args: dict) -> dict:
-        name = args.get("gpu")
+    def _clear_gpu(self, args: schema.GpuArgs) -> dict:
+        name = args.gpu
         if name not in self._tracks:
             raise GpuMonitorError(f"clear_gpu takes a GPU this monitor watches "
                                   f"({', '.join(sorted(self._tracks)) or 'none'}), not {name!r}")
@@ -289,7 +296,7 @@ class GpuMonitor:
         self._next_poll = self.clock()          # re-read and publish at the next step
         return {"gpu": name, "cleared_xids": cleared}
 
-    def _describe(self, args: dict) -> dict:
+    def _describe(self, args: schema.Args) -> dict:
         """Which NVML GPU and which transceiver each monitored rig GPU is."""
         uuid_of = {name: uuid for uuid, name in self.names.items()}
         out: dict[str, dict] = {name: {"nvml": uuid} for name, uuid in uuid_of.items()}
@@ -317,8 +324,8 @@ class GpuMonitor:
         self._ports[switch] = n
         return n
 
-    def _rx_power(self, args: dict) -> Future:
-        switch, ports = args["switch"], args["ports"]      # checked: a name, port numbers
+    def _rx_power(self, args: schema.RxPower) -> Future:
+        switch, ports = args.switch, args.ports      # checked: a name, port numbers
         if switch not in self.switches:
             raise GpuMonitorError(f"rx_power takes a switch of {self.switches}, not {switch!r}")
         # ethtool may take up to its timeout, and the switch's port count may have to be

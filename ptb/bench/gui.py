@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from photonic_testbed.ptb.bench import SEED, integer, number
 
 NAME = "gui"
@@ -79,39 +78,39 @@ class _Record:
 
 def run(args) -> dict:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from PySide6.QtCore import QTimer
-    from PySide6.QtWidgets import QApplication
-
-    from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
-
+    from photonic_testbed.common.topology import Topology
     from photonic_testbed.gui.alarms import AlarmBanner
     from photonic_testbed.gui.demo import benes_topology, chip_circuits
     from photonic_testbed.gui.jobs import JobsView
     from photonic_testbed.gui.model import FabricModel
-    from photonic_testbed.common.topology import Topology
     from photonic_testbed.gui.portmap import PortMapView
     from photonic_testbed.gui.trends import TrendsView
+    from photonic_testbed.hil.bus.schema import circuits_to_wire
+    from photonic_testbed.hil.bus.state import Set
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication, QSplitter, QVBoxLayout, QWidget
 
     app = QApplication.instance() or QApplication([])
     rng = random.Random(args.seed)
     n = args.ocs_ports
-    ocs = {i: n + o for i, o in zip(range(1, n + 1), rng.sample(range(1, n + 1), n))}
+    ocs = {i: n + o for i, o in zip(range(1, n + 1), rng.sample(range(1, n + 1), n), strict=True)}
     topo = benes_topology(16, "chip")
     cells = {c["id"]: {"state": rng.choice(["bar", "cross"]), "theta": 0.0, "phi": 0.0}
              for c in topo["cells"]}
     circuits = chip_circuits(Topology.from_dict(topo), cells)
     model = FabricModel()
-    model.apply_snapshot({
-        "seq": 0, "topologies": {"chip": topo}, "cells": {"chip": cells},
-        "switches": [{"name": "ocs", "kind": "ocs", "ports": n, "circuits": ocs,
-                      "power_dbm": {p: -5.0 for p in range(1, 2 * n + 1)}},
-                     {"name": "chip", "kind": "chip", "ports": 16, "circuits": circuits,
-                      "power_dbm": {}}]})
+    # the devices' states as the bus has them (gui/model.py)
+    model.set_topology("chip", topo)
+    model.apply_snapshot("ocs", "switch", {"ports": n, "circuits": circuits_to_wire(ocs)})
+    model.set_power("ocs", {p: -5.0 for p in range(1, 2 * n + 1)})
+    model.apply_snapshot("chip", "chip", {"ports": 16, "circuits": circuits_to_wire(circuits),
+                                          "cells": cells})
     n_links = max(0, min(args.links, n))
-    model.apply_delta({"op": "rack", "value": [
+    model.apply_snapshot("agent", "agent", {"rack": [
         {"name": f"gpu{i}", "switch": "ocs", "port": i + 1, "health": "ok", "role": "active",
-         "rank": i, "job": "bench"} for i in range(n_links)]})
-    model.apply_delta({"op": "service", "name": "agent", "value": {"state": "connected"}})
+         "rank": i, "job": "bench"} for i in range(n_links)], "events": [], "jobs": {},
+        "alarms": []})
+    model.set_service("agent", "connected")
     view = PortMapView(model)
     w, h = (int(x) for x in args.size.split("x"))
     cockpit = None
@@ -193,7 +192,7 @@ def run(args) -> dict:
         out = dict(ocs)
         chip_cells = {k: dict(v) for k, v in cells.items()}
         ids = sorted(chip_cells)
-        seq, t0 = 0, time.perf_counter()
+        seq, t0 = model.seq, time.perf_counter()   # (the model counts the changes it applies)
         next_cockpit, step = t0, 0
         while not stop.is_set():
             now = time.perf_counter()
@@ -205,34 +204,33 @@ def run(args) -> dict:
                 samples = {f"rx/gpu{i}": [[wall, -3.0 - 2 * frng.random()]]
                            for i in range(n_links)}
                 samples["heater/chip"] = [[wall, 800 + 50 * frng.random()]]
-                model.post_delta({"op": "samples", "value": samples})
-                model.post_delta({"op": "jobs", "value": {"bench": {
+                model.post_samples(samples)
+                model.post_change("agent", [Set(["jobs"], {"bench": {
                     "plan": "dp", "world": n_links,
                     "rank_map": {str(i): f"gpu{i}" for i in range(n_links)},
                     "phase": "dp", "round": step, "restart": {"seq": 0},
                     "report": {"state": "running", "step": 10 * step,
                                "throughput": 9.5 + frng.random(), "loss": 2.0 / step,
-                               "detail": "", "t": wall}}}})
+                               "detail": "", "t": wall}}})])
+                seq += 1
             seq += 1
-            if seq % 2:
+            if posted[0] % 2 == 0:
                 a, b = frng.sample(range(1, n + 1), 2)
                 out[a], out[b] = out[b], out[a]
-                delta = {"seq": seq, "op": "switch",
-                         "value": {"name": "ocs", "circuits": dict(out),
-                                   "power_dbm": {out[a]: frng.uniform(-20, -3),
-                                                 out[b]: frng.uniform(-20, -3)}}}
                 target = "ocs"
+                sent[target].append((seq, time.perf_counter()))
+                model.post_change("ocs", [Set(["circuits"], circuits_to_wire(out))])
+                model.post_power("ocs", {out[a]: frng.uniform(-20, -3),
+                                         out[b]: frng.uniform(-20, -3)})
             else:
                 cid = frng.choice(ids)
                 state = "cross" if chip_cells[cid]["state"] == "bar" else "bar"
                 chip_cells[cid] = {"state": state, "theta": 0.0, "phi": 0.0}
-                delta = {"seq": seq, "op": "cells", "name": "chip",
-                         "value": {cid: dict(chip_cells[cid])}}
                 target = "chip"
-            sent[target].append((seq, time.perf_counter()))
-            model.post_delta(delta)
-            posted[0] = seq
-            wait = t0 + seq / args.rate - time.perf_counter()
+                sent[target].append((seq, time.perf_counter()))
+                model.post_change("chip", [Set(["cells", cid], dict(chip_cells[cid]))])
+            posted[0] += 1
+            wait = t0 + posted[0] / args.rate - time.perf_counter()
             if wait > 0:
                 stop.wait(wait)
 
