@@ -100,7 +100,7 @@ def test_spare_with_lowest_loss_wins(tmp_path):
         w = make_world(tmp_path, lumion(), dp_ring(8), seed=5, name=f"{with_loss}.db")
         w.switch.loss_db.update({9: 2.5, 10: 0.7})        # spare1's TX is the better path
         if with_loss:
-            w.agent.loss_db = lambda s, i, o: w.switch.path_loss_db(i, o)
+            w.agent.failover.loss_db = lambda s, i, o: w.switch.path_loss_db(i, o)
         w.rack.faults.fail_gpu("gpu4")
         out = w.agent.on_health(w.rack.gpu_health("gpu4"))
         chosen[with_loss] = out.swaps["gpu4"]
@@ -405,7 +405,7 @@ def test_a_cut_receive_fibre_evicts_only_the_gpu_that_cannot_hear(tmp_path):
     assert done and w.job.restarts == 1
     assert set(w.job.rank_map.values()) - {f"gpu{i}" for i in range(8)} == {"spare0"}
     assert w.job.rank_map[3] == "spare0" and ring_is_up(w)
-    assert not w.agent._rejected
+    assert not w.agent.pool.rejected()
     diagnosis = w.journal.entries(kinds=("diagnosis",))
     assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
     assert diagnosis[0].details["loopback"]["gpu2"] is True
@@ -441,7 +441,7 @@ def test_a_switch_that_passes_no_light_evicts_nobody(tmp_path):
     for port in range(17, 33):
         w.rack.faults.cut_fibre("chip", port)            # every output fibre
     out = w.agent.on_job_failure("links down", links=[("gpu2", "gpu3"), ("gpu4", "gpu5")])
-    assert out is None and w.agent.rank_map == before and not w.agent._rejected
+    assert out is None and w.agent.rank_map == before and not w.agent.pool.rejected()
     alarms = [e.cause for e in w.journal.entries(kinds=("alarm",))]
     assert any("nobody is evicted" in a for a in alarms)
 
@@ -449,7 +449,7 @@ def test_a_switch_that_passes_no_light_evicts_nobody(tmp_path):
 def test_evictions_on_diagnosis_are_bounded(tmp_path):
     """Receivers going deaf one after another: past the bound per window, nobody more is
     evicted and a person is called (no cascade through the rack)."""
-    from photonic_testbed.hil.agent.agent import DIAGNOSED_PER_WINDOW
+    from photonic_testbed.hil.agent.diagnosis import DIAGNOSED_PER_WINDOW
     w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9)
     evicted = []
     for k in range(DIAGNOSED_PER_WINDOW + 2):
@@ -494,7 +494,7 @@ def test_a_rank_map_naming_a_gpu_that_cannot_take_a_rank_is_refused(tmp_path):
     w.agent.on_health(GpuHealth("gpu3", "ok"))
     with pytest.raises(AgentError, match=r"gpu3 failed 0\.0 s ago \(in quarantine for 30 s"):
         w.agent.admit(dp_ring(8), ranks)
-    w.agent._rejected.add("gpu5")            # as a failed verification leaves it
+    w.agent.pool.reject("gpu5")            # as a failed verification leaves it
     w.clock.sleep(31.0)
     with pytest.raises(AgentError, match=r"gpu5 failed its circuits' verification") as e:
         w.agent.admit(dp_ring(8), ranks)

@@ -191,17 +191,17 @@ def test_a_refused_readmission_leaves_the_job_as_it_was(rack):
     layout, switches, agent = rack
     agent.admit(plan("a", 2))
     b = agent.admit(plan("b", 2))
-    free, circuits = len(agent._free), {s: dict(sw.c) for s, sw in switches.items()}
+    free, circuits = len(agent.pool.free()), {s: dict(sw.c) for s, sw in switches.items()}
     with pytest.raises(AgentError, match="whole free servers"):
         agent.admit(plan("b", 12))                    # more servers than a pod has
     with pytest.raises(AgentError, match="ranks 0..7"):
         agent.admit(plan("b", 1), rank_map={r * 2: g for r, g in
                                              enumerate(list(b.values())[:8])})
-    assert agent.jobs["b"].rank_map == b and len(agent._free) == free
+    assert agent.jobs["b"].rank_map == b and len(agent.pool.free()) == free
     assert {s: sw.c for s, sw in switches.items()} == circuits
     # an accepted one replaces it (its old servers may be reused)
     b3 = agent.admit(plan("b", 3))
-    assert len(b3) == 24 and len(agent._free) == free - 8
+    assert len(b3) == 24 and len(agent.pool.free()) == free - 8
     assert set(agent.jobs) == {"a", "b"}
 
 

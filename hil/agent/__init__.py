@@ -1,7 +1,9 @@
 """The host agent: reconfigures optical circuits when GPUs fail or the job changes phase.
 
 `policies` holds the pure decisions (which circuits, which spare); `agent` applies them to
-`CircuitSwitch` objects, verifies them by light, and journals every step.
+`CircuitSwitch` objects, verifies them by light, and journals every step, through its parts:
+`pool` (the GPUs), `writer` (the switches), `diagnosis` (light and blame), `failover` (the swap)
+and `recovery` (the journal read back).
 """
 from photonic_testbed.hil.agent.agent import Agent, AgentError, SwapOutcome
 

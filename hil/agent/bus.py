@@ -640,7 +640,7 @@ class AgentProcess:
             raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
         with agent._lock:
             agent.journal.record("detected", f"operator asked to swap {gpu} out")
-            agent._failed_at[gpu] = agent.clock()      # keep it out of the spares a while
+            agent.pool.hold_out(gpu)      # keep it out of the spares a while
             out = agent._failover(agent.holder(gpu), [gpu], "manual swap")
         if out is None:
             raise AgentError("no job admitted: nothing to swap")
@@ -678,12 +678,12 @@ class AgentProcess:
         got = self._rack_cache
         if got is not None:
             (ranks, health), rows = got
-            if health == a._health and len(ranks) == len(a.jobs) and all(
+            if health == a.pool.healths() and len(ranks) == len(a.jobs) and all(
                     ranks.get(name) == j.rank_map for name, j in a.jobs.items()):
                 return rows           # (dicts compared in C; copied only when they change)
         rows = self._build_rack()
         self._rack_cache = (({name: dict(j.rank_map) for name, j in a.jobs.items()},
-                             dict(a._health)), rows)
+                             dict(a.pool.healths())), rows)
         return rows
 
     def _build_rack(self) -> list[dict]:
@@ -696,7 +696,7 @@ class AgentProcess:
             role = ("in_use_spare" if spare and rank is not None else
                     "spare" if spare else "active")
             out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
-                        "health": a._health.get(g, "ok"), "role": role, "rank": rank,
+                        "health": a.pool.health(g), "role": role, "rank": rank,
                         "job": job})
         return out
 
