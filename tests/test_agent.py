@@ -7,16 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from agent_events import Heard
 from optics_doubles import PermutationSwitch
-
-from photonic_testbed.hil.agent import Agent, AgentError
-from photonic_testbed.hil.agent import policies
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import lumion, opus
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.job import TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.hil.agent import Agent, AgentError, policies
 from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import lumion, opus
 
 
 class Killed(BaseException):
@@ -30,6 +29,7 @@ class World:
     rack: EmulatedRack
     journal: Journal
     agent: Agent
+    heard: Heard
     job: TrainingJob | None = None
 
 
@@ -39,8 +39,10 @@ def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", 
     sw = PermutationSwitch(sname, n, clock=clock, latency_s=latency_s, seed=seed)
     rack = EmulatedRack(layout, {sname: sw}, clock)
     journal = Journal(tmp_path / name)
-    agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now, **agent_kw)
-    w = World(clock, sw, rack, journal, agent)
+    heard = Heard()
+    agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now,
+                  events=heard, **agent_kw)
+    w = World(clock, sw, rack, journal, agent, heard)
     if plan is not None:
         connect(w, plan)
     return w
@@ -49,7 +51,7 @@ def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", 
 def connect(w: World, plan: JobPlan, **job_kw) -> TrainingJob:
     rank_map = w.agent.admit(plan)
     job = TrainingJob(plan, rank_map, w.rack, w.clock, **job_kw)
-    w.agent.on_grant, w.agent.on_restart = job.grant, job.restart
+    w.heard.job = job
     job.subscribe(w.agent.on_job_event)
     w.rack.subscribe(w.agent.on_health)
     w.clock.on_tick(w.rack.poll)
@@ -100,7 +102,7 @@ def test_spare_with_lowest_loss_wins(tmp_path):
         w = make_world(tmp_path, lumion(), dp_ring(8), seed=5, name=f"{with_loss}.db")
         w.switch.loss_db.update({9: 2.5, 10: 0.7})        # spare1's TX is the better path
         if with_loss:
-            w.agent.failover.loss_db = lambda s, i, o: w.switch.path_loss_db(i, o)
+            w.agent.failover.loss_db = lambda s, i, o, sw=w.switch: sw.path_loss_db(i, o)
         w.rack.faults.fail_gpu("gpu4")
         out = w.agent.on_health(w.rack.gpu_health("gpu4"))
         chosen[with_loss] = out.swaps["gpu4"]
@@ -129,9 +131,8 @@ def test_two_failures_reported_together_are_one_swap(tmp_path):
 
 
 def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
-    alarms = []
-    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05),
-                   on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05))
+    alarms = w.heard.alarms
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "done"
     assert len(w.job.rank_map) == 7 and alarms and "no healthy spare" in alarms[0]
@@ -141,13 +142,26 @@ def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
 
 
 def test_spares_exhausted_and_job_cannot_shrink_stops_it(tmp_path):
-    alarms = []
-    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01),
-                   on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01))
+    alarms = w.heard.alarms
     w.job.restart_timeout_s = 0.5
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "aborted"
     assert any("job stopped" in a for a in alarms)
+
+
+def test_an_operator_swap_replaces_the_gpu_and_keeps_it_out_for_the_quarantine(tmp_path):
+    w = make_world(tmp_path, lumion(), dp_ring(8), quarantine_s=30.0)
+    with pytest.raises(AgentError, match="no GPU 'gpu99' in the rack"):
+        w.agent.swap_out("gpu99")
+    with pytest.raises(AgentError, match="spare1 holds no rank"):
+        w.agent.swap_out("spare1")
+    out = w.agent.swap_out("gpu2")
+    assert out.swaps == {"gpu2": "spare0"} and w.heard.restarts[-1][2] == "spare0"
+    assert w.agent.health("gpu2") == "ok" and "gpu2" not in w.agent.spares()
+    w.clock.sleep(31.0)
+    assert "gpu2" in w.agent.spares()
+    assert w.journal.entries(kinds=("detected",))[-1].cause == "operator asked to swap gpu2 out"
 
 
 def test_spare_failing_during_swap_falls_back_to_the_next(tmp_path):
@@ -158,8 +172,7 @@ def test_spare_failing_during_swap_falls_back_to_the_next(tmp_path):
         if 9 in circuits and not hit:                    # spare0's TX just got a circuit
             hit.append(w.rack.faults.fail_transceiver("spare0", side="tx"))
     w.switch.after_apply.append(spare_dies)
-    outcomes = []
-    w.agent.on_restart = lambda m, c: (outcomes.append(m), w.job.restart(m, c))
+    outcomes = w.heard.restarts
     fail_at_step(w, 4, "gpu5")
     assert w.job.run(15) == "done"
     assert hit and w.job.rank_map[5] == "spare1" and len(outcomes) == 1
@@ -193,7 +206,7 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
     w.journal.close()
     journal = Journal(tmp_path / "j.db")
     agent = Agent(lumion(), {"chip": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now,
-                  on_grant=w.job.grant, on_restart=w.job.restart)
+                  events=Heard(w.job))
     out = agent.start()
     assert out is not None and agent.rank_map[3] == "spare0"
     assert w.switch.moves == ref_moves and w.switch.circuits() == ref_state
@@ -205,7 +218,7 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
 
 def test_agent_killed_just_after_a_phase_switch_knows_the_phase_and_moves_nothing(tmp_path):
     w = make_world(tmp_path, opus(), dp_tp(8, compute_s=0.01))
-    first, second = list(w.agent._targets)[:2]
+    first, second = list(w.agent.job().circuits.targets)[:2]
     assert w.agent.phase == first
     w.switch.after_apply.append(lambda circuits: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):                 # moved, then died before its phase entry
@@ -285,7 +298,7 @@ def test_prestage_hands_the_next_phase_to_switches_that_can(tmp_path):
     staged = []
     w.switch.prestage = staged.append
     w.agent.on_phase("tp", 0)
-    assert staged == [w.agent._targets[("dp", 0)]["ocs"]]
+    assert staged == [w.agent.job().circuits.targets[("dp", 0)]["ocs"]]
     assert w.journal.entries(kinds=("phase",))[-1].details["prestaged"] == ["ocs"]
 
 
@@ -338,7 +351,7 @@ def test_wall_clock_threads_failover(tmp_path):
         plan = dp_ring(8, bytes=1e6, compute_s=0.002)
         job = TrainingJob(plan, agent.admit(plan), rack, clock, restart_s=0.01,
                           checkpoint_every=2, link_timeout_s=5.0, grant_timeout_s=5.0)
-        agent.on_grant, agent.on_restart = job.grant, job.restart
+        agent.events = Heard(job)
         job.subscribe(agent.on_job_event)
         rack.subscribe(agent.on_health)
         job.subscribe(lambda ev: ev.kind == "step" and ev.step == 3 and job.restarts == 0
@@ -355,9 +368,8 @@ def test_wall_clock_threads_failover(tmp_path):
 
 
 def test_verified_phases_withhold_the_grant_from_dark_circuits(tmp_path):
-    alarms, grants = [], []
-    w = make_world(tmp_path, opus(), verify_phases=True, on_alarm=lambda t, d: alarms.append(t),
-                   on_grant=lambda p, r: grants.append((p, r)))
+    w = make_world(tmp_path, opus(), verify_phases=True)
+    alarms, grants = w.heard.alarms, w.heard.grants
     w.agent.admit(dp_tp(8))
     w.agent.on_phase("dp", 0)
     assert grants == [("dp", 0)] and w.journal.entries(kinds=("verified",))

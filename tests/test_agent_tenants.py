@@ -4,12 +4,11 @@ spares are shared; a failure with no spare left degrades only the job it hits.""
 from __future__ import annotations
 
 import pytest
-
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent, AgentError
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import rail_rack
 
 
 class Switch(CircuitSwitch):

@@ -13,14 +13,14 @@ import time
 
 import pytest
 import zmq
-
 from photonic_testbed.drivers.circuit_switch import ApplyReport, SwitchError
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.agent.bus import BusSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+
 from tests.test_serve_together import four_switches, moving, rotation, served
 
 
@@ -337,23 +337,23 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     """A service answers a change with a result whose circuit lists cannot be read (at odds
     with the contract): the switch said it made the circuits, so the job gets its grant; the
     journal says which report could not be read, and an alarm is raised."""
-    from photonic_testbed.hil.agent import Agent
+    from agent_events import Heard
     from photonic_testbed.common.jobplan import dp_tp
-    from photonic_testbed.hil.agent.journal import Journal
     from photonic_testbed.common.rack_layout import opus
+    from photonic_testbed.hil.agent import Agent
+    from photonic_testbed.hil.agent.journal import Journal
     bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
     handlers = {"apply_circuits": lambda args: bad}
     with _contrary_server("ocs", 32, handlers) as request, \
             Journal(tmp_path / "j.db") as journal:
         sw = BusSwitch("ocs", ServiceClient(request, timeout=10))
-        alarms, grants = [], []
-        agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0,
-                      on_alarm=lambda text, d: alarms.append(text),
-                      on_grant=lambda p, r: grants.append((p, r)))
+        heard = Heard()
+        agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0, events=heard)
+        alarms, grants = heard.alarms, heard.grants
         agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
         applied = journal.entries(kinds=("applied",))[-1].details
         assert "added" not in applied and "input 1 is named twice" in applied["unreadable"]
-        key = next(k for k in agent._targets if k != agent.phase)
+        key = next(k for k in agent.job().circuits.targets if k != agent.phase)
         agent.on_phase(*key)                    # a phase switch: one entry for it
         assert grants == [key]
         phase = journal.entries(kinds=("phase",))[-1].details

@@ -3,9 +3,10 @@
 Inputs are plain method calls, so a bus adapter (or a test) connects them directly:
 `admit(plan)`, `on_health(GpuHealth)`, `on_phase(phase, round)`, `on_job_failure(...)`,
 `on_job_event(event)`, `release(job)`, `start()` (reconcile after a (re)start), `reconcile()`.
-Outputs are callbacks given at construction: `on_grant(phase, round)` (the job may
-communicate), `on_restart(rank_map, cause)` and `on_order(job, rank_map, cause)`,
-`on_rank_map(rank_map)`, `on_alarm(text, details)`.
+Outputs go to one events object given at construction (`events.AgentEvents`; subclass
+`events.NoEvents`): `on_grant(phase, round)` (the job may communicate), `on_restart(rank_map,
+cause)` and `on_order(job, rank_map, cause)`, `on_rank_map(rank_map)`, `on_alarm(text,
+details)`.
 
 Several jobs (tenants) share the rack: each holds its own GPUs (allocated at admission, whole
 servers within one pod where the rack has servers, best fit) and its own circuits; a switch
@@ -41,6 +42,7 @@ from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.diagnosis import Diagnosis
+from photonic_testbed.hil.agent.events import AgentEvents, NoEvents
 from photonic_testbed.hil.agent.failover import Failover, LossDb, Matchings
 from photonic_testbed.hil.agent.jobs import AgentError, Job, Key, SwapOutcome
 from photonic_testbed.hil.agent.journal import Journal
@@ -57,10 +59,6 @@ VERIFY_DBM = -12.0      # a verified circuit delivers at least the receivers' se
 __all__ = ["Agent", "AgentError", "Job", "SwapOutcome"]
 
 
-def _nothing(*args: Any) -> None:
-    return None
-
-
 def _now(fn: Callable[[], None]) -> None:
     fn()
 
@@ -73,12 +71,7 @@ class Agent:
                  loss_db: LossDb | None = None,
                  matchings: Matchings = round_robin_matchings,
                  prestage: bool = False, verify_phases: bool = False, quarantine_s: float = 60.0,
-                 allocation: str = "best-fit",
-                 on_grant: Callable[[str, int], None] | None = None,
-                 on_restart: Callable[[RankMap, str], None] | None = None,
-                 on_order: Callable[[str, RankMap, str], None] | None = None,
-                 on_rank_map: Callable[[RankMap], None] | None = None,
-                 on_alarm: Callable[[str, dict], None] | None = None):
+                 allocation: str = "best-fit", events: AgentEvents | None = None):
         missing = set(layout.switches) - set(switches)
         if missing:
             raise AgentError(f"no CircuitSwitch given for switch(es) {sorted(missing)}")
@@ -90,11 +83,7 @@ class Agent:
         self.prestage = prestage
         self.verify_phases = verify_phases
         self.quarantine_s = quarantine_s
-        self.on_grant = on_grant or _nothing
-        self.on_restart = on_restart or _nothing
-        self.on_order = on_order or _nothing
-        self.on_rank_map = on_rank_map or _nothing
-        self.on_alarm = on_alarm or _nothing
+        self.events: AgentEvents = events if events is not None else NoEvents()
         # how the work that follows a phase's grant is done: at once, by default; a caller
         # whose grant is a reply (the agent on the bus) runs it once the reply has gone
         self.after_grant: Callable[[Callable[[], None]], None] = _now
@@ -144,18 +133,16 @@ class Agent:
         j = self._first()
         return j.phase if j else None
 
-    @property
-    def _job(self) -> policies.JobCircuits | None:
-        j = self._first()
-        return j.circuits if j else None
-
-    @property
-    def _targets(self) -> dict[Key, Targets]:
-        j = self._first()
-        return j.circuits.targets if j else {}
-
     def holds_rank(self, gpu: str) -> bool:
         return self.pool.holder(gpu) is not None
+
+    def health(self, gpu: str) -> str:
+        """A GPU's health as last reported ("ok" until reported otherwise)."""
+        return self.pool.health(gpu)
+
+    def healths(self) -> Mapping[str, str]:
+        """{gpu: health} of every GPU reported on (a read-only view, kept current)."""
+        return self.pool.healths()
 
     def holder(self, gpu: str) -> Job | None:
         name = self.pool.holder(gpu)
@@ -176,7 +163,7 @@ class Agent:
     def _alarm(self, text: str, **details: Any) -> None:
         log.error("alarm: %s", text)
         self.journal.record("alarm", text, **details)
-        self.on_alarm(text, details)
+        self.events.on_alarm(text, details)
 
     def reconcile(self, cause: str = "reconcile") -> dict[str, int]:
         """Read every switch, repair only what differs from the journal's intended circuits.
@@ -270,7 +257,7 @@ class Agent:
                 if self.diagnosis.verify(self.diagnosis.points(targets, None), cause, t0):
                     self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
                     return
-            self.on_grant(*key)
+            self.events.on_grant(*key)
             latency = self.clock() - t0
             self.after_grant(lambda: self._granted(j, key, previous, targets, applied, cause,
                                                    latency))
@@ -450,6 +437,20 @@ class Agent:
         with self._lock:
             return self.diagnosis.diagnose(dark, cause)
 
+    def swap_out(self, gpu: str, cause: str = "manual swap") -> SwapOutcome | None:
+        """An operator swaps `gpu` out now: it is replaced as if it had failed, and stays out
+        of the spares for the quarantine."""
+        with self._lock:
+            if gpu not in self.layout.gpus:
+                raise AgentError(f"no GPU {gpu!r} in the rack; it has "
+                                 f"{', '.join(self.layout.gpus)}")
+            job = self.holder(gpu)
+            if job is None:
+                raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
+            self.journal.record("detected", f"operator asked to swap {gpu} out")
+            self.pool.hold_out(gpu)
+            return self._failover(job, [gpu], cause)
+
     def _failover(self, job: Job, failed: list[str], cause: str) -> SwapOutcome | None:
         return self.failover.run(job, failed, cause, name_job=len(self.jobs) > 1)
 
@@ -467,7 +468,7 @@ class Agent:
         if restart:
             # durable: all before it
             self.journal.record("restart", cause, job=job.name, rank_map=rank_map)
-        self.on_rank_map(dict(rank_map))
+        self.events.on_rank_map(dict(rank_map))
         if restart:
-            self.on_restart(dict(rank_map), cause)
-            self.on_order(job.name, dict(rank_map), cause)
+            self.events.on_restart(dict(rank_map), cause)
+            self.events.on_order(job.name, dict(rank_map), cause)

@@ -23,25 +23,39 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 import orjson
 import zmq
-
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
-    CircuitConflict, SwitchError, check_circuits
 from photonic_testbed.common import heap
+from photonic_testbed.common.jobplan import JobPlan, PlanError
+from photonic_testbed.common.rack_layout import Attachment, RackLayout
+from photonic_testbed.drivers.circuit_switch import (
+    ApplyReport,
+    CircuitConflict,
+    Circuits,
+    CircuitSwitch,
+    SwitchError,
+    check_circuits,
+)
 from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.agent.events import NoEvents
+from photonic_testbed.hil.agent.journal import Entry, Journal
+from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient, StaleState, \
-    UnknownOperation, call_many, from_wire
+from photonic_testbed.hil.bus.client import (
+    BadRequest,
+    BusError,
+    ServiceClient,
+    StaleState,
+    UnknownOperation,
+    call_many,
+    from_wire,
+)
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
-from photonic_testbed.common.jobplan import JobPlan, PlanError
-from photonic_testbed.hil.agent.journal import Entry, Journal
-from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
@@ -177,7 +191,7 @@ class BusSwitch(CircuitSwitch):
             answers = cls._send([work[i][0] for i in pending], [wires[i] for i in pending],
                                 timeout)
             stale = []
-            for i, got in zip(pending, answers):
+            for i, got in zip(pending, answers, strict=True):
                 sw = work[i][0]
                 if isinstance(got, StaleState) and not attempt:
                     stale.append(i)
@@ -202,7 +216,7 @@ class BusSwitch(CircuitSwitch):
         return out
 
     @staticmethod
-    def _send(switches: list["BusSwitch"], wires: list[list], timeout: float) -> list:
+    def _send(switches: list[BusSwitch], wires: list[list], timeout: float) -> list:
         """Each switch's circuits sent, every request before any answer is awaited: the
         switches served together (`group`) in one `apply_circuits_together` to one of them,
         the others each in its own `apply_circuits`; each with the version the agent last
@@ -214,7 +228,7 @@ class BusSwitch(CircuitSwitch):
             key = sw.group if sw.group is not None else ("", i)
             groups.setdefault(key, []).append(i)
         calls, members = [], []
-        for key, idx in groups.items():
+        for idx in groups.values():
             sw = switches[idx[0]]
             if len(idx) == 1:
                 calls.append((sw.client, "apply_circuits", {"circuits": wires[idx[0]]},
@@ -226,7 +240,7 @@ class BusSwitch(CircuitSwitch):
             members.append(idx)
         out: list = [None] * len(switches)
         apart: list[int] = []
-        for idx, got in zip(members, call_many(calls, timeout)):
+        for idx, got in zip(members, call_many(calls, timeout), strict=True):
             if len(idx) == 1:
                 if not isinstance(got, BusError):
                     switches[idx[0]].version = switches[idx[0]].client.version
@@ -246,14 +260,15 @@ class BusSwitch(CircuitSwitch):
                     out[i] = BusError(f"{switches[idx[0]].name} answered the changes together "
                                       "for other switches than those asked")
             else:
-                for i, part in zip(idx, got["changes"]):
+                for i, part in zip(idx, got["changes"], strict=True):
                     sw = switches[i]
                     sw.version = part["version"]
                     out[i] = (part["result"] if "result" in part else
                               from_wire(part["error"], part["message"], part["version"]))
         if apart:
             for i, got in zip(apart, BusSwitch._send([switches[i] for i in apart],
-                                                     [wires[i] for i in apart], timeout)):
+                                                     [wires[i] for i in apart], timeout),
+                                 strict=True):
                 out[i] = got
         return out
 
@@ -365,8 +380,9 @@ def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
                       servers={g.name: g.server for g in rig.gpus if g.server})
 
 
-class AgentProcess:
-    """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`."""
+class AgentProcess(NoEvents):
+    """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`. It hears the
+    agent's restart orders and alarms (`on_order`, `on_alarm`) and publishes them."""
 
     def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
                  verify_dbm: float = -12.0, quarantine_s: float = 60.0,
@@ -426,7 +442,7 @@ class AgentProcess:
                     self.rig.monitor_of(g), set()).add(a.rx)
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
                            verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
-                           on_order=self._on_order, on_alarm=self._on_alarm)
+                           events=self)
         self._orders = restart_orders(self.journal)
         for entry in self.journal.entries()[-EVENTS_KEPT:]:
             self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
@@ -509,7 +525,7 @@ class AgentProcess:
                                   {"switch": switch, "ports": sorted(asks[m])})
                                  for m in monitors], self.timeout)
             dbm: dict[str, float] = {}
-            for m, got in zip(monitors, answers):
+            for m, got in zip(monitors, answers, strict=True):
                 if isinstance(got, BusError):
                     # its ports read dark for this event, asked again at the next
                     log.warning("no received power from %s for %s %s: %s", m, switch,
@@ -530,7 +546,7 @@ class AgentProcess:
             try:
                 self.agent.on_health(*changed)
             except (AgentError, SwitchError) as e:
-                self._on_alarm(f"failover failed: {e}", {})
+                self.on_alarm(f"failover failed: {e}", {})
 
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
@@ -632,16 +648,7 @@ class AgentProcess:
         return {"job": job.name}
 
     def _swap(self, args: dict) -> dict:
-        gpu = args.get("gpu")
-        agent = self.agent
-        if gpu not in agent.layout.gpus:
-            raise AgentError(f"no GPU {gpu!r} in the rack; it has {', '.join(agent.layout.gpus)}")
-        if not agent.holds_rank(gpu):
-            raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
-        with agent._lock:
-            agent.journal.record("detected", f"operator asked to swap {gpu} out")
-            agent.pool.hold_out(gpu)      # keep it out of the spares a while
-            out = agent._failover(agent.holder(gpu), [gpu], "manual swap")
+        out = self.agent.swap_out(args.get("gpu"))
         if out is None:
             raise AgentError("no job admitted: nothing to swap")
         return {"swaps": dict(out.swaps), "rank_map": {str(r): g for r, g in
@@ -660,14 +667,14 @@ class AgentProcess:
         return getattr(self.journal, "path", "")
 
     # --- outputs ----------------------------------------------------------------------------
-    def _on_order(self, job: str, rank_map: dict, cause: str) -> None:
+    def on_order(self, job: str, rank_map: RankMap, cause: str) -> None:
         # the same order a restarted agent derives from the journal (`restart_orders`)
         self._orders[job] = {"seq": self._order(job)["seq"] + 1,
                              "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
                              "cause": cause}
         self._publish()          # the job is waiting for this: send it now
 
-    def _on_alarm(self, text: str, details: dict) -> None:
+    def on_alarm(self, text: str, details: dict[str, Any]) -> None:
         self._alarms.append(text)
         del self._alarms[:-50]
 
@@ -678,12 +685,12 @@ class AgentProcess:
         got = self._rack_cache
         if got is not None:
             (ranks, health), rows = got
-            if health == a.pool.healths() and len(ranks) == len(a.jobs) and all(
+            if health == a.healths() and len(ranks) == len(a.jobs) and all(
                     ranks.get(name) == j.rank_map for name, j in a.jobs.items()):
                 return rows           # (dicts compared in C; copied only when they change)
         rows = self._build_rack()
         self._rack_cache = (({name: dict(j.rank_map) for name, j in a.jobs.items()},
-                             dict(a.pool.healths())), rows)
+                             dict(a.healths())), rows)
         return rows
 
     def _build_rack(self) -> list[dict]:
@@ -696,7 +703,7 @@ class AgentProcess:
             role = ("in_use_spare" if spare and rank is not None else
                     "spare" if spare else "active")
             out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
-                        "health": a.pool.health(g), "role": role, "rank": rank,
+                        "health": a.health(g), "role": role, "rank": rank,
                         "job": job})
         return out
 

@@ -24,15 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import RackLayout, duplex_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
-from photonic_testbed.hil.agent.agent import Agent
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.ocs import OCSPhysics
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.hil.agent.agent import Agent
+from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import RackLayout, duplex_rack
 from photonic_testbed.hil.rig import RigSpec
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.datacenter import rack_plan
@@ -106,6 +107,16 @@ class World:
         self.journal.close()
 
 
+class _Grants(NoEvents):
+    """The agent's grants passed straight to the job."""
+
+    def __init__(self, job: TrainingJob):
+        self.job = job
+
+    def on_grant(self, phase: str, round: int) -> None:
+        self.job.grant(phase, round)
+
+
 class SimFabric:
     """The agent behind switches that take `settle_s` after a change, in simulated time: the
     job's phase request is granted once its circuits have settled; with `ahead`, a released
@@ -115,7 +126,7 @@ class SimFabric:
         self.w, self.settle_s, self.ahead = world, settle_s, ahead
         self.ready: tuple[tuple[str, int], float] | None = None
         self.stalls: list[float] = []
-        world.agent.on_grant = lambda phase, rnd: None      # granted here, once settled
+        world.agent.events = NoEvents()      # granted here, once settled
         world.job.subscribe(self.on_event)
 
     def _switch(self, change) -> tuple[float, Any]:
@@ -166,7 +177,7 @@ def _scaling(servers: int, steps: int, workdir: Path) -> dict:
     w = World(layout, plan, workdir, dict(enumerate(layout.workers)))
     setup_s = time.perf_counter() - t
     try:
-        w.agent.on_grant = w.job.grant
+        w.agent.events = _Grants(w.job)
         w.job.subscribe(w.agent.on_job_event)
         w.job.run(1)                                       # warm-up: every round seen once
         t = time.perf_counter()

@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import rail_rack
 
 NAME = "scale"
 HELP = "agent decision time (failover, phase switch) for 32 ... 2,048 GPUs, in process"
@@ -83,7 +82,7 @@ def _measure(kind: str, servers: int, failovers: int, phases: int, rnd: random.R
         t = time.perf_counter()
         agent.admit(plan)
         admit_s = time.perf_counter() - t
-        keys = list(agent._targets)
+        keys = list(agent.job().circuits.targets)
         agent.on_phase(*keys[0])
         fail_s = []
         for _ in range(failovers):
