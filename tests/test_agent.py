@@ -15,6 +15,7 @@ from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.job import TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.hil.agent import Agent, AgentError, policies
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.journal import Journal
 
 
@@ -33,7 +34,9 @@ class World:
     job: TrainingJob | None = None
 
 
-def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", **agent_kw):
+def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", loss_db=None,
+               **settings):
+    """The rack, its switch, the agent (`settings`: its AgentConfig's) and the job of `plan`."""
     clock = SimClock()
     (sname, n), = layout.switches.items()
     sw = PermutationSwitch(sname, n, clock=clock, latency_s=latency_s, seed=seed)
@@ -41,7 +44,7 @@ def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", 
     journal = Journal(tmp_path / name)
     heard = Heard()
     agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now,
-                  events=heard, **agent_kw)
+                  config=AgentConfig(**settings), events=heard, loss_db=loss_db)
     w = World(clock, sw, rack, journal, agent, heard)
     if plan is not None:
         connect(w, plan)
@@ -458,13 +461,14 @@ def test_a_switch_that_passes_no_light_evicts_nobody(tmp_path):
     assert any("nobody is evicted" in a for a in alarms)
 
 
-def test_evictions_on_diagnosis_are_bounded(tmp_path):
-    """Receivers going deaf one after another: past the bound per window, nobody more is
-    evicted and a person is called (no cascade through the rack)."""
-    from photonic_testbed.hil.agent.diagnosis import DIAGNOSED_PER_WINDOW
-    w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9)
+@pytest.mark.parametrize("per_window", [AgentConfig().diagnosed_per_window, 1])
+def test_evictions_on_diagnosis_are_bounded(tmp_path, per_window):
+    """Receivers going deaf one after another: past the bound per window (the default, or as
+    set), nobody more is evicted and a person is called (no cascade through the rack)."""
+    w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9,
+                   diagnosed_per_window=per_window)
     evicted = []
-    for k in range(DIAGNOSED_PER_WINDOW + 2):
+    for k in range(per_window + 2):
         victim = w.agent.rank_map[k % 6]
         peer = w.agent.rank_map[(k - 1) % 6]
         rx = w.agent.layout.gpus[victim][0].rx
@@ -472,7 +476,7 @@ def test_evictions_on_diagnosis_are_bounded(tmp_path):
         out = w.agent.on_job_failure("link down", links=[(peer, victim)])
         if out is not None and out.swaps:
             evicted += list(out.swaps)
-    assert len(evicted) <= DIAGNOSED_PER_WINDOW
+    assert 0 < len(evicted) <= per_window
     assert any("a person is needed" in e.cause for e in w.journal.entries(kinds=("alarm",)))
 
 

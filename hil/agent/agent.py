@@ -41,6 +41,7 @@ from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matc
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.diagnosis import Diagnosis
 from photonic_testbed.hil.agent.events import AgentEvents, NoEvents
 from photonic_testbed.hil.agent.failover import Failover, LossDb, Matchings
@@ -54,8 +55,6 @@ from photonic_testbed.hil.gpus.health import GpuHealth
 
 log = logging.getLogger(__name__)
 
-VERIFY_DBM = -12.0      # a verified circuit delivers at least the receivers' sensitivity
-
 __all__ = ["Agent", "AgentError", "Job", "SwapOutcome"]
 
 
@@ -66,33 +65,28 @@ def _now(fn: Callable[[], None]) -> None:
 class Agent:
     def __init__(self, layout: RackLayout, switches: Mapping[str, CircuitSwitch],
                  journal: Journal, read_power: Callable[[str, int], float], *,
+                 config: AgentConfig | None = None, events: AgentEvents | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 verify_dbm: float = VERIFY_DBM,
                  loss_db: LossDb | None = None,
-                 matchings: Matchings = round_robin_matchings,
-                 prestage: bool = False, verify_phases: bool = False, quarantine_s: float = 60.0,
-                 allocation: str = "best-fit", events: AgentEvents | None = None):
+                 matchings: Matchings = round_robin_matchings):
         missing = set(layout.switches) - set(switches)
         if missing:
             raise AgentError(f"no CircuitSwitch given for switch(es) {sorted(missing)}")
         self.layout = layout
         self.journal = journal
         self.clock = clock
-        self.verify_dbm = verify_dbm
+        self.config = config = config if config is not None else AgentConfig()
         self.matchings = matchings
-        self.prestage = prestage
-        self.verify_phases = verify_phases
-        self.quarantine_s = quarantine_s
         self.events: AgentEvents = events if events is not None else NoEvents()
         # how the work that follows a phase's grant is done: at once, by default; a caller
         # whose grant is a reply (the agent on the bus) runs it once the reply has gone
         self.after_grant: Callable[[Callable[[], None]], None] = _now
         self.jobs: dict[str, Job] = {}
-        self.pool = GpuPool(layout, clock, quarantine_s=quarantine_s, allocation=allocation)
+        self.pool = GpuPool(layout, clock, config)
         self.writer = SwitchWriter(layout, switches, journal, clock, self._alarm)
         self.switches = self.writer.switches
         self.diagnosis = Diagnosis(layout, read_power, journal, clock, self.writer, self.pool,
-                                   self._alarm, verify_dbm=verify_dbm)
+                                   self._alarm, config)
         self.failover = Failover(layout, self.pool, self.writer, self.diagnosis, journal,
                                  clock, self._alarm, self._announce, matchings=matchings,
                                  loss_db=loss_db)
@@ -253,7 +247,7 @@ class Agent:
             previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
             applied = self.writer.apply(j.name, targets, cause, record=False)
-            if self.verify_phases:
+            if self.config.verify_phases:
                 if self.diagnosis.verify(self.diagnosis.points(targets, None), cause, t0):
                     self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
                     return
@@ -270,7 +264,7 @@ class Agent:
         entry (deferred: durable with the next sync, as before)."""
         with self._lock:
             staged = []
-            if self.prestage:
+            if self.config.prestage:
                 keys = list(j.circuits.targets)
                 nxt = j.circuits.refresh(keys[(keys.index(key) + 1) % len(keys)])
                 for s, c in nxt.items():
@@ -306,7 +300,7 @@ class Agent:
             targets = j.circuits.refresh(nxt)
             j.phase = nxt
             applied = self.writer.apply(j.name, targets, cause, record=False)
-            if self.verify_phases and self.diagnosis.verify(
+            if self.config.verify_phases and self.diagnosis.verify(
                     self.diagnosis.points(targets, None), cause, t0):
                 self._alarm(f"{cause}: circuits do not verify", phase=nxt[0], round=nxt[1])
                 return None

@@ -41,6 +41,7 @@ from photonic_testbed.drivers.circuit_switch import (
     check_circuits,
 )
 from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.hil.agent.policies import RankMap
@@ -384,11 +385,11 @@ class AgentProcess(NoEvents):
     """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`. It hears the
     agent's restart orders and alarms (`on_order`, `on_alarm`) and publishes them."""
 
-    def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
-                 verify_dbm: float = -12.0, quarantine_s: float = 60.0,
-                 journal_sync: str = "FULL", settle_heap: bool = False):
-        """`settle_heap` (the `ptb agent` process): the heap is settled (`common.heap`) once
-        started and after each admission, once its answer has gone."""
+    def __init__(self, rig: Rig, journal_path: str, *, config: AgentConfig | None = None,
+                 timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False):
+        """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
+        (the `ptb agent` process): the heap is settled (`common.heap`) once started and after
+        each admission, once its answer has gone."""
         self.rig = rig
         self._settle_heap = settle_heap
         self._admitted = False                      # since the heap was last settled
@@ -400,8 +401,7 @@ class AgentProcess(NoEvents):
         self.server: Server | None = None
         self.sub: StateSubscriber | None = None
         self.agent: Agent | None = None
-        self._verify_dbm = verify_dbm
-        self._quarantine_s = quarantine_s
+        self.config = config if config is not None else rig.agent
         self._health_seen: dict[str, str] = {}
         self._alarms: list[str] = []
         self._orders: dict[str, dict] = {}         # job -> its last restart order
@@ -441,8 +441,7 @@ class AgentProcess(NoEvents):
                 self._receivers.setdefault(a.switch, {}).setdefault(
                     self.rig.monitor_of(g), set()).add(a.rx)
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
-                           verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
-                           events=self)
+                           config=self.config, events=self)
         self._orders = restart_orders(self.journal)
         for entry in self.journal.entries()[-EVENTS_KEPT:]:
             self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
@@ -660,7 +659,7 @@ class AgentProcess(NoEvents):
         return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
                 "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
-                "verify_dbm": a.verify_dbm, "quarantine_s": a.quarantine_s}
+                "verify_dbm": a.config.verify_dbm, "quarantine_s": a.config.quarantine_s}
 
     @property
     def journal_path(self) -> str:

@@ -14,14 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import Targets
 from photonic_testbed.hil.agent.pool import GpuPool
 from photonic_testbed.hil.agent.writer import SwitchWriter
-
-DIAGNOSED_PER_INCIDENT = 2      # GPUs evicted on the fabric's evidence alone, per incident...
-DIAGNOSED_PER_WINDOW = 4        # ...and within EVICTION_WINDOW_S; beyond: an alarm for a person
-EVICTION_WINDOW_S = 600.0
 
 Point = tuple[str, int, int]                    # a circuit: (switch, input, output)
 
@@ -31,7 +28,7 @@ class Diagnosis:
 
     def __init__(self, layout: RackLayout, read_power: Callable[[str, int], float],
                  journal: Journal, clock: Callable[[], float], writer: SwitchWriter,
-                 pool: GpuPool, alarm: Callable[..., None], *, verify_dbm: float):
+                 pool: GpuPool, alarm: Callable[..., None], config: AgentConfig):
         self.layout = layout
         self.read_power = read_power
         self.journal = journal
@@ -39,7 +36,10 @@ class Diagnosis:
         self.writer = writer
         self.pool = pool
         self.alarm = alarm
-        self.verify_dbm = verify_dbm
+        self.verify_dbm = config.verify_dbm
+        self.per_incident = config.diagnosed_per_incident
+        self.per_window = config.diagnosed_per_window
+        self.window_s = config.eviction_window_s
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
 
     def points(self, targets: Targets, gpus: list[str] | None) -> list[Point]:
@@ -135,16 +135,16 @@ class Diagnosis:
         return self.bound_evictions(blamed, cause)
 
     def bound_evictions(self, blamed: list[str], cause: str) -> list[str]:
-        """At most DIAGNOSED_PER_INCIDENT GPUs per incident and DIAGNOSED_PER_WINDOW in
-        EVICTION_WINDOW_S on the fabric's evidence alone; beyond that, none, and an alarm:
+        """At most `diagnosed_per_incident` GPUs per incident and `diagnosed_per_window` in
+        `eviction_window_s` on the fabric's evidence alone; beyond that, none, and an alarm:
         a cascade through the rack is not possible."""
         now = self.clock()
-        self._diagnosed_at = [t for t in self._diagnosed_at if now - t < EVICTION_WINDOW_S]
-        if len(blamed) > DIAGNOSED_PER_INCIDENT or \
-                len(self._diagnosed_at) + len(blamed) > DIAGNOSED_PER_WINDOW:
+        self._diagnosed_at = [t for t in self._diagnosed_at if now - t < self.window_s]
+        if len(blamed) > self.per_incident or \
+                len(self._diagnosed_at) + len(blamed) > self.per_window:
             self.alarm(f"{cause}: diagnosis blames {', '.join(blamed)}; evicting them would "
-                       f"exceed {DIAGNOSED_PER_INCIDENT} per incident or "
-                       f"{DIAGNOSED_PER_WINDOW} per {EVICTION_WINDOW_S:.0f} s: nobody is "
+                       f"exceed {self.per_incident} per incident or "
+                       f"{self.per_window} per {self.window_s:.0f} s: nobody is "
                        "evicted, a person is needed", gpus=blamed,
                        recent=len(self._diagnosed_at))
             return []

@@ -16,25 +16,20 @@ from collections.abc import Callable, Mapping
 
 from photonic_testbed.common.jobplan import JobPlan
 from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.jobs import AgentError
 from photonic_testbed.hil.agent.policies import RankMap
-
-ALLOCATIONS = ("best-fit", "first-fit")
 
 
 class GpuPool:
     """Who holds which GPU, GPUs free in rack order, health, failure times, quarantine and
     rejected spares; and the allocation of GPUs to a new job."""
 
-    def __init__(self, layout: RackLayout, clock: Callable[[], float], *, quarantine_s: float,
-                 allocation: str):
-        if allocation not in ALLOCATIONS:
-            raise AgentError(f"allocation is one of {', '.join(ALLOCATIONS)}, not "
-                             f"{allocation!r}")
+    def __init__(self, layout: RackLayout, clock: Callable[[], float], config: AgentConfig):
         self.layout = layout
         self.clock = clock
-        self.quarantine_s = quarantine_s
-        self.allocation = allocation
+        self.quarantine_s = config.quarantine_s
+        self.allocation = config.allocation
         self._holder: dict[str, str] = {}              # GPU -> the job holding it
         self._order = {g: i for i, g in enumerate(layout.gpus)}
         self._free: list[str] = list(layout.gpus)      # GPUs no job holds, in rack order

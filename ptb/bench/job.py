@@ -32,6 +32,7 @@ from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.ocs import OCSPhysics
 from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.hil.agent.agent import Agent
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.rig import RigSpec
@@ -97,7 +98,8 @@ class World:
         self.switches = {s: SettlingSwitch(s, p) for s, p in self.physics.items()}
         self.journal = Journal(workdir / f"{layout.name}-{time.monotonic_ns()}.db", "NORMAL")
         self.agent = Agent(layout, self.switches, self.journal,
-                           lambda s, p: self.rack.port_powers_dbm(s, [p])[p], quarantine_s=0.0)
+                           lambda s, p: self.rack.port_powers_dbm(s, [p])[p],
+                           config=AgentConfig(quarantine_s=0.0))
         rank_map = self.agent.admit(plan, rank_map)
         self.job = TrainingJob(plan, rank_map, self.rack, self.clock, poll_s=poll_s,
                                grant_timeout_s=60.0, link_timeout_s=1.0)

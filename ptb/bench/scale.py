@@ -18,6 +18,7 @@ from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent.agent import Agent
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.journal import Journal
 
 NAME = "scale"
@@ -77,7 +78,8 @@ def _measure(kind: str, servers: int, failovers: int, phases: int, rnd: random.R
     switches = {s: InstantSwitch(s, n) for s, n in layout.switches.items()}
     plan = plan_for(kind, servers)
     journal = Journal(workdir / f"{kind}-{servers}.db", "NORMAL")
-    agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=0.0)
+    agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                  config=AgentConfig(quarantine_s=0.0))
     try:
         t = time.perf_counter()
         agent.admit(plan)
@@ -197,8 +199,8 @@ def fragmentation(policy: str, stream: list[tuple], pods: int, workdir: Path) ->
     layout = rail_rack(f"frag-{policy}", 32 * pods, rails=8, spare_servers=1, pod=32)
     switches = {s: InstantSwitch(s, n) for s, n in layout.switches.items()}
     journal = Journal(workdir / f"frag-{policy}.db", "NORMAL")
-    agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=0.0,
-                  allocation=policy)
+    agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                  config=AgentConfig(quarantine_s=0.0, allocation=policy))
     admitted = refused = fragmented = 0
     stranded: list[int] = []
     names: dict[int, str] = {}
