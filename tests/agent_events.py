@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from photonic_testbed.hil.agent.entries import Alarm
 from photonic_testbed.hil.agent.events import NoEvents
 
 
@@ -24,5 +25,5 @@ class Heard(NoEvents):
         if self.job is not None:
             self.job.restart(rank_map, cause)
 
-    def on_alarm(self, text: str, details: dict[str, Any]) -> None:
+    def on_alarm(self, text: str, about: Alarm) -> None:
         self.alarms.append(text)

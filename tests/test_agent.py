@@ -16,7 +16,7 @@ from photonic_testbed.emulator.job import TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.hil.agent import Agent, AgentError, policies
 from photonic_testbed.hil.agent.config import AgentConfig
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 
 class Killed(BaseException):
@@ -28,7 +28,7 @@ class World:
     clock: SimClock
     switch: PermutationSwitch
     rack: EmulatedRack
-    journal: Journal
+    journal: SqliteJournal
     agent: Agent
     heard: Heard
     job: TrainingJob | None = None
@@ -41,7 +41,7 @@ def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", 
     (sname, n), = layout.switches.items()
     sw = PermutationSwitch(sname, n, clock=clock, latency_s=latency_s, seed=seed)
     rack = EmulatedRack(layout, {sname: sw}, clock)
-    journal = Journal(tmp_path / name)
+    journal = SqliteJournal(tmp_path / name)
     heard = Heard()
     agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now,
                   config=AgentConfig(**settings), events=heard, loss_db=loss_db)
@@ -94,7 +94,7 @@ def test_any_one_gpu_failure_resumes_on_a_spare(tmp_path, failed):
     for k in ("detected", "decision", "applied", "verified", "rank_map", "restart"):
         assert k in kinds
     restart = w.journal.entries(kinds=("restart",))[-1]
-    assert restart.details["rank_map"][failed[3:]] == spare
+    assert restart.details.rank_map[int(failed[3:])] == spare
     applied = w.journal.entries(kinds=("applied",))
     assert all(e.latency_s is not None for e in applied)
 
@@ -207,7 +207,7 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
     w.job.unsubscribe(w.agent.on_job_event)
     w.rack.unsubscribe(w.agent.on_health)
     w.journal.close()
-    journal = Journal(tmp_path / "j.db")
+    journal = SqliteJournal(tmp_path / "j.db")
     agent = Agent(lumion(), {"chip": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now,
                   events=Heard(w.job))
     out = agent.start()
@@ -228,8 +228,8 @@ def test_agent_killed_just_after_a_phase_switch_knows_the_phase_and_moves_nothin
         w.agent.on_phase(*second)
     moves, state = w.switch.moves, w.switch.circuits()
     w.journal.close()
-    journal = Journal(tmp_path / "j.db")
-    assert [e.details["phase"] for e in journal.entries(kinds=("phase",))] == []
+    journal = SqliteJournal(tmp_path / "j.db")
+    assert [e.details.phase for e in journal.entries(kinds=("phase",))] == []
     w.switch.after_apply.clear()
     agent = Agent(opus(), {"ocs": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now)
     agent.start()
@@ -302,7 +302,7 @@ def test_prestage_hands_the_next_phase_to_switches_that_can(tmp_path):
     w.switch.prestage = staged.append
     w.agent.on_phase("tp", 0)
     assert staged == [w.agent.job().circuits.targets[("dp", 0)]["ocs"]]
-    assert w.journal.entries(kinds=("phase",))[-1].details["prestaged"] == ["ocs"]
+    assert w.journal.entries(kinds=("phase",))[-1].details.prestaged == ["ocs"]
 
 
 def test_flapping_gpu_is_swapped_and_kept_out_of_the_pool(tmp_path):
@@ -349,7 +349,7 @@ def test_wall_clock_threads_failover(tmp_path):
     clock = WallClock()
     sw = PermutationSwitch("chip", 16)
     rack = EmulatedRack(lumion(), {"chip": sw}, clock)
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(lumion(), {"chip": sw}, journal, rack.port_power_dbm)
         plan = dp_ring(8, bytes=1e6, compute_s=0.002)
         job = TrainingJob(plan, agent.admit(plan), rack, clock, restart_s=0.01,
@@ -379,8 +379,8 @@ def test_verified_phases_withhold_the_grant_from_dark_circuits(tmp_path):
     w.rack.faults.cut_fibre("ocs", 35)                   # server2's RX fibre
     w.agent.on_phase("tp", 0)
     assert grants == [("dp", 0)] and "do not verify" in alarms[-1]
-    dark = w.journal.entries(kinds=("verify_failed",))[-1].details["dark"]
-    assert dark == [["ocs", 4, 35]]
+    dark = w.journal.entries(kinds=("verify_failed",))[-1].details.dark
+    assert dark == [("ocs", 4, 35)]
 
 
 def test_throughput_drops_during_failover(tmp_path):
@@ -422,8 +422,8 @@ def test_a_cut_receive_fibre_evicts_only_the_gpu_that_cannot_hear(tmp_path):
     assert w.job.rank_map[3] == "spare0" and ring_is_up(w)
     assert not w.agent.pool.rejected()
     diagnosis = w.journal.entries(kinds=("diagnosis",))
-    assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
-    assert diagnosis[0].details["loopback"]["gpu2"] is True
+    assert diagnosis and diagnosis[0].details.loopback["gpu3"] is False
+    assert diagnosis[0].details.loopback["gpu2"] is True
 
 
 def test_circuits_changed_behind_the_agents_back_are_repaired_without_evictions(tmp_path):
@@ -442,8 +442,9 @@ def test_circuits_changed_behind_the_agents_back_are_repaired_without_evictions(
     assert w.job.run(10) == "done"
     assert done and w.job.rank_map == before and w.job.restarts == 1
     assert ring_is_up(w)
-    reconciled = [e for e in w.journal.entries(kinds=("reconcile",)) if e.details.get("moves")]
-    assert reconciled and reconciled[-1].details["moves"]["chip"] > 0
+    reconciled = [e.details.moves for e in w.journal.entries(kinds=("reconcile",))
+                  if e.details.moves]
+    assert reconciled and reconciled[-1]["chip"] > 0
     restart = w.journal.entries(kinds=("restart",))[-1]
     assert "restart on the same GPUs" in restart.cause
 

@@ -12,7 +12,7 @@ from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import lumion, opus
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 CASES = json.loads((pathlib.Path(__file__).parent / "agent_decisions.json").read_text())
 PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),
@@ -52,7 +52,7 @@ def _pairs(x):
 def test_decisions_are_those_of_the_agent_before(case, tmp_path):
     lay = RACKS[case["rack"]]()
     switches = {s: Recorder(s, n) for s, n in lay.switches.items()}
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(lay, switches, journal, lambda s, p: -3.0,
                       clock=iter(range(10**9)).__next__)
         if "admit_error" in case:

@@ -9,7 +9,7 @@ from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.agent.config import AgentConfig
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 
 class Switch(CircuitSwitch):
@@ -49,7 +49,7 @@ def plan(name: str, servers: int) -> JobPlan:
 def rack(tmp_path):
     layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)   # 2 pods of 8 servers
     switches = {s: Switch(s, n) for s, n in layout.switches.items()}
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(layout, switches, journal, lambda s, p: -3.0,
                       config=AgentConfig(quarantine_s=1e9))
         yield layout, switches, agent
@@ -142,7 +142,7 @@ def test_best_fit_leaves_room_that_first_fit_fragments(tmp_path):
     for policy in ("first-fit", "best-fit"):
         layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
         switches = {s: Switch(s, n) for s, n in layout.switches.items()}
-        with Journal(tmp_path / f"{policy}.db") as journal:
+        with SqliteJournal(tmp_path / f"{policy}.db") as journal:
             agent = Agent(layout, switches, journal, lambda s, p: -3.0,
                           config=AgentConfig(allocation=policy))
             agent.admit(plan("x", 4))                   # pod 0: 3 free, pod 1: 7 free
@@ -163,7 +163,7 @@ def test_a_job_speaks_for_its_own_links_only(tmp_path):
     layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
     switches = {s: Switch(s, n) for s, n in layout.switches.items()}
     dark: set[tuple[str, int]] = set()
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(layout, switches, journal,
                       lambda s, p: -40.0 if (s, p) in dark else -3.0,
                       config=AgentConfig(quarantine_s=1e9))

@@ -43,6 +43,17 @@ from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.diagnosis import Diagnosis
+from photonic_testbed.hil.agent.entries import (
+    Admit,
+    Alarm,
+    Detected,
+    JobFailure,
+    Note,
+    PhaseSwitched,
+    RankMapAnnounced,
+    Release,
+    RestartOrder,
+)
 from photonic_testbed.hil.agent.events import AgentEvents, NoEvents
 from photonic_testbed.hil.agent.failover import Failover, LossDb, Matchings
 from photonic_testbed.hil.agent.jobs import AgentError, Job, Key, SwapOutcome
@@ -63,6 +74,8 @@ def _now(fn: Callable[[], None]) -> None:
 
 
 class Agent:
+    """The host agent: its jobs, its lock and its parts (the module's docstring says how)."""
+
     def __init__(self, layout: RackLayout, switches: Mapping[str, CircuitSwitch],
                  journal: Journal, read_power: Callable[[str, int], float], *,
                  config: AgentConfig | None = None, events: AgentEvents | None = None,
@@ -154,10 +167,10 @@ class Agent:
     def close(self) -> None:
         self.writer.close()
 
-    def _alarm(self, text: str, **details: Any) -> None:
+    def _alarm(self, text: str, about: Alarm) -> None:
         log.error("alarm: %s", text)
-        self.journal.record("alarm", text, **details)
-        self.events.on_alarm(text, details)
+        self.journal.record(about, text)
+        self.events.on_alarm(text, about)
 
     def reconcile(self, cause: str = "reconcile") -> dict[str, int]:
         """Read every switch, repair only what differs from the journal's intended circuits.
@@ -198,8 +211,8 @@ class Agent:
             new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(rank_map))
             self.jobs[name] = new
             self.pool.take(name, list(rank_map.values()))
-            self.journal.record("decision", f"admit job {name}", action="admit", job=name,
-                                plan=plan.to_dict(), rank_map=rank_map)
+            self.journal.record(Admit(job=name, plan=plan.to_dict(), rank_map=rank_map),
+                                f"admit job {name}")
             self.writer.apply(new.name, circuits.targets[new.phase], f"job {name} admitted")
             self._announce(new, f"job {name} admitted", restart=False)
             return dict(rank_map)
@@ -225,7 +238,7 @@ class Agent:
 
     def _release(self, job: Job, cause: str, journal: bool = True) -> RankMap:
         if journal:
-            self.journal.record("decision", cause, action="release", job=job.name)
+            self.journal.record(Release(job=job.name), cause)
         empty: Targets = {s: {} for s in job.circuits.targets[job.key()]}
         self.writer.apply(job.name, empty, cause)
         self.writer.drop(job.name)
@@ -249,7 +262,8 @@ class Agent:
             applied = self.writer.apply(j.name, targets, cause, record=False)
             if self.config.verify_phases:
                 if self.diagnosis.verify(self.diagnosis.points(targets, None), cause, t0):
-                    self._alarm(f"{cause}: circuits do not verify", phase=phase, round=round)
+                    self._alarm(f"{cause}: circuits do not verify",
+                                Alarm(phase=key[0], round=key[1]))
                     return
             self.events.on_grant(*key)
             latency = self.clock() - t0
@@ -274,9 +288,10 @@ class Agent:
                         staged.append(s)
             if key == previous and not applied and not staged:
                 return      # the same phase again, nothing moved: no new journal entry
-            self.journal.record("phase", cause, latency, phase=key[0], round=key[1],
-                                job=j.name, applied=self.writer.reported(applied, cause),
-                                prestaged=staged, defer=True)
+            self.journal.record(PhaseSwitched(
+                phase=key[0], round=key[1], job=j.name,
+                applied=self.writer.reported(applied, cause), prestaged=staged),
+                cause, latency, defer=True)
 
     def on_phase_done(self, phase: str, round: int = 0, job: str | None = None) -> Key | None:
         """The job is done with (phase, round)'s links and computes before its next phase:
@@ -302,12 +317,14 @@ class Agent:
             applied = self.writer.apply(j.name, targets, cause, record=False)
             if self.config.verify_phases and self.diagnosis.verify(
                     self.diagnosis.points(targets, None), cause, t0):
-                self._alarm(f"{cause}: circuits do not verify", phase=nxt[0], round=nxt[1])
+                self._alarm(f"{cause}: circuits do not verify",
+                            Alarm(phase=nxt[0], round=nxt[1]))
                 return None
             j.ready = nxt
-            self.journal.record("phase", cause, self.clock() - t0, phase=nxt[0], round=nxt[1],
-                                job=j.name, applied=self.writer.reported(applied, cause),
-                                ahead=True, defer=True)
+            self.journal.record(PhaseSwitched(
+                phase=nxt[0], round=nxt[1], job=j.name,
+                applied=self.writer.reported(applied, cause), ahead=True),
+                cause, self.clock() - t0, defer=True)
             return nxt
 
     def on_job_event(self, event: Any) -> None:
@@ -323,7 +340,8 @@ class Agent:
                 self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))
         except AgentError as e:
             # the job's thread delivered this: tell the operator, leave the job to time out
-            self._alarm(f"cannot serve job event {kind!r}: {e}", event=kind)
+            self._alarm(f"cannot serve job event {kind!r}: {e}",
+                        Alarm(event=None if kind is None else str(kind)))
 
     # --- failures ---------------------------------------------------------------------------
     def on_health(self, *healths: GpuHealth | Mapping[str, Any]) -> SwapOutcome | None:
@@ -341,17 +359,17 @@ class Agent:
                 old = self.pool.report(h.gpu, h.state)
                 if h.state == "failed":
                     if old != "failed":
-                        self.journal.record("detected", f"GPU {h.gpu} failed",
-                                            reasons=list(h.reasons), defer=True)
+                        self.journal.record(Detected(gpu=h.gpu, reasons=list(h.reasons)),
+                                            f"GPU {h.gpu} failed", defer=True)
                         failed.append(h.gpu)
                 elif h.state == "degraded" and old != "degraded":
-                    self.journal.record("note", f"GPU {h.gpu} degraded", reasons=list(h.reasons))
+                    self.journal.record(Note(reasons=list(h.reasons)), f"GPU {h.gpu} degraded")
             out = None
             for j, gpus in self._by_job(failed).items():
                 out = self._failover(j, gpus, "GPU failure")
             if failed and not self._by_job(failed):
-                self.journal.record("note", "GPU failure: no job holds "
-                                    f"{', '.join(failed)}, nothing to swap", gpus=failed)
+                self.journal.record(Note(gpus=failed), "GPU failure: no job holds "
+                                    f"{', '.join(failed)}, nothing to swap")
             return out
 
     def _by_job(self, gpus: list[str]) -> dict[Job, list[str]]:
@@ -372,10 +390,10 @@ class Agent:
         with self._lock:
             t0 = self.clock()
             cause = f"job failure: {reason}" if reason else "job failure"
-            self.journal.record("failure", reason or "job failure", gpus=list(gpus),
-                                links=[list(x) for x in links], job=job, defer=True)
+            self.journal.record(JobFailure(gpus=list(gpus), links=[(a, b) for a, b in links],
+                                           job=job), reason or "job failure", defer=True)
             if not self.jobs:
-                self.journal.record("note", f"{cause}: no job admitted, nothing to do")
+                self.journal.record(Note(), f"{cause}: no job admitted, nothing to do")
                 return None
             j = self.job(job)
             named = list(dict.fromkeys(gpus))
@@ -385,15 +403,15 @@ class Agent:
             own = [(s, d) for s, d in links
                    if self.pool.holder(s) == j.name and self.pool.holder(d) == j.name]
             if len(own) < len(links):
-                self.journal.record("note", f"{cause}: links of GPUs job {j.name} does not "
-                                    "hold are not its to report: ignored", job=j.name,
-                                    links=[list(x) for x in links if x not in own], defer=True)
+                self.journal.record(Note(job=j.name, links=[x for x in links if x not in own]),
+                                    f"{cause}: links of GPUs job {j.name} does not hold are "
+                                    "not its to report: ignored", defer=True)
             links = own
             if named and not lost and not links:
                 # every GPU it names has been replaced already (the report crossed the order
                 # that replaced them): the job has its order; nothing more to do
-                self.journal.record("note", f"{cause}: {', '.join(named)} already replaced, "
-                                    "the job's restart order stands", job=j.name)
+                self.journal.record(Note(job=j.name), f"{cause}: {', '.join(named)} already "
+                                    "replaced, the job's restart order stands")
                 return None
             self.reconcile(cause)                  # belief against the switches first
             dark = self.diagnosis.dark_links(links)
@@ -401,8 +419,8 @@ class Agent:
             blamed = [g for g in blamed if self.pool.holder(g) == j.name]
             for g in lost + blamed:
                 if self.pool.health(g) != "failed":
-                    self.journal.record("detected", f"GPU {g} lost by the job", reason=reason,
-                                        defer=True)
+                    self.journal.record(Detected(gpu=g, reason=reason),
+                                        f"GPU {g} lost by the job", defer=True)
                 self.pool.report(g, "failed")
             if lost or blamed:
                 return self._failover(j, lost + blamed, "job failure")
@@ -414,7 +432,7 @@ class Agent:
             if bad:
                 self._alarm(f"{cause}: circuits of phase {key[0]} round {key[1]} do not "
                             "verify and no GPU is to blame: a person is needed",
-                            dark=[list(b[:3]) for b in bad])
+                            Alarm(dark=[list(b[:3]) for b in bad]))
                 return None
             self._announce(j, f"{cause}: fabric verified, restart on the same GPUs")
             return SwapOutcome((), {}, dict(j.rank_map), latency_s=self.clock() - t0)
@@ -441,7 +459,7 @@ class Agent:
             job = self.holder(gpu)
             if job is None:
                 raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
-            self.journal.record("detected", f"operator asked to swap {gpu} out")
+            self.journal.record(Detected(gpu=gpu), f"operator asked to swap {gpu} out")
             self.pool.hold_out(gpu)
             return self._failover(job, [gpu], cause)
 
@@ -457,11 +475,11 @@ class Agent:
             before = job.announced
             changed = {r: g for r, g in rank_map.items() if before.get(r) != g}
         job.announced = dict(rank_map)
-        self.journal.record("rank_map", cause, job=job.name, world=len(rank_map),
-                            changed=changed, defer=restart)
+        self.journal.record(RankMapAnnounced(job=job.name, world=len(rank_map), changed=changed),
+                            cause, defer=restart)
         if restart:
             # durable: all before it
-            self.journal.record("restart", cause, job=job.name, rank_map=rank_map)
+            self.journal.record(RestartOrder(job=job.name, rank_map=dict(rank_map)), cause)
         self.events.on_rank_map(dict(rank_map))
         if restart:
             self.events.on_restart(dict(rank_map), cause)

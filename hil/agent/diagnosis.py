@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.entries import Alarm, Loopback, Verified, VerifyFailed
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import Targets
 from photonic_testbed.hil.agent.pool import GpuPool
@@ -28,7 +29,7 @@ class Diagnosis:
 
     def __init__(self, layout: RackLayout, read_power: Callable[[str, int], float],
                  journal: Journal, clock: Callable[[], float], writer: SwitchWriter,
-                 pool: GpuPool, alarm: Callable[..., None], config: AgentConfig):
+                 pool: GpuPool, alarm: Callable[[str, Alarm], None], config: AgentConfig):
         self.layout = layout
         self.read_power = read_power
         self.journal = journal
@@ -68,9 +69,9 @@ class Diagnosis:
             seen[f"{s}:{o}"] = round(p, 2)
             if not p >= self.verify_dbm:
                 bad.append((s, i, o, p))
-        kind = "verify_failed" if bad else "verified"
-        self.journal.record(kind, cause, self.clock() - since, dbm=seen,
-                            dark=[[s, i, o] for s, i, o, _ in bad], defer=True)
+        kind = VerifyFailed if bad else Verified
+        self.journal.record(kind(dbm=seen, dark=[(s, i, o) for s, i, o, _ in bad]),
+                            cause, self.clock() - since, defer=True)
         return bad
 
     def dark_links(self, links: list[tuple[str, str]]) -> list[Point]:
@@ -105,7 +106,7 @@ class Diagnosis:
             for i, o in pairs.items():
                 g = self.layout.owner(s, i)
                 heard[g] = heard[g] and float(self.read_power(s, o)) >= self.verify_dbm
-        self.journal.record("diagnosis", cause, loopback=heard, defer=True)
+        self.journal.record(Loopback(loopback=dict(heard)), cause, defer=True)
         return heard
 
     def diagnose(self, dark: list[Point], cause: str) -> list[str]:
@@ -123,7 +124,7 @@ class Diagnosis:
         if not any(heard.values()) and (control is not None or len(ends) > 1):
             self.alarm(f"{cause}: no GPU hears its own light through the switch "
                        f"({', '.join(heard)}): the switch or the light is at fault, nobody "
-                       "is evicted", tested=heard)
+                       "is evicted", Alarm(tested=dict(heard)))
             return []
         blamed = [g for g in ends if not heard[g]]
         for s, i, o in dark:
@@ -131,7 +132,7 @@ class Diagnosis:
             if heard.get(src) and heard.get(dst):
                 self.alarm(f"{cause}: {src} -> {dst} is dark on {s} ({i} -> {o}) although "
                            "both hear themselves: the switch's path is at fault",
-                           switch=s, circuit=[i, o])
+                           Alarm(switch=s, circuit=[i, o]))
         return self.bound_evictions(blamed, cause)
 
     def bound_evictions(self, blamed: list[str], cause: str) -> list[str]:
@@ -145,8 +146,8 @@ class Diagnosis:
             self.alarm(f"{cause}: diagnosis blames {', '.join(blamed)}; evicting them would "
                        f"exceed {self.per_incident} per incident or "
                        f"{self.per_window} per {self.window_s:.0f} s: nobody is "
-                       "evicted, a person is needed", gpus=blamed,
-                       recent=len(self._diagnosed_at))
+                       "evicted, a person is needed",
+                       Alarm(gpus=list(blamed), recent=len(self._diagnosed_at)))
             return []
         self._diagnosed_at += [now] * len(blamed)
         return blamed

@@ -7,8 +7,9 @@ holding its lock, after the journal holds what they announce.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from photonic_testbed.hil.agent.entries import Alarm
 from photonic_testbed.hil.agent.policies import RankMap
 
 
@@ -25,8 +26,8 @@ class AgentEvents(Protocol):
     def on_rank_map(self, rank_map: RankMap) -> None:
         """A job's rank map as announced (at admission too)."""
 
-    def on_alarm(self, text: str, details: dict[str, Any]) -> None:
-        """Something a person has to look at; `details` as journaled."""
+    def on_alarm(self, text: str, about: Alarm) -> None:
+        """Something a person has to look at, and what it concerns (as journaled)."""
 
 
 class NoEvents:
@@ -44,5 +45,5 @@ class NoEvents:
     def on_rank_map(self, rank_map: RankMap) -> None:
         return None
 
-    def on_alarm(self, text: str, details: dict[str, Any]) -> None:
+    def on_alarm(self, text: str, about: Alarm) -> None:
         return None

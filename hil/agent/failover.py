@@ -18,6 +18,7 @@ from photonic_testbed.common.jobplan import round_robin_matchings
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.diagnosis import Diagnosis
+from photonic_testbed.hil.agent.entries import Alarm, Detected, Note, Swap
 from photonic_testbed.hil.agent.jobs import Job, SwapOutcome
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import RankMap
@@ -38,7 +39,7 @@ class Failover:
 
     def __init__(self, layout: RackLayout, pool: GpuPool, writer: SwitchWriter,
                  diagnosis: Diagnosis, journal: Journal, clock: Callable[[], float],
-                 alarm: Callable[..., None], announce: Announce, *,
+                 alarm: Callable[[str, Alarm], None], announce: Announce, *,
                  matchings: Matchings = round_robin_matchings, loss_db: LossDb | None = None):
         self.layout = layout
         self.pool = pool
@@ -106,9 +107,9 @@ class Failover:
                     continue
                 out.update(mapping)
                 del free[other]
-                self.journal.record("note", f"{g} failed: server {server}'s ranks move to "
-                                    f"server {other} (its GPUs share a scale-up fabric)",
-                                    swaps=mapping, job=job.name, defer=True)
+                self.journal.record(Note(swaps=dict(mapping), job=job.name),
+                                    f"{g} failed: server {server}'s ranks move to server "
+                                    f"{other} (its GPUs share a scale-up fabric)", defer=True)
                 break
         return out
 
@@ -140,14 +141,14 @@ class Failover:
                 if not job.plan.allows(world):
                     self.alarm(f"no healthy spare for {', '.join(left)} and job "
                                f"{job.name!r} cannot run on {world} ranks: job stopped",
-                               gpus=left, job=job.name)
+                               Alarm(gpus=list(left), job=job.name))
                     return SwapOutcome(tuple(failed), swaps, dict(job.rank_map), stopped=True,
                                        rejected_spares=tuple(rejected),
                                        latency_s=self.clock() - t0)
                 degraded = True
                 self.alarm(f"no healthy spare for {', '.join(left)}: job continues "
-                           f"degraded on {world} ranks", gpus=left, world=world,
-                           job=job.name)
+                           f"degraded on {world} ranks",
+                           Alarm(gpus=list(left), world=world, job=job.name))
                 # every rank renumbered: the job's circuits worked out afresh
                 new_map = policies.shrink_ranks(policies.swap_ranks(job.rank_map, swaps), left)
                 circuits = policies.JobCircuits(job.plan, self.layout, new_map, self.matchings)
@@ -157,9 +158,9 @@ class Failover:
                 undo = circuits.swap(swaps, job.key())
                 new_map = dict(circuits.rank_map)
             key = job.phase if job.phase in circuits.targets else next(iter(circuits.targets))
-            self.journal.record("decision", cause, self.clock() - t0, action="swap",
-                                job=job.name, failed=failed, swaps=swaps, rank_map=new_map,
-                                phase=list(key), degraded=degraded, defer=True)
+            self.journal.record(Swap(job=job.name, failed=list(failed), swaps=dict(swaps),
+                                     rank_map=dict(new_map), phase=key, degraded=degraded),
+                                cause, self.clock() - t0, defer=True)
             steps["decided"] = self.clock() - t0
             self.writer.apply(job.name, circuits.targets[key], cause)
             steps["applied"] = self.clock() - t0
@@ -176,7 +177,7 @@ class Failover:
             lost = [g for g in blamed if self.pool.holder(g) == job.name and g not in failed]
             if not spares_blamed and not lost:
                 self.alarm(f"{cause}: circuits do not verify and no GPU is to blame",
-                           dark=[list(b[:3]) for b in bad])
+                           Alarm(dark=[list(b[:3]) for b in bad]))
                 break
             if undo is not None:
                 circuits.undo(undo)         # decided again below, from the same job
@@ -184,7 +185,7 @@ class Failover:
                 rejected.append(g)
                 self.pool.reject(g)
             for g in lost:
-                self.journal.record("detected", f"GPU {g} cannot hear itself", defer=True)
+                self.journal.record(Detected(gpu=g), f"GPU {g} cannot hear itself", defer=True)
                 self.pool.report(g, "failed")
                 failed.append(g)
             log.warning("%s: rejected spare(s) %s, lost %s; deciding again", cause,
@@ -215,7 +216,8 @@ class Failover:
         bad = self.diagnosis.verify(self.diagnosis.points(targets, list(swaps.values())),
                                     cause, t0)
         if bad:
-            self.alarm("swap resumed after restart does not verify", dark=bad)
+            self.alarm("swap resumed after restart does not verify",
+                       Alarm(dark=[list(b) for b in bad]))
         self.announce(job, cause, True, None)
         return SwapOutcome(tuple(failed), swaps, dict(job.rank_map),
                            latency_s=self.clock() - t0)

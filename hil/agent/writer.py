@@ -23,6 +23,7 @@ from photonic_testbed.drivers.circuit_switch import (
     SwitchError,
 )
 from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.agent.entries import Alarm, Applied, Reconcile, SwitchReport
 from photonic_testbed.hil.agent.jobs import AgentError
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import Targets
@@ -39,7 +40,7 @@ class SwitchWriter:
 
     def __init__(self, layout: RackLayout, switches: Mapping[str, CircuitSwitch],
                  journal: Journal, clock: Callable[[], float],
-                 alarm: Callable[..., None]):
+                 alarm: Callable[[str, Alarm], None]):
         self.layout = layout
         self.switches = dict(switches)
         self.journal = journal
@@ -100,30 +101,32 @@ class SwitchWriter:
             took[s] = rep
             self._current[s] = dict(c)
             if record:
-                self.journal.record("applied", cause, rep[1], switch=s, job=job,
-                                    defer=True, **self.reported({s: rep}, cause)[s])
+                r = self.reported({s: rep}, cause)[s]
+                self.journal.record(Applied(switch=s, job=job, seconds=r.seconds, added=r.added,
+                                            removed=r.removed, unreadable=r.unreadable),
+                                    cause, rep[1], defer=True)
         for s, e in failed:
-            self.alarm(f"switch {s} refused the circuits: {e}", switch=s, during=cause)
+            self.alarm(f"switch {s} refused the circuits: {e}", Alarm(switch=s, during=cause))
         if failed:
             s, e = failed[0]
             raise AgentError(f"switch {s} refused the circuits for {cause}: {e}") from e
         return took
 
-    def reported(self, took: Took, cause: str) -> dict[str, dict[str, Any]]:
+    def reported(self, took: Took, cause: str) -> dict[str, SwitchReport]:
         """{switch: what its report says changed, for the journal}. A report that cannot be
         read (a service at odds with the contract) is journaled as such, with an alarm: the
         switch said it made the circuits, which the agent holds it to."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, SwitchReport] = {}
         for s, (rep, seconds) in took.items():
             try:
-                out[s] = {"seconds": seconds, "added": rep.pairs("added"),
-                          "removed": rep.pairs("removed")}
+                out[s] = SwitchReport(seconds=seconds, added=rep.pairs("added"),
+                                      removed=rep.pairs("removed"))
             except Exception as e:
                 why = str(e) if str(e).startswith(type(e).__name__) else \
                     f"{type(e).__name__}: {e}"
-                out[s] = {"seconds": seconds, "unreadable": why}
+                out[s] = SwitchReport(seconds=seconds, unreadable=why)
                 self.alarm(f"switch {s} made the circuits for {cause} but its report of "
-                           f"them cannot be read: {e}", switch=s, during=cause)
+                           f"them cannot be read: {e}", Alarm(switch=s, during=cause))
         return out
 
     def _write(self, todo: dict[str, Circuits]) -> Iterator[tuple[str, Circuits, Written]]:
@@ -192,7 +195,7 @@ class SwitchWriter:
                 actual = sw.circuits()
             except SwitchError as e:
                 self._current.pop(name, None)
-                self.alarm(f"cannot read switch {name}: {e}", switch=name)
+                self.alarm(f"cannot read switch {name}: {e}", Alarm(switch=name))
                 continue
             if name not in intended:
                 self._current[name] = dict(actual)
@@ -202,10 +205,11 @@ class SwitchWriter:
             if moves[name]:
                 t1 = self.clock()
                 rep = sw.apply(want)
-                self.journal.record("reconcile", cause, self.clock() - t1, switch=name,
-                                    added=rep.pairs("added"), removed=rep.pairs("removed"))
+                self.journal.record(Reconcile(switch=name, added=rep.pairs("added"),
+                                              removed=rep.pairs("removed")),
+                                    cause, self.clock() - t1)
             self._current[name] = want
-        self.journal.record("reconcile", cause, self.clock() - t0, moves=moves)
+        self.journal.record(Reconcile(moves=moves), cause, self.clock() - t0)
         return moves
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.hil.agent.agent import Agent
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.events import NoEvents
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.rig import RigSpec
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.datacenter import rack_plan
@@ -96,7 +96,7 @@ class World:
                         for k, (s, n) in enumerate(layout.switches.items())}
         self.rack = EmulatedRack(layout, self.physics, self.clock)
         self.switches = {s: SettlingSwitch(s, p) for s, p in self.physics.items()}
-        self.journal = Journal(workdir / f"{layout.name}-{time.monotonic_ns()}.db", "NORMAL")
+        self.journal = SqliteJournal(workdir / f"{layout.name}-{time.monotonic_ns()}.db", "NORMAL")
         self.agent = Agent(layout, self.switches, self.journal,
                            lambda s, p: self.rack.port_powers_dbm(s, [p])[p],
                            config=AgentConfig(quarantine_s=0.0))
