@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from photonic_testbed.calibration.crosstalk import EXTINCTION_CAP_DB
 from photonic_testbed.drivers.mesh import Calibration
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,41 @@ def summary(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
+def _extinction_plot(plt, cells: dict, ids: list[str]) -> None:
+    """Each cell's bar (and, where measured, cross) extinction; its legend says what the colours
+    and the shades mean, and values at the cap are hatched and said to be a floor."""
+    from matplotlib.patches import Patch
+    fig, ax = plt.subplots(figsize=(12, 3.4))
+    ext = [cells[c]["extinction_db"] for c in ids]
+    colours = ["tab:red" if cells[c].get("splitter_limited") else "tab:blue" for c in ids]
+    cross = [cells[c].get("cross_extinction_db") for c in ids]
+    both = all(x is not None for x in cross)
+    x = np.arange(len(ids))
+    width = 0.4 if both else 0.8
+    series = [(x - 0.2 if both else x, ext, 1.0)] + ([(x + 0.2, cross, 0.45)] if both else [])
+    capped = False
+    for at, values, alpha in series:
+        hatch = ["//" if v >= EXTINCTION_CAP_DB else "" for v in values]
+        capped = capped or any(hatch)
+        for xi, v, colour, h in zip(at, values, colours, hatch, strict=True):
+            ax.bar(xi, v, width=width, color=colour, alpha=alpha, hatch=h, edgecolor="white")
+    handles = [Patch(color="tab:blue", label="fitted by its heater"),
+               Patch(color="tab:red", label="limited by its splitters")]
+    if both:
+        handles += [Patch(color="grey", label="bar (solid)"),
+                    Patch(color="grey", alpha=0.45, label="cross (light)")]
+    if capped:
+        ax.axhline(EXTINCTION_CAP_DB, color="black", lw=0.6, ls="--")
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
+                             label=f">= {EXTINCTION_CAP_DB:g} dB: below the detector's floor,\n"
+                             "written as the cap"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_ylabel("extinction (dB)" if both else "bar extinction (dB)")
+    ax.set_xticks(x, ids, rotation=90, fontsize=6)
+    ax.set_title("extinction per cell")
+    fig.tight_layout()
+
+
 def write_report(cal: Calibration, folder: str | os.PathLike) -> str:
     """fringes.png, extinction.png, crosstalk.png and summary.txt in `folder`."""
     import matplotlib
@@ -91,22 +127,8 @@ def write_report(cal: Calibration, folder: str | os.PathLike) -> str:
         fig.tight_layout()
         fig.savefig(out / "fringes.png", dpi=90)
         plt.close(fig)
-        fig, ax = plt.subplots(figsize=(10, 3))
-        ext = [cells[c]["extinction_db"] for c in ids]
-        colours = ["tab:red" if cells[c].get("splitter_limited") else "tab:blue" for c in ids]
-        cross = [cells[c].get("cross_extinction_db") for c in ids]
-        if all(x is not None for x in cross):
-            x = np.arange(len(ids))
-            ax.bar(x - 0.2, ext, width=0.4, color=colours, label="bar")
-            ax.bar(x + 0.2, cross, width=0.4, color=colours, alpha=0.5, label="cross")
-            ax.legend(fontsize=7)
-            ax.set_ylabel("extinction (dB)")
-        else:
-            ax.bar(range(len(ids)), ext, color=colours)
-            ax.set_ylabel("bar extinction (dB)")
-        ax.set_xticks(range(len(ids)), ids, rotation=90, fontsize=6)
-        ax.set_title("extinction per cell (red: limited by the splitters)")
-        fig.tight_layout()
+        _extinction_plot(plt, cells, ids)
+        fig = plt.gcf()
         fig.savefig(out / "extinction.png", dpi=90)
         plt.close(fig)
     if cal.crosstalk is not None:

@@ -47,6 +47,10 @@ def calibrate(station: Station, *, cells: list[str] | None = None, rig: str = ""
         raise StationError(f"{station.topology.name}: the chip has no monitor photodiodes (the "
                            "heater DAC reads none); calibrate it from its outputs (method "
                            "outputs: ptb calibrate --method outputs)")
+    if method == "outputs" and station.topology.recirculating:
+        raise StationError(f"{station.topology.name}: a recirculating mesh is calibrated with "
+                           "its monitor photodiodes (method monitors); from its outputs alone "
+                           "only a feed-forward mesh (benes, clements) can be")
     if state is not None and state.get("method", "monitors") != method:
         raise ValueError(f"the saved progress is of the {state.get('method', 'monitors')} "
                          f"method, not {method}; delete it to start over")

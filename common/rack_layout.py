@@ -238,10 +238,11 @@ def lumion() -> RackLayout:
 
 
 def opus() -> RackLayout:
-    """8 servers with one rail port each on the 32 x 32 OCS (Opus's time-multiplexed rails)."""
-    return duplex_rack("opus", "ocs", 32, 8, 0,
-                       "8 servers, one rail port each (ingress p, egress 32+p) on the 32 x 32 OCS",
-                       prefix="server")
+    """8 servers with one rail port each on the 32 x 32 OCS (Opus's time-multiplexed rails),
+    and 2 spare servers on the next ports."""
+    return duplex_rack("opus", "ocs", 32, 8, 2,
+                       "8 servers and 2 spares, one rail port each (ingress p, egress 32+p) on "
+                       "the 32 x 32 OCS", prefix="server")
 
 
 LAYOUTS = {"lumion": lumion, "opus": opus}

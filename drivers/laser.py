@@ -7,14 +7,7 @@ driver asks once and remembers, so a caller never guesses a unit.
 from __future__ import annotations
 
 from photonic_testbed.drivers.power_meter import dbm_to_mw, mw_to_dbm
-from photonic_testbed.drivers.scpi import ProtocolError, SCPIInstrument
-
-
-def _float(reply: str, what: str) -> float:
-    try:
-        return float(reply)
-    except ValueError:
-        raise ProtocolError(f"{what} answered {reply[:40]!r}") from None
+from photonic_testbed.drivers.scpi import SCPIInstrument
 
 
 class Laser(SCPIInstrument):
@@ -31,7 +24,7 @@ class Laser(SCPIInstrument):
         self.command(f":SOUR0:WAV {nm:.4f}NM")
 
     def wavelength_nm(self) -> float:
-        return _float(self.query(":SOUR0:WAV?"), "wavelength") * 1e9
+        return self.query_float(":SOUR0:WAV?", "wavelength") * 1e9
 
     def set_power_mw(self, mw: float) -> None:
         if mw <= 0:
@@ -43,16 +36,12 @@ class Laser(SCPIInstrument):
 
     def _unit_code(self) -> int:
         if self._unit is None:
-            reply = self.query(":SOUR0:POW:UNIT?")
-            code = int(_float(reply, "unit"))
-            if code not in (0, 1):
-                raise ProtocolError(f"unit query answered {reply!r}")
-            self._unit = code
+            self._unit = self.query_power_unit(":SOUR0:POW:UNIT?")
         return self._unit
 
     def power_mw(self) -> float:
         unit = self._unit_code()
-        value = _float(self.query(":SOUR0:POW?"), "power")
+        value = self.query_float(":SOUR0:POW?", "power")
         return dbm_to_mw(value) if unit == 0 else value * 1e3
 
     def power_dbm(self) -> float:
@@ -68,8 +57,7 @@ class Laser(SCPIInstrument):
         self.set_output(False)
 
     def is_on(self) -> bool:
-        reply = self.query(":SOUR0:POW:STAT?")
-        return bool(int(_float(reply, "output state")))
+        return bool(int(self.query_float(":SOUR0:POW:STAT?", "output state")))
 
     def describe(self) -> dict:
         return {"kind": "laser", "identity": self.identity, "resource": self.resource_name}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from photonic_testbed.drivers.scpi import ProtocolError, SCPIInstrument
+from photonic_testbed.drivers.scpi import SCPIInstrument, reply_float
 
 NO_LIGHT_DBM = -200.0
 
@@ -28,13 +28,6 @@ class PowerReading:
     port: int
     mw: float
     dbm: float
-
-
-def _float(reply: str, what: str) -> float:
-    try:
-        return float(reply)
-    except ValueError:
-        raise ProtocolError(f"{what} answered {reply[:40]!r}") from None
 
 
 class PowerMeter(SCPIInstrument):
@@ -61,14 +54,14 @@ class PowerMeter(SCPIInstrument):
         self.command(f":SENS{self._port(port)}:CHAN1:POW:WAV {nm:.4f}NM")
 
     def wavelength_nm(self, port: int) -> float:
-        return _float(self.query(f":SENS{self._port(port)}:CHAN1:POW:WAV?"), "wavelength") * 1e9
+        return self.query_float(f":SENS{self._port(port)}:CHAN1:POW:WAV?", "wavelength") * 1e9
 
     def set_averaging_time(self, port: int, seconds: float) -> None:
         self.command(f":SENS{self._port(port)}:CHAN1:POW:ATIM {seconds:.6g}S")
         self._atim[port] = seconds
 
     def averaging_time(self, port: int) -> float:
-        t = _float(self.query(f":SENS{self._port(port)}:CHAN1:POW:ATIM?"), "averaging time")
+        t = self.query_float(f":SENS{self._port(port)}:CHAN1:POW:ATIM?", "averaging time")
         self._atim[port] = t
         return t
 
@@ -85,17 +78,13 @@ class PowerMeter(SCPIInstrument):
 
     def _unit_code(self, port: int) -> int:
         if port not in self._units:
-            reply = self.query(f":SENS{self._port(port)}:CHAN1:POW:UNIT?")
-            code = int(_float(reply, "unit"))
-            if code not in (0, 1):
-                raise ProtocolError(f"unit query answered {reply!r}")
-            self._units[port] = code
+            self._units[port] = self.query_power_unit(f":SENS{self._port(port)}:CHAN1:POW:UNIT?")
         return self._units[port]
 
     # ---- readings ----------------------------------------------------------------------------
 
     def _reading(self, port: int, reply: str) -> PowerReading:
-        value = _float(reply, "power")
+        value = reply_float(reply, "power")
         if self._unit_code(port) == 0:
             return PowerReading(port, dbm_to_mw(value), value)
         mw = value * 1e3

@@ -17,7 +17,8 @@ import logging
 import re
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,14 @@ def parse_error(entry: str) -> tuple[int, str]:
 
 
 VI_ERROR_TMO = -1073807339      # pyvisa's StatusCode.error_timeout
+
+
+def reply_float(reply: str, what: str) -> float:
+    """The number an instrument answered; anything else is a ProtocolError naming `what`."""
+    try:
+        return float(reply)
+    except ValueError:
+        raise ProtocolError(f"{what} answered {reply[:40]!r}") from None
 
 
 class ConnectionLost(Exception):
@@ -321,6 +330,19 @@ class SCPIInstrument:
             cls = InstrumentTimeout if e.timeout else InstrumentDisconnected
             raise cls(f"{self.resource_name}: no answer to {line[:60]!r} on a fresh session "
                       f"either: {e}") from e
+
+    def query_float(self, line: str, what: str, timeout_s: float | None = None) -> float:
+        """A query whose reply is a number (`what` names it in the error of any other)."""
+        return reply_float(self.query(line, timeout_s), what)
+
+    def query_power_unit(self, line: str) -> int:
+        """The unit a Keysight-style source or sensor answers power in, asked by `line` (its
+        `...:POW:UNIT?`): 0 for dBm, 1 for W."""
+        reply = self.query(line)
+        code = reply_float(reply, "unit")
+        if code not in (0, 1):
+            raise ProtocolError(f"unit query answered {reply[:40]!r}")
+        return int(code)
 
     def write(self, line: str) -> None:
         """Send a line with no reply and no error check (for lab-script compatibility)."""

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from photonic_testbed.emulator import ocs_control
-from photonic_testbed.emulator.control import ControlError, ControlServer
+from photonic_testbed.emulator.control import ControlServer
+from photonic_testbed.emulator.instrument_faults import InstrumentFaults
 from photonic_testbed.emulator.mesh_chip import RecirculatingChip
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from photonic_testbed.emulator.scpi import SCPIServer
+from photonic_testbed.emulator.scpi_server import SCPIServer, close_servers, start_servers
 
 log = logging.getLogger(__name__)
 
@@ -90,59 +90,17 @@ class OpticalBench:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> dict[str, str]:
-        endpoints = {}
-        try:
-            for name, server in self.servers.items():
-                endpoints[name] = server.start()
-        except BaseException:
-            self.close()
-            raise
-        return endpoints
+        return start_servers(self.servers)
 
     def close(self) -> None:
-        for server in self.servers.values():
-            server.close()
+        close_servers(self.servers)
 
     # ---- control handlers --------------------------------------------------------------------
 
     def register(self, control: ControlServer) -> None:
-        control.register("drop", self._drop)
-        control.register("reboot", self._reboot)
-        control.register("stick", self._stick)
-        control.register("switching_time", self._switching_time)
+        switches = {"ocs": self.physics} if self.physics is not None else {}
+        InstrumentFaults(self.servers, switches).register(control)
         control.register("truth", self._truth)
-
-    def _server(self, req: dict) -> SCPIServer:
-        name = req.get("device")
-        if name not in self.servers:
-            raise ControlError(f"device must be one of {sorted(self.servers)}, not {name!r}")
-        return self.servers[name]
-
-    def _drop(self, req: dict) -> Any:
-        return ocs_control.drop(self._server(req), req)
-
-    def _reboot(self, req: dict) -> Any:
-        server = self._server(req)
-        inst = server.instrument
-        with inst.lock:
-            if inst is getattr(self, "ocs", None):
-                self.physics.reboot()
-            else:   # the meter and the laser personas (the SCPI base class has no reboot)
-                inst.reboot()  # type: ignore[attr-defined]
-        return {"dropped": server.drop_clients()}
-
-    def _ocs(self) -> OCSPhysics:
-        if self.physics is None:
-            raise ControlError("this rig has no OCS")
-        return self.physics
-
-    def _stick(self, req: dict) -> Any:
-        return ocs_control.stick(self._ocs(), req)
-
-    def _switching_time(self, req: dict) -> Any:
-        phys = self._ocs()
-        phys.switching_s = ocs_control.switching_seconds(req)
-        return phys.switching_s
 
     def _truth(self, req: dict) -> Any:
         out: dict[str, Any] = {}

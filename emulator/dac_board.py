@@ -14,10 +14,9 @@ import select
 import threading
 import time
 import tty
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
-
 from photonic_testbed.firmware.core import Board, make_chain
 from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
@@ -146,8 +145,7 @@ class EmulatedDACBoard:
                 wants_write = bool(self._pending)
                 # the firmware's tick does something only with its watchdog armed or a ramp
                 # under way; else the loop waits for the host (500 wake-ups a second less)
-                board = self.board
-                wait = TICK_S if board.wdt_ms or board.ramp else IDLE_S
+                wait = TICK_S if self.board.watchdog.busy() else IDLE_S
                 readable, writable, _ = select.select(
                     [master], [master] if wants_write else [], [], wait)
             except (OSError, ValueError):

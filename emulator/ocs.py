@@ -18,11 +18,10 @@ import math
 import re
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import orjson
-
 from photonic_testbed.emulator.scpi import Instrument, SCPIError, no_arg
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ class OCSPhysics:
         self.light_in = light_in or (lambda: {})
         rng = np.random.default_rng([seed, 0x0C5])
         self.loss_db = {p: float(x) for p, x in zip(range(1, 2 * n + 1),
-                                                      rng.uniform(0.5, 0.75, 2 * n))}
+                                                      rng.uniform(0.5, 0.75, 2 * n), strict=True)}
         self.lock = threading.RLock()
         self.commanded: dict[int, int] = {}     # what the controller reports
         self.actual: dict[int, int] = {}        # where the light goes
@@ -136,24 +135,22 @@ class OCSPhysics:
 
     def transfer(self, inputs: dict[int, float]) -> dict[int, float]:
         """mW injected at ingress ports -> mW arriving at every egress port, right now."""
-        now = time.monotonic()
         out = {e: 0.0 for e in range(self.n + 1, 2 * self.n + 1)}
-        with self.lock:
-            for i, mw in inputs.items():
-                e = self.actual.get(i)
-                if e is None or mw <= 0:
-                    continue
-                if self._dark_until.get(i, 0.0) > now or self._dark_until.get(e, 0.0) > now:
-                    continue
-                out[e] += mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)
+        for _, e, mw in self._paths(inputs):
+            out[e] += mw
         return out
 
     def contributions(self, inputs: dict[int, float]) -> dict[int, dict[int, float]]:
         """{ingress: {egress: mW}}: what each input alone delivers, right now (the switch is
         linear in power, so these add up to `transfer(inputs)`), in one pass over the inputs
         rather than one `transfer` per input."""
+        return {i: {e: mw} for i, e, mw in self._paths(inputs)}
+
+    def _paths(self, inputs: dict[int, float]) -> list[tuple[int, int, float]]:
+        """(ingress, egress, mW arriving) for each lit input whose light gets through now: its
+        circuit made and neither end's mirror still moving."""
         now = time.monotonic()
-        out: dict[int, dict[int, float]] = {}
+        lit = []
         with self.lock:
             for i, mw in inputs.items():
                 e = self.actual.get(i)
@@ -161,8 +158,8 @@ class OCSPhysics:
                     continue
                 if self._dark_until.get(i, 0.0) > now or self._dark_until.get(e, 0.0) > now:
                     continue
-                out[i] = {e: mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)}
-        return out
+                lit.append((i, e, mw * 10 ** (-(self.loss_db[i] + self.loss_db[e]) / 10)))
+        return lit
 
     def port_power_mw(self, port: int) -> float:
         """Light at a port: what arrives at an ingress, what leaves an egress."""
@@ -229,7 +226,7 @@ def parse_pairs(arg: str, n: int) -> dict[int, int]:
         ins, outs = port_list(lists[0]), port_list(lists[1])
         if len(ins) != len(outs):
             raise SCPIError(-224, f"{len(ins)} ingress ports but {len(outs)} egress ports")
-        for i, e in zip(ins, outs):
+        for i, e in zip(ins, outs, strict=True):
             if not 1 <= i <= n:
                 raise SCPIError(-222, f"ingress port {i} is not in 1..{n}")
             if not n < e <= 2 * n:
@@ -275,6 +272,9 @@ class OCSInstrument(Instrument):
     def reset(self) -> None:
         # *RST leaves the circuits in place (disturbing light paths is not a "reset" on an OCS).
         pass
+
+    def reboot(self) -> None:
+        self.physics.reboot()
 
     def _only(self, session, sfx, arg) -> None:
         if arg.replace(" ", "") == "(@),(@)":

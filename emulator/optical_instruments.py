@@ -3,7 +3,7 @@
 The power meter reads the light that reaches each of its channels from a callable the rig gives
 it (the optics), adds a noise floor near -70 dBm and ~0.1 % relative noise (seeded), and honours
 the averaging time as a delay. The laser's output (mW when on, 0 when off) is what the optics
-reads. Both speak SCPI on a loopback socket through `emulator.scpi`; see docs/instruments.md.
+reads. Both speak SCPI on a loopback socket through `emulator.scpi_server`; see docs/instruments.md.
 """
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
-
-from photonic_testbed.emulator.scpi import (Instrument, SCPIError, Waiting, boolean, no_arg,
-                                                 number)
+from photonic_testbed.emulator.scpi import Instrument, SCPIError, Waiting, boolean, no_arg, number
 
 log = logging.getLogger(__name__)
 
 WAVELENGTH_UNITS = {"M": 1.0, "MM": 1e-3, "UM": 1e-6, "NM": 1e-9, "PM": 1e-12}
 TIME_UNITS = {"S": 1.0, "MS": 1e-3, "US": 1e-6}
+POWER_UNITS = {"0": 0, "DBM": 0, "1": 1, "W": 1, "WATT": 1}   # `...:POW:UNIT` codes: 0 dBm, 1 W
 NOISE_FLOOR_MW = 1e-7          # -70 dBm
 RELATIVE_NOISE = 1e-3          # 0.1 %
 MAX_ATIM_S = 10.0
@@ -43,6 +42,14 @@ def _dbm_to_mw(dbm: float) -> float:
 
 def mw_to_dbm(mw: float) -> float:
     return 10 * math.log10(mw) if mw > 0 else -200.0
+
+
+def power_unit(arg: str) -> int:
+    """The unit code a `...:POW:UNIT` setting names (the meter's and the laser's alike)."""
+    a = arg.strip().upper()
+    if a not in POWER_UNITS:
+        raise SCPIError(-224 if a else -109, f"unit must be 0|DBM or 1|W, not {arg[:20]!r}")
+    return POWER_UNITS[a]
 
 
 @dataclass
@@ -88,10 +95,6 @@ class PowerMeterInstrument(Instrument):
 
     def reset(self) -> None:
         self.ch = [MeterChannel() for _ in range(self.channels)]
-
-    def reboot(self) -> None:
-        with self.lock:
-            self.reset()
 
     def _chan(self, sfx: tuple) -> MeterChannel:
         n, m = (sfx + (None, None))[:2]
@@ -146,12 +149,7 @@ class PowerMeterInstrument(Instrument):
         c.atim_s = t
 
     def _set_unit(self, session, sfx, arg) -> None:
-        c = self._chan(sfx)
-        a = arg.strip().upper()
-        units = {"0": 0, "DBM": 0, "1": 1, "W": 1, "WATT": 1}
-        if a not in units:
-            raise SCPIError(-224 if a else -109, f"unit must be 0|DBM or 1|W, not {arg[:20]!r}")
-        c.unit = units[a]
+        self._chan(sfx).unit = power_unit(arg)
 
     def _set_range(self, session, sfx, arg) -> None:
         c = self._chan(sfx)
@@ -201,10 +199,6 @@ class LaserInstrument(Instrument):
     def reset(self) -> None:
         self.state = LaserState()
 
-    def reboot(self) -> None:
-        with self.lock:
-            self.reset()
-
     def _src(self, sfx: tuple) -> LaserState:
         if sfx[0] not in (None, 0):
             raise SCPIError(-114, f"no source {sfx[0]} (this laser is source 0)")
@@ -239,12 +233,7 @@ class LaserInstrument(Instrument):
         return _sci(mw_to_dbm(s.power_mw)) if s.unit == 0 else _sci(s.power_mw * 1e-3)
 
     def _set_unit(self, session, sfx, arg) -> None:
-        s = self._src(sfx)
-        a = arg.strip().upper()
-        units = {"0": 0, "DBM": 0, "1": 1, "W": 1, "WATT": 1}
-        if a not in units:
-            raise SCPIError(-224 if a else -109, f"unit must be 0|DBM or 1|W, not {arg[:20]!r}")
-        s.unit = units[a]
+        self._src(sfx).unit = power_unit(arg)
 
     def _set_state(self, session, sfx, arg) -> None:
         self._src(sfx).on = boolean(arg)

@@ -18,15 +18,16 @@ agent believes.
 from __future__ import annotations
 
 import functools
-
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from photonic_testbed.emulator import ocs_control
-from photonic_testbed.emulator.control import ControlError, ControlServer
-from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.emulator.scpi import SCPILoop, SCPIServer
 from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.emulator.control import ControlError, ControlServer
+from photonic_testbed.emulator.instrument_faults import InstrumentFaults
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator.scpi_loop import SCPILoop
+from photonic_testbed.emulator.scpi_server import SCPIServer, close_servers, start_servers
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RailSwitches:
             port = 0 if port_base is None else port_base + k
             self.servers[name] = SCPIServer(OCSInstrument(phys, serial=f"{seed:03d}{k:03d}"),
                                             host, port, name, loop=loop)
+        self.faults = InstrumentFaults(self.servers, self.physics)
 
     def light_from(self, launch_mw: Callable[[str], dict[int, float]]) -> None:
         """What enters each switch's ingress ports (`launch_mw(switch)` -> {port: mW}): the
@@ -58,21 +60,14 @@ class RailSwitches:
             phys.light_in = functools.partial(launch_mw, name)
 
     def start(self) -> dict[str, str]:
-        endpoints = {}
-        try:
-            for name, server in self.servers.items():
-                endpoints[name] = server.start()
-        except BaseException:
-            self.close()
-            raise
+        endpoints = start_servers(self.servers)
         log.info("%d rail OCSes listening", len(endpoints))
         return endpoints
 
     def close(self) -> None:
-        for server in self.servers.values():
-            server.close()
+        close_servers(self.servers)
 
-    def __enter__(self) -> "RailSwitches":
+    def __enter__(self) -> RailSwitches:
         self.start()
         return self
 
@@ -82,38 +77,8 @@ class RailSwitches:
     # ---- control handlers ------------------------------------------------------------------
 
     def register(self, control: ControlServer) -> None:
-        control.register("drop", self._drop)
-        control.register("reboot", self._reboot)
-        control.register("stick", self._stick)
-        control.register("switching_time", self._switching_time)
+        self.faults.register(control)
         control.register("switch_circuits", self._circuits)
-
-    def _switch(self, req: dict) -> str:
-        name = req.get("device")
-        if name not in self.servers:
-            some = ", ".join(list(self.servers)[:3])
-            raise ControlError(f"device must name one of the {len(self.servers)} rail OCSes "
-                               f"({some}, ...), not {name!r}")
-        return name
-
-    def _drop(self, req: dict) -> Any:
-        return ocs_control.drop(self.servers[self._switch(req)], req)
-
-    def _reboot(self, req: dict) -> Any:
-        name = self._switch(req)
-        with self.servers[name].instrument.lock:
-            self.physics[name].reboot()
-        return {"dropped": self.servers[name].drop_clients()}
-
-    def _stick(self, req: dict) -> Any:
-        return ocs_control.stick(self.physics[self._switch(req)], req)
-
-    def _switching_time(self, req: dict) -> Any:
-        s = ocs_control.switching_seconds(req)
-        names = [self._switch(req)] if "device" in req else list(self.physics)
-        for name in names:
-            self.physics[name].switching_s = s
-        return {"seconds": s, "switches": len(names)}
 
     def _circuits(self, req: dict) -> Any:
         names = req.get("switches")
@@ -123,7 +88,7 @@ class RailSwitches:
             raise ControlError(f"switches must be a list of switch names, not {names!r}")
         out = {}
         for name in names:
-            phys = self.physics[self._switch({"device": name})]
+            phys = self.physics[self.faults.switch_name({"device": name})]
             with phys.lock:
                 out[name] = {"commanded": sorted(phys.commanded.items()),
                              "actual": sorted(phys.actual.items()), "moves": phys.moves,

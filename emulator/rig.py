@@ -23,6 +23,7 @@ from photonic_testbed.emulator.mesh_chip import make_chip
 from photonic_testbed.emulator.control import ControlServer
 from photonic_testbed.emulator.dac_board import EmulatedDACBoard, heater_resistances
 from photonic_testbed.hil.rig.emulated import RigSpec
+from photonic_testbed.hil.files import write_atomic
 
 if TYPE_CHECKING:
     from photonic_testbed.emulator.rackhost import RackHost
@@ -192,11 +193,8 @@ class EmulatedRig:
         return rack
 
     def write_endpoints(self, path: str | os.PathLike) -> None:
-        """Write the endpoints JSON atomically (temp file + rename)."""
-        path = pathlib.Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.endpoints, indent=2) + "\n")
-        os.replace(tmp, path)
+        """Write the endpoints JSON whole or not at all (hil.files)."""
+        write_atomic(path, json.dumps(self.endpoints, indent=2) + "\n")
 
     def close(self) -> None:
         if self.rack is not None:

@@ -80,14 +80,14 @@ class CommandError(Exception):
 
 def error_line(code, ch=0):
     """`E<code>:<ch>` with two-digit fields; channels past 99 keep their last two digits."""
-    return "E%02d:%02d\n" % (code % 100, ch % 100)
+    return f"E{code % 100:02d}:{ch % 100:02d}\n"
 
 
 def format_fixed(units, unit):
     """1e-4 fixed point to the board's reply form: `+1.5000 V`."""
     sign = "-" if units < 0 else "+"
     units = -units if units < 0 else units
-    return "%s%d.%04d %s" % (sign, units // UNITS, units % UNITS, unit)
+    return f"{sign}{units // UNITS}.{units % UNITS:04d} {unit}"
 
 
 def parse_fixed(text):
@@ -170,7 +170,7 @@ class Module:
         self.vfull, self.ifull = MODULE_TYPES[kind]
 
     def ident(self):
-        return "%s-%04X" % (self.kind, self.serial)
+        return f"{self.kind}-{self.serial:04X}"
 
 
 def make_chain(kind, serials, channels_per_module=8):
@@ -180,6 +180,104 @@ def make_chain(kind, serials, channels_per_module=8):
         modules.append(Module(kind, serial, first, channels_per_module))
         first += channels_per_module
     return modules
+
+
+class LineFramer:
+    """The host line's framing: bytes in, complete lines out. A line ends at a newline (a
+    carriage return is dropped); a line holding a byte outside printable ASCII (tab allowed)
+    is refused whole with E15 at its end; one over MAX_LINE bytes is refused with E14 at once
+    and the rest of it skipped."""
+
+    def __init__(self):
+        self.rx = bytearray()
+        self.dropping = False    # discarding the rest of an over-long line
+        self.garbled = False     # current line held a non-ASCII byte
+
+    def feed(self, data):
+        """What `data` completes, in order: a line (str, without its newline) or the error
+        code of a refused one."""
+        out = []
+        for b in data:
+            if b == 10:  # newline ends a line
+                if self.dropping:
+                    self.dropping = False
+                elif self.garbled:
+                    out.append(E_SERIAL)
+                else:
+                    out.append(self.rx.decode())
+                self.rx = bytearray()
+                self.garbled = False
+                continue
+            if self.dropping:
+                continue
+            if b == 13:
+                continue
+            if b >= 128 or (b < 32 and b != 9):
+                self.garbled = True
+                continue
+            if len(self.rx) >= MAX_LINE:
+                self.rx = bytearray()
+                self.garbled = False
+                self.dropping = True
+                out.append(E_OVERFLOW)
+                continue
+            self.rx.append(b)
+        return out
+
+
+class Watchdog:
+    """Silence on the host line for `ms` (0: off) ramps every live output down to 0 V over
+    RAMP_MS, once per silence; a channel the host sets again leaves the ramp."""
+
+    def __init__(self, now):
+        self.ms = 0
+        self.trips = 0
+        self.last_rx = now
+        self.ramp = {}           # channel -> code at ramp start
+        self.ramp_start = 0
+
+    def heard(self, now):
+        self.last_rx = now
+
+    def arm(self, ms, now):
+        self.ms = ms
+        self.last_rx = now
+
+    def busy(self):
+        """Armed or ramping: only then has `step` anything to do."""
+        return bool(self.ms or self.ramp)
+
+    def release(self, c):
+        """The host has taken channel c over again."""
+        if c in self.ramp:
+            del self.ramp[c]
+
+    def stop(self):
+        self.ramp = {}
+
+    def step(self, now, codes):
+        """The outputs to lower now, as [(channel, code)], given every channel's code."""
+        if self.ms and not self.ramp and ticks_diff(now, self.last_rx) > self.ms:
+            live = {}
+            for c in range(len(codes)):
+                if codes[c]:
+                    live[c] = codes[c]
+            if live:
+                self.ramp = live
+                self.ramp_start = now
+                self.trips += 1
+            self.last_rx = now  # one trip per silence; re-arms on the next silence
+        lower = []
+        if self.ramp:
+            elapsed = ticks_diff(now, self.ramp_start)
+            done = elapsed >= RAMP_MS
+            for c in self.ramp:
+                code = 0 if done else self.ramp[c] * (RAMP_MS - elapsed) // RAMP_MS
+                if code < codes[c]:
+                    lower.append((c, code))
+            if done:
+                self.ramp = {}
+        return lower
 
 
 class Board:
@@ -209,14 +307,8 @@ class Board:
         self.codes = [0] * n
         # Last resistance measurement per channel as (volts units, current units), None if none.
         self.load = [None] * n
-        self.wdt_ms = 0
-        self.wdt_trips = 0
-        self.ramp = {}           # channel -> code at ramp start
-        self.ramp_start = 0
-        self.rx = bytearray()
-        self.dropping = False    # discarding the rest of an over-long line
-        self.garbled = False     # current line held a non-ASCII byte
-        self.last_rx = hal.ticks_ms()
+        self.watchdog = Watchdog(hal.ticks_ms())
+        self.framer = LineFramer()
 
     # ---- power and framing -------------------------------------------------------------
 
@@ -225,62 +317,21 @@ class Board:
         for c in range(self.n):
             self.codes[c] = 0
             self.hal.write(c, 0)
-        self.ramp = {}
+        self.watchdog.stop()
         return error_line(E_POWERED_UP, 0).encode()
 
     def feed(self, data):
         """Bytes from the host in, reply bytes out. Never raises on any input."""
-        self.last_rx = self.hal.ticks_ms()
+        self.watchdog.heard(self.hal.ticks_ms())
         out = []
-        for b in data:
-            if b == 10:  # newline ends a line
-                if self.dropping:
-                    self.dropping = False
-                elif self.garbled:
-                    out.append(error_line(E_SERIAL, 0))
-                else:
-                    out.append(self.execute(self.rx.decode()))
-                self.rx = bytearray()
-                self.garbled = False
-                continue
-            if self.dropping:
-                continue
-            if b == 13:
-                continue
-            if b >= 128 or (b < 32 and b != 9):
-                self.garbled = True
-                continue
-            if len(self.rx) >= MAX_LINE:
-                self.rx = bytearray()
-                self.garbled = False
-                self.dropping = True
-                out.append(error_line(E_OVERFLOW, 0))
-                continue
-            self.rx.append(b)
+        for line in self.framer.feed(data):
+            out.append(self.execute(line) if isinstance(line, str) else error_line(line, 0))
         return "".join(out).encode()
 
     def tick(self):
         """Call often (every few ms): runs the watchdog and its ramp to 0 V."""
-        now = self.hal.ticks_ms()
-        if self.wdt_ms and not self.ramp and ticks_diff(now, self.last_rx) > self.wdt_ms:
-            live = {}
-            for c in range(self.n):
-                if self.codes[c]:
-                    live[c] = self.codes[c]
-            if live:
-                self.ramp = live
-                self.ramp_start = now
-                self.wdt_trips += 1
-            self.last_rx = now  # one trip per silence; re-arms on the next silence
-        if self.ramp:
-            elapsed = ticks_diff(now, self.ramp_start)
-            done = elapsed >= RAMP_MS
-            for c in self.ramp:
-                code = 0 if done else self.ramp[c] * (RAMP_MS - elapsed) // RAMP_MS
-                if code < self.codes[c]:
-                    self._output(c, code)
-            if done:
-                self.ramp = {}
+        for c, code in self.watchdog.step(self.hal.ticks_ms(), self.codes):
+            self._output(c, code)
 
     # ---- dispatch ------------------------------------------------------------------------
 
@@ -442,8 +493,7 @@ class Board:
                 self._output(c, previous[c])
             raise refused  # a channel in a watchdog ramp stays in it
         for c in order:
-            if c in self.ramp:
-                del self.ramp[c]  # the host has taken this channel over again
+            self.watchdog.release(c)
 
     @staticmethod
     def _number(value, c):
@@ -451,7 +501,7 @@ class Board:
         try:
             return parse_fixed(value)
         except ValueError:
-            raise CommandError(E_BAD_PARAMETER, c % 100)
+            raise CommandError(E_BAD_PARAMETER, c % 100) from None
 
     def _volts_target(self, c, value):
         units = self._number(value, c)
@@ -601,7 +651,7 @@ class Board:
 
     def cmd_get_vhex(self, ch, value):
         self._no_channel(ch)
-        return "".join(["%04X" % code for code in self.codes]) + "\n"
+        return "".join([f"{code:04X}" for code in self.codes]) + "\n"
 
     def cmd_id(self, ch, value):
         self._no_channel(ch)
@@ -615,11 +665,11 @@ class Board:
 
     def cmd_nupall(self, ch, value):
         self._no_channel(ch)
-        return "".join(["%s : %d\n" % (m.ident(), k) for k, m in enumerate(self.modules)])
+        return "".join([f"{m.ident()} : {k}\n" for k, m in enumerate(self.modules)])
 
     def cmd_nchan(self, ch, value):
         self._no_channel(ch)
-        return "%d\n" % self.n
+        return f"{self.n}\n"
 
     def cmd_vfull(self, ch, value):
         return format_fixed(self.modules[0].vfull, "V") + "\n"
@@ -629,7 +679,7 @@ class Board:
 
     def cmd_firmware(self, ch, value):
         self._no_channel(ch)
-        return "v%s\n" % FIRMWARE_VERSION
+        return f"v{FIRMWARE_VERSION}\n"
 
     def cmd_help(self, ch, value):
         return "".join([line + "\n" for line in HELP_TEXT])
@@ -642,13 +692,12 @@ class Board:
         ms //= UNITS
         if ms != 0 and (ms < WDT_MIN_MS or ms > WDT_MAX_MS):
             raise CommandError(E_BAD_PARAMETER, 0)
-        self.wdt_ms = ms
-        self.last_rx = self.hal.ticks_ms()
+        self.watchdog.arm(ms, self.hal.ticks_ms())
         return "OK\n"
 
     def cmd_get_wdt(self, ch, value):
         self._no_channel(ch)
-        return "%d\n" % self.wdt_ms
+        return f"{self.watchdog.ms}\n"
 
     def cmd_set_pmax(self, ch, value):
         self._no_channel(ch)
@@ -666,11 +715,7 @@ class Board:
 
     def cmd_ptot(self, ch, value):
         self._no_channel(ch)
-        total = 0  # 1e-11 W
-        for c in range(self.n):
-            if self.codes[c]:
-                total += self.volts_of(c, self.codes[c]) * self.hal.read_current(c)
-        return format_fixed((total + 5000) // 10000, "mW") + "\n"  # to 1e-4 mW
+        return format_fixed((self._measured_power() + 5000) // 10000, "mW") + "\n"  # 1e-4 mW
 
     # ---- monitor photodiodes (our extension) ------------------------------------------------
 

@@ -11,6 +11,10 @@ from photonic_testbed.gui.limits import Limits
 log = logging.getLogger(__name__)
 
 
+# what a screenshot may be saved as (Qt picks the format by the file's suffix)
+SCREENSHOT_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+
+
 class GuiUnavailable(Exception):
     """The GUI cannot start as asked; the message says why."""
 
@@ -55,6 +59,15 @@ def run(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     if args.rx_period < 0:
         raise GuiUnavailable("--rx-period must be >= 0 seconds")
+    if args.quit_after is not None and not 0 < args.quit_after <= 86400:
+        raise GuiUnavailable(f"--quit-after must be in (0, 86400] seconds, not "
+                             f"{args.quit_after:g}")
+    if args.screenshot and args.quit_after is None:
+        raise GuiUnavailable("--screenshot is taken when --quit-after closes the window: "
+                             "give --quit-after too")
+    if args.screenshot and not args.screenshot.lower().endswith(SCREENSHOT_SUFFIXES):
+        raise GuiUnavailable(f"--screenshot {args.screenshot}: the name must end in "
+                             f"{' or '.join(SCREENSHOT_SUFFIXES)}")
     if not args.skip_display_check:
         from photonic_testbed.gui.startup import qt_start_problem
         problem = qt_start_problem()
@@ -62,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
             raise GuiUnavailable(problem)
     rig = None
     if args.rig:
+        from photonic_testbed.hil.files import WAIT_S
         from photonic_testbed.hil.rig import RigFileError, load
         try:
-            rig = load(args.rig)
+            rig = load(args.rig, wait_s=WAIT_S)
         except RigFileError as e:
             raise GuiUnavailable(str(e)) from None
     from PySide6.QtCore import QSettings, QTimer
@@ -88,13 +102,17 @@ def run(args: argparse.Namespace) -> int:
             with open(args.ready_file, "w", encoding="utf-8") as f:
                 f.write(f"{app.platformName()}\n")
         QTimer.singleShot(0, ready)       # the event loop runs: the window is up
+    saved = [True]
     if args.quit_after is not None:
         def finish():
-            if args.screenshot:
-                window.grab().save(args.screenshot)
+            if args.screenshot and not window.grab().save(args.screenshot):
+                log.error("the screenshot could not be written to %s", args.screenshot)
+                saved[0] = False
             window.close()
         QTimer.singleShot(int(args.quit_after * 1000), finish)
     code = app.exec()
+    if code == 0 and not saved[0]:
+        code = 1
     if rig is not None:
         fabric.close()
     else:

@@ -7,4 +7,5 @@
     hil.job      the training job's side: the fabric client, the PyTorch job
     hil.gpus     GPU health (NVML) and transceiver power (DDM), on the bus
     hil.lab      the lab bench: discovery, record and replay, the emulator's control wire
+    hil.files    files one command writes and another reads: whole or not at all, waited for
 """

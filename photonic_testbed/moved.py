@@ -29,7 +29,7 @@ MOVED: dict[str, tuple[str, str]] = {f"{ROOT}.{old}": (f"{ROOT}.{new}", "0.3") f
     ("hil.gpu_health", "hil.gpus.health"),
     ("hil.ddm", "hil.gpus.ddm"),
     ("hil.fabric_client", "hil.job.fabric_client"),
-    ("hil.torch_fabric", "hil.job.torch_fabric"),
+    ("hil.torch_fabric", "hil.job.worker"),
     ("hil.torch_job", "hil.job.torch_job"),
     ("hil.recorder", "hil.lab.recorder"),
     ("hil.replayer", "hil.lab.replayer"),

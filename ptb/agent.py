@@ -13,8 +13,9 @@ from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.config import ALLOCATIONS, SETTINGS, AgentConfig, expected
 from photonic_testbed.hil.agent.journal import JournalError
 from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import Rig, RigFileError, load
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 
 def add_parser(sub) -> None:
@@ -74,8 +75,9 @@ def config_of(rig: Rig, args: argparse.Namespace) -> AgentConfig:
 
 
 def run(args) -> int:
+    check_output(args.journal, "--journal")
     try:
-        rig = load(args.rig)
+        rig = load(args.rig, wait_s=WAIT_S)
     except RigFileError as e:
         raise CommandFailed(str(e)) from None
     stop = threading.Event()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pathlib
 import sys
 import time
 from typing import Any
 
+from photonic_testbed.hil.files import WAIT_S, write_atomic
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def topology_by_name(name: str):
 def read_rig(path: str):
     from photonic_testbed.hil import rig as rigfile
     try:
-        return rigfile.load(path)
+        return rigfile.load(path, wait_s=WAIT_S)
     except rigfile.RigFileError as e:
         raise CommandFailed(str(e)) from None
 
@@ -269,15 +269,14 @@ class Progress:
 
 
 def _save_json(path: pathlib.Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data))
 
 
 # ---- the command ------------------------------------------------------------------------------
 
 def run(args) -> int:
     if args.resave:
+        check_output(args.resave, "--resave")
         return _resave(pathlib.Path(args.resave))
     if bool(args.rig) == bool(args.endpoints):
         raise CommandFailed("give the rig: either --rig NAME_OR_FILE or --endpoints FILE")
@@ -290,6 +289,9 @@ def run(args) -> int:
         raise CommandFailed("--update FILE recalibrates the cells named by --cells: name them "
                             "(or write a new file with --out)")
     check_output(args.out, "--out")
+    check_output(args.update, "--update")
+    check_output(args.progress, "--progress")
+    check_output(args.report, "--report", folder=True)
     if not 0 < args.drift_threshold_rad < 3.2:
         raise CommandFailed("--drift-threshold-rad must be in (0, pi]")
     emulated_here = not args.endpoints and _emulated_here(args.rig)
@@ -300,13 +302,11 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:
         rig_name, chip_id = "", ""
         if args.endpoints:
+            from photonic_testbed.hil.lab.session import SessionError, read_endpoints
             try:
-                ep = json.loads(pathlib.Path(args.endpoints).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise CommandFailed(f"cannot read endpoints {args.endpoints}: {e}") from None
-            if not isinstance(ep, dict) or not all(isinstance(v, str) for v in ep.values()):
-                raise CommandFailed(f"endpoints {args.endpoints}: expected a JSON object of "
-                                    "device -> address, as `ptb emulate --endpoints` writes")
+                ep = read_endpoints(args.endpoints, wait_s=WAIT_S)
+            except SessionError as e:
+                raise CommandFailed(str(e)) from None
             topology = topology_by_name(args.topology)
         elif not emulated_here:
             rig = read_rig(args.rig)
@@ -378,9 +378,19 @@ def _drift(station, calibration, args) -> int:
 
 def _emulated_here(rig_arg: str) -> bool:
     """Whether --rig names an emulated rig to start here (a name, or a TOML file with an
-    [emulator] table) rather than a rig file."""
-    from photonic_testbed.hil.rig import is_emulator_description
-    return not pathlib.Path(rig_arg).exists() or is_emulator_description(rig_arg)
+    [emulator] table) rather than a rig file. A file's name (a .toml, or a path) is waited for
+    when it is not there yet: another command may be writing it (hil.files)."""
+    from photonic_testbed.hil.files import FileNotWritten, wait_for
+    from photonic_testbed.hil.rig import RIGS, is_emulator_description
+    if rig_arg in RIGS:
+        return True
+    path = pathlib.Path(rig_arg)
+    if path.suffix == ".toml" or len(path.parts) > 1:
+        try:
+            wait_for(path, WAIT_S, "rig file")
+        except FileNotWritten as e:
+            raise CommandFailed(f"--rig {rig_arg}: {e}") from None
+    return not path.exists() or is_emulator_description(path)
 
 
 def _start_emulated(stack, args):

@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from photonic_testbed import __version__
+
 # Subcommand name -> the one-line help `ptb --help` shows; ptb/NAME.py registers the rest.
 COMMANDS = {
     "emulate": "run an emulated rig (pty and loopback sockets)",
@@ -27,6 +29,7 @@ COMMANDS = {
     "discover": "find a bench's devices and write a rig file skeleton",
     "record": "record a session between clients and devices (pty and TCP relays)",
     "replay": "replay a recorded session against devices, or as the devices",
+    "status": "ask every process of a rig's bus (or every instrument) whether it answers",
 }
 
 
@@ -34,17 +37,40 @@ class CommandFailed(Exception):
     """A subcommand's clear, expected failure: printed without a traceback, exit code 1."""
 
 
-def check_output(path, option: str) -> None:
-    """Refuse, before any work, a file a command would write where it cannot be written (no
-    such folder, a folder in the way)."""
+def check_output(path, option: str, suffixes: tuple[str, ...] = (),
+                 folder: bool = False) -> None:
+    """Refuse, before any work, a file (or with `folder`, a folder) a command would write where
+    it cannot be written: no such folder, a folder or a file in the way, a folder that refuses
+    a new file (read-only, full, not ours: tried, not guessed), a file that cannot be replaced,
+    or a name whose suffix is not one of `suffixes` (where the format follows the name)."""
     if path is None:
         return
+    import os
     import pathlib
+    import tempfile
     p = pathlib.Path(path)
-    if p.is_dir():
-        raise CommandFailed(f"{option} {p}: a folder is there, not a file")
-    if not p.parent.is_dir():
-        raise CommandFailed(f"{option} {p}: no folder {p.parent}")
+    if folder:            # made with its parents if need be: the nearest one there is tried
+        place = next(q for q in (p, *p.absolute().parents) if q.exists())
+        if not place.is_dir():
+            raise CommandFailed(f"{option} {p}: a file is there ({place}), not a folder")
+    else:
+        if p.is_dir():
+            raise CommandFailed(f"{option} {p}: a folder is there, not a file")
+        if suffixes and p.suffix.lower() not in suffixes:
+            raise CommandFailed(f"{option} {p}: the file's name must end in "
+                                f"{' or '.join(suffixes)} (its format follows the name)")
+        place = p.parent
+    if not place.is_dir():
+        raise CommandFailed(f"{option} {p}: no folder {place}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=place, prefix=".ptb-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CommandFailed(f"{option} {p}: cannot write in {place}: "
+                            f"{e.strerror or e}") from None
+    if not folder and p.exists() and not os.access(p, os.W_OK):
+        raise CommandFailed(f"{option} {p}: the file there cannot be replaced (read-only)")
 
 
 def chosen_command(argv: list[str]) -> str | None:
@@ -66,6 +92,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         prog="ptb", description="Photonic testbed: firmware, drivers, emulator and tools.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"ptb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_line in COMMANDS.items():
         if name == chosen:

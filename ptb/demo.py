@@ -11,18 +11,15 @@ process is stopped at the end; the exit code is 0 when the job resumed on a heal
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 import time
 from typing import TYPE_CHECKING
 
 from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.stack import Stack
 
 if TYPE_CHECKING:
     from photonic_testbed.hil.agent.journal import Entry
@@ -31,11 +28,8 @@ if TYPE_CHECKING:
 # opus has no spare server: its DP ring shrinks to 7 ranks (the agent raises an alarm).
 RIG_JOBS = {"lumion": ("dp", "gpu3"), "opus": ("dp", "server5")}
 WINDOW_S = 2.0          # throughput windows before and after the failure
-
-
-CALIBRATION_TIMEOUT_S = 300
+CACHE_FOLDER = "photonic-testbed"     # under the user's cache folder: each run's own folder
 PEER_TIMEOUT_S = 10.0   # a generous wait for a reply: a busy machine must not fail the demo
-READY_TIMEOUT_S = 300.0  # for a process to come up (imports alone take a minute on a busy VM)
 RESUME_TIMEOUT_S = 120.0  # for the job to resume after the failure (about 0.3 s when idle)
 
 
@@ -57,7 +51,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ideal-chip", action="store_true",
                    help="a chip without fabrication errors, used uncalibrated (default: the "
                    "seeded, imperfect chip, calibrated first with ptb calibrate)")
-    p.add_argument("--workdir", help="keep the rig file, journal and logs here")
+    p.add_argument("--workdir", help="keep the rig file, calibration, journal and logs here "
+                   "(default: a new folder under ~/.cache/photonic-testbed/, named in the "
+                   "output)")
     p.add_argument("--keep-open", action="store_true",
                    help="keep the GUI (and the rig under it) running after the demo, until "
                    "its window is closed")
@@ -77,57 +73,27 @@ def has_display() -> bool:
         os.environ.get("CI", "").lower() not in ("1", "true", "yes")
 
 
-class Processes:
-    """The demo's child processes: started with logs in the work dir, all stopped at close."""
-
-    def __init__(self, workdir: pathlib.Path):
-        self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self._logs: list = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "w")
-        self._logs.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
-        self.procs.append((name, proc))
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            if name != "gui" and proc.poll() is not None:
-                raise CommandFailed(f"{name} stopped (exit {proc.returncode}); its log:\n"
-                                    + self.tail(name))
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        path = self.workdir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def close(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        for log in self._logs:
-            log.close()
-
-
-def _wait(what: str, cond, procs: Processes, timeout: float = READY_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        procs.check()
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise CommandFailed(f"{what} did not happen within {timeout:g} s")
+def demo_folder(given: str | None) -> pathlib.Path:
+    """The folder that keeps the demo's files (rig file, calibration, journal, logs) after it
+    ends: `--workdir`, or a new one under the user's cache folder."""
+    if given:
+        path = pathlib.Path(given).resolve()
+        if path.exists() and not path.is_dir():
+            raise CommandFailed(f"--workdir {given} is not a folder")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CommandFailed(f"cannot make --workdir {given}: {e.strerror or e}") from None
+        return path
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    try:
+        (cache / CACHE_FOLDER).mkdir(parents=True, exist_ok=True)
+        return pathlib.Path(tempfile.mkdtemp(prefix=time.strftime("demo-%Y%m%d-%H%M%S-"),
+                                             dir=cache / CACHE_FOLDER))
+    except OSError as e:
+        raise CommandFailed(f"cannot make a folder for the demo's files in "
+                            f"{cache / CACHE_FOLDER}: {e.strerror or e}; name one with "
+                            f"--workdir") from None
 
 
 def _gpu_to_fail(rig: str, gpu: str | None) -> str:
@@ -154,69 +120,39 @@ def run(args) -> int:
         raise CommandFailed(f"--seed must be >= 0, not {args.seed}")
     plan = RIG_JOBS[args.rig][0]
     gpu = _gpu_to_fail(args.rig, args.gpu)
-    if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
-        raise CommandFailed(f"--workdir {args.workdir} is not a folder")
-    with contextlib.ExitStack() as stack:
-        if args.workdir:
-            workdir = pathlib.Path(args.workdir).resolve()
-            try:
-                workdir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise CommandFailed(f"cannot make --workdir {args.workdir}: "
-                                    f"{e.strerror or e}") from None
-        else:
-            workdir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="ptb-demo-")))
-        procs = Processes(workdir)
-        stack.callback(procs.close)
-        if args.job == "torch":
-            from photonic_testbed.ptb import demo_torch
-            return demo_torch.demo(args, gpu, workdir, procs)
-        return _demo(args, plan, gpu, workdir, procs)
-    return 1
+    if args.job == "torch":
+        from photonic_testbed.ptb import demo_torch
+        demo_torch.check_torch()
+    workdir = demo_folder(args.workdir)
+    t0 = time.monotonic()
+    say(t0, f"this run's files (rig file, calibration, journal, logs) are kept in {workdir}")
+    try:
+        with Stack(workdir, say=lambda text: say(t0, text)) as stack:
+            stack.emulate(args.rig, "--seed", str(args.seed),
+                          *(["--ideal-chip"] if args.ideal_chip else []))
+            if stack.rig.chip is not None and not args.ideal_chip:
+                stack.calibrate()
+            stack.serve()
+            stack.agent()
+            if args.job == "torch":
+                return demo_torch.demo(args, gpu, stack, t0)
+            return _demo(args, plan, gpu, stack, t0)
+    finally:
+        say(t0, f"every process of the demo stopped; its files are in {workdir}")
 
 
-def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
-    from photonic_testbed.hil import rig as rigfile
+def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
     from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
-    from photonic_testbed.hil.bus.client import BusError, ServiceClient
+    from photonic_testbed.hil.bus.client import ServiceClient
     from photonic_testbed.hil.lab.control_client import ControlError, request
 
-    t0 = time.monotonic()
-    rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
-    journal = workdir / "journal.db"
-    for stale in (rig_path, eps_path, workdir / "services.json"):
-        stale.unlink(missing_ok=True)       # a reused --workdir: wait for this run's files
-    procs.start("emulate", "emulate", "--rig", args.rig, "--seed", str(args.seed),
-                *(["--ideal-chip"] if args.ideal_chip else []),
-                "--write-rig", str(rig_path), "--endpoints", str(eps_path))
-    _wait("the emulator", lambda: rig_path.exists() and eps_path.exists(), procs)
-    rig = rigfile.load(rig_path)
-    if rig.chip is not None and not args.ideal_chip:
-        rig = _calibrate(t0, rig, rig_path, workdir, procs)
-    control = json.loads(eps_path.read_text())["control"]
-    say(t0, f"emulated rig {args.rig}: {', '.join(rig.devices)} on their wires; "
-            f"{len(rig.gpus)} GPUs ({sum(g.spare for g in rig.gpus)} spares) on "
-            f"{', '.join(sorted({g.switch for g in rig.gpus}))}")
-    served = workdir / "services.json"
-    procs.start("serve", "serve", "--rig", str(rig_path), "--endpoints", str(served))
-    _wait("the device services", served.exists, procs)
-    say(t0, f"bus services up: {', '.join(json.loads(served.read_text()))}")
-    procs.start("agent", "agent", "--rig", str(rig_path), "--journal", str(journal))
-    agent = ServiceClient(rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S)
-
-    def agent_up():
-        try:
-            return agent.call("ping", timeout=PEER_TIMEOUT_S / 2)
-        except BusError:
-            return None
+    control, journal = stack.control, stack.journal
+    agent = ServiceClient(stack.rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S)
     try:
-        _wait("the agent", agent_up, procs)
-        say(t0, f"agent up, journal {journal.name}")
         gui = None
         if args.gui or (not args.headless and has_display()):
             from photonic_testbed.ptb.gui import DemoGui
-            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
+            gui = DemoGui(stack, stack.rig_path, lambda text: say(t0, text))
         try:
             got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
         except ControlError as e:
@@ -227,11 +163,11 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
             raise CommandFailed(f"the job runs on {', '.join(ranks_on)}, not on {gpu}: "
                                 f"failing it would not touch the job")
         time.sleep(args.seconds)
-        procs.check()
+        stack.check()
         before = request(control, {"cmd": "job_status"})
         if before["step"] == 0:
             raise CommandFailed(f"the job made no step in {args.seconds:g} s "
-                                f"({before['state']}); agent log:\n{procs.tail('agent')}")
+                                f"({before['state']}); agent log:\n{stack.tail('agent')}")
         say(t0, f"job running: {before['step']} steps done")
         with SqliteJournal(journal, read_only=True) as j:    # where the agent's entries start
             seq = max((e.seq for e in j.entries()), default=0)
@@ -244,7 +180,7 @@ def _demo(args, plan: str, gpu: str, workdir: pathlib.Path, procs: Processes) ->
             if s["state"] == "aborted":
                 raise CommandFailed("the job aborted: " + json.dumps(s["events"][-3:]))
             return _restart_after(s, t_fail)
-        _wait("the job's resumption", resumed, procs, timeout=RESUME_TIMEOUT_S)
+        stack.wait("the job's resumption", resumed, RESUME_TIMEOUT_S, log="agent")
         time.sleep(max(args.seconds, WINDOW_S))
         status = request(control, {"cmd": "job_status"})
         state = agent.call("snapshot")["state"]
@@ -265,30 +201,6 @@ def _restart_after(status: dict, t: float) -> dict | None:
     step done), or None."""
     return next((r for r in status.get("restart_records", ())
                  if r["t"] >= t and r["resumed_t"] is not None), None)
-
-
-def _calibrate(t0: float, rig, rig_path: pathlib.Path, workdir: pathlib.Path,
-               procs: Processes):
-    """Calibrate the seeded chip through the rig's instruments (ptb calibrate), then name the
-    calibration file in the rig file, so the chip service drives the chip with it."""
-    from photonic_testbed.hil import rig as rigfile
-    out = workdir / "calibration.json"
-    say(t0, "calibrating the chip (ptb calibrate: fringes, crosstalk, refinement)")
-    proc = procs.start("calibrate", "calibrate", "--rig", str(rig_path), "--out", str(out))
-    try:
-        proc.wait(CALIBRATION_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise CommandFailed(f"calibration took over {CALIBRATION_TIMEOUT_S} s; its log:\n"
-                            + procs.tail("calibrate")) from None
-    if proc.returncode != 0:
-        raise CommandFailed("calibration failed; its log:\n" + procs.tail("calibrate"))
-    procs.procs = [(name, p) for name, p in procs.procs if p is not proc]   # done, not dead
-    summary = [line for line in procs.tail("calibrate", 40).splitlines()
-               if line.startswith("calibration of")]
-    say(t0, summary[-1] if summary else f"calibration written to {out.name}")
-    rig = dataclasses.replace(rig, chip=dataclasses.replace(rig.chip, calibration=str(out)))
-    rigfile.write(rig_path, rig)
-    return rigfile.load(rig_path)
 
 
 def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
@@ -368,10 +280,17 @@ def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
         lat = sorted(1e3 * e["latency_s"] for e in phases)
         print(f"phase switches in the last {len(agent['events'])} journal entries: "
               f"{len(lat)}, median {lat[len(lat) // 2]:.2f} ms, max {lat[-1]:.2f} ms")
-    ok = bool(restarted) and gpu not in rank_map.values()
+    world = len(before["rank_map"])
+    degraded = len(rank_map) < world
+    ok = bool(restarted) and gpu not in rank_map.values() and not degraded
     print()
     print(f"ranks now on {', '.join(rank_map.values())}; communications over a down link: "
           f"{status['down_communications']}")
-    print("demo " + ("succeeded" if ok else "FAILED: the job did not resume without the "
-                     "failed GPU"))
+    if ok:
+        print("demo succeeded")
+    elif degraded and restarted:
+        print(f"demo FAILED: no healthy spare took {gpu}'s place: the job runs degraded on "
+              f"{len(rank_map)} of its {world} ranks")
+    else:
+        print("demo FAILED: the job did not resume without the failed GPU")
     return 0 if ok else 1

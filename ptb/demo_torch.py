@@ -16,71 +16,42 @@ its first step; then the loss and throughput before and after.
 from __future__ import annotations
 
 import importlib.util
-import json
-import pathlib
 import statistics
 import subprocess
-import sys
 import time
 
 from photonic_testbed.ptb.cli import CommandFailed
-from photonic_testbed.ptb.demo import WINDOW_S, Processes, _calibrate, _wait, has_display, say
+from photonic_testbed.ptb.demo import WINDOW_S, has_display, say
+from photonic_testbed.ptb.stack import Stack
 
 PLANS = {"lumion": "dp", "opus": "dp-tp"}
 MODEL = ("--width", "64", "--layers", "2", "--batch", "4", "--block", "32")
 
 
-def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
+def check_torch() -> None:
+    """Before anything starts: the job needs PyTorch here."""
     if importlib.util.find_spec("torch") is None:
         raise CommandFailed("--job torch needs PyTorch: pip install 'photonic-testbed[torch]' "
                             "(torch==2.13.0, the CPU build: about 190 MB)")
-    from photonic_testbed.hil import rig as rigfile
+
+
+def demo(args, gpu: str, stack: Stack, t0: float) -> int:
+    from photonic_testbed.hil.bus.client import ServiceClient
     from photonic_testbed.hil.job import torch_job
-    from photonic_testbed.hil.bus.client import BusError, ServiceClient
     from photonic_testbed.hil.lab.control_client import ControlError, request
 
-    t0 = time.monotonic()
-    rig_path, eps_path = workdir / "rig.toml", workdir / "emulator.json"
-    journal = workdir / "journal.db"
-    for stale in (rig_path, eps_path, workdir / "services.json"):
-        stale.unlink(missing_ok=True)
-    procs.start("emulate", "emulate", "--rig", args.rig, "--seed", str(args.seed),
-                *(["--ideal-chip"] if args.ideal_chip else []),
-                "--write-rig", str(rig_path), "--endpoints", str(eps_path))
-    _wait("the emulator", lambda: rig_path.exists() and eps_path.exists(), procs)
-    rig = rigfile.load(rig_path)
-    if rig.chip is not None and not args.ideal_chip:
-        rig = _calibrate(t0, rig, rig_path, workdir, procs)
-    control = json.loads(eps_path.read_text())["control"]
-    say(t0, f"emulated rig {args.rig}: {len(rig.gpus)} GPUs "
-            f"({sum(g.spare for g in rig.gpus)} spares)")
-    served = workdir / "services.json"
-    procs.start("serve", "serve", "--rig", str(rig_path), "--endpoints", str(served))
-    _wait("the device services", served.exists, procs)
-    procs.start("agent", "agent", "--rig", str(rig_path), "--journal", str(journal))
+    rig, workdir, control = stack.rig, stack.workdir, stack.control
     agent = ServiceClient(rig.agent_endpoints()[0], timeout=2.0)
-
-    def agent_up():
-        try:
-            return agent.call("ping", timeout=0.5)
-        except BusError:
-            return None
     try:
-        _wait("the agent", agent_up, procs)
-        say(t0, "bus services and agent up")
         gui = None
         if args.gui or (not args.headless and has_display()):
             from photonic_testbed.ptb.gui import DemoGui
-            gui = DemoGui(procs, rig_path, lambda text: say(t0, text))
+            gui = DemoGui(stack, stack.rig_path, lambda text: say(t0, text))
         plan = PLANS[args.rig]
         job_dir = workdir / "torch-job"
-        with open(workdir / "torch-job.log", "w") as log:     # the child keeps its copy
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "photonic_testbed.hil.job.torch_job", "launch", "--workdir",
-                 str(job_dir), "--rig", str(rig_path), "--control", control, "--plan", plan,
-                 "--world", "8", "--steps", "1000000", "--restart-timeout", "10", *MODEL],
-                stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-        procs.procs.append(("torch-job", proc))        # stopped (SIGTERM) with the others
+        proc = stack.job("--workdir", str(job_dir), "--rig", str(stack.rig_path), "--control",
+                         control, "--plan", plan, "--world", "8", "--steps", "1000000",
+                         "--restart-timeout", "10", *MODEL, name="torch-job")
 
         def events():
             return torch_job.read_events(job_dir) if (job_dir / "events").exists() else []
@@ -88,14 +59,17 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
         def standbys_ready(ev):
             spares = {g.name for g in rig.gpus if g.spare}
             return spares <= {e["gpu"] for e in ev if e["kind"] == "ready"}
-        _wait("the job's first steps", lambda: (lambda ev: any(
-            e["kind"] == "step" for e in ev) and standbys_ready(ev))(events()), procs,
-            timeout=300)
+        stack.wait("the job's first steps", lambda: (lambda ev: any(
+            e["kind"] == "step" for e in ev) and standbys_ready(ev))(events()), 300,
+            log="torch-job")
         order = next(e for e in events() if e["kind"] == "order")
+        spares = sorted(g.name for g in rig.gpus if g.spare)
         say(t0, f"PyTorch job ({plan}, 8 ranks) admitted: ranks on "
-                f"{', '.join(order['rank_map'].values())}; warm standbys ready")
+                f"{', '.join(order['rank_map'].values())}; "
+                + (f"warm standbys ready on {', '.join(spares)}" if spares else
+                   "no spare on this rig: no standby"))
         time.sleep(args.seconds)
-        procs.check()
+        stack.check()
         t_fail = time.time()
         try:
             request(control, {"cmd": "fail_gpu", "gpu": gpu})
@@ -103,8 +77,8 @@ def demo(args, gpu: str, workdir: pathlib.Path, procs: Processes) -> int:
             raise CommandFailed(f"cannot fail {gpu}: {e}") from None
         say(t0, f"failure injected: {gpu} goes dark and its rank process dies")
         if plan == "dp":
-            _wait("the spare's first step", lambda: torch_job.swap_timeline(
-                events(), t_fail, gpu)["first_step"], procs, timeout=120)
+            stack.wait("the spare's first step", lambda: torch_job.swap_timeline(
+                events(), t_fail, gpu)["first_step"], 120, log="torch-job")
             time.sleep(max(args.seconds, WINDOW_S))
         else:
             _wait_exit(proc, 120)
@@ -204,9 +178,9 @@ def _report(t_fail: float, gpu: str, ev: list[dict], agent: dict, proc, workdir)
               f"step time (median; includes waiting for the slowest rank)")
     stop = next((e for e in ev if e.get("role") == "controller" and e["kind"] == "stopped"),
                 None)
-    ok = proc.returncode == torch_job.STOPPED and stop is not None
     if stop:
         print(f"job stopped cleanly: {stop['reason']}")
-    print("demo " + ("succeeded: no spare, and the 2-D job cannot shrink; it stopped cleanly"
-                     if ok else f"FAILED: the job ended with exit {proc.returncode}"))
-    return 0 if ok else 1
+    print("demo FAILED: " + ("no spare took the failed rank's place: the job stopped (a 2-D "
+                             "job cannot shrink)" if stop is not None else
+                             f"the job ended with exit {proc.returncode}"))
+    return 1

@@ -15,7 +15,7 @@ from photonic_testbed.emulator.chip import ChipError
 from photonic_testbed.emulator.rack import RackError
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import RIGS, rig_spec
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ def run(args) -> int:
         raise CommandFailed(f"--switching-ms must be in 0..10000, not {args.switching_ms:g}")
     if args.port_base is not None and not 1024 <= args.port_base <= 65532:
         raise CommandFailed(f"--port-base must be in 1024..65532, not {args.port_base}")
+    check_output(args.endpoints, "--endpoints")
+    check_output(args.write_rig, "--write-rig")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -11,6 +11,7 @@ from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.gpus.ddm import ETHTOOL_TIMEOUT_S, DdmReader
 from photonic_testbed.hil.gpus.health import GpuHealthUnavailable, NvmlHealth
 from photonic_testbed.hil.gpus.monitor import POLL_S, GpuMonitor, GpuMonitorError
+from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed
 
@@ -40,7 +41,7 @@ def run(args) -> int:
     if args.poll <= 0 or args.ethtool_timeout <= 0:
         raise CommandFailed("--poll and --ethtool-timeout take a positive number of seconds")
     try:
-        rig = load(args.rig)
+        rig = load(args.rig, wait_s=WAIT_S)
     except RigFileError as e:
         raise CommandFailed(str(e)) from None
     nvml = None

@@ -6,8 +6,12 @@ import pathlib
 import subprocess
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
+
+if TYPE_CHECKING:
+    from photonic_testbed.ptb.stack import Stack
 
 GUI_START_S = 60.0          # a cold start imports Qt and checks the display first
 
@@ -23,7 +27,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from photonic_testbed.gui.app import GuiUnavailable, run as run_gui
+    from photonic_testbed.gui.app import SCREENSHOT_SUFFIXES, GuiUnavailable
+    from photonic_testbed.gui.app import run as run_gui
+    check_output(args.screenshot, "--screenshot", SCREENSHOT_SUFFIXES)
+    check_output(args.ready_file, "--ready-file")
     try:
         return run_gui(args)
     except GuiUnavailable as e:
@@ -34,13 +41,15 @@ class DemoGui:
     """`ptb gui --rig FILE` as a child of `ptb demo`: started, waited for until its window is
     up (its `--ready-file`) or it died, and reported as it is, not as hoped."""
 
-    def __init__(self, procs, rig_path: pathlib.Path, say: Callable[[str], None],
+    def __init__(self, stack: Stack, rig_path: pathlib.Path, say: Callable[[str], None],
                  extra: tuple[str, ...] = (), start_s: float = GUI_START_S):
-        self.procs, self.say = procs, say
-        self.ready = procs.workdir / "gui.ready"
+        self.stack, self.say = stack, say
+        self.ready = stack.workdir / "gui.ready"
         self.ready.unlink(missing_ok=True)
-        self.proc: subprocess.Popen = procs.start("gui", "gui", "--rig", str(rig_path),
-                                                  "--ready-file", str(self.ready), *extra)
+        # not lasting: the demo goes on when its GUI closes or does not start
+        self.proc: subprocess.Popen = stack.ptb("gui", "gui", "--rig", str(rig_path),
+                                                "--ready-file", str(self.ready), *extra,
+                                                lasting=False)
         self.up = self._wait(start_s)
 
     def _wait(self, start_s: float) -> bool:
@@ -58,7 +67,7 @@ class DemoGui:
         return False
 
     def _said(self) -> str:
-        return "\n".join("    " + line for line in self.procs.tail("gui", 12).splitlines())
+        return "\n".join("    " + line for line in self.stack.tail("gui", 12).splitlines())
 
     def finish(self, keep_open: bool = False) -> None:
         """At the end of the demo: say what became of the GUI; with `keep_open`, wait for

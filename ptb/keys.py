@@ -6,7 +6,7 @@ import re
 import shutil
 
 from photonic_testbed.hil.bus.security import KeyFileError, generate
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 
@@ -40,6 +40,7 @@ def _os_error(what: str, e: OSError) -> CommandFailed:
 
 def run(args) -> int:
     _check_names(args.names)
+    check_output(args.dir, "--dir", folder=True)
     folder = pathlib.Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)

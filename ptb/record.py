@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import subprocess
 import threading
 
+from photonic_testbed.hil.files import WAIT_S, write_atomic
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,11 @@ def run(args) -> int:
     for path, option in ((args.out, "--out"), (args.write_endpoints, "--write-endpoints"),
                          (args.write_rig, "--write-rig")):
         check_output(path, option)
+    check_output(args.link_dir, "--link-dir", folder=True)
     if args.write_rig and not args.rig:
         raise CommandFailed("--write-rig rewrites the --rig file: give --rig too")
     try:
-        wires, notes = device_wires(args.endpoints, args.rig, args.devices)
+        wires, notes = device_wires(args.endpoints, args.rig, args.devices, WAIT_S)
     except SessionError as e:
         raise CommandFailed(str(e)) from None
     for note in notes:
@@ -81,7 +82,7 @@ def run(args) -> int:
         if args.write_endpoints:
             out = read_endpoints(args.endpoints) if args.endpoints else {}
             out.update(addresses)
-            _write_atomic(args.write_endpoints, json.dumps(out, indent=2) + "\n")
+            write_atomic(args.write_endpoints, json.dumps(out, indent=2) + "\n")
         if args.write_rig:
             from photonic_testbed.hil.rig import load, write
             rig = load(args.rig)
@@ -125,9 +126,3 @@ def _run_client(command: str, stop: threading.Event) -> int:
         print(f"the client exited {proc.returncode}", flush=True)
     return proc.returncode
 
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from photonic_testbed.hil.files import WAIT_S, write_atomic
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def run(args) -> int:
     from photonic_testbed.hil.lab.session import Comparison, Session, SessionError, device_wires
     for path, option in ((args.report, "--report"), (args.write_endpoints, "--write-endpoints")):
         check_output(path, option)
+    check_output(args.link_dir, "--link-dir", folder=True)
     if not 0 < args.timeout_s <= 3600:
         raise CommandFailed(f"--timeout-s must be in (0, 3600], not {args.timeout_s:g}")
     try:
@@ -86,7 +88,7 @@ def run(args) -> int:
     if args.as_device:
         return _as_device(session, args)
     try:
-        given, _ = device_wires(args.endpoints, args.rig, args.devices)
+        given, _ = device_wires(args.endpoints, args.rig, args.devices, WAIT_S)
         wires = {}
         for name in session.used:
             # a rig file names the heater DAC "chip" or "heaters", an endpoints file "dac"
@@ -113,10 +115,7 @@ def run(args) -> int:
 def _finish(report, args) -> int:
     print(report.describe(), flush=True)
     if args.report:
-        tmp = args.report + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report.to_dict(), f, indent=2)
-        os.replace(tmp, args.report)
+        write_atomic(args.report, json.dumps(report.to_dict(), indent=2))
     return 0 if report.ok else DIFFERENT
 
 
@@ -134,10 +133,7 @@ def _as_device(session, args) -> int:
         raise CommandFailed(str(e)) from None
     try:
         if args.write_endpoints:
-            tmp = args.write_endpoints + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(addresses, f, indent=2)
-            os.replace(tmp, args.write_endpoints)
+            write_atomic(args.write_endpoints, json.dumps(addresses, indent=2))
         print(f"playing the devices of {args.session}")
         for name, address in addresses.items():
             print(f"  {name:<11} {address}")

@@ -3,19 +3,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 
 import zmq
 
 from photonic_testbed.common import heap
+from photonic_testbed.hil.files import write_atomic
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.devices.kinds import ServiceError
 from photonic_testbed.hil.devices.service import DeviceService, serve_together
 from photonic_testbed.hil.devices.supervisor import Manager, SupervisorError
+from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import RigFileError, load
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,13 @@ def add_parser(sub) -> None:
 
 
 def _write_endpoints(path: str, endpoints: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({k: list(v) for k, v in endpoints.items()}, f, indent=2)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({k: list(v) for k, v in endpoints.items()}, indent=2))
 
 
 def run(args) -> int:
+    check_output(args.endpoints, "--endpoints")
     try:
-        rig = load(args.rig)
+        rig = load(args.rig, wait_s=WAIT_S)
         specs = rig.service_specs(args.device)
         keys = rig.client_keys()
     except (RigFileError, KeyFileError) as e:
@@ -59,6 +58,9 @@ def run(args) -> int:
     try:
         endpoints = manager.start()
     except SupervisorError as e:
+        if stop.is_set():                       # Ctrl-C while the services were starting
+            print("stopped before every service had started", flush=True)
+            return 0
         raise CommandFailed(str(e)) from None
     try:
         _announce(rig.name, endpoints, args)

@@ -4,9 +4,11 @@ Every fenced block of the README and docs/ says what it is by its language:
 
     ```sh       commands, one a line, run by bash in the doc's folder; `#` starts a comment and
                 `\\` continues a line. A line ending in `&` is a long-running command (`ptb
-                emulate`, `ptb serve`, `ptb agent`): it runs in the background, and the next
-                line waits for its ready line (READY_LINE, which every long-running ptb command
-                prints); it is stopped with Ctrl-C (SIGINT) when the doc ends and must exit 0.
+                emulate`, `ptb serve`, `ptb agent`): it runs in the background and the next line
+                starts at once, as when a reader pastes the block into a shell (whatever comes
+                next waits for what it needs by itself: a file another command writes, `ptb
+                status --wait`); it is stopped with Ctrl-C (SIGINT) when the doc ends and must
+                exit 0.
     ```python   run in the doc's Python session: one interpreter per doc, its blocks in order
                 sharing their names (like a notebook), in the doc's folder.
     ```json     must parse as JSON.             ```toml     must parse as TOML.
@@ -38,14 +40,12 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-READY_LINE = "running; Ctrl-C to stop"
 RUN_LANGS = ("sh", "python")
 CHECK_LANGS = ("json", "toml")
 QUIET_LANGS = ("text",)
 MARKERS = ("not run", "file")
 
 COMMAND_TIMEOUT_S = 900      # a foreground command or a python block (a calibration: ~1-2 min)
-READY_TIMEOUT_S = 180        # a background command's ready line
 STOP_TIMEOUT_S = 60          # a background command's exit after Ctrl-C
 
 _FENCE = re.compile(r"^( {0,3})```(.*)$")
@@ -255,17 +255,6 @@ class DocRun:
                                     stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.background.append((command, proc, log))
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if READY_LINE in log.read_text(errors="replace"):
-                return
-            if proc.poll() is not None:
-                raise DocError(f"{where}: `{command}` exited {proc.returncode} before it was "
-                               f"ready:\n{_tail(log.read_text(errors='replace'))}")
-            if time.monotonic() > deadline:
-                raise DocError(f"{where}: `{command}` printed no {READY_LINE!r} within "
-                               f"{READY_TIMEOUT_S} s:\n{_tail(log.read_text(errors='replace'))}")
-            time.sleep(0.1)
 
     # ---- python ------------------------------------------------------------------------------
 

@@ -146,7 +146,7 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
             with pytest.raises(RemoteError, match="no GPU 'gpu99'"):
                 c.call("swap", gpu="gpu99")
             state = c.call("snapshot")["state"]
-        assert [g["role"] for g in state["rack"]] == ["active"] * 8
+        assert [g["role"] for g in state["rack"]] == ["active"] * 8 + ["spare"] * 2
         assert state["rank_map"] == {str(r): g for r, g in rank_map.items()}
 
         physics.switching_s = 1.5               # a slow move: the kill lands inside it
@@ -168,10 +168,10 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
         order = fabric.wait_restart(timeout=20)
         assert order is not None, "no restart order after the agent came back"
         new_map, cause = order
-        assert "server5" not in new_map.values() and len(new_map) == 7
+        assert new_map == {**rank_map, 5: "spare0"}       # server5's rank on the first spare
         assert cause.startswith("resume")
         assert physics.moves == moves                     # no extra switch moves
-        ring = [(new_map[r], new_map[(r + 1) % 7]) for r in range(7)]
+        ring = [(new_map[r], new_map[(r + 1) % 8]) for r in range(8)]
         assert all(t is not None and t.up for t in emu.rack.rack.link_map(ring).values())
         with SqliteJournal(journal) as j:
             rec = [e for e in j.entries(kinds=("reconcile",)) if e.details.moves is not None]

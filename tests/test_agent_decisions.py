@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from photonic_testbed.common.rack_layout import lumion, opus
+from photonic_testbed.common.rack_layout import duplex_rack, lumion
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
@@ -20,7 +20,8 @@ PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),
          "dp6": lambda: dp_ring(6),
          "pp": lambda: JobPlan("pp", 8, (PhaseSpec("pp", "chain"),
                                          PhaseSpec("dp", "ring", group=4, stride=2)))}
-RACKS = {"lumion": lumion, "opus": opus}
+# the opus rack as it was when the vectors were recorded (0.2: no spares; it has two since)
+RACKS = {"lumion": lumion, "opus": lambda: duplex_rack("opus", "ocs", 32, 8, 0, prefix="server")}
 
 
 class Recorder(CircuitSwitch):

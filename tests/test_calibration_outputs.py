@@ -158,4 +158,11 @@ def test_cli_chooses_the_outputs_on_a_chip_without_photodiodes(tmp_path):
     refused = _ptb("calibrate", "--rig", "lumion", "--no-monitors", "--method", "monitors",
                    "--out", str(tmp_path / "m.json"), "--cells", "s0r0")
     assert refused.returncode == 1
+    # a recirculating mesh without photodiodes: said in the lab's words, before any sweep
+    refused = _ptb("calibrate", "--rig", "hexmesh", "--no-monitors", "--out",
+                   str(tmp_path / "h.json"))
+    assert refused.returncode == 1 and refused.stderr.splitlines()[-1] == (
+        "ptb calibrate: hexagonal4x4: a recirculating mesh is calibrated with its monitor "
+        "photodiodes (method monitors); from its outputs alone only a feed-forward mesh "
+        "(benes, clements) can be"), refused.stderr
     assert "no monitor photodiodes" in refused.stderr and "Traceback" not in refused.stderr

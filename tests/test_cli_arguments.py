@@ -65,8 +65,8 @@ def test_demo_usage_errors(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("a", "--dir", "/proc/x"), "cannot make the key folder /proc/x"),
-    (("a", "--dir", "/dev/null"), "--dir /dev/null exists and is not a folder"),
+    (("a", "--dir", "/proc/x"), "--dir /proc/x: cannot write in /proc"),
+    (("a", "--dir", "/dev/null"), "--dir /dev/null: a file is there (/dev/null), not a folder"),
     (("../x",), "key name '../x'"),
     (("a/b",), "key name 'a/b'"),
     (("",), "key name ''"),
@@ -128,7 +128,7 @@ def test_bench_refuses_a_results_file_it_cannot_write_before_running(capsys, tmp
     code, out, err = ptb(capsys, "bench", "ocs", "--json", str(tmp_path / "no" / "r.json"))
     assert code == 1 and "no folder" in err and out == ""
     code, _, err = ptb(capsys, "bench", "ocs", "--json", str(tmp_path))
-    assert code == 1 and "is a folder" in err
+    assert code == 1 and "a folder is there, not a file" in err
 
 
 def test_through_the_command_line_no_traceback(tmp_path):
@@ -154,3 +154,21 @@ def test_devices_may_be_named_on_either_side_of_an_option_and_once_each(capsys, 
     code, _, err = ptb(capsys, "emulate", "--rig", "opus", "stray")
     assert code == 2 and "unrecognized arguments: stray" in err
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_serve_with_an_unreachable_instrument_says_so_in_one_line(tmp_path):
+    """The service's process reports the failure to `ptb serve`, which says it once; the child
+    prints no traceback of its own beside it (it did, now and then, as it raced its kill)."""
+    (tmp_path / "rig.toml").write_text(
+        '[rig]\nname = "r"\n[bus]\ncurve = false\n[devices.ocs]\nkind = "switch"\n'
+        'driver = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"\n'
+        'address = "TCPIP::127.0.0.1::1::SOCKET"\nrequest = "tcp://127.0.0.1:0"\n'
+        'publish = "tcp://127.0.0.1:0"\n')
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-m", "photonic_testbed.ptb", "serve", "--rig",
+                              "rig.toml"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert out.returncode == 1, out
+        assert "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.splitlines()[-1].startswith("ptb serve: service ocs failed to start: "
+                                                      "ServiceError: cannot open "), out.stderr

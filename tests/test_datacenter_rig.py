@@ -4,24 +4,15 @@ same kind through the real commands (`ptb emulate --write-rig`, `ptb serve --one
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import signal
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
-
-from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.emulator.control import request
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.rig import RigFileError, rig_spec
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-START_S = 120                     # generous: a busy 2-core machine starts processes slowly
+from photonic_testbed.ptb.stack import Stack
 
 # 2 pods of 8 servers (7 working, 1 spare), 8 rails: 128 GPUs on 16 OCSes of 8 x 8
 SMALL = """\
@@ -101,68 +92,30 @@ def test_the_whole_datacenter_rig_starts_in_this_process():
         assert float(scpi(ocs["rail0-pod3"], ":PMON:POW? 34")) > -10
 
 
-def _ptb(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for(path: pathlib.Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_S
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{path} never appeared:\n{proc.communicate()[0]}")
-        time.sleep(0.05)
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGINT) -> tuple[int, str]:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        out = proc.communicate(timeout=30)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out = proc.communicate()[0]
-    return proc.returncode, out
-
-
 def test_emulate_and_serve_one_process_run_a_datacenter_rig(tmp_path):
     """`ptb emulate --rig small.toml --write-rig`: a rig file with one switch device per rail
     OCS and every GPU with its server; `ptb serve --one-process` serves all of them."""
     desc = tmp_path / "small.toml"
     desc.write_text(SMALL)
-    rig_path, eps = tmp_path / "rig.toml", tmp_path / "emulator.json"
-    emulate = _ptb("emulate", "--rig", str(desc), "--switching-ms", "0", "--write-rig",
-                   str(rig_path), "--endpoints", str(eps))
-    serve = None
-    try:
-        _wait_for(rig_path, emulate)
-        _wait_for(eps, emulate)
-        rig = rigfile.load(rig_path)
+    with Stack(tmp_path / "stack") as stack:
+        rig = stack.emulate(str(desc), "--switching-ms", "0")
         assert sorted(rig.devices) == sorted(f"rail{r}-pod{k}" for r in range(8)
                                              for k in range(2))
         assert len(rig.gpus) == 128 and sum(g.spare for g in rig.gpus) == 16
         s9g4 = next(g for g in rig.gpus if g.name == "s9g4")
         assert (s9g4.switch, s9g4.port, s9g4.server) == ("rail4-pod1", 2, "s9")
-        endpoints = json.loads(eps.read_text())
+        endpoints = json.loads((stack.workdir / "emulator.json").read_text())
         assert scpi(endpoints["rail4-pod1"], "*IDN?").startswith("Polatis")
-        served = tmp_path / "services.json"
-        serve = _ptb("serve", "--rig", str(rig_path), "--one-process", "--endpoints",
-                     str(served))
-        _wait_for(served, serve)
-        assert sorted(json.loads(served.read_text())) == sorted(rig.devices)
+        assert sorted(stack.serve("--one-process")) == sorted(rig.devices)
         for name, (req, _) in rig.endpoints().items():
             with ServiceClient(req, timeout=20) as c:
                 assert c.call("read_circuits")["circuits"] == [], name
         with ServiceClient(rig.endpoints()["rail2-pod0"][0], timeout=20) as c:
             c.call("apply_circuits", circuits=[[1, 10], [2, 9]])
-        got = request(endpoints["control"], {"cmd": "switch_circuits",
-                                             "switches": ["rail2-pod0"]})
+        got = request(stack.control, {"cmd": "switch_circuits", "switches": ["rail2-pod0"]})
         assert got["rail2-pod0"]["commanded"] == [[1, 10], [2, 9]]
-    finally:
-        code_s, out_s = _stop(serve, signal.SIGTERM) if serve is not None else (0, "")
-        code_e, out_e = _stop(emulate)
+        code_s, out_s = stack.stop("serve"), stack.tail("serve", 100)
+        code_e, out_e = stack.stop("emulate"), stack.tail("emulate", 100)
     assert code_s == 0, out_s
     assert code_e == 0 and "stopped; every port and pty freed" in out_e, out_e
 
@@ -171,7 +124,7 @@ def test_a_failing_control_handler_is_answered_and_the_endpoint_keeps_serving():
     """A handler's unexpected error (a bad regex for `drop`'s header raised re.error) is an
     answer, never the end of the control thread."""
     from photonic_testbed.emulator.control import ControlError, ControlServer, request
-    from photonic_testbed.emulator.scpi import SCPIServer
+    from photonic_testbed.emulator.scpi_server import SCPIServer
 
     def boom(req):
         raise RuntimeError("a bug")

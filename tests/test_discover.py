@@ -68,6 +68,10 @@ def test_the_skeleton_names_devices_by_kind_and_offers_the_chip():
     assert again.devices == rig.devices and again.chip is None
     with_chip = skeleton(probes, "bench-a", chip="benes16")
     assert with_chip.devices["chip"].kind == "chip" and with_chip.chip.topology == "benes16"
+    # every endpoint written out: no base port that none of them follows
+    text = rigfile.dumps(with_chip)
+    assert "base_port" not in text and rigfile.parse(text).endpoints() == with_chip.endpoints()
+    assert rigfile.parse(text).agent_endpoints() == with_chip.agent_endpoints()
     with pytest.raises(DiscoveryError, match="no device answered"):
         skeleton(probes[-1:], "x")
 

@@ -115,17 +115,20 @@ def test_a_not_run_ptb_line_is_still_parsed(tmp_path):
         _run("<!-- not run: a real host -->\n```sh\nptb keys --no-such-option\n```\n", tmp_path)
 
 
-def test_a_background_command_is_waited_for_and_stopped(tmp_path):
+def test_a_background_command_runs_beside_the_next_lines_and_is_stopped(tmp_path):
+    """As pasted into a shell: the next line starts at once, and waits by itself if it must."""
     script = tmp_path / "long.py"
     script.write_text("import signal, sys, time\n"
                       "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
                       "time.sleep(0.3)\nopen('ready', 'w').close()\n"
-                      "print('running; Ctrl-C to stop', flush=True)\n"
                       "while True: time.sleep(0.1)\n")
     work = tmp_path / "work"
     work.mkdir()
-    # the second line runs only once the first is ready
-    assert _run(f"```sh\npython {script} &\ntest -e ready\n```\n", work) == []
+    with pytest.raises(DocError, match="`test -e ready` exited 1"):
+        _run(f"```sh\npython {script} &\ntest -e ready\n```\n", work)
+    (work / "ready").unlink(missing_ok=True)
+    waits = "until test -e ready; do sleep 0.05; done"
+    assert _run(f"```sh\npython {script} &\n{waits}\n```\n", work) == []
 
 
 def test_a_background_command_that_ignores_ctrl_c_is_reported(tmp_path, monkeypatch):
@@ -133,7 +136,8 @@ def test_a_background_command_that_ignores_ctrl_c_is_reported(tmp_path, monkeypa
     monkeypatch.setattr(doc_blocks, "STOP_TIMEOUT_S", 1)
     script = tmp_path / "stubborn.py"
     script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                      "print('running; Ctrl-C to stop', flush=True)\n"
+                      "open('ignoring', 'w').close()\n"
                       "while True: time.sleep(0.1)\n")
-    problems = _run(f"```sh\npython {script} &\n```\n", tmp_path)
+    waits = "until test -e ignoring; do sleep 0.05; done"
+    problems = _run(f"```sh\npython {script} &\n{waits}\n```\n", tmp_path)
     assert len(problems) == 1 and "did not stop on Ctrl-C" in problems[0]

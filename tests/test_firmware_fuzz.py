@@ -12,7 +12,6 @@ import re
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from photonic_testbed.firmware import core
 from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
@@ -42,7 +41,8 @@ def make_board() -> tuple[core.Board, EmulatedHAL, Clock]:
 
 
 def state(board: core.Board) -> tuple:
-    return (list(board.codes), list(board.vmax), list(board.imax), board.pmax_mw, board.wdt_ms)
+    return (list(board.codes), list(board.vmax), list(board.imax), board.pmax_mw,
+            board.watchdog.ms)
 
 
 def check_safe(board: core.Board, hal: EmulatedHAL) -> None:
@@ -62,12 +62,12 @@ def check_safe(board: core.Board, hal: EmulatedHAL) -> None:
 channels = st.integers(0, 18)
 numbers = st.one_of(
     st.integers(-2, 30).map(str),
-    st.floats(-1, 26, allow_nan=False).map(lambda x: "%.4f" % x),
-    st.floats(0, 13, allow_nan=False).map(lambda x: "%.3e" % x),
+    st.floats(-1, 26, allow_nan=False).map(lambda x: f"{x:.4f}"),
+    st.floats(0, 13, allow_nan=False).map(lambda x: f"{x:.3e}"),
     st.sampled_from(["", ".", "1e", "1e999", "+", "-0", "0x10", "1,2", "inf", "nan", "5.",
                      ".5", "1" * 45, "12.00005", "0.00005"]),
 )
-hex_words = st.lists(st.integers(0, 0xFFFF).map(lambda w: "%04X" % w), min_size=0, max_size=6)
+hex_words = st.lists(st.integers(0, 0xFFFF).map(lambda w: f"{w:04X}"), min_size=0, max_size=6)
 
 
 @st.composite
@@ -199,7 +199,7 @@ def test_multi_channel_sets_are_all_or_nothing(targets, pmax_mw):
         run.append(codes[c])
         c += 1
     before = list(board.codes)
-    reply = board.feed(b"vhex%d=%s\n" % (first, "".join("%04X" % w for w in run).encode()))
+    reply = board.feed(b"vhex%d=%s\n" % (first, "".join(f"{w:04X}" for w in run).encode()))
     if reply == b"OK\n":
         assert board.codes[first:first + len(run)] == run
     else:

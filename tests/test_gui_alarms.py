@@ -12,22 +12,20 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
-from PySide6.QtGui import QColor  # noqa: E402
-from PySide6.QtWidgets import QLabel  # noqa: E402
-
-from photonic_testbed.gui.alarms import (ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook,  # noqa: E402
-                                         job_condition)
+from photonic_testbed.gui.alarms import ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook, job_condition  # noqa: E402
 from photonic_testbed.gui.events import readable  # noqa: E402
 from photonic_testbed.gui.jobs import JobsView  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
 from photonic_testbed.gui.model import FabricModel, Job, ModelError  # noqa: E402
-from photonic_testbed.gui.portmap import (ChipView, OcsMatrixView, PowerScale,  # noqa: E402
-                                          power_colour)
+from photonic_testbed.gui.portmap import ChipView, OcsMatrixView, PowerScale, power_colour  # noqa: E402
 from photonic_testbed.gui.series import Ring, SeriesStore  # noqa: E402
 from photonic_testbed.gui.stale import StaleFrame  # noqa: E402
 from photonic_testbed.gui.startup import install_hint, missing_in, qt_start_problem  # noqa: E402
 from photonic_testbed.gui.trends import TrendsView  # noqa: E402
+from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
+from PySide6.QtGui import QColor  # noqa: E402
+from PySide6.QtWidgets import QLabel  # noqa: E402
+
 from tests.test_gui import BENES, assert_not_blank, colour_at, near, ocs, pixels  # noqa: E402
 
 LIMITS = Limits(report_old_s=5.0, failed_s=3.0, stuck_s=15.0, link_dbm=-12.0,
@@ -434,8 +432,8 @@ def test_the_start_up_check_names_missing_libraries_and_their_packages():
 
 def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
     from photonic_testbed.hil import rig as rigfile
-    from photonic_testbed.ptb.demo import Processes
     from photonic_testbed.ptb.gui import DemoGui
+    from photonic_testbed.ptb.stack import Stack
     path = tmp_path / "rig.toml"
     port = rigfile.free_port
     rigfile.write(path, rigfile.Rig(
@@ -444,10 +442,10 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
             "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
             f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}")}))
     said: list[str] = []
-    procs = Processes(tmp_path)
+    stack = Stack(tmp_path)
     try:
         monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
-        gui = DemoGui(procs, path, said.append, extra=("--quit-after", "30"))
+        gui = DemoGui(stack, path, said.append, extra=("--quit-after", "30"))
         assert gui.up and said[-1].startswith("GUI open")
         gui.finish()
         assert said[-1].startswith("GUI still open")
@@ -456,14 +454,14 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
         gui.finish()
         assert said[-1].startswith("GUI closed during the demo")
         # Kept open: the demo waits until the window closes (here: by itself).
-        kept = DemoGui(procs, path, said.append, extra=("--quit-after", "1"))
+        kept = DemoGui(stack, path, said.append, extra=("--quit-after", "1"))
         assert kept.up
         kept.finish(keep_open=True)
         assert "kept open" in said[-2] and said[-1] == "GUI closed (exit 0)"
         monkeypatch.setenv("QT_QPA_PLATFORM", "nosuchplatform")
         monkeypatch.setenv("DISPLAY", ":99")
-        dead = DemoGui(procs, path, said.append)
+        dead = DemoGui(stack, path, said.append)
         assert not dead.up
         assert "GUI did not start (exit 1)" in said[-1] and "Qt cannot start here" in said[-1]
     finally:
-        procs.close()
+        stack.close()

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import pyvisa
-
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
@@ -49,7 +48,7 @@ def perm(seed: int, n: int = 32) -> dict[int, int]:
     import random
     outs = list(range(n + 1, 2 * n + 1))
     random.Random(seed).shuffle(outs)
-    return dict(zip(range(1, n + 1), outs))
+    return dict(zip(range(1, n + 1), outs, strict=True))
 
 
 def test_apply_reads_back_and_moves_only_the_difference(rig, ocs):
@@ -263,10 +262,14 @@ def test_control_endpoint_refuses_bad_requests(rig):
         ctl(rig, cmd="explode")
     with pytest.raises(ControlError, match="device"):
         ctl(rig, cmd="reboot", device="toaster")
-    # the bench's OCS checks these as the rail OCSes do (emulator/ocs_control.py)
+    # the bench's OCS checks these as the rail OCSes do (emulator/instrument_faults.py)
     for port in (999, True, None, "3"):
         with pytest.raises(ControlError, match="port must be an integer in 1..64, not"):
             ctl(rig, cmd="stick", port=port)
+    with pytest.raises(ControlError, match="device must name an OCS: one of 'ocs'; not 'laser'"):
+        ctl(rig, cmd="stick", device="laser", port=3)      # (the laser once had port 3 stuck)
+    assert ctl(rig, cmd="switching_time", device="ocs", seconds=0.0) == {"seconds": 0.0,
+                                                                         "switches": 1}
     with pytest.raises(ControlError, match="stuck is true or false"):
         ctl(rig, cmd="stick", port=3, stuck="yes")
     for seconds in (-1, True, None, "0.1", 11):
@@ -373,9 +376,10 @@ def test_bench_ocs_runs_small(tmp_path):
 
 
 def test_driver_rides_through_an_instrument_restart_on_the_same_port():
-    from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-    from photonic_testbed.emulator.scpi import SCPIServer
     import threading
+
+    from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+    from photonic_testbed.emulator.scpi_server import SCPIServer
 
     phys = OCSPhysics(4, switching_s=0.0)
     server = SCPIServer(OCSInstrument(phys), name="ocs")
@@ -428,6 +432,7 @@ class _PortByPort:
 
 def test_light_paths_after_random_moves_agree_with_a_port_by_port_model():
     import random
+
     from photonic_testbed.emulator.ocs import OCSPhysics
     rng = random.Random(11)
     for trial in range(300):
@@ -453,7 +458,7 @@ def test_light_paths_after_random_moves_agree_with_a_port_by_port_model():
                 outs = list(range(n + 1, 2 * n + 1))
                 rng.shuffle(outs)
                 ins = rng.sample(range(1, n + 1), rng.randint(0, n))
-                pairs = dict(zip(ins, outs))
+                pairs = dict(zip(ins, outs, strict=False))   # as many as the ingress ports drawn
                 before = phys._dark_until.copy()
                 phys.replace(pairs)
                 model.replace(pairs)

@@ -209,6 +209,27 @@ def test_laser_lines_and_units():
             laser.set_power_mw(0)
 
 
+def test_a_unit_code_other_than_dbm_or_watt_is_refused_by_both_drivers():
+    # "+0.5" once read as dBm (int() of it is 0): a reading in an unknown unit, silently
+    with expected_protocol(PowerMeter, [
+        ("*IDN?", PM_IDN),
+        (":SENS2:CHAN1:POW:UNIT?", "+0.5"),
+        (":SENS2:CHAN1:POW:UNIT?", "+2"),
+    ]) as pm:
+        for _ in range(2):
+            with pytest.raises(ProtocolError, match="unit query answered"):
+                pm.unit(2)
+    with expected_protocol(Laser, [
+        ("*IDN?", LASER_IDN),
+        (":SOUR0:POW:UNIT?", "+0.5"),
+        (":SOUR0:POW:UNIT?", "dBm"),
+    ]) as laser:
+        with pytest.raises(ProtocolError, match="unit query answered"):
+            laser.power_mw()
+        with pytest.raises(ProtocolError, match="unit answered 'dBm'"):
+            laser.power_mw()
+
+
 def test_setting_resent_after_a_drop():
     with expected_protocol(Laser, [
         ("*IDN?", LASER_IDN),

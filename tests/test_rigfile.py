@@ -17,6 +17,7 @@ from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.rig import RigFileError
+from photonic_testbed.ptb.stack import Stack
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -200,19 +201,13 @@ def _wait_for(path: pathlib.Path, proc, timeout=20.0):
 
 
 def test_emulate_writes_a_rig_that_serve_serves(tmp_path):
-    rig_path, ep_path = tmp_path / "rig.toml", tmp_path / "endpoints.json"
-    emulate = _ptb("emulate", "--rig", "lumion", "--write-rig", str(rig_path))
-    serve = None
-    try:
-        _wait_for(rig_path, emulate)
-        rig = rigfile.load(rig_path)
+    with Stack(tmp_path) as stack:
+        rig = stack.emulate("lumion")          # `ptb emulate --write-rig`, as a user runs it
         # the lumion chip is one device: the mesh driver owns the heater DAC
         assert rig.bus.curve is False and rig.devices["chip"].kind == "chip"
         assert "heaters" not in rig.devices and rig.chip.switch == "chip"
         assert len(rig.gpus) == 10 and sum(g.spare for g in rig.gpus) == 2
-        serve = _ptb("serve", "--rig", str(rig_path), "--endpoints", str(ep_path))
-        _wait_for(ep_path, serve)
-        request, _ = json.loads(ep_path.read_text())["chip"]
+        request, _ = stack.serve()["chip"]
         assert request == rig.devices["chip"].request
         with ServiceClient(request, timeout=5) as c:
             topo = c.call("describe")["device"]["topology"]
@@ -224,19 +219,9 @@ def test_emulate_writes_a_rig_that_serve_serves(tmp_path):
             assert len(snap["volts"]) == 56
             c.call("set_heaters", volts=[3.0])
             assert c.call("read_heaters")["volts"][0] == pytest.approx(3.0, abs=2e-4)
-        serve.send_signal(signal.SIGTERM)
-        out, _ = serve.communicate(timeout=15)
-        assert serve.returncode == 0, out
+        code, out = stack.stop("serve"), stack.tail("serve", 100)
+        assert code == 0, out
         assert "chip" in out and "stopped" in out
-    finally:
-        for proc in (serve, emulate):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.communicate(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.communicate()
 
 
 def test_serve_refuses_a_bad_rig_clearly(tmp_path):

@@ -18,11 +18,11 @@ from collections import defaultdict
 
 import pytest
 import test_scpi_server as scpi_client
-
+from photonic_testbed.emulator import scpi_loop
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.emulator import scpi
-from photonic_testbed.emulator.scpi import (MAX_CLIENTS, Instrument, SCPILoop, SCPIServer,
-                                                 Session)
+from photonic_testbed.emulator.scpi import Instrument, Session
+from photonic_testbed.emulator.scpi_loop import SCPILoop
+from photonic_testbed.emulator.scpi_server import MAX_CLIENTS, SCPIServer
 
 WAIT_S = 30.0          # a bound for what normally takes milliseconds
 
@@ -46,7 +46,7 @@ class Client(scpi_client.Client):
             while time.monotonic() < deadline:
                 try:
                     chunk = self.sock.recv(1 << 20)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except ConnectionError:
                     return data, True
@@ -342,7 +342,7 @@ def test_drop_clients_while_a_reply_is_half_sent():
             while time.monotonic() < deadline and not closed:
                 try:
                     chunk = slow.recv(1 << 20)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except ConnectionError:
                     closed = True
@@ -874,7 +874,7 @@ def test_sessions_that_come_and_go_leave_no_timers_behind():
         pending = loop.call_wait(lambda: [t for t in loop._timers if t[2] is not None])
         assert pending == [], pending
         held = loop.call_wait(lambda: len(loop._timers))
-        assert held <= 2 * scpi.CANCELLED_KEPT + 2, held
+        assert held <= 2 * scpi_loop.CANCELLED_KEPT + 2, held
         assert _served(server) == lab.idn
 
 

@@ -10,12 +10,20 @@ import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from photonic_testbed.emulator import scpi_server
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument
-from photonic_testbed.emulator.scpi import (ERROR_QUEUE_LEN, MAX_LINE, Instrument, SCPIServer,
-                                                 Session, compile_header, split_units)
+from photonic_testbed.emulator.scpi import (
+    ERROR_QUEUE_LEN,
+    Instrument,
+    Session,
+    compile_header,
+    split_units,
+)
+from photonic_testbed.emulator.scpi_loop import SCPILoop
+from photonic_testbed.emulator.scpi_server import MAX_CLIENTS, MAX_LINE, SCPIServer
 
 
 class Client:
@@ -322,7 +330,7 @@ def _closed_by_server(sock: socket.socket, within_s: float = 60.0) -> bool:
         try:
             if sock.recv(100) == b"":
                 return True
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionError:
             return True
@@ -332,7 +340,6 @@ def _closed_by_server(sock: socket.socket, within_s: float = 60.0) -> bool:
 def test_idle_connections_cannot_lock_out_another_client(ocs_server):
     """MAX_CLIENTS connections that send nothing: a newcomer is still served (the longest idle
     one makes room), as many times as newcomers come."""
-    from photonic_testbed.emulator.scpi import MAX_CLIENTS
     idle = [socket.create_connection((ocs_server.host, ocs_server.port), timeout=5)
             for _ in range(MAX_CLIENTS)]
     try:
@@ -395,7 +402,6 @@ class _GateInstrument(Instrument):
 def test_busy_sessions_are_never_cut_to_make_room():
     """When every session is in the middle of a command, a newcomer is refused rather than one
     of them cut; once they are done the newcomer can connect."""
-    from photonic_testbed.emulator.scpi import MAX_CLIENTS
     inst = _GateInstrument()
     with SCPIServer(inst, name="gate") as server:
         busy = [Client(server) for _ in range(MAX_CLIENTS)]
@@ -480,8 +486,7 @@ def test_lines_sent_at_once_run_in_order_with_their_waits():
 def test_a_client_that_reads_nothing_is_cut_and_holds_up_no_one(monkeypatch):
     """A reply bigger than the socket buffers, to a client that reads nothing: the others are
     served meanwhile, and it is cut once its reply has made no progress for SEND_TIMEOUT_S."""
-    import photonic_testbed.emulator.scpi as scpi
-    monkeypatch.setattr(scpi, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(scpi_server, "SEND_TIMEOUT_S", 0.5)
     inst = Instrument()
     inst.command("BIG?", lambda s, sfx, arg: "x" * 16_000_000)
     with SCPIServer(inst, name="big") as server:
@@ -534,7 +539,6 @@ def test_cutting_sessions_cuts_one_that_waits():
 def test_servers_on_one_loop_share_its_thread():
     """Three instruments on one SCPILoop: one thread serves them all; closing one leaves the
     others serving; the thread ends with the last."""
-    from photonic_testbed.emulator.scpi import SCPILoop
     loop = SCPILoop("shared")
     before = {t.name for t in threading.enumerate()}
     servers = [SCPIServer(Instrument(), name=f"i{k}", loop=loop) for k in range(3)]

@@ -13,13 +13,13 @@ import threading
 import time
 
 import pytest
-
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
+from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
+from photonic_testbed.emulator.scpi import SCPIError
+from photonic_testbed.emulator.scpi_server import SCPIServer
 from photonic_testbed.hil.bus.client import ServiceClient, call_many
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec, serve_together
-from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.emulator.scpi import SCPIError, SCPIServer
 
 N = 8
 DRIVER = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
@@ -78,7 +78,7 @@ def four_switches():
     physics = [OCSPhysics(N, switching_s=1.5 if k == 3 else 0.0) for k in range(4)]
     with served([(RefusingOCS(p), {"settle_timeout_s": 10.0}) for p in physics]) as out:
         yield [(server, p, request, service)
-               for p, (server, request, service) in zip(physics, out)]
+               for p, (server, request, service) in zip(physics, out, strict=True)]
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_changes_sent_together_are_answered_each_as_alone_and_published(switches
                 assert not isinstance(g, BusError), g
                 assert sorted(g["added"]) == rotation(k)
                 assert sorted(g["removed"]) == ([] if k == 1 else rotation(k - 1))
-        for c, (_, physics, _, _) in zip(clients, switches):
+        for c in clients:
             assert c.call("read_circuits")["circuits"] == rotation(3)
             snap = c.call("snapshot")
             assert snap["state"]["circuits"] == rotation(3)

@@ -1,4 +1,4 @@
-"""The PyTorch job (hil.job.torch_fabric, hil.job.torch_job): the model and its pieces in this
+"""The PyTorch job (hil.job.model, .worker, .torch_job): the model and its pieces in this
 process; the in-place swap with real rank processes on loopback (gloo, a TCPStore, generations of
 process groups), standalone: kill -9 a rank, a warm standby takes its place, nothing is lost."""
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from photonic_testbed.hil.job import torch_fabric as tf  # noqa: E402
-from photonic_testbed.hil.job import torch_job  # noqa: E402
 from photonic_testbed.common.jobplan import PlanError, dp_ring, dp_tp  # noqa: E402
+from photonic_testbed.hil.job import model as tm  # noqa: E402
+from photonic_testbed.hil.job import torch_job  # noqa: E402
+from photonic_testbed.hil.job import worker as tw  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 400          # generous: eight torch imports on two shared cores take a while
@@ -24,17 +25,17 @@ RUN_TIMEOUT_S = 400          # generous: eight torch imports on two shared cores
 
 # --- pieces -------------------------------------------------------------------------------
 def test_batches_depend_on_step_and_data_index_only():
-    a = tf.CharText.shipped(block=16, seed=3)
-    b = tf.CharText.shipped(block=16, seed=3)
+    a = tm.CharText.shipped(block=16, seed=3)
+    b = tm.CharText.shipped(block=16, seed=3)
     x1, y1 = a.batch(7, 2, 4)
     x2, y2 = b.batch(7, 2, 4)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert torch.equal(x1[:, 1:], y1[:, :-1])               # targets are the next characters
     assert not torch.equal(a.batch(7, 3, 4)[0], x1)
     assert not torch.equal(a.batch(8, 2, 4)[0], x1)
-    assert a.vocab == len(set(tf.TEXT.read_text()))
+    assert a.vocab == len(set(tm.TEXT.read_text()))
     with pytest.raises(ValueError, match="too short"):
-        tf.CharText("abc", block=16, seed=0)
+        tm.CharText("abc", block=16, seed=0)
 
 
 def test_adam_matches_torch_optim_adam():
@@ -42,7 +43,7 @@ def test_adam_matches_torch_optim_adam():
     m1 = torch.nn.Linear(5, 3)
     m2 = torch.nn.Linear(5, 3)
     m2.load_state_dict(m1.state_dict())
-    ours = tf.Adam(list(m1.parameters()), lr=1e-2)
+    ours = tm.Adam(list(m1.parameters()), lr=1e-2)
     ref = torch.optim.Adam(m2.parameters(), lr=1e-2, foreach=False)
     for i in range(20):
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
@@ -51,7 +52,7 @@ def test_adam_matches_torch_optim_adam():
                 p.grad = None
             m(x).pow(2).sum().backward()
             opt.step()
-    for p, q in zip(m1.parameters(), m2.parameters()):
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
     assert float(ours.t) == 20
 
@@ -59,10 +60,10 @@ def test_adam_matches_torch_optim_adam():
 def test_tensor_parallel_shards_compute_the_full_model():
     """Two TP shards, their all-reduces summed by hand, give the full model's output and
     gradients (to float rounding: the hidden units are summed in another order)."""
-    data = tf.CharText.shipped(block=16, seed=0)
-    cfg = tf.ModelConfig(data.vocab, block=16, width=32, layers=1, heads=2)
-    full = tf.build_model(cfg, 0, seed=5)
-    shards = [tf.build_model(tf.ModelConfig(data.vocab, 16, 32, 1, 2, tp=2), i, seed=5)
+    data = tm.CharText.shipped(block=16, seed=0)
+    cfg = tm.ModelConfig(data.vocab, block=16, width=32, layers=1, heads=2)
+    full = tm.build_model(cfg, 0, seed=5)
+    shards = [tm.build_model(tm.ModelConfig(data.vocab, 16, 32, 1, 2, tp=2), i, seed=5)
               for i in range(2)]
     x, y = data.batch(0, 0, 3)
     outs = []                      # each shard's replicated activations and MLP partial
@@ -82,27 +83,27 @@ def test_tensor_parallel_shards_compute_the_full_model():
 
 def test_transfer_pairs_follow_the_ring():
     steps = {0: 5, 1: 5, 2: 0, 3: 5}
-    assert tf.transfer_pairs((0, 1, 2, 3), steps, 5) == [(1, 2)]
+    assert tw.transfer_pairs((0, 1, 2, 3), steps, 5) == [(1, 2)]
     # a survivor one step ahead: everyone behind gets the state along the ring from it
     steps = {0: 5, 1: 6, 2: 0, 3: 5}
-    assert tf.transfer_pairs((0, 1, 2, 3), steps, 6) == [(1, 2), (2, 3), (3, 0)]
+    assert tw.transfer_pairs((0, 1, 2, 3), steps, 6) == [(1, 2), (2, 3), (3, 0)]
     # the spare's predecessor one behind: it receives first, then passes the state on
     steps = {0: 6, 1: 5, 2: 0, 3: 6}
-    assert tf.transfer_pairs((0, 1, 2, 3), steps, 6) == [(0, 1), (1, 2)]
-    assert tf.transfer_pairs((1, 3, 5, 7), {1: 2, 3: 2, 5: 2, 7: 2}, 2) == []
+    assert tw.transfer_pairs((0, 1, 2, 3), steps, 6) == [(0, 1), (1, 2)]
+    assert tw.transfer_pairs((1, 3, 5, 7), {1: 2, 3: 2, 5: 2, 7: 2}, 2) == []
     with pytest.raises(LookupError, match="no member"):
-        tf.transfer_pairs((0, 2), {0: 0, 2: 0}, 3)
+        tw.transfer_pairs((0, 2), {0: 0, 2: 0}, 3)
 
 
 def test_roles_of_the_plans():
-    r = tf.roles(dp_tp(8, tp=2), 8, 5)
+    r = tw.roles(dp_tp(8, tp=2), 8, 5)
     assert r.tp_group == (4, 5) and r.dp_group == (1, 3, 5, 7)
     assert (r.tp_index, r.dp_index, r.tp) == (1, 2, 2)
-    r = tf.roles(dp_ring(7), 7, 3)
+    r = tw.roles(dp_ring(7), 7, 3)
     assert r.tp_group == (3,) and r.dp_group == tuple(range(7)) and r.dp_index == 3
     from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
     with pytest.raises(PlanError, match="'dp' phase"):
-        tf.roles(JobPlan("x", 4, (PhaseSpec("pp", "chain"),)), 4, 0)
+        tw.roles(JobPlan("x", 4, (PhaseSpec("pp", "chain"),)), 4, 0)
 
 
 def test_job_spec_refuses_bad_values(tmp_path):
@@ -175,6 +176,11 @@ def test_kill_a_rank_standby_takes_its_place_in_place_nothing_lost(tmp_path):
     out_run, out_ref = finish(run), finish(ref)
     assert run.returncode == 0, out_run
     assert ref.returncode == 0, out_ref
+    # the launcher says what it does: processes up, the first step, the swap, the end
+    for said in ("torch job: process on spare0 ready", "torch job: first step done",
+                 "torch job: generation 1, ranks on gpu0, gpu1, spare0, gpu3",
+                 f"torch job: step {steps}, loss ", "torch job: done"):
+        assert said in out_run, (said, out_run)
     ev = events_of(run_dir)
     orders = [e for e in ev if e["kind"] == "order"]
     assert [o["rank_map"] for o in orders] == [
@@ -205,10 +211,10 @@ def test_kill_a_rank_standby_takes_its_place_in_place_nothing_lost(tmp_path):
     ref_d, run_d = digests(events_of(ref_dir)), digests(ev)
     assert set(run_d) == {"gpu0", "gpu1", "spare0", "gpu3"}
     assert set(run_d.values()) == set(ref_d.values()) and len(set(ref_d.values())) == 1
-    a = tf.load_weights(ref_dir / "final-tp0.pt")
-    b = tf.load_weights(run_dir / "final-tp0.pt")
+    a = tm.load_weights(ref_dir / "final-tp0.pt")
+    b = tm.load_weights(run_dir / "final-tp0.pt")
     assert a["step"] == b["step"] == steps
-    assert tf.max_abs_difference(a, b) == 0.0
+    assert tm.max_abs_difference(a, b) == 0.0
     # and the model learns
     loss = [e["loss"] for e in ev if e["kind"] == "step" and e["gpu"] == "gpu0"]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3, loss

@@ -17,11 +17,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from photonic_testbed.hil.job import torch_job  # noqa: E402
-from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.emulator.control import request  # noqa: E402
-from photonic_testbed.ptb.bench.stack import Stack  # noqa: E402
-
+from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
+from photonic_testbed.hil.job import torch_job  # noqa: E402
+from photonic_testbed.ptb.bench.measure import agent_stack  # noqa: E402
 from test_torch_job import events_of, finish, launch  # noqa: E402
 
 SMALL = ("--width", "32", "--batch", "2", "--block", "16", "--layers", "1")
@@ -68,7 +67,7 @@ def agent_rank_map(stack):
 
 
 def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_path):
-    stack = Stack("lumion", quarantine_s=60.0)
+    stack = agent_stack("lumion", quarantine_s=60.0)
     proc = None
     try:
         work = tmp_path / "job"
@@ -119,7 +118,7 @@ def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_pat
 
 
 def test_opus_tensor_and_data_parallel_phases_then_clean_stop(tmp_path):
-    stack = Stack("opus")
+    stack = agent_stack("opus")
     proc = None
     try:
         work = tmp_path / "job"
@@ -159,7 +158,7 @@ def test_opus_tensor_and_data_parallel_phases_then_clean_stop(tmp_path):
 def test_torchrun_baseline_restarts_on_the_agents_new_rank_map(tmp_path):
     """The baseline with the agent: gpu1 fails, torchrun restarts both workers, and the one
     with rank 1 runs on the GPU the agent ordered in gpu1's place, from the checkpoint."""
-    stack = Stack("lumion", quarantine_s=60.0)
+    stack = agent_stack("lumion", quarantine_s=60.0)
     proc = None
     try:
         work = tmp_path / "torchrun"

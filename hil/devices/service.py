@@ -620,9 +620,10 @@ def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = No
     try:
         endpoints = service.bind()
     except Exception as e:
-        if ready is not None:
-            ready.send(("error", f"{type(e).__name__}: {e}"))
-        raise
+        if ready is None:
+            raise
+        ready.send(("error", f"{type(e).__name__}: {e}"))     # the parent says it, once
+        return
     if ready is not None:
         ready.send(("ready", endpoints))
     if threading.current_thread() is threading.main_thread():

@@ -96,7 +96,11 @@ class Manager:
         proc.start()
         child.close()
         ok = parent.poll(self.start_timeout)
-        got: tuple[str, Any] = parent.recv() if ok else ("error", "did not start in time")
+        try:
+            got: tuple[str, Any] = parent.recv() if ok else ("error", "did not start in time")
+        except EOFError:                        # it died first (a Ctrl-C during its start)
+            proc.join(2.0)
+            got = ("error", f"its process ended (exit {proc.exitcode}) before it was ready")
         status, info = got
         parent.close()
         if status != "ready":

@@ -4,5 +4,6 @@
                             orders (the agent's bus operations, and its published state)
     hil.job.torch_job       the PyTorch job's launcher and rank processes (`python -m
                             photonic_testbed.hil.job.torch_job`); imports torch lazily
-    hil.job.torch_fabric    the model and the in-place failover protocol on torch.distributed
+    hil.job.worker          the ranks and the in-place failover protocol on torch.distributed
+    hil.job.model           the model, its text and optimizer, a rank's state as tensors
 """

@@ -1,4 +1,4 @@
-"""The PyTorch job's controller and its records, without torch (hil.job.torch_fabric has the ranks).
+"""The PyTorch job's controller and its records, without torch (hil.job.worker has the ranks).
 
 The controller is the job's part that no GPU failure takes down (torchrun's agent plays this
 role for torchrun): it hosts the job's store, admits the plan with the agent, starts one
@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from photonic_testbed.hil.lab import control_client
 from photonic_testbed.hil.lab.control_client import ControlError, ControlTimeout
-from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class JobSpec:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "JobSpec":
+    def load(cls, path: str | os.PathLike) -> JobSpec:
         try:
             d = json.loads(pathlib.Path(path).read_text())
             return cls(**d)
@@ -153,6 +153,91 @@ def read_events(workdir: str | os.PathLike) -> list[dict]:
     return sorted(out, key=lambda e: e["t"])
 
 
+class Progress:
+    """What the job is doing, on the launcher's standard output while it runs: a line when rank
+    processes come up, at each new generation (a swap), and every `every_s` the step, the loss
+    (mean over the ranks' latest) and the steps a second. It reads the processes' event files
+    from where it left them, so a line costs what was written since the last."""
+
+    def __init__(self, workdir: pathlib.Path, every_s: float, clock=time.monotonic):
+        self.folder = workdir / "events"
+        self.every_s = every_s
+        self.clock = clock
+        self._offsets: dict[pathlib.Path, int] = {}
+        self._loss: dict[int, float] = {}        # rank -> its latest step's loss
+        self._ready: set[str] = set()
+        self.step = 0
+        self._last: tuple[float, int] | None = None   # (when the last line was, the step then)
+        self.started = clock()
+
+    def _new_events(self) -> list[dict]:
+        out = []
+        for path in sorted(self.folder.glob("*.jsonl")):
+            at = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(at)
+                    chunk = f.read()
+            except OSError:
+                continue
+            whole = chunk[:chunk.rfind(b"\n") + 1]       # a line still being written: later
+            self._offsets[path] = at + len(whole)
+            for line in whole.decode("utf-8", "replace").splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def tick(self, say=print) -> None:
+        if self.every_s <= 0:
+            return
+        self._absorb(say)
+        now = self.clock()
+        if self._last is None:
+            if self._loss:
+                say(f"torch job: first step done {now - self.started:.0f} s after the start",
+                    flush=True)
+                self._last = (now, self.step)
+            return
+        t0, step0 = self._last
+        if now - t0 >= self.every_s:
+            self._line(now, t0, step0, say)
+
+    def _absorb(self, say) -> None:
+        for e in self._new_events():
+            if e["kind"] == "step":
+                self.step = max(self.step, int(e["step"]))
+                self._loss[int(e["rank"])] = float(e["loss"])
+            elif e["kind"] == "ready" and e.get("gpu") not in self._ready:
+                self._ready.add(e.get("gpu", "?"))
+                say(f"torch job: process on {e.get('gpu', '?')} ready "
+                    f"({len(self._ready)} up, {self.clock() - self.started:.0f} s)", flush=True)
+
+    def _line(self, now: float, t0: float, step0: int, say) -> None:
+        rate = (self.step - step0) / (now - t0) if now > t0 else 0.0
+        loss = sum(self._loss.values()) / len(self._loss)
+        say(f"torch job: step {self.step}, loss {loss:.3f}, {rate:.1f} steps/s on "
+            f"{len(self._loss)} ranks", flush=True)
+        self._last = (now, self.step)
+
+    def final(self, what: str = "", say=print) -> None:
+        """The last lines: where the job got to, and (`what`) how it ended."""
+        if self.every_s <= 0:
+            return
+        self._absorb(say)
+        if self._loss and self._last is not None:
+            self._line(self.clock(), *self._last, say)
+        if what:
+            say(f"torch job: {what}", flush=True)
+
+    def order(self, gen: int, rank_map: dict[int, str], cause: str, say=print) -> None:
+        if self.every_s > 0:
+            self._loss.clear()                   # ranks are counted again under the new map
+            say(f"torch job: generation {gen}, ranks on {', '.join(rank_map.values())} "
+                f"({cause})", flush=True)
+
+
 def emulator_request(endpoint: str, msg: dict, timeout_s: float = 5.0) -> Any:
     """One request on the emulator's control endpoint (hil.lab.control_client); the result, or
     JobSpecError with the emulator's refusal."""
@@ -171,6 +256,7 @@ class Options:
     standbys: int = 2                # warm standby processes (standalone: spare0..)
     torchrun: bool = False           # the restart-all baseline
     max_restarts: int = 100
+    progress_s: float = 5.0          # a line of progress this often on stdout (0: none)
     python: str = sys.executable
     extra_env: dict = field(default_factory=dict)
 
@@ -194,6 +280,7 @@ class Controller:
         self.agent_state: Any = None        # a SubscriberThread on the agent's state
         self.stopped: str | None = None
         self.interrupted = threading.Event()   # SIGTERM/SIGINT: stop the job cleanly
+        self.progress = Progress(self.workdir, options.progress_s)
         self._logs: list = []
 
     # --- generations ------------------------------------------------------------------------
@@ -206,6 +293,7 @@ class Controller:
         self.events.write("order", gen=self.gen, cause=cause,
                           rank_map={str(r): g for r, g in rank_map.items()})
         log.info("generation %d: %s (%s)", self.gen, rank_map, cause)
+        self.progress.order(self.gen, rank_map, cause)
 
     def _publish_stop(self, reason: str) -> None:
         self.gen += 1
@@ -214,7 +302,7 @@ class Controller:
 
     # --- processes --------------------------------------------------------------------------
     def _spawn(self, gpu: str, why: str) -> None:
-        cmd = [self.opt.python, "-m", "photonic_testbed.hil.job.torch_fabric", "worker",
+        cmd = [self.opt.python, "-m", "photonic_testbed.hil.job.worker", "worker",
                "--job", str(self.workdir / "job.json"), "--gpu", gpu]
         err = open(self.workdir / "logs" / f"{gpu}-{len(self._logs)}.log", "w")
         self._logs.append(err)
@@ -325,9 +413,9 @@ class Controller:
 
     # --- the run ----------------------------------------------------------------------------
     def run(self) -> int:
-        from photonic_testbed.hil.job import torch_fabric     # torch: imported here only
+        from photonic_testbed.hil.job import worker  # torch: imported here only
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        self.store, port = torch_fabric.serve_store()
+        self.store, port = worker.serve_store()
         self.spec.store = ("127.0.0.1", port)
         self.spec.save(self.workdir / "job.json")
         try:
@@ -346,6 +434,7 @@ class Controller:
                 if self.rank_map and all(g in self.done for g in self.rank_map.values()):
                     self._finish("job done")
                     self.events.write("done", gen=self.gen)
+                    self.progress.final("done")
                     return DONE
                 if self.lost_at is not None and \
                         time.monotonic() - self.lost_at > self.spec.restart_timeout_s:
@@ -358,6 +447,7 @@ class Controller:
                 if self.stopped:
                     return self._stop(self.stopped)
                 self._ensure()
+                self.progress.tick()
                 time.sleep(POLL_S)
         finally:
             self._close()
@@ -384,12 +474,13 @@ class Controller:
         while self.procs and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.02)
-        for gpu, proc in list(self.procs.items()):
+        for proc in list(self.procs.values()):
             proc.kill()
             proc.wait(5)
 
     def _stop(self, reason: str) -> int:
         log.error("job stopped: %s", reason)
+        self.progress.final()
         print(f"torch job stopped: {reason}", file=sys.stderr, flush=True)
         self.events.write("stopped", gen=self.gen, reason=reason)
         self._finish(reason)
@@ -415,7 +506,7 @@ class Controller:
         cmd = [self.opt.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(self.plan.world), "--max-restarts",
                str(self.opt.max_restarts), "--monitor-interval", "0.1",
-               "-m", "photonic_testbed.hil.job.torch_fabric", "torchrun-worker",
+               "-m", "photonic_testbed.hil.job.worker", "torchrun-worker",
                "--job", str(self.workdir / "job.json")]
         err = open(self.workdir / "logs" / "torchrun.log", "w")
         self._logs.append(err)
@@ -523,6 +614,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the baseline: torchrun restarts every worker from a checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
     p.add_argument("--max-restarts", type=int, default=100)
+    p.add_argument("--progress", type=float, default=5.0, metavar="S",
+                   help="print the step, loss and steps/s every S seconds, and each process "
+                   "up and each new rank map as it comes (0: quiet; default %(default)g)")
 
 
 def spec_from_args(args: argparse.Namespace) -> tuple[JobSpec, Options]:
@@ -539,10 +633,11 @@ def spec_from_args(args: argparse.Namespace) -> tuple[JobSpec, Options]:
                    control=args.control, audit=args.audit,
                    restart_timeout_s=args.restart_timeout,
                    checkpoint_every=args.checkpoint_every)
-    if args.standbys < 0 or args.max_restarts < 0:
-        raise JobSpecError("--standbys and --max-restarts cannot be negative")
+    if args.standbys < 0 or args.max_restarts < 0 or args.progress < 0:
+        raise JobSpecError("--standbys, --max-restarts and --progress cannot be negative")
     return spec, Options(standalone=args.standalone, standbys=args.standbys,
-                         torchrun=args.torchrun, max_restarts=args.max_restarts)
+                         torchrun=args.torchrun, max_restarts=args.max_restarts,
+                         progress_s=args.progress)
 
 
 def main(argv: list[str] | None = None) -> int:

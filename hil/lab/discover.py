@@ -135,10 +135,11 @@ def host_resource(text: str) -> str:
 
 def endpoint_addresses(path: str) -> tuple[list[str], list[str]]:
     """An emulator's endpoints file: (its serial link, its instruments' socket resources)."""
+    from photonic_testbed.hil import files
     from photonic_testbed.hil.lab.session import (ENDPOINT_DEVICES, SessionError, parse_address,
                                               read_endpoints)
     try:
-        endpoints = read_endpoints(path)
+        endpoints = read_endpoints(path, wait_s=files.WAIT_S)
         wires = [parse_address(a, SCPI_PORT) for k, a in endpoints.items()
                  if k in ENDPOINT_DEVICES]
     except SessionError as e:

@@ -24,8 +24,8 @@ import socket
 import tempfile
 import threading
 import time
-import tty
 
+from photonic_testbed.hil.lab.client_side import ListenError, listen_tcp, serial_link
 from photonic_testbed.hil.lab.session import SERIAL_BAUD, SessionWriter, Wire
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Recorder:
                 if self._own_dir:
                     shutil.rmtree(self._link_dir, ignore_errors=True)
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         self.start()
         return self
 
@@ -213,38 +213,23 @@ class Recorder:
     def _start_serial(self, name: str, wire: Wire) -> str:
         port = open_serial(wire.path)
         self._serials.append(port)
-        master, slave = os.openpty()
+        master, slave, link = serial_link(self._link_dir, name)
         self._fds += [master, slave]
-        # Raw (no echo, no newline translation); we keep the slave open ourselves, so the
-        # master never reads EIO while no client has the pty open.
-        tty.setraw(slave)
         os.set_blocking(master, False)
-        link = self._link_dir / name
-        tmp = link.with_name(name + ".new")
-        tmp.unlink(missing_ok=True)
-        os.symlink(os.ttyname(slave), tmp)
-        os.replace(tmp, link)
         relay = _Relay(name, 1, _Side(master, f"the client of {name}"),
                        _Side(port.fileno(), f"{name} ({wire.path})"))
         self._add_relay(relay)
         return str(link)
 
     def _start_tcp(self, name: str, wire: Wire) -> str:
-        family = socket.AF_INET6 if ":" in self.listen else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((self.listen, self.ports.get(name, 0)))
-        except OSError as e:
-            s.close()
-            raise RecorderError(f"cannot listen for {name}'s clients on {self.listen} port "
-                                f"{self.ports.get(name, 0)}: {e.strerror or e}") from None
-        s.listen(16)
+            s, address = listen_tcp(self.listen, self.ports.get(name, 0), name)
+        except ListenError as e:
+            raise RecorderError(str(e)) from None
         s.setblocking(False)
         self._listeners[name] = s
         self._sel.register(s, selectors.EVENT_READ, ("accept", name))
-        host = f"[{self.listen}]" if ":" in self.listen else self.listen
-        return f"TCPIP::{host}::{s.getsockname()[1]}::SOCKET"
+        return address
 
     def _add_relay(self, relay: _Relay) -> None:
         self._relays.append(relay)

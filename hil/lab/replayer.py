@@ -30,9 +30,9 @@ import tempfile
 import termios
 import threading
 import time
-import tty
 from dataclasses import dataclass, field
 
+from photonic_testbed.hil.lab.client_side import ListenError, listen_tcp, serial_link
 from photonic_testbed.hil.lab.recorder import RecorderError, open_serial
 from photonic_testbed.hil.lab.session import Comparison, Exchange, Session, Wire, show
 
@@ -43,6 +43,7 @@ LATE_FACTOR = 3.0              # an answer may take this many times its recorded
 LATE_MAX_S = 60.0              # ...but no longer than this (or --timeout-s, if that is longer)
 END_GRACE_S = 0.05             # how long the end of a connection is watched for extra answers
 MISMATCH_READ_S = 0.2          # how long a differing client line is read on, for the report
+EXACT = Comparison()           # byte for byte
 SILENT_AFTER = 3               # exchanges in a row with no byte of answer: the device is silent
 
 
@@ -230,7 +231,7 @@ class _Link:
 
 # ---- playing the client --------------------------------------------------------------------------
 
-def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison = Comparison(),
+def replay(session: Session, wires: dict[str, Wire], *, comparison: Comparison = EXACT,
            timeout_s: float = DEFAULT_TIMEOUT_S, pace: bool = False) -> ReplayReport:
     """Play the session's client side against the devices at `wires` (device name -> Wire)."""
     missing = [d for d in session.used if d not in wires]
@@ -440,7 +441,7 @@ class ScriptedDevices:
                             ("" if s.opened else f" (it never opened connection {s.conn})")))
         return self.report
 
-    def __enter__(self) -> "ScriptedDevices":
+    def __enter__(self) -> ScriptedDevices:
         self.start()
         return self
 
@@ -450,13 +451,7 @@ class ScriptedDevices:
     # ---- serving -------------------------------------------------------------------------
 
     def _start_serial(self, device: str) -> str:
-        master, slave = os.openpty()
-        tty.setraw(slave)            # we hold the slave: no EIO while no client has it open
-        link = self._link_dir / device
-        tmp = link.with_name(device + ".new")
-        tmp.unlink(missing_ok=True)
-        os.symlink(os.ttyname(slave), tmp)
-        os.replace(tmp, link)
+        master, slave, link = serial_link(self._link_dir, device)
         self._slaves.append(slave)
 
         def close() -> None:
@@ -478,31 +473,24 @@ class ScriptedDevices:
         return str(link)
 
     def _start_tcp(self, device: str) -> str:
-        family = socket.AF_INET6 if ":" in self.listen else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((self.listen, self.ports.get(device, 0)))
-        except OSError as e:
-            s.close()
-            raise ReplayError(f"cannot listen for {device}'s client on {self.listen}: "
-                              f"{e.strerror or e}") from None
-        s.listen(16)
+            s, address = listen_tcp(self.listen, self.ports.get(device, 0), device)
+        except ListenError as e:
+            raise ReplayError(str(e)) from None
         s.settimeout(0.2)
         self._closers.append(s.close)
         t = threading.Thread(target=self._accept, args=(device, s), name=f"scripted-{device}",
                              daemon=True)
         self._threads.append(t)
         t.start()
-        host = f"[{self.listen}]" if ":" in self.listen else self.listen
-        return f"TCPIP::{host}::{s.getsockname()[1]}::SOCKET"
+        return address
 
     def _accept(self, device: str, listener: socket.socket) -> None:
         scripts = iter(self._scripts[device])
         while not self._stop.is_set():
             try:
                 conn, _ = listener.accept()
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 continue
             except OSError:
                 return

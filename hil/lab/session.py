@@ -39,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from photonic_testbed.hil import files
+
 log = logging.getLogger(__name__)
 
 SESSION_FORMAT = "ptb-session"
@@ -519,10 +521,14 @@ def show(data: bytes | None, limit: int = 120) -> str:
 ENDPOINT_DEVICES = ("dac", "ocs", "powermeter", "laser")
 
 
-def read_endpoints(path: str | os.PathLike) -> dict:
-    path = pathlib.Path(path)
+def read_endpoints(path: str | os.PathLike, wait_s: float = 0.0) -> dict:
+    """An endpoints file (`ptb emulate --endpoints`): device -> address; with `wait_s`, waiting
+    that long for it to be written (hil.files)."""
     try:
+        path = files.wait_for(path, wait_s, "endpoints file")
         data = json.loads(path.read_text(encoding="utf-8"))
+    except files.FileNotWritten as e:
+        raise SessionError(str(e)) from None
     except OSError as e:
         raise SessionError(f"cannot read the endpoints file {path}: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -535,20 +541,22 @@ def read_endpoints(path: str | os.PathLike) -> dict:
 
 def device_wires(endpoints: str | os.PathLike | None = None,
                  rig: str | os.PathLike | None = None,
-                 named: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Wire], list[str]]:
+                 named: list[str] | tuple[str, ...] = (),
+                 wait_s: float = 0.0) -> tuple[dict[str, Wire], list[str]]:
     """Devices by name and their wires, from an emulator's endpoints file (its instruments),
     a rig file (its devices on a serial port or a raw socket) and `NAME=ADDRESS` words (which
-    win). Also the notes on devices left out (a VISA resource that is neither)."""
+    win); either file waited for up to `wait_s` (hil.files). Also the notes on devices left out
+    (a VISA resource that is neither)."""
     wires: dict[str, Wire] = {}
     notes: list[str] = []
     if endpoints is not None:
-        for key, address in read_endpoints(endpoints).items():
+        for key, address in read_endpoints(endpoints, wait_s).items():
             if key in ENDPOINT_DEVICES:
                 wires[key] = parse_address(address, SCPI_PORT)
     if rig is not None:
         from photonic_testbed.hil.rig import RigFileError, load
         try:
-            loaded = load(rig)
+            loaded = load(rig, wait_s)
         except RigFileError as e:
             raise SessionError(str(e)) from None
         for d in loaded.devices.values():

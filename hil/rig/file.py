@@ -19,6 +19,7 @@ import tomllib
 from typing import Any
 
 from photonic_testbed.common.topology import TopologyError, topology_named
+from photonic_testbed.hil import files
 from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, expected
 from photonic_testbed.hil.devices.kinds import KINDS
 from photonic_testbed.hil.rig.model import (
@@ -367,14 +368,18 @@ def _check_gpu_monitoring(c: _Checker, g: dict, i: int, before: list[GpuConfig])
                        iface, i)
 
 
-def load(path: str | os.PathLike) -> Rig:
-    path = pathlib.Path(path)
+def load(path: str | os.PathLike, wait_s: float = 0.0) -> Rig:
+    """Read and check a rig file; with `wait_s`, wait that long for it to be written (another
+    command may be writing it: hil.files)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        found = files.wait_for(path, wait_s, "rig file")
+        text = found.read_text(encoding="utf-8")
+    except files.FileNotWritten as e:
+        raise RigFileError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise RigFileError(f"cannot read the rig file {path}: {e}") from None
-    rig = parse(text, str(path), path.parent.resolve())
-    return dataclasses.replace(rig, path=path)
+    rig = parse(text, str(found), found.parent.resolve())
+    return dataclasses.replace(rig, path=found)
 
 
 def _toml_key(k: str) -> str:
@@ -396,8 +401,11 @@ def dumps(rig: Rig) -> str:
     """A rig as TOML text that `parse` reads back to the same rig (paths as stored)."""
     out = ["[rig]", f"name = {_toml_value(rig.name)}", "", "[bus]"]
     b = rig.bus
-    out += [f"host = {_toml_value(b.host)}", f"base_port = {b.base_port}",
-            f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
+    out.append(f"host = {_toml_value(b.host)}")
+    # devices' endpoints are written out; the base port only where a process's is derived from it
+    if not all(getattr(b, f"{p}_{side}") for p in PROCESSES for side in ("request", "publish")):
+        out.append(f"base_port = {b.base_port}")
+    out += [f"curve = {_toml_value(b.curve)}", f"heartbeat_s = {b.heartbeat_s!r}"]
     if b.bind:
         out.append(f"bind = {_toml_value(b.bind)}")
     for p in PROCESSES:
@@ -448,8 +456,5 @@ def dumps(rig: Rig) -> str:
 
 
 def write(path: str | os.PathLike, rig: Rig) -> None:
-    """Write a rig file atomically (temp file + rename)."""
-    path = pathlib.Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(rig))
-    os.replace(tmp, path)
+    """Write a rig file whole or not at all (hil.files)."""
+    files.write_atomic(path, dumps(rig))

@@ -15,7 +15,8 @@ import os
 import platform
 import time
 
-from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.hil.files import write_atomic
+from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
               "swap", "soak", "record", "datacenter", "job")
@@ -86,30 +87,16 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
 
 
-def _check_json(path: str) -> None:
-    """Refuse a results file that cannot be written before the benchmark runs for minutes."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise CommandFailed(f"--json {path} is a folder")
-    if not os.path.isdir(folder):
-        raise CommandFailed(f"--json {path}: no folder {folder}")
-    if not os.access(folder, os.W_OK):
-        raise CommandFailed(f"--json {path}: cannot write in {folder}")
-
-
 def _run(mod, args) -> int:
-    _check_json(args.json)
+    check_output(args.json, "--json")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result = mod.run(args)
     result = {"benchmark": mod.NAME, "started": started, "machine": machine(), **result}
     print_table(result["rows"])
     for line in result.get("notes", ()):
         print(line)
-    tmp = args.json + ".tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.json)
+        write_atomic(args.json, json.dumps(result, indent=2))
     except OSError as e:
         raise CommandFailed(f"cannot write {args.json}: {e.strerror or e}") from None
     print(f"results written to {args.json}")

@@ -20,6 +20,7 @@ threads of one process) and `ptb agent`, as processes; zero device delays.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import statistics
@@ -28,16 +29,23 @@ import urllib.parse
 from typing import cast
 
 from photonic_testbed.common import heap
-from photonic_testbed.hil.bus.mirror import SubscriberThread
-from photonic_testbed.hil.lab.control_client import request
-from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.hil.agent.entries import PhaseSwitched, Swap, words
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.bus.mirror import SubscriberThread
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.hil.rig import RigFileError, rig_spec
 from photonic_testbed.ptb.bench import integer, number
-from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
+from photonic_testbed.ptb.bench.measure import (
+    agent_stack,
+    percentile,
+    stack_cpu_s,
+    stack_rss_mb,
+    wait_for,
+)
 from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.stack import Stack
 
 NAME = "datacenter"
 HELP = ("opus2048 over the real sockets: start-up, memory, failover and a phase switch on "
@@ -114,7 +122,8 @@ def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
                 times.append(time.perf_counter() - t)
                 if len(times) == runs:
                     break
-        wait_for(lambda: len([e for e in j.entries(since=last, kinds=("phase",))]) >= runs)
+        wait_for(lambda: len([e for e in j.entries(since=last, kinds=("phase",))]) >= runs,
+                 f"the {runs} timed phase switches in the journal")
         grown = (journal_bytes(stack.journal) - size0) / runs
         written = [len(e.details.applied) for e in j.entries(since=last, kinds=("phase",))
                    if isinstance(e.details, PhaseSwitched)][:runs]
@@ -148,14 +157,14 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
 
                 journaled: list[str] = []
 
-                def done():
+                def done(last: int = last, journaled: list[str] = journaled) -> list | None:
                     es = j.entries(since=last)
                     kinds = {e.kind for e in es}
                     journaled[:] = [e.kind for e in es]
                     return es if kinds & {"verified", "verify_failed"} and \
                         {"decision", "applied", "rank_map"} <= kinds else None
                 try:
-                    es = wait_for(done)
+                    es = wait_for(done, f"the swap of {victim} in the journal")
                 except CommandFailed:
                     raise CommandFailed(
                         f"the swap of {victim} was not journaled whole in 30 s (a decision, "
@@ -170,9 +179,11 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                 if "verified" not in t:
                     dark = [words(e.details) for e in es if e.kind == "verify_failed"]
                     raise CommandFailed(f"the swap of {victim} did not verify: {dark}")
-                t_bus = wait_for(lambda: seen.get(victim))
+                t_bus = wait_for(functools.partial(seen.get, victim),
+                                 f"{victim}'s failure on the bus")
                 request(stack.control, {"cmd": "heal_gpu", "gpu": victim}, 30.0)
-                wait_for(lambda: victim not in seen)
+                wait_for(lambda: victim not in seen,  # noqa: B023 (waited for at once)
+                         f"{victim} healed on the bus")
                 time.sleep(0.05)          # the healed GPU is seen before the next run
                 if run < 0:
                     continue
@@ -194,30 +205,30 @@ def run(args) -> dict:
     except (RigFileError, ValueError) as e:
         raise CommandFailed(str(e)) from None
     plan, group = rack_plan(spec)
-    stack = Stack(args.rig, one_process=True, journal_sync=args.journal_sync)
+    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync)
     fabric = None
     try:
-        rss = {"idle": stack.rss_mb()}
+        rss = {"idle": stack_rss_mb(stack)}
         workers = [g.name for g in stack.rig.gpus if not g.spare]
         fabric = Fabric(*stack.rig.agent_endpoints(), timeout=60)
         t = time.perf_counter()
         rank_map = fabric.admit(plan, dict(enumerate(workers)))
         admit_s = time.perf_counter() - t
-        rss["job admitted"] = stack.rss_mb()
+        rss["job admitted"] = stack_rss_mb(stack)
         heap.settle("the job's admission")   # this process is the job: the plan is kept
-        cpu0 = stack.cpu_s()
+        cpu0 = stack_cpu_s(stack)
         phase_s, written, grown = _phases(stack, fabric, plan, args.phases,
                                           args.gap_ms / 1e3)
-        cpu1 = stack.cpu_s()
+        cpu1 = stack_cpu_s(stack)
         cpu_ms = {name: 1e3 * (cpu1[name] - cpu0[name]) / len(phase_s) for name in cpu0}
         parts = _failovers(stack, fabric, rank_map, args.failovers, spec.rails * group)
-        rss["after the runs"] = stack.rss_mb()
+        rss["after the runs"] = stack_rss_mb(stack)
     finally:
         if fabric is not None:
             fabric.close()
         stack.close()
     switches = len(spec.rack_layout().switches)
-    all_ocs = [x for x, n in zip(phase_s, written) if n == switches]
+    all_ocs = [x for x, n in zip(phase_s, written, strict=False) if n == switches]
     rows = [{"case": f"start-up: {k} (launch to ready)", "runs": 1,
              "p50_ms": f"{1e3 * v:.0f}", "p99_ms": "", "max_ms": ""}
             for k, v in stack.started.items()]

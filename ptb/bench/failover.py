@@ -15,17 +15,18 @@ turnaround, not one per line).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
-from photonic_testbed.hil.bus.mirror import SubscriberThread
-from photonic_testbed.hil.job.fabric_client import Fabric
-from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.common.jobplan import dp_ring
 from photonic_testbed.hil.agent.entries import RankMapAnnounced, Swap
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.bus.mirror import SubscriberThread
+from photonic_testbed.hil.job.fabric_client import Fabric
+from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.ptb.bench import integer
-from photonic_testbed.ptb.bench.stack import Stack, percentile, wait_for
+from photonic_testbed.ptb.bench.measure import agent_stack, percentile, wait_for
 
 NAME = "failover"
 HELP = "GPU failure -> spare's circuits applied and verified, over the bus (lumion)"
@@ -40,7 +41,7 @@ def add_arguments(p) -> None:
 
 
 def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
-    stack = Stack("lumion", journal_sync=journal_sync)
+    stack = agent_stack("lumion", journal_sync=journal_sync)
     fabric = sub = None
     seen: dict[str, float] = {}         # GPU -> when this process heard it failed on the bus
 
@@ -67,11 +68,11 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                 t_fail = time.time()
                 request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
 
-                def done():
+                def done(last: int = last) -> list | None:
                     es = j.entries(since=last)
                     return es if any(e.kind in ("verified", "verify_failed") for e in es) \
                         and any(e.kind == "rank_map" for e in es) else None
-                es = wait_for(done)
+                es = wait_for(done, f"the swap of {victim} in the journal")
                 last = es[-1].seq
                 t: dict[str, float] = {}
                 for e in es:
@@ -84,11 +85,13 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                 parts["apply"].append(t["applied"] - dec)
                 parts["verify"].append(t["verified"] - t["applied"])
                 parts["total"].append(t["verified"] - t_fail)
-                t_bus = wait_for(lambda: seen.get(victim))
+                t_bus = wait_for(functools.partial(seen.get, victim),
+                                 f"{victim}'s failure on the bus")
                 parts["bus event"].append(t_bus - t_fail)
                 parts["from bus event"].append(t["verified"] - t_bus)
                 request(stack.control, {"cmd": "heal_gpu", "gpu": victim})
-                wait_for(lambda: victim not in seen)
+                wait_for(lambda: victim not in seen,  # noqa: B023 (waited for at once)
+                         f"{victim} healed on the bus")
                 time.sleep(0.03)          # the healed GPU is seen before the next run
     finally:
         if fabric is not None:

@@ -18,11 +18,11 @@ import statistics
 import time
 
 from photonic_testbed.common import heap
+from photonic_testbed.common.jobplan import dp_tp
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.job.fabric_client import Fabric
-from photonic_testbed.common.jobplan import dp_tp
 from photonic_testbed.ptb.bench import integer, number
-from photonic_testbed.ptb.bench.stack import Stack, percentile
+from photonic_testbed.ptb.bench.measure import agent_stack, percentile
 
 NAME = "phase"
 HELP = "phase event -> phase circuits applied (grant), over the bus, chip and OCS"
@@ -49,7 +49,7 @@ def _measure(rig: str, switching_ms: float, runs: int, sync: str = "full",
     `ping_device` to that switch's service, which asks the device itself) and the job-visible
     stall of a phase set up ahead (the job releases a round, computes `gap_s`, then asks for
     the next)."""
-    stack = Stack(rig, switching_ms=switching_ms, journal_sync=sync)
+    stack = agent_stack(rig, switching_ms=switching_ms, journal_sync=sync)
     fabric = None
     try:
         fabric = Fabric(*stack.rig.agent_endpoints(), timeout=10)

@@ -8,51 +8,24 @@ round trip then one recorded (the order swapped every round), so that the machin
 on both alike."""
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import pathlib
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 from photonic_testbed.ptb.bench import integer
 from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.stack import Stack
 
 NAME = "record"
 HELP = "round trips of id? (DAC) and *IDN? (OCS) through ptb record vs direct"
-
-START_S = 60
 
 
 def add_arguments(p) -> None:
     p.add_argument("--rounds", type=integer(10, 10 ** 6), default=2000,
                    help="round trips per device and path (default %(default)s)")
-
-
-
-def _start(args: list[str], ready: pathlib.Path, cwd: pathlib.Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "photonic_testbed.ptb", *args], cwd=cwd,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + START_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"ptb {' '.join(args)} did not start: {proc.communicate()[1]}")
-        time.sleep(0.05)
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
 
 
 class _Board:
@@ -109,22 +82,22 @@ def _stats(ts: list[float]) -> tuple[float, float]:
 
 
 def run(args) -> dict:
-    work = pathlib.Path(tempfile.mkdtemp(prefix="ptb-bench-record-"))
-    procs = []
-    try:
-        for side in ("direct", "recorded"):
-            (work / side).mkdir()
-            procs.append(_start(["emulate", "--rig", "lumion", "--seed", "0", "--endpoints",
-                                 "e.json"], work / side / "e.json", work / side))
-        procs.append(_start(["record", "--endpoints", str(work / "recorded" / "e.json"),
-                             "--write-endpoints", str(work / "relays.json"), "--out",
-                             str(work / "session.jsonl")], work / "relays.json", work))
-        direct = json.loads((work / "direct" / "e.json").read_text())
-        relays = json.loads((work / "relays.json").read_text())
+    with contextlib.ExitStack() as stacks:
+        work = pathlib.Path(stacks.enter_context(tempfile.TemporaryDirectory(
+            prefix="ptb-bench-record-")))
+        sides = {side: stacks.enter_context(Stack(work / side)) for side in ("direct", "recorded")}
+        for stack in sides.values():
+            stack.emulate("lumion", "--seed", "0")
+        recorded, relays, session = sides["recorded"], work / "relays.json", work / "session.jsonl"
+        recorded.ptb("record", "record", "--endpoints", str(recorded.workdir / "emulator.json"),
+                     "--write-endpoints", str(relays), "--out", str(session))
+        recorded.wait("the recorder's relays", relays.exists, log="record")
+        direct = json.loads((sides["direct"].workdir / "emulator.json").read_text())
+        relayed = json.loads(relays.read_text())
         rows, results = [], {}
         for device, client, label in (("dac", _Board, "heater DAC, id? (serial)"),
                                       ("ocs", _Switch, "OCS, *IDN? (pyvisa, socket)")):
-            a, b = client(direct[device]), client(relays[device])
+            a, b = client(direct[device]), client(relayed[device])
             times: dict[str, list[float]] = {"direct": [], "recorded": []}
             try:
                 for _ in range(20):                      # warm both paths up
@@ -146,13 +119,8 @@ def run(args) -> dict:
                          "added ms": f"{(r50 - d50) * 1e3:.3f}", "ratio": f"{r50 / d50:.2f}",
                          "direct p99 ms": f"{d99 * 1e3:.3f}",
                          "recorded p99 ms": f"{r99 * 1e3:.3f}"})
-    finally:
-        for proc in reversed(procs):
-            _stop(proc)
-    lines = sum(1 for _ in open(work / "session.jsonl"))
-    for path in sorted(work.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
-    os.rmdir(work)
+        recorded.stop("record")               # the session file finished
+        lines = sum(1 for _ in open(session))
     worst = max(r["added_median_s"] for r in results.values())
     return {"rounds": args.rounds, "rig": "lumion", "results": results, "rows": rows,
             "session_lines": lines,

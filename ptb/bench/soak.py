@@ -15,7 +15,7 @@ import time
 
 from photonic_testbed.hil.lab.control_client import ControlError, request
 from photonic_testbed.ptb.bench import number
-from photonic_testbed.ptb.bench.stack import Stack
+from photonic_testbed.ptb.bench.measure import agent_stack
 from photonic_testbed.ptb.cli import CommandFailed
 
 NAME = "soak"
@@ -89,11 +89,11 @@ def _job_restarts(control: str) -> tuple[int, dict]:
 def run(args) -> dict:
     if not os.path.isdir("/proc/self"):
         raise CommandFailed("the soak reads memory from /proc (Linux only)")
-    stack = Stack("lumion", quarantine_s=0.0)
+    stack = agent_stack("lumion", quarantine_s=0.0)
     samples: dict[str, list[tuple[float, float]]] = {}
     failures = restarts_seen = 0
     try:
-        pids = {name: p.pid for name, p in stack.procs.procs}
+        pids = {name: p.pid for name, p in stack.processes.items()}
         _control(stack.control, {"cmd": "job_start", "plan": "dp", "steps": 10 ** 9})
         t0 = time.monotonic()
         end = t0 + args.warmup + 60 * args.minutes
@@ -109,7 +109,7 @@ def run(args) -> dict:
                 next_sample += args.sample
             if now >= end:
                 break
-            stack.procs.check()
+            stack.check()
             before, status = _job_restarts(stack.control)
             if status.get("state") in ("aborted", "done", "stopped"):
                 raise CommandFailed(f"the job {status['state']} after {failures} failures")

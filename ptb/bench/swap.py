@@ -1,5 +1,5 @@
 """Swap: a GPU failure -> the first completed training step on the spare, with a real PyTorch
-job in the loop; in place (hil.job.torch_fabric) against torchrun's restart-all, in the same run.
+job in the loop; in place (hil.job.worker) against torchrun's restart-all, in the same run.
 
 The stack runs as processes (emulator with its rack, services, agent; quarantine 0, so a healed
 GPU is a spare again), then the job's controller and its 8 rank processes (data-parallel ring
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.job import torch_job
 from photonic_testbed.hil.lab.control_client import request
-from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
-from photonic_testbed.ptb.bench.stack import Stack, percentile
+from photonic_testbed.ptb.bench.measure import agent_stack, percentile
 from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.stack import Stack
 
 NAME = "swap"
 HELP = ("GPU failure -> first training step on the spare: in-place swap vs torchrun "
@@ -55,51 +54,15 @@ def add_arguments(p) -> None:
                    help="seconds of training for the throughput before and after (default 10)")
 
 
-class _Controller(subprocess.Popen):
-    """The job's controller process, with the folder of its events and log."""
-    workdir = ""
+JOB_STOP_S = 60.0           # for a controller to stop its ranks and itself
 
 
-def _wait(cond, what: str, timeout: float = 180.0, proc: _Controller | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise CommandFailed(f"the job's controller stopped (exit {proc.returncode}) "
-                                f"before {what}: {_tail(proc.workdir)}")
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise CommandFailed(f"{what} did not happen within {timeout:g} s")
-
-
-def _tail(workdir: str, lines: int = 8) -> str:
-    path = os.path.join(workdir, "controller.log")
-    text = open(path).read() if os.path.exists(path) else ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _launch(stack: Stack, workdir: str, *extra: str) -> _Controller:
-    os.makedirs(workdir, exist_ok=True)
-    log = open(os.path.join(workdir, "controller.log"), "w")
-    proc = _Controller([sys.executable, "-m", "photonic_testbed.hil.job.torch_job", "launch",
-                             "--workdir", workdir, "--rig", str(stack.workdir / "rig.toml"),
-                             "--control", stack.control, "--plan", "dp", "--world", "8",
-                             "--steps", "1000000", "--restart-timeout", "120", *MODEL,
-                             *extra], stdout=log, stderr=subprocess.STDOUT)
-    log.close()                     # the controller has its own copy
-    proc.workdir = workdir
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+def _launch(stack: Stack, name: str, workdir: str, *extra: str) -> str:
+    """The job's controller as the stack's process `name` (its events in `workdir`)."""
+    stack.job("--workdir", workdir, "--rig", str(stack.rig_path), "--control", stack.control,
+              "--plan", "dp", "--world", "8", "--steps", "1000000", "--restart-timeout", "120",
+              *MODEL, *extra, name=name)
+    return name
 
 
 class _Job:
@@ -154,12 +117,12 @@ def _throughput(job: _Job, t0: float, t1: float) -> tuple[float, float, float]:
 
 
 def _in_place(stack: Stack, args, workdir: str) -> dict:
-    proc = _launch(stack, workdir, "--standbys", "2")
+    name = _launch(stack, "in-place-job", workdir, "--standbys", "2")
     job = _Job(workdir)
     parts: dict[str, list[float]] = {k: [] for k in STAGES}
     try:
-        _wait(lambda: job.steps_done() >= 20 and _free_gpus_ready(job, stack),
-              "20 steps with warm standbys", proc=proc)
+        stack.wait("20 steps with warm standbys",
+                   lambda: job.steps_done() >= 20 and _free_gpus_ready(job, stack), 180, log=name)
         t = time.time()
         time.sleep(args.window)
         before = _throughput(job, t, time.time())
@@ -169,10 +132,10 @@ def _in_place(stack: Stack, args, workdir: str) -> dict:
             t_fail = time.time()
             request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
 
-            def swapped():
+            def swapped(t_fail: float = t_fail, victim: str = victim) -> dict | None:
                 tl = torch_job.swap_timeline(job.events(), t_fail, victim)
                 return tl if tl["first_step"] else None
-            tl = _wait(swapped, f"the first step after {victim} failed", proc=proc)
+            tl = stack.wait(f"the first step after {victim} failed", swapped, 180, log=name)
             j = _journal_after(stack.journal, t_fail)
             first: dict[str, float] = {}
             for e in j:
@@ -182,36 +145,37 @@ def _in_place(stack: Stack, args, workdir: str) -> dict:
                      tl["transferred"], tl["first_step"]]
             if None in marks:
                 raise CommandFailed(f"run after {victim}: missing a stage {marks}")
-            for name, a, b in zip(STAGES, marks, marks[1:]):
-                parts[name].append(b - a)
+            for stage, a, b in zip(STAGES, marks, marks[1:], strict=False):  # (total: below)
+                parts[stage].append(b - a)
             parts["total"].append(tl["first_step"] - t_fail)
             request(stack.control, {"cmd": "heal_gpu", "gpu": victim})
-            _wait(lambda: _free_gpus_ready(job, stack), f"a warm standby on {victim}",
-                  proc=proc)
+            stack.wait(f"a warm standby on {victim}", lambda: _free_gpus_ready(job, stack), 180,
+                       log=name)
             n = job.steps_done()
-            _wait(lambda: job.steps_done() >= n + 3, "3 more steps", proc=proc)
+            stack.wait("3 more steps", lambda: job.steps_done() >= n + 3,  # noqa: B023 (at once)
+                       180, log=name)
         t = time.time()
         time.sleep(args.window)
         after = _throughput(job, t, time.time())
     finally:
-        _stop(proc)
+        stack.stop(name, JOB_STOP_S)
     return {"parts": parts, "before": before, "after": after}
 
 
 def _torchrun(stack: Stack, args, workdir: str) -> dict:
-    proc = _launch(stack, workdir, "--torchrun", "--checkpoint-every",
+    name = _launch(stack, "torchrun-job", workdir, "--torchrun", "--checkpoint-every",
                    str(args.checkpoint_every), "--max-restarts", str(args.torchrun_runs + 5))
     job = _Job(workdir)
     totals, back, redone = [], [], []
     try:
-        _wait(lambda: job.steps_done() >= 20, "20 steps under torchrun", timeout=300,
-              proc=proc)
+        stack.wait("20 steps under torchrun", lambda: job.steps_done() >= 20, 300, log=name)
         k = args.checkpoint_every
-        for i in range(args.torchrun_runs):
+        for _ in range(args.torchrun_runs):
             # fail half-way between checkpoints: the redone work of a failure at a random time
             n = job.steps_done()
             target = (n // k + 1) * k + k // 2
-            _wait(lambda: job.steps_done() >= target, f"step {target}", timeout=300, proc=proc)
+            stack.wait(f"step {target}", lambda: job.steps_done() >= target,  # noqa: B023
+                       300, log=name)
             gen = job.latest_order()["gen"]
             order = job.latest_order()
             victim = order["rank_map"]["3"]
@@ -219,25 +183,26 @@ def _torchrun(stack: Stack, args, workdir: str) -> dict:
             t_fail = time.time()
             request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
 
-            def first_step():
+            def first_step(gen: int = gen) -> dict | None:
                 ev = job.events()
                 spare = next((e["rank_map"]["3"] for e in ev if e["kind"] == "order"
                               and e["gen"] == gen + 1), None)
                 return next((e for e in ev if e["kind"] == "step" and e["gen"] == gen + 1
                              and e["gpu"] == spare), None)
-            step = _wait(first_step, "the restarted job's first step", timeout=600,
-                         proc=proc)
+            step = stack.wait("the restarted job's first step", first_step, 600, log=name)
             totals.append(step["t"] - t_fail)
-            caught_up = _wait(lambda: next((e for e in job.events() if e["kind"] == "step"
-                                            and e["gen"] == gen + 1 and e["step"] >= reached),
-                                           None), "the restarted job back at its step",
-                              timeout=600, proc=proc)
+            caught_up = stack.wait(
+                "the restarted job back at its step",
+                lambda: next((e for e in job.events() if e["kind"] == "step"
+                              and e["gen"] == gen + 1  # noqa: B023 (waited for at once)
+                              and e["step"] >= reached), None),  # noqa: B023
+                600, log=name)
             back.append(caught_up["t"] - t_fail)
             redone.append(reached - (step["step"] - 1))
             request(stack.control, {"cmd": "heal_gpu", "gpu": victim})
             time.sleep(1.0)
     finally:
-        _stop(proc)
+        stack.stop(name, JOB_STOP_S)
     return {"first_step": totals, "back_at_step": back, "steps_redone": redone}
 
 
@@ -245,7 +210,7 @@ def run(args) -> dict:
     if args.runs < 1 or args.torchrun_runs < 1:
         raise CommandFailed("--runs and --torchrun-runs must be >= 1")
     load0 = os.getloadavg()
-    stack = Stack("lumion", quarantine_s=0.0)
+    stack = agent_stack("lumion", quarantine_s=0.0)
     try:
         with tempfile.TemporaryDirectory(prefix="ptb-swap-") as tmp:
             work = args.workdir or tmp
