@@ -463,7 +463,12 @@ def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
         assert j.intended() == {"rail0-pod0": [(1, 33)]}
     with SqliteJournal(path) as j:                                     # opened again: as it was
         assert [e.details for e in j.stored_entries()] == [{}, old, _phase_details(1)]
+        typed = [e.details for e in j.entries()]                       # and in their types
     assert _stored_bytes(path)[1] > 0
+    assert typed[0] == Note() and isinstance(typed[1], PhaseSwitched)
+    assert (typed[1].phase, typed[1].job, len(typed[1].applied)) == ("pp", "a", 8)
+    assert typed[1].applied["rail0-pod0"].added == [tuple(p) for p in old["applied"][
+        "rail0-pod0"]["added"]]
 
 
 def test_a_lost_or_damaged_shared_value_is_a_clear_error(tmp_path):
