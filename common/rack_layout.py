@@ -24,6 +24,11 @@ class LayoutError(ValueError):
     """The rack description is inconsistent (a port used twice, an unknown switch...)."""
 
 
+# The weakest light a transceiver's receiver decodes: the emulated rack's receivers hear down
+# to it, and the agent verifies a circuit by it (its default verification threshold).
+RECEIVER_SENSITIVITY_DBM = -12.0
+
+
 @dataclass(frozen=True)
 class Attachment:
     """One transceiver of a GPU: its TX on input port `tx`, its RX on output port `rx`."""
@@ -113,7 +118,7 @@ class RackLayout:
         return {k: tuple(v) for k, v in out.items()}
 
     @functools.cached_property
-    def links_between(self) -> "_LinkTable":
+    def links_between(self) -> _LinkTable:
         return _LinkTable(self)
 
     @functools.cached_property
@@ -140,7 +145,7 @@ class RackLayout:
                 **({"servers": dict(self.servers)} if self.servers else {})}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RackLayout":
+    def from_dict(cls, d: dict[str, Any]) -> RackLayout:
         try:
             return cls(name=str(d["name"]), description=str(d.get("description", "")),
                        switches={str(k): int(v) for k, v in d["switches"].items()},

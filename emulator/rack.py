@@ -7,7 +7,7 @@ mutually incoherent, so their powers add: the rack calls `transfer` once per tra
 sums (this also tells it who contributed what).
 
 A link src -> dst is *up* when, at dst's receiver,
-- the light from src is at least the receiver sensitivity (SENSITIVITY_DBM, -12 dBm; the
+- the light from src is at least the receiver sensitivity (RECEIVER_SENSITIVITY_DBM, -12 dBm; the
   transmitters launch LAUNCH_DBM, 0 dBm, so 12 dB of budget for switch, fibres and connectors),
 - and the signal-to-crosstalk ratio (src's power over everyone else's) is >= MIN_SXR_DB, 15 dB;
 - and neither GPU has failed (a failed node's optical engine is dark and deaf).
@@ -30,17 +30,17 @@ import dataclasses
 import logging
 import math
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
+from photonic_testbed.common.rack_layout import RECEIVER_SENSITIVITY_DBM, Attachment, RackLayout
 from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.hil.gpus.health import GpuHealth, classify
-from photonic_testbed.common.rack_layout import Attachment, RackLayout
 
 log = logging.getLogger(__name__)
 
 LAUNCH_DBM = 0.0
-SENSITIVITY_DBM = -12.0
 MIN_SXR_DB = 15.0
 HALF_RATE_MARGIN_DB = 3.0
 LINE_RATE_GBPS = 400.0
@@ -88,7 +88,7 @@ class LinkTruth:
 class RackFaults:
     """Faults of the rack's GPUs, transceivers and fibres; each call returns `active()`."""
 
-    def __init__(self, rack: "EmulatedRack"):
+    def __init__(self, rack: EmulatedRack):
         self._rack = rack
         self.gpus: dict[str, dict[str, Any]] = {}          # gpu -> {"mode", "since", ...}
         self.transceivers: dict[tuple[str, str], set[str]] = {}
@@ -179,7 +179,7 @@ class EmulatedRack:
     """GPUs, transceivers and fibres around switches whose physics the rack is given."""
 
     def __init__(self, layout: RackLayout, physics: Mapping[str, Physics], clock: Any = None, *,
-                 launch_dbm: float = LAUNCH_DBM, sensitivity_dbm: float = SENSITIVITY_DBM,
+                 launch_dbm: float = LAUNCH_DBM, sensitivity_dbm: float = RECEIVER_SENSITIVITY_DBM,
                  min_sxr_db: float = MIN_SXR_DB, line_rate_gbps: float = LINE_RATE_GBPS):
         missing = set(layout.switches) - set(physics)
         if missing:

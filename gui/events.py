@@ -4,53 +4,41 @@ tooltip); exported as CSV."""
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Mapping
-from typing import Any, cast
-
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt, Signal
-from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QGridLayout, QHBoxLayout, QHeaderView, QLineEdit,
-                               QPushButton, QTableView, QVBoxLayout, QWidget)
+from typing import cast
 
 from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
+from photonic_testbed.hil.agent.entries import builtins
+from photonic_testbed.hil.agent.entries import words as readable  # (details in words)
 from photonic_testbed.hil.agent.journal import KINDS, Entry
+from PySide6.QtCore import (
+    QAbstractTableModel,
+    QModelIndex,
+    QPersistentModelIndex,
+    QSortFilterProxyModel,
+    Qt,
+    Signal,
+)
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QGridLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLineEdit,
+    QPushButton,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
+_TOP = QModelIndex()            # the table's rows hang from the invisible top
 COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")
 KIND_COLUMNS = 7
 KIND_COLOUR = {"failure": QColor("#ef5350"), "alarm": QColor("#ef5350"),
                "verify_failed": QColor("#ef5350"), "detected": QColor("#ffb74d"),
                "decision": QColor("#64b5f6"), "applied": QColor("#81c784"),
                "verified": QColor("#81c784"), "phase": QColor("#ba68c8")}
-
-
-def _value(v: Any, depth: int = 0) -> str:
-    """A value of an entry's details in a few words: pairs as arrows, numbers short."""
-    if isinstance(v, bool) or v is None:
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    if isinstance(v, Mapping):
-        if not v:
-            return "none"
-        if depth >= 1:
-            return "{" + ", ".join(f"{k}: {_value(x, depth + 1)}" for k, x in v.items()) + "}"
-        return ", ".join(f"{k} → {_value(x, depth + 1)}" if not isinstance(x, Mapping)
-                         else f"{k}: {_value(x, depth + 1)}" for k, x in v.items())
-    if isinstance(v, (list, tuple)):
-        if not v:
-            return "none"
-        if all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):
-            return ", ".join(f"{_value(a, depth + 1)} → {_value(b, depth + 1)}" for a, b in v)
-        return ", ".join(_value(x, depth + 1) for x in v)
-    return str(v)
-
-
-def readable(details: Mapping[str, Any], sep: str = "; ") -> str:
-    """An entry's details as the operator reads them: `swaps: gpu3 → spare0; added: 1 → 18`
-    (not raw JSON)."""
-    return sep.join(f"{k.replace('_', ' ')}: {_value(v)}" for k, v in details.items())
 
 
 class EntryTable(QAbstractTableModel):
@@ -61,10 +49,10 @@ class EntryTable(QAbstractTableModel):
         model.entriesAdded.connect(self.add)
         model.entriesReset.connect(self.reset)
 
-    def rowCount(self, parent=QModelIndex()) -> int:
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = _TOP) -> int:
         return 0 if parent.isValid() else len(self.rows)
 
-    def columnCount(self, parent=QModelIndex()) -> int:
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = _TOP) -> int:
         return len(COLUMNS)
 
     def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
@@ -86,10 +74,10 @@ class EntryTable(QAbstractTableModel):
                 return e.cause
             if col == 4:
                 return "" if e.latency_s is None else f"{e.latency_s * 1e3:.1f}"
-            return readable(e.details) if e.details else ""
+            return readable(e.details)
         if role == Qt.ItemDataRole.ToolTipRole and col in (3, 5):
             lines = [f"{e.kind} #{e.seq}: {e.cause}"]
-            lines += [f"{k.replace('_', ' ')}: {_value(v)}" for k, v in e.details.items()]
+            lines += [line for line in readable(e.details, "\n").split("\n") if line]
             return "\n".join(lines)
         if role == Qt.ItemDataRole.ForegroundRole and col == 2:
             return KIND_COLOUR.get(e.kind)
@@ -145,7 +133,7 @@ class KindFilter(QSortFilterProxyModel):
             return False
         if self.text:
             hay = (f"{e.kind} {e.cause} {readable(e.details)} "
-                   f"{json.dumps(e.details, default=str)}").lower()
+                   f"{json.dumps(builtins(e.details), default=str)}").lower()
             return self.text in hay
         return True
 

@@ -8,10 +8,10 @@ import os
 import time
 from collections.abc import Iterable
 
-from PySide6.QtWidgets import QWidget
-
 from photonic_testbed.gui.events import readable
+from photonic_testbed.hil.agent.entries import builtins
 from photonic_testbed.hil.agent.journal import Entry
+from PySide6.QtWidgets import QWidget
 
 CSV_COLUMNS = ("seq", "time", "unix_time", "kind", "cause", "latency_ms", "details",
                "details_json")
@@ -34,7 +34,7 @@ def events_csv(entries: Iterable[Entry], path: str | os.PathLike) -> int:
                 w.writerow((e.seq, stamp, f"{e.ts:.6f}", e.kind, e.cause,
                             "" if e.latency_s is None else f"{e.latency_s * 1e3:.3f}",
                             readable(e.details),
-                            json.dumps(e.details, sort_keys=True, default=str)))
+                            json.dumps(builtins(e.details), sort_keys=True, default=str)))
                 n += 1
     except OSError as err:
         raise ExportError(f"cannot write {os.fspath(path)}: {err.strerror or err}") from None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from photonic_testbed.common.rack_layout import RECEIVER_SENSITIVITY_DBM
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -10,5 +12,6 @@ class Limits:
     failed_s: float = 3.0          # failed or restarting this long is an alarm (a failover
                                    # takes about a second)
     stuck_s: float = 15.0          # ... and this long, stuck
-    link_dbm: float = -12.0        # the agent's verification threshold (its default)
+    link_dbm: float = RECEIVER_SENSITIVITY_DBM      # the agent's verification threshold by
+                                                    # default (hil.agent.config)
     link_settle_s: float = 1.0     # readings this soon after a circuit change are not judged

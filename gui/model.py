@@ -31,8 +31,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 from photonic_testbed.common.topology import Topology, TopologyError
 from photonic_testbed.gui.series import SeriesStore
+from photonic_testbed.hil.agent.entries import Details, Unread, decode
 from photonic_testbed.hil.agent.journal import KINDS as JOURNAL_KINDS
 from photonic_testbed.hil.agent.journal import Entry
 from photonic_testbed.hil.bus.mirror import clone
@@ -218,19 +220,35 @@ class Job:
 
 
 def to_entry(e: Entry | Mapping[str, Any]) -> Entry:
+    """A journal entry as published (`hil.agent.bus`: its details whole, or `brief`: lists
+    given as their size), its details in the type of its kind; details that do not read as
+    one (shortened, or of a kind this GUI does not know) are kept as they came (`Unread`)."""
     if isinstance(e, Entry):
         return e
     if not isinstance(e, Mapping):
         raise ModelError(f"a journal entry is a dict or Entry, not {type(e).__name__}")
     try:
         lat = e.get("latency_s")
-        entry = Entry(int(e["seq"]), float(e["ts"]), str(e["kind"]), str(e.get("cause", "")),
-                      None if lat is None else float(lat), dict(e.get("details") or {}))
+        seq, ts, kind = int(e["seq"]), float(e["ts"]), str(e["kind"])
+        cause, latency = str(e.get("cause", "")), None if lat is None else float(lat)
     except (KeyError, TypeError, ValueError) as err:
         raise ModelError(f"journal entry {e!r} is malformed: {err!r}") from None
-    if entry.kind not in JOURNAL_KINDS:
-        log.warning("journal entry %d has an unknown kind %r", entry.seq, entry.kind)
-    return entry
+    details = e.get("details") or {}
+    if isinstance(details, Details):
+        return Entry(seq, ts, kind, cause, latency, details)
+    if not isinstance(details, Mapping):
+        raise ModelError(f"journal entry {seq}'s details are a dict, not {details!r}")
+    if kind not in JOURNAL_KINDS:
+        log.warning("journal entry %d has an unknown kind %r", seq, kind)
+    if e.get("brief") or kind not in JOURNAL_KINDS:
+        return Entry(seq, ts, kind, cause, latency, Unread(fields=dict(details)))
+    try:
+        typed = decode(kind, details)
+    except msgspec.ValidationError as err:
+        log.warning("journal entry %d's details do not read as a %r entry (%s): shown as "
+                    "they came", seq, kind, err)
+        typed = Unread(fields=dict(details))
+    return Entry(seq, ts, kind, cause, latency, typed)
 
 
 @dataclass(frozen=True)

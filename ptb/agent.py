@@ -1,15 +1,20 @@
 """`ptb agent`: the host agent on the bus (spare swap, phase rails, journal)."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import signal
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.bus import AgentProcess
-from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.agent.config import ALLOCATIONS, SETTINGS, AgentConfig, expected
 from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.files import WAIT_S
-from photonic_testbed.hil.rig import RigFileError, load
+from photonic_testbed.hil.rig import Rig, RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 
@@ -21,12 +26,52 @@ def add_parser(sub) -> None:
     p.add_argument("--rig", required=True, metavar="FILE", help="the rig file (TOML)")
     p.add_argument("--journal", required=True, metavar="PATH",
                    help="the journal (SQLite); an existing one is resumed")
-    p.add_argument("--quarantine", type=float, default=60.0, metavar="S",
-                   help="seconds a failed GPU stays out of the spares (default 60)")
+    settings = p.add_argument_group(
+        "the agent's settings", "each overrides the rig file's [agent] table "
+        "(docs/rigfile.md); the defaults are those of a rig file without it")
+    for name, f in SETTINGS.items():
+        help = f"{f.metadata['what']} (default {_text(f.default)})"
+        if isinstance(f.default, bool):
+            settings.add_argument(f.metadata["flag"], dest=name, default=None, help=help,
+                                  action=argparse.BooleanOptionalAction)
+        elif name == "allocation":
+            settings.add_argument(f.metadata["flag"], dest=name, default=None, help=help,
+                                  choices=ALLOCATIONS)
+        else:
+            settings.add_argument(f.metadata["flag"], dest=name, default=None, help=help,
+                                  type=_setting(name, type(f.default)),
+                                  metavar="S" if name.endswith("_s") else
+                                  "DBM" if name.endswith("_dbm") else "N")
     p.add_argument("--journal-sync", choices=("full", "normal"), default="full",
                    help="full: every journal entry synced to disk (default); normal: survives "
                    "a kill -9 of the agent but not a power loss, one fsync less per event")
     p.set_defaults(func=run)
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" \
+        if isinstance(value, float) else str(value)
+
+
+def _setting(name: str, kind: type) -> Callable[[str], Any]:
+    """The argparse type of a numeric setting: read as `kind`, then checked as the setting
+    says (one line naming what it expects, never a traceback)."""
+    def read(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        why = SETTINGS[name].metadata["expected"] if value is None else expected(name, value)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"expected {why}, got {text!r}")
+        return value
+    return read
+
+
+def config_of(rig: Rig, args: argparse.Namespace) -> AgentConfig:
+    """The rig file's [agent] settings, with those given as flags in their place."""
+    given = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
+    return dataclasses.replace(rig.agent, **given)
 
 
 def run(args) -> int:
@@ -39,7 +84,7 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        proc = AgentProcess(rig, args.journal, quarantine_s=args.quarantine,
+        proc = AgentProcess(rig, args.journal, config=config_of(rig, args),
                             journal_sync=args.journal_sync.upper(), settle_heap=True)
     except JournalError as e:
         raise CommandFailed(str(e)) from None

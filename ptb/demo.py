@@ -16,9 +16,13 @@ import os
 import pathlib
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
+
+if TYPE_CHECKING:
+    from photonic_testbed.hil.agent.journal import Entry
 
 # Which GPU fails and which job runs, per rig.
 # opus has no spare server: its DP ring shrinks to 7 ranks (the agent raises an alarm).
@@ -138,7 +142,7 @@ def run(args) -> int:
 
 
 def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
-    from photonic_testbed.hil.agent.journal import Journal
+    from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
     from photonic_testbed.hil.bus.client import ServiceClient
     from photonic_testbed.hil.lab.control_client import ControlError, request
 
@@ -165,7 +169,7 @@ def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
             raise CommandFailed(f"the job made no step in {args.seconds:g} s "
                                 f"({before['state']}); agent log:\n{stack.tail('agent')}")
         say(t0, f"job running: {before['step']} steps done")
-        with Journal(journal, read_only=True) as j:    # where the agent's entries start
+        with SqliteJournal(journal, read_only=True) as j:    # where the agent's entries start
             seq = max((e.seq for e in j.entries()), default=0)
         t_fail = time.time()
         request(control, {"cmd": "fail_gpu", "gpu": gpu, "mode": "hard"})
@@ -180,10 +184,8 @@ def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
         time.sleep(max(args.seconds, WINDOW_S))
         status = request(control, {"cmd": "job_status"})
         state = agent.call("snapshot")["state"]
-        with Journal(journal, read_only=True) as j:     # the agent's own record of it
-            entries = [{"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                        "latency_s": e.latency_s, "details": e.details}
-                       for e in j.entries(since=seq)]
+        with SqliteJournal(journal, read_only=True) as j:     # the agent's own record of it
+            entries = j.entries(since=seq)
     finally:
         agent.close()
     code = _report(t0, t_fail, gpu, before, status, entries, state)
@@ -202,16 +204,18 @@ def _restart_after(status: dict, t: float) -> dict | None:
 
 
 def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
-            events: list[dict], agent: dict) -> int:
+            events: list[Entry], agent: dict) -> int:
     """The timeline and throughput, from the agent's journal entries since the failure
     (`events`), the job's own restart record and its running totals (`before`: the job's status
     just before the failure; `status`: at the end)."""
-    def first(kind, after=t_fail):
-        return next((e for e in events if e["kind"] == kind and e["ts"] >= after), None)
+    from photonic_testbed.hil.agent.entries import Applied, RestartOrder, Swap, Verified
+
+    def first(kind: str, after: float = t_fail) -> Entry | None:
+        return next((e for e in events if e.kind == kind and e.ts >= after), None)
     detected = first("detected")
-    applied = first("applied", detected["ts"] if detected else t_fail)
-    verified = first("verified", detected["ts"] if detected else t_fail)
-    restart = first("restart", detected["ts"] if detected else t_fail)
+    applied = first("applied", detected.ts if detected else t_fail)
+    verified = first("verified", detected.ts if detected else t_fail)
+    restart = first("restart", detected.ts if detected else t_fail)
     restarted = _restart_after(status, t_fail)
     print()
     print("timeline (from the failure; each line: time since the failure, since the line "
@@ -221,26 +225,25 @@ def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
     if restarted and restarted["failed_t"] is not None:
         rows.append(("job saw it fail", restarted["failed_t"], restarted["failure"]))
     if detected:
-        rows.append(("detected by the agent", detected["ts"], detected["cause"]))
+        rows.append(("detected by the agent", detected.ts, detected.cause))
     for e in events:
-        if e["kind"] == "decision" and e["details"].get("action") == "swap":
-            sw = ", ".join(f"{a} -> {b}" for a, b in e["details"].get("swaps", {}).items())
-            rows.append(("spare chosen", e["ts"], sw or "no spare"))
+        if isinstance(e.details, Swap):
+            sw = ", ".join(f"{a} -> {b}" for a, b in e.details.swaps.items())
+            rows.append(("spare chosen", e.ts, sw or "no spare"))
             break
-    if applied:
-        d = applied["details"]
-        rows.append(("circuits applied", applied["ts"],
-                     f"{d.get('switch')}: +{len(d.get('added', []))} -"
-                     f"{len(d.get('removed', []))} circuits in "
-                     f"{1e3 * (applied['latency_s'] or 0):.1f} ms"))
-    if verified:
-        dbm = verified["details"].get("dbm", {})
-        rows.append(("verified by light", verified["ts"],
+    if applied and isinstance(applied.details, Applied):
+        d = applied.details
+        rows.append(("circuits applied", applied.ts,
+                     f"{d.switch}: +{len(d.added)} -{len(d.removed)} circuits in "
+                     f"{1e3 * (applied.latency_s or 0):.1f} ms"))
+    if verified and isinstance(verified.details, Verified):
+        dbm = verified.details.dbm
+        rows.append(("verified by light", verified.ts,
                      f"{len(dbm)} receivers, min {min(dbm.values()):.1f} dBm" if dbm
                      else "no new circuit to a spare to read"))
-    if restart:
-        rows.append(("restart ordered", restart["ts"], restart["details"].get("rank_map")
-                     and "new rank map published"))
+    if restart and isinstance(restart.details, RestartOrder):
+        rows.append(("restart ordered", restart.ts,
+                     "new rank map published" if restart.details.rank_map else ""))
     if restarted:
         rows.append(("job restarted", restarted["t"],
                      f"from the checkpoint at step {restarted['from_step']}, "

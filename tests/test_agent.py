@@ -7,16 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from agent_events import Heard
 from optics_doubles import PermutationSwitch
-
-from photonic_testbed.hil.agent import Agent, AgentError
-from photonic_testbed.hil.agent import policies
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import lumion, opus
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.job import TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import lumion, opus
+from photonic_testbed.hil.agent import Agent, AgentError, policies
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 
 class Killed(BaseException):
@@ -28,19 +28,24 @@ class World:
     clock: SimClock
     switch: PermutationSwitch
     rack: EmulatedRack
-    journal: Journal
+    journal: SqliteJournal
     agent: Agent
+    heard: Heard
     job: TrainingJob | None = None
 
 
-def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", **agent_kw):
+def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", loss_db=None,
+               **settings):
+    """The rack, its switch, the agent (`settings`: its AgentConfig's) and the job of `plan`."""
     clock = SimClock()
     (sname, n), = layout.switches.items()
     sw = PermutationSwitch(sname, n, clock=clock, latency_s=latency_s, seed=seed)
     rack = EmulatedRack(layout, {sname: sw}, clock)
-    journal = Journal(tmp_path / name)
-    agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now, **agent_kw)
-    w = World(clock, sw, rack, journal, agent)
+    journal = SqliteJournal(tmp_path / name)
+    heard = Heard()
+    agent = Agent(layout, {sname: sw}, journal, rack.port_power_dbm, clock=clock.now,
+                  config=AgentConfig(**settings), events=heard, loss_db=loss_db)
+    w = World(clock, sw, rack, journal, agent, heard)
     if plan is not None:
         connect(w, plan)
     return w
@@ -49,7 +54,7 @@ def make_world(tmp_path, layout, plan=None, latency_s=0.0, seed=0, name="j.db", 
 def connect(w: World, plan: JobPlan, **job_kw) -> TrainingJob:
     rank_map = w.agent.admit(plan)
     job = TrainingJob(plan, rank_map, w.rack, w.clock, **job_kw)
-    w.agent.on_grant, w.agent.on_restart = job.grant, job.restart
+    w.heard.job = job
     job.subscribe(w.agent.on_job_event)
     w.rack.subscribe(w.agent.on_health)
     w.clock.on_tick(w.rack.poll)
@@ -89,7 +94,7 @@ def test_any_one_gpu_failure_resumes_on_a_spare(tmp_path, failed):
     for k in ("detected", "decision", "applied", "verified", "rank_map", "restart"):
         assert k in kinds
     restart = w.journal.entries(kinds=("restart",))[-1]
-    assert restart.details["rank_map"][failed[3:]] == spare
+    assert restart.details.rank_map[int(failed[3:])] == spare
     applied = w.journal.entries(kinds=("applied",))
     assert all(e.latency_s is not None for e in applied)
 
@@ -100,7 +105,7 @@ def test_spare_with_lowest_loss_wins(tmp_path):
         w = make_world(tmp_path, lumion(), dp_ring(8), seed=5, name=f"{with_loss}.db")
         w.switch.loss_db.update({9: 2.5, 10: 0.7})        # spare1's TX is the better path
         if with_loss:
-            w.agent.loss_db = lambda s, i, o: w.switch.path_loss_db(i, o)
+            w.agent.failover.loss_db = lambda s, i, o, sw=w.switch: sw.path_loss_db(i, o)
         w.rack.faults.fail_gpu("gpu4")
         out = w.agent.on_health(w.rack.gpu_health("gpu4"))
         chosen[with_loss] = out.swaps["gpu4"]
@@ -129,9 +134,8 @@ def test_two_failures_reported_together_are_one_swap(tmp_path):
 
 
 def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
-    alarms = []
-    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05),
-                   on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_ring(8, compute_s=0.05))
+    alarms = w.heard.alarms
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "done"
     assert len(w.job.rank_map) == 7 and alarms and "no healthy spare" in alarms[0]
@@ -141,13 +145,26 @@ def test_spares_exhausted_raises_alarm_and_runs_degraded(tmp_path):
 
 
 def test_spares_exhausted_and_job_cannot_shrink_stops_it(tmp_path):
-    alarms = []
-    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01),
-                   on_alarm=lambda t, d: alarms.append(t))
+    w = make_world(tmp_path, lumion(), dp_tp(8, compute_s=0.01))
+    alarms = w.heard.alarms
     w.job.restart_timeout_s = 0.5
     fail_at_step(w, 2, "gpu1", "gpu4", "gpu6")
     assert w.job.run(12) == "aborted"
     assert any("job stopped" in a for a in alarms)
+
+
+def test_an_operator_swap_replaces_the_gpu_and_keeps_it_out_for_the_quarantine(tmp_path):
+    w = make_world(tmp_path, lumion(), dp_ring(8), quarantine_s=30.0)
+    with pytest.raises(AgentError, match="no GPU 'gpu99' in the rack"):
+        w.agent.swap_out("gpu99")
+    with pytest.raises(AgentError, match="spare1 holds no rank"):
+        w.agent.swap_out("spare1")
+    out = w.agent.swap_out("gpu2")
+    assert out.swaps == {"gpu2": "spare0"} and w.heard.restarts[-1][2] == "spare0"
+    assert w.agent.health("gpu2") == "ok" and "gpu2" not in w.agent.spares()
+    w.clock.sleep(31.0)
+    assert "gpu2" in w.agent.spares()
+    assert w.journal.entries(kinds=("detected",))[-1].cause == "operator asked to swap gpu2 out"
 
 
 def test_spare_failing_during_swap_falls_back_to_the_next(tmp_path):
@@ -158,8 +175,7 @@ def test_spare_failing_during_swap_falls_back_to_the_next(tmp_path):
         if 9 in circuits and not hit:                    # spare0's TX just got a circuit
             hit.append(w.rack.faults.fail_transceiver("spare0", side="tx"))
     w.switch.after_apply.append(spare_dies)
-    outcomes = []
-    w.agent.on_restart = lambda m, c: (outcomes.append(m), w.job.restart(m, c))
+    outcomes = w.heard.restarts
     fail_at_step(w, 4, "gpu5")
     assert w.job.run(15) == "done"
     assert hit and w.job.rank_map[5] == "spare1" and len(outcomes) == 1
@@ -191,9 +207,9 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
     w.job.unsubscribe(w.agent.on_job_event)
     w.rack.unsubscribe(w.agent.on_health)
     w.journal.close()
-    journal = Journal(tmp_path / "j.db")
+    journal = SqliteJournal(tmp_path / "j.db")
     agent = Agent(lumion(), {"chip": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now,
-                  on_grant=w.job.grant, on_restart=w.job.restart)
+                  events=Heard(w.job))
     out = agent.start()
     assert out is not None and agent.rank_map[3] == "spare0"
     assert w.switch.moves == ref_moves and w.switch.circuits() == ref_state
@@ -205,15 +221,15 @@ def test_agent_killed_mid_swap_restarts_correctly_without_extra_moves(tmp_path, 
 
 def test_agent_killed_just_after_a_phase_switch_knows_the_phase_and_moves_nothing(tmp_path):
     w = make_world(tmp_path, opus(), dp_tp(8, compute_s=0.01))
-    first, second = list(w.agent._targets)[:2]
+    first, second = list(w.agent.job().circuits.targets)[:2]
     assert w.agent.phase == first
     w.switch.after_apply.append(lambda circuits: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):                 # moved, then died before its phase entry
         w.agent.on_phase(*second)
     moves, state = w.switch.moves, w.switch.circuits()
     w.journal.close()
-    journal = Journal(tmp_path / "j.db")
-    assert [e.details["phase"] for e in journal.entries(kinds=("phase",))] == []
+    journal = SqliteJournal(tmp_path / "j.db")
+    assert [e.details.phase for e in journal.entries(kinds=("phase",))] == []
     w.switch.after_apply.clear()
     agent = Agent(opus(), {"ocs": w.switch}, journal, w.rack.port_power_dbm, clock=w.clock.now)
     agent.start()
@@ -285,8 +301,8 @@ def test_prestage_hands_the_next_phase_to_switches_that_can(tmp_path):
     staged = []
     w.switch.prestage = staged.append
     w.agent.on_phase("tp", 0)
-    assert staged == [w.agent._targets[("dp", 0)]["ocs"]]
-    assert w.journal.entries(kinds=("phase",))[-1].details["prestaged"] == ["ocs"]
+    assert staged == [w.agent.job().circuits.targets[("dp", 0)]["ocs"]]
+    assert w.journal.entries(kinds=("phase",))[-1].details.prestaged == ["ocs"]
 
 
 def test_flapping_gpu_is_swapped_and_kept_out_of_the_pool(tmp_path):
@@ -333,12 +349,12 @@ def test_wall_clock_threads_failover(tmp_path):
     clock = WallClock()
     sw = PermutationSwitch("chip", 16)
     rack = EmulatedRack(lumion(), {"chip": sw}, clock)
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(lumion(), {"chip": sw}, journal, rack.port_power_dbm)
         plan = dp_ring(8, bytes=1e6, compute_s=0.002)
         job = TrainingJob(plan, agent.admit(plan), rack, clock, restart_s=0.01,
                           checkpoint_every=2, link_timeout_s=5.0, grant_timeout_s=5.0)
-        agent.on_grant, agent.on_restart = job.grant, job.restart
+        agent.events = Heard(job)
         job.subscribe(agent.on_job_event)
         rack.subscribe(agent.on_health)
         job.subscribe(lambda ev: ev.kind == "step" and ev.step == 3 and job.restarts == 0
@@ -355,17 +371,16 @@ def test_wall_clock_threads_failover(tmp_path):
 
 
 def test_verified_phases_withhold_the_grant_from_dark_circuits(tmp_path):
-    alarms, grants = [], []
-    w = make_world(tmp_path, opus(), verify_phases=True, on_alarm=lambda t, d: alarms.append(t),
-                   on_grant=lambda p, r: grants.append((p, r)))
+    w = make_world(tmp_path, opus(), verify_phases=True)
+    alarms, grants = w.heard.alarms, w.heard.grants
     w.agent.admit(dp_tp(8))
     w.agent.on_phase("dp", 0)
     assert grants == [("dp", 0)] and w.journal.entries(kinds=("verified",))
     w.rack.faults.cut_fibre("ocs", 35)                   # server2's RX fibre
     w.agent.on_phase("tp", 0)
     assert grants == [("dp", 0)] and "do not verify" in alarms[-1]
-    dark = w.journal.entries(kinds=("verify_failed",))[-1].details["dark"]
-    assert dark == [["ocs", 4, 35]]
+    dark = w.journal.entries(kinds=("verify_failed",))[-1].details.dark
+    assert dark == [("ocs", 4, 35)]
 
 
 def test_throughput_drops_during_failover(tmp_path):
@@ -405,10 +420,10 @@ def test_a_cut_receive_fibre_evicts_only_the_gpu_that_cannot_hear(tmp_path):
     assert done and w.job.restarts == 1
     assert set(w.job.rank_map.values()) - {f"gpu{i}" for i in range(8)} == {"spare0"}
     assert w.job.rank_map[3] == "spare0" and ring_is_up(w)
-    assert not w.agent._rejected
+    assert not w.agent.pool.rejected()
     diagnosis = w.journal.entries(kinds=("diagnosis",))
-    assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
-    assert diagnosis[0].details["loopback"]["gpu2"] is True
+    assert diagnosis and diagnosis[0].details.loopback["gpu3"] is False
+    assert diagnosis[0].details.loopback["gpu2"] is True
 
 
 def test_circuits_changed_behind_the_agents_back_are_repaired_without_evictions(tmp_path):
@@ -427,8 +442,9 @@ def test_circuits_changed_behind_the_agents_back_are_repaired_without_evictions(
     assert w.job.run(10) == "done"
     assert done and w.job.rank_map == before and w.job.restarts == 1
     assert ring_is_up(w)
-    reconciled = [e for e in w.journal.entries(kinds=("reconcile",)) if e.details.get("moves")]
-    assert reconciled and reconciled[-1].details["moves"]["chip"] > 0
+    reconciled = [e.details.moves for e in w.journal.entries(kinds=("reconcile",))
+                  if e.details.moves]
+    assert reconciled and reconciled[-1]["chip"] > 0
     restart = w.journal.entries(kinds=("restart",))[-1]
     assert "restart on the same GPUs" in restart.cause
 
@@ -441,18 +457,19 @@ def test_a_switch_that_passes_no_light_evicts_nobody(tmp_path):
     for port in range(17, 33):
         w.rack.faults.cut_fibre("chip", port)            # every output fibre
     out = w.agent.on_job_failure("links down", links=[("gpu2", "gpu3"), ("gpu4", "gpu5")])
-    assert out is None and w.agent.rank_map == before and not w.agent._rejected
+    assert out is None and w.agent.rank_map == before and not w.agent.pool.rejected()
     alarms = [e.cause for e in w.journal.entries(kinds=("alarm",))]
     assert any("nobody is evicted" in a for a in alarms)
 
 
-def test_evictions_on_diagnosis_are_bounded(tmp_path):
-    """Receivers going deaf one after another: past the bound per window, nobody more is
-    evicted and a person is called (no cascade through the rack)."""
-    from photonic_testbed.hil.agent.agent import DIAGNOSED_PER_WINDOW
-    w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9)
+@pytest.mark.parametrize("per_window", [AgentConfig().diagnosed_per_window, 1])
+def test_evictions_on_diagnosis_are_bounded(tmp_path, per_window):
+    """Receivers going deaf one after another: past the bound per window (the default, or as
+    set), nobody more is evicted and a person is called (no cascade through the rack)."""
+    w = make_world(tmp_path, lumion(), dp_ring(6), quarantine_s=1e9,
+                   diagnosed_per_window=per_window)
     evicted = []
-    for k in range(DIAGNOSED_PER_WINDOW + 2):
+    for k in range(per_window + 2):
         victim = w.agent.rank_map[k % 6]
         peer = w.agent.rank_map[(k - 1) % 6]
         rx = w.agent.layout.gpus[victim][0].rx
@@ -460,7 +477,7 @@ def test_evictions_on_diagnosis_are_bounded(tmp_path):
         out = w.agent.on_job_failure("link down", links=[(peer, victim)])
         if out is not None and out.swaps:
             evicted += list(out.swaps)
-    assert len(evicted) <= DIAGNOSED_PER_WINDOW
+    assert 0 < len(evicted) <= per_window
     assert any("a person is needed" in e.cause for e in w.journal.entries(kinds=("alarm",)))
 
 
@@ -494,7 +511,7 @@ def test_a_rank_map_naming_a_gpu_that_cannot_take_a_rank_is_refused(tmp_path):
     w.agent.on_health(GpuHealth("gpu3", "ok"))
     with pytest.raises(AgentError, match=r"gpu3 failed 0\.0 s ago \(in quarantine for 30 s"):
         w.agent.admit(dp_ring(8), ranks)
-    w.agent._rejected.add("gpu5")            # as a failed verification leaves it
+    w.agent.pool.reject("gpu5")            # as a failed verification leaves it
     w.clock.sleep(31.0)
     with pytest.raises(AgentError, match=r"gpu5 failed its circuits' verification") as e:
         w.agent.admit(dp_ring(8), ranks)

@@ -3,7 +3,6 @@ the job side through hil.job.fabric_client.Fabric; and `ptb demo` end to end."""
 from __future__ import annotations
 
 import contextlib
-
 import os
 import pathlib
 import signal
@@ -14,16 +13,16 @@ import time
 
 import pytest
 import zmq
-
+from photonic_testbed.common.jobplan import dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import layout
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.agent.entries import Swap
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
 from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.job.fabric_client import Fabric
-from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
-from photonic_testbed.common.jobplan import dp_ring, dp_tp
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import layout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -126,8 +125,8 @@ def _agent(path, journal):
     with ServiceClient(rig.agent_endpoints()[0], timeout=20) as c:
         try:
             c.call("ping")
-        except Exception:
-            raise AssertionError(f"agent did not answer:\n{_stop(proc)}")
+        except Exception as e:
+            raise AssertionError(f"agent did not answer:\n{_stop(proc)}") from e
     return proc
 
 
@@ -152,9 +151,9 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
 
         physics.switching_s = 1.5               # a slow move: the kill lands inside it
         emu.rack.rack.faults.fail_gpu("server5")
-        with Journal(journal) as j:
+        with SqliteJournal(journal) as j:
             swap = _until(lambda: [e for e in j.entries(kinds=("decision",))
-                                   if e.details.get("action") == "swap"], what="swap decision")
+                                   if isinstance(e.details, Swap)], what="swap decision")
         swap_seq = swap[0].seq
         time.sleep(0.3)
         agent.kill()                            # SIGKILL mid-apply
@@ -162,7 +161,7 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
         _until(lambda: not physics._dark_until or
                max(physics._dark_until.values()) < time.monotonic(), what="OCS settled")
         moves = physics.moves
-        with Journal(journal) as j:
+        with SqliteJournal(journal) as j:
             assert not j.entries(since=swap_seq, kinds=("rank_map",))   # never announced
 
         agent = _agent(path, journal)
@@ -174,9 +173,9 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
         assert physics.moves == moves                     # no extra switch moves
         ring = [(new_map[r], new_map[(r + 1) % 8]) for r in range(8)]
         assert all(t is not None and t.up for t in emu.rack.rack.link_map(ring).values())
-        with Journal(journal) as j:
-            rec = [e for e in j.entries(kinds=("reconcile",)) if "moves" in e.details]
-            assert rec[-1].details["moves"] == {"ocs": 0}
+        with SqliteJournal(journal) as j:
+            rec = [e for e in j.entries(kinds=("reconcile",)) if e.details.moves is not None]
+            assert rec[-1].details.moves == {"ocs": 0}
     finally:
         if fabric is not None:
             fabric.close()

@@ -8,12 +8,11 @@ import json
 import pathlib
 
 import pytest
-
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import duplex_rack, lumion
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import duplex_rack, lumion
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 CASES = json.loads((pathlib.Path(__file__).parent / "agent_decisions.json").read_text())
 PLANS = {"dp": lambda: dp_ring(8), "dp-tp": lambda: dp_tp(8),
@@ -54,7 +53,7 @@ def _pairs(x):
 def test_decisions_are_those_of_the_agent_before(case, tmp_path):
     lay = RACKS[case["rack"]]()
     switches = {s: Recorder(s, n) for s, n in lay.switches.items()}
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(lay, switches, journal, lambda s, p: -3.0,
                       clock=iter(range(10**9)).__next__)
         if "admit_error" in case:
@@ -62,17 +61,17 @@ def test_decisions_are_those_of_the_agent_before(case, tmp_path):
                 agent.admit(PLANS[case["plan"]]())
             return
         agent.admit(PLANS[case["plan"]]())
-        agent.on_phase(*next(iter(agent._targets)))
+        agent.on_phase(*next(iter(agent.job().circuits.targets)))
         got = []
         for g in case["failed"]:
-            o = agent._failover(agent.job(), [g], "test")
+            o = agent.failover.run(agent.job(), [g], "test")
             got.append(None if o is None else {
                 "swaps": o.swaps, "rank_map": {str(k): v for k, v in o.rank_map.items()},
                 "degraded": o.degraded, "stopped": o.stopped})
         assert got == case["outcomes"]
         targets = {f"{k[0]}/{k[1]}": {s: _pairs(sorted(c.items())) for s, c in
-                                      agent._job.refresh(k).items()}
-                   for k in list(agent._targets)}
+                                      agent.job().circuits.refresh(k).items()}
+                   for k in list(agent.job().circuits.targets)}
         assert targets == case["targets"]
         assert {s: [_pairs(x) for x in sw.log] for s, sw in switches.items()} == \
             case["applied"]

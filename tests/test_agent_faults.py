@@ -10,6 +10,7 @@ import signal
 import time
 
 from photonic_testbed.hil.bus.client import ServiceClient
+
 from tests.test_agent_bus import _ptb, _rig_on_bus, _stop, _until
 
 SWAPS = int(os.environ.get("PTB_FAULT_SWAPS", "50"))
@@ -57,7 +58,7 @@ def test_the_job_survives_the_agent_killed_at_random_points_of_swaps(tmp_path):
                 agent.communicate(timeout=10)
                 kills += 1
                 agent = _start_agent(path, journal)
-                got = _until(lambda: _running_without(host, victim, step), timeout=60,
+                got = _until(lambda v=victim, s=step: _running_without(host, v, s), timeout=60,
                              what=f"swap {k}: the job running again without {victim}")
                 assert len(got) == 8, f"swap {k}: the job shrank to {got}"
                 host.rack.faults.heal_gpu(victim)       # back in the pool as a spare
@@ -104,10 +105,12 @@ def test_a_restart_order_journaled_but_never_published_reaches_the_job(tmp_path)
     """The agent killed after it journaled a restart order and before the job took it: the
     agent started again publishes that order whole (its rank map, not an empty one), and the
     job's client takes it."""
-    from photonic_testbed.hil.agent.bus import AgentProcess
-    from photonic_testbed.hil.job.fabric_client import Fabric
     from photonic_testbed.common.jobplan import dp_ring
-    from photonic_testbed.hil.agent.journal import Journal
+    from photonic_testbed.hil.agent.bus import AgentProcess
+    from photonic_testbed.hil.agent.entries import RankMapAnnounced, RestartOrder, Swap
+    from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+    from photonic_testbed.hil.job.fabric_client import Fabric
+
     from tests.test_bus_at_most_once import serving
 
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):
@@ -124,11 +127,11 @@ def test_a_restart_order_journaled_but_never_published_reaches_the_job(tmp_path)
             # with its restart order; nothing published
             new_map = dict(rank_map)
             new_map[5] = "spare0"
-            with Journal(journal) as j:
-                j.record("decision", "GPU failure: gpu5", action="swap", failed=["gpu5"],
-                         swaps={"gpu5": "spare0"}, rank_map=new_map, phase=["dp", 0])
-                j.record("rank_map", "GPU failure: gpu5", rank_map=new_map)
-                j.record("restart", "GPU failure: gpu5", rank_map=new_map)
+            with SqliteJournal(journal) as j:
+                j.record(Swap(failed=["gpu5"], swaps={"gpu5": "spare0"}, rank_map=new_map,
+                              phase=("dp", 0)), "GPU failure: gpu5")
+                j.record(RankMapAnnounced(rank_map=new_map), "GPU failure: gpu5")
+                j.record(RestartOrder(rank_map=new_map), "GPU failure: gpu5")
             agent = AgentProcess(rig, str(journal))
             agent.start()
             with serving(agent.run):
@@ -144,7 +147,7 @@ def test_a_cut_receive_fibre_on_the_real_stack_evicts_only_the_deaf_gpu(tmp_path
     """The issue's report, through the processes and wires: the fibre to gpu3's receiver is
     cut while the emulated job runs. The agent diagnoses the dark link end by end: gpu3 alone
     is replaced, no spare is rejected, the ring stays 8 ranks, one restart."""
-    from photonic_testbed.hil.agent.journal import Journal
+    from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):
         host = emu.rack
         journal = tmp_path / "journal.db"
@@ -164,10 +167,10 @@ def test_a_cut_receive_fibre_on_the_real_stack_evicts_only_the_deaf_gpu(tmp_path
                                                                           {"spare1"})
             time.sleep(1.0)                      # nothing more happens after
             assert dict(host.job.rank_map) == got and host.job.restarts == 1
-            with Journal(journal) as j:
+            with SqliteJournal(journal) as j:
                 assert not [e for e in j.entries(kinds=("alarm",)) if "rejected" in e.cause]
                 diagnosis = j.entries(kinds=("diagnosis",))
-                assert diagnosis and diagnosis[0].details["loopback"]["gpu3"] is False
+                assert diagnosis and diagnosis[0].details.loopback["gpu3"] is False
         finally:
             if host.job is not None:
                 host.job.close()

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 from optics_doubles import PermutationSwitch
-
-from photonic_testbed.hil.agent import Agent, policies
-from photonic_testbed.hil.agent.policies import PolicyError
+from photonic_testbed.common.jobplan import dp_ring, dp_tp
+from photonic_testbed.common.rack_layout import Attachment, RackLayout, lumion
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import dp_ring, dp_tp
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import Attachment, RackLayout, lumion
+from photonic_testbed.hil.agent import Agent, policies
+from photonic_testbed.hil.agent.policies import PolicyError
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 
 def test_circuits_for_a_ring_and_for_tp_pairs():
@@ -62,7 +61,7 @@ def test_switch_change_cost_counts_before_loss(tmp_path):
     chip = PermutationSwitch("chip", 16, clock=clock)
     chip.change_cost = lambda cur, new: 1 if 10 in new else 6      # spare1 needs fewer cells
     rack = EmulatedRack(lumion(), {"chip": chip}, clock)
-    with Journal(tmp_path / "j.db") as j:
+    with SqliteJournal(tmp_path / "j.db") as j:
         agent = Agent(lumion(), {"chip": chip}, j, rack.port_power_dbm, clock=clock.now)
         agent.admit(dp_ring(8))
         rack.faults.fail_gpu("gpu0")
@@ -86,8 +85,8 @@ def test_a_phases_peers_are_the_ranks_its_links_join():
 def test_the_rank_index_answers_as_a_plain_index_of_every_link():
     """`JobCircuits.by_rank` (links sorted by rank once) against a dict of lists built link by
     link, for every rank and (phase, round) of plans of every pattern, self-links included."""
-    from photonic_testbed.hil.agent.policies import _RankIndex
     from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.hil.agent.policies import _RankIndex
     plan = JobPlan("p", 24, (PhaseSpec("tp", "ring", group=2, stride=1),
                              PhaseSpec("pp", "chain", group=3, stride=8),
                              PhaseSpec("ep", "all_to_all", group=6, stride=4)))

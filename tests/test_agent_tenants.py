@@ -4,12 +4,12 @@ spares are shared; a failure with no spare left degrades only the job it hits.""
 from __future__ import annotations
 
 import pytest
-
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
 from photonic_testbed.hil.agent.agent import Agent, AgentError
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import rail_rack
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 
 class Switch(CircuitSwitch):
@@ -49,8 +49,9 @@ def plan(name: str, servers: int) -> JobPlan:
 def rack(tmp_path):
     layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)   # 2 pods of 8 servers
     switches = {s: Switch(s, n) for s, n in layout.switches.items()}
-    with Journal(tmp_path / "j.db") as journal:
-        agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=1e9)
+    with SqliteJournal(tmp_path / "j.db") as journal:
+        agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                      config=AgentConfig(quarantine_s=1e9))
         yield layout, switches, agent
 
 
@@ -141,8 +142,9 @@ def test_best_fit_leaves_room_that_first_fit_fragments(tmp_path):
     for policy in ("first-fit", "best-fit"):
         layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
         switches = {s: Switch(s, n) for s, n in layout.switches.items()}
-        with Journal(tmp_path / f"{policy}.db") as journal:
-            agent = Agent(layout, switches, journal, lambda s, p: -3.0, allocation=policy)
+        with SqliteJournal(tmp_path / f"{policy}.db") as journal:
+            agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                          config=AgentConfig(allocation=policy))
             agent.admit(plan("x", 4))                   # pod 0: 3 free, pod 1: 7 free
             agent.admit(plan("z", 4))                   # pod 1: 3 free
             agent.release("x")                          # pod 0: 7 free, pod 1: 3 free
@@ -161,9 +163,10 @@ def test_a_job_speaks_for_its_own_links_only(tmp_path):
     layout = rail_rack("pods", 16, rails=8, spare_servers=1, pod=8)
     switches = {s: Switch(s, n) for s, n in layout.switches.items()}
     dark: set[tuple[str, int]] = set()
-    with Journal(tmp_path / "j.db") as journal:
+    with SqliteJournal(tmp_path / "j.db") as journal:
         agent = Agent(layout, switches, journal,
-                      lambda s, p: -40.0 if (s, p) in dark else -3.0, quarantine_s=1e9)
+                      lambda s, p: -40.0 if (s, p) in dark else -3.0,
+                      config=AgentConfig(quarantine_s=1e9))
         a = agent.admit(plan("a", 2))
         b = agent.admit(plan("b", 2))
         agent.on_phase("pp", 0, job="b")              # b's pipeline: rank 0 -> rank 8
@@ -191,17 +194,17 @@ def test_a_refused_readmission_leaves_the_job_as_it_was(rack):
     layout, switches, agent = rack
     agent.admit(plan("a", 2))
     b = agent.admit(plan("b", 2))
-    free, circuits = len(agent._free), {s: dict(sw.c) for s, sw in switches.items()}
+    free, circuits = len(agent.pool.free()), {s: dict(sw.c) for s, sw in switches.items()}
     with pytest.raises(AgentError, match="whole free servers"):
         agent.admit(plan("b", 12))                    # more servers than a pod has
     with pytest.raises(AgentError, match="ranks 0..7"):
         agent.admit(plan("b", 1), rank_map={r * 2: g for r, g in
                                              enumerate(list(b.values())[:8])})
-    assert agent.jobs["b"].rank_map == b and len(agent._free) == free
+    assert agent.jobs["b"].rank_map == b and len(agent.pool.free()) == free
     assert {s: sw.c for s, sw in switches.items()} == circuits
     # an accepted one replaces it (its old servers may be reused)
     b3 = agent.admit(plan("b", 3))
-    assert len(b3) == 24 and len(agent._free) == free - 8
+    assert len(b3) == 24 and len(agent.pool.free()) == free - 8
     assert set(agent.jobs) == {"a", "b"}
 
 

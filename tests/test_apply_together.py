@@ -15,7 +15,7 @@ import pytest
 import zmq
 from photonic_testbed.drivers.circuit_switch import ApplyReport, SwitchError
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
-from photonic_testbed.hil.agent.bus import BusSwitch
+from photonic_testbed.hil.agent.bus_switch import BusSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
@@ -338,27 +338,27 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     """A service answers a change with a result whose circuit lists cannot be read (at odds
     with the contract): the switch said it made the circuits, so the job gets its grant; the
     journal says which report could not be read, and an alarm is raised."""
+    from agent_events import Heard
     from photonic_testbed.common.jobplan import dp_tp
     from photonic_testbed.common.rack_layout import opus
     from photonic_testbed.hil.agent import Agent
-    from photonic_testbed.hil.agent.journal import Journal
+    from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
     bad = {"added": [[1, 40], [1, 41]], "removed": "none", "seconds": 0.0}
     handlers = {"apply_circuits": lambda args: bad}
     with _contrary_server("ocs", 32, handlers) as request, \
-            Journal(tmp_path / "j.db") as journal:
+            SqliteJournal(tmp_path / "j.db") as journal:
         sw = BusSwitch("ocs", ServiceClient(request, timeout=10))
-        alarms, grants = [], []
-        agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0,
-                      on_alarm=lambda text, d: alarms.append(text),
-                      on_grant=lambda p, r: grants.append((p, r)))
+        heard = Heard()
+        agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0, events=heard)
+        alarms, grants = heard.alarms, heard.grants
         agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
         applied = journal.entries(kinds=("applied",))[-1].details
-        assert "added" not in applied and "input 1 is named twice" in applied["unreadable"]
-        key = next(k for k in agent._targets if k != agent.phase)
+        assert applied.added == [] and "input 1 is named twice" in applied.unreadable
+        key = next(k for k in agent.job().circuits.targets if k != agent.phase)
         agent.on_phase(*key)                    # a phase switch: one entry for it
         assert grants == [key]
         phase = journal.entries(kinds=("phase",))[-1].details
-        assert "input 1 is named twice" in phase["applied"]["ocs"]["unreadable"]
+        assert "input 1 is named twice" in phase.applied["ocs"].unreadable
         assert len(alarms) == 2 and all("cannot be read" in a for a in alarms), alarms
         sw.close()
 
@@ -374,7 +374,7 @@ def test_a_reports_lists_are_journaled_as_reading_them_as_circuits_says(raw):
     """The agent's one-pass reading of a service's report gives the pairs, or the refusal,
     that reading the list as circuits gives."""
     from photonic_testbed.drivers.circuit_switch import ApplyReport
-    from photonic_testbed.hil.agent.bus import _AnsweredReport
+    from photonic_testbed.hil.agent.bus_switch import _AnsweredReport
 
     def outcome(read):
         try:

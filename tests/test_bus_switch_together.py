@@ -7,14 +7,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitConflict, SwitchError
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.agent.bus import BusSwitch
+from photonic_testbed.hil.agent.bus_switch import BusSwitch
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.devices.service import DeviceService
-from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+
 from tests.test_datacenter_rig import SMALL
 
 
@@ -63,13 +63,13 @@ def test_every_switch_written_and_each_report_is_its_own(three_switches):
     rig, served, emu = three_switches
     switches = _switches(served)
     want = [{1: 9, 2: 10}, {3: 11}, {}]
-    got = BusSwitch.apply_together(list(zip(switches, want)))
+    got = BusSwitch.apply_together(list(zip(switches, want, strict=True)))
     assert all(isinstance(r, ApplyReport) for r in got), got
     assert [r.added for r in got] == want
     assert _read(served) == want
     # again with a change on one: the others report nothing added or removed
     want2 = [{1: 9, 2: 10}, {3: 12}, {}]
-    got = BusSwitch.apply_together(list(zip(switches, want2)))
+    got = BusSwitch.apply_together(list(zip(switches, want2, strict=True)))
     assert [(r.added, r.removed) for r in got] == [({}, {}), ({3: 12}, {3: 11}), ({}, {})]
     assert _read(served) == want2
     for sw in switches:
@@ -83,7 +83,7 @@ def test_a_switch_changed_under_the_agent_is_reread_and_written(three_switches):
     with ServiceClient(served[1][3], timeout=10) as other:      # another client moves one
         other.call("apply_circuits", circuits=[[5, 14]])
     want = [{2: 10}, {2: 10}, {2: 10}]
-    got = BusSwitch.apply_together(list(zip(switches, want)))
+    got = BusSwitch.apply_together(list(zip(switches, want, strict=True)))
     assert all(isinstance(r, ApplyReport) for r in got), got
     assert got[1].removed == {5: 14}                 # what the other client had set
     assert _read(served) == want

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.entries import Note
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.ptb.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -98,8 +98,8 @@ def test_keys_authorized_that_is_a_file(capsys, tmp_path):
 
 def test_journal_refuses_bad_arguments(capsys, tmp_path):
     path = tmp_path / "j.db"
-    with Journal(path) as j:
-        j.record("note", cause="one")
+    with SqliteJournal(path) as j:
+        j.record(Note(), cause="one")
     assert ptb(capsys, "journal", str(path))[1].strip().endswith("note          (one)")
     for since in ("-1", str(2 ** 63), "x"):
         code, _, err = ptb(capsys, "journal", str(path), "--since", since)

@@ -9,16 +9,16 @@ import threading
 
 import orjson
 import pytest
-
-from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.agent.bus import AgentProcess, published_details
-from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.hil.devices.service import DeviceService
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.emulator.control import request
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.agent.bus import AgentProcess, published_event
+from photonic_testbed.hil.bus.client import ServiceClient
+from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.job.fabric_client import Fabric
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.hil.rig import rig_spec
+
 from tests.test_agent_bus import _until
 from tests.test_bus_at_most_once import serving
 from tests.test_datacenter_rig import SMALL
@@ -101,10 +101,8 @@ def assert_published_events_are_the_journal(rig, agent) -> None:
 
     def wire(x):
         return orjson.loads(orjson.dumps(x, option=orjson.OPT_NON_STR_KEYS))
-    for ev, e in zip(events, entries):
-        assert ev == wire({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                           "latency_s": e.latency_s,
-                           "details": published_details(e.details)}), e.kind
+    for ev, e in zip(events, entries, strict=True):
+        assert ev == wire(published_event(e)), e.kind
 
 
 def test_jobs_never_move_each_others_circuits_and_a_failure_degrades_only_its_job(datacenter):

@@ -9,16 +9,30 @@ import subprocess
 import sys
 import time
 
+import orjson
 import pytest
-
-from photonic_testbed.hil.agent.journal import Journal, JournalError
+from photonic_testbed.hil.agent.entries import (
+    Alarm,
+    Applied,
+    Intent,
+    JobFailure,
+    Note,
+    PhaseSwitched,
+    RankMapAnnounced,
+    RestartOrder,
+    SwitchReport,
+    Unread,
+    builtins,
+)
+from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 WRITER = """
 import sys
-from photonic_testbed.hil.agent.journal import Journal
-j = Journal(sys.argv[1])
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+j = SqliteJournal(sys.argv[1])
 for k in range(100000):
-    seq = j.record("note", cause="test", k=k)
+    seq = j.record_stored("note", cause="test", k=k)
     print(seq, flush=True)
 """
 
@@ -44,81 +58,81 @@ def acknowledged_then_killed(script: str, path, count: int) -> list[int]:
 def test_entries_reported_written_survive_kill_9(tmp_path):
     path = tmp_path / "journal.db"
     acknowledged = acknowledged_then_killed(WRITER, path, 200)
-    with Journal(path) as j:
-        stored = {e.seq for e in j.entries()}
+    with SqliteJournal(path) as j:
+        stored = {e.seq for e in j.stored_entries()}
     assert set(acknowledged) <= stored
 
 
 def test_the_log_is_checkpointed_off_the_writers_path(tmp_path, monkeypatch):
     """No commit checkpoints (SQLite's own would, every 1,000 pages: 10-20 ms inside a
     decision); the journal's thread does, so the log does not grow with the entries."""
-    import photonic_testbed.hil.agent.journal as journal_module
+    import photonic_testbed.hil.agent.sqlite_journal as journal_module
     monkeypatch.setattr(journal_module, "CHECKPOINT_S", 0.05)
     path = tmp_path / "j.db"
     wal = pathlib.Path(str(path) + "-wal")
-    j = Journal(path, "NORMAL")
+    j = SqliteJournal(path, "NORMAL")
     try:
         assert j._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
         sizes = []
         for _ in range(4):
             for k in range(500):
-                j.record("decision", "bench", details_of_a_size="x" * 200, k=k)
+                j.record_stored("decision", "bench", details_of_a_size="x" * 200, k=k)
             sizes.append(wal.stat().st_size)
             time.sleep(1.0)                  # 20 of the thread's rounds: the log copied
         assert max(sizes) < 2 * sizes[0], f"the log grew with the entries: {sizes}"
-        assert len(j.entries()) == 2000
+        assert len(j.stored_entries()) == 2000
     finally:
         j.close()
     assert not wal.exists() or wal.stat().st_size == 0
 
 
 def test_intended_circuits_round_trip_and_are_journalled(tmp_path):
-    with Journal(tmp_path / "j.db") as j:
+    with SqliteJournal(tmp_path / "j.db") as j:
         j.set_intended("chip", [(3, 7), (1, 2)], cause="spare swap gpu3 -> spare0")
         j.set_intended("ocs", [(1, 33)], cause="phase tp")
         j.set_intended("chip", [(1, 2)], cause="phase dp")
-    with Journal(tmp_path / "j.db") as j:
+    with SqliteJournal(tmp_path / "j.db") as j:
         assert j.intended() == {"chip": [(1, 2)], "ocs": [(1, 33)]}
-        decisions = j.entries(kinds=("decision",))
+        decisions = j.stored_entries(kinds=("decision",))
         assert [d.details["switch"] for d in decisions] == ["chip", "ocs", "chip"]
         assert decisions[0].details["circuits"] == [[1, 2], [3, 7]]
         j.set_intended("ocs", [(2, 34)], cause="phase dp", event=False)   # a phase switch
-        assert j.intended()["ocs"] == [(2, 34)] and len(j.entries()) == 3
+        assert j.intended()["ocs"] == [(2, 34)] and len(j.stored_entries()) == 3
 
 
 DEFERRING = """
 import sys
-from photonic_testbed.hil.agent.journal import Journal
-j = Journal(sys.argv[1])
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+j = SqliteJournal(sys.argv[1])
 for k in range(100000):
-    j.record("detected", cause="test", k=k, defer=True)
-    j.record("decision", cause="test", k=k, defer=True)
+    j.record_stored("detected", cause="test", k=k, defer=True)
+    j.record_stored("decision", cause="test", k=k, defer=True)
     print(j.set_intended("chip", [(1, 17 + k % 16)], cause="test"), flush=True)
-    j.record("applied", cause="test", k=k, defer=True)
+    j.record_stored("applied", cause="test", k=k, defer=True)
 """
 
 
 def test_deferred_entries_are_durable_with_the_next_durable_one(tmp_path):
     path = tmp_path / "journal.db"
-    with Journal(path) as j, Journal(path) as other:
-        first = j.record("detected", cause="gpu3", defer=True)
-        j.record("decision", cause="swap", defer=True)
-        assert other.entries() == []                   # written, not yet committed
-        assert [e.seq for e in j.entries()] == [first, first + 1]    # a read commits
-        assert len(other.entries()) == 2
-        j.record("applied", cause="swap", defer=True)
+    with SqliteJournal(path) as j, SqliteJournal(path) as other:
+        first = j.record_stored("detected", cause="gpu3", defer=True)
+        j.record_stored("decision", cause="swap", defer=True)
+        assert other.stored_entries() == []                   # written, not yet committed
+        assert [e.seq for e in j.stored_entries()] == [first, first + 1]    # a read commits
+        assert len(other.stored_entries()) == 2
+        j.record_stored("applied", cause="swap", defer=True)
         j.set_intended("chip", [(1, 17)], cause="swap")
-        assert [e.kind for e in other.entries(since=first + 1)] == ["applied", "decision"]
-        j.record("verified", cause="swap", defer=True)
-        j.record("restart", cause="swap")
-        assert [e.kind for e in other.entries(since=first + 3)] == ["verified", "restart"]
-        j.record("phase", cause="tp", defer=True)
-    with Journal(path) as j:                           # close committed the last one
-        assert j.entries()[-1].kind == "phase"
+        assert [e.kind for e in other.stored_entries(since=first + 1)] == ["applied", "decision"]
+        j.record_stored("verified", cause="swap", defer=True)
+        j.record_stored("restart", cause="swap")
+        assert [e.kind for e in other.stored_entries(since=first + 3)] == ["verified", "restart"]
+        j.record_stored("phase", cause="tp", defer=True)
+    with SqliteJournal(path) as j:                           # close committed the last one
+        assert j.stored_entries()[-1].kind == "phase"
     # kill -9: everything before an acknowledged durable write is there, in order
     acknowledged = acknowledged_then_killed(DEFERRING, tmp_path / "k.db", 100)
-    with Journal(tmp_path / "k.db") as j:
-        kinds = {e.seq: e.kind for e in j.entries()}
+    with SqliteJournal(tmp_path / "k.db") as j:
+        kinds = {e.seq: e.kind for e in j.stored_entries()}
         assert j.intended()["chip"]
     for seq in acknowledged:
         assert [kinds.get(seq - 2), kinds.get(seq - 1), kinds.get(seq)] == \
@@ -126,23 +140,26 @@ def test_deferred_entries_are_durable_with_the_next_durable_one(tmp_path):
 
 
 def test_filters_and_lines(tmp_path):
-    with Journal(tmp_path / "j.db") as j:
-        j.record("failure", cause="xid 79", gpu=3)
-        j.record("applied", cause="swap", latency_s=0.0042, switch="chip")
-        j.record("alarm", cause="no spare left")
+    with SqliteJournal(tmp_path / "j.db") as j:
+        j.record(JobFailure(gpus=["gpu3"]), cause="xid 79")
+        j.record(Applied(switch="chip", added=[(1, 18), (2, 17)]), cause="swap", latency_s=0.0042)
+        j.record(Alarm(), cause="no spare left")
         assert [e.kind for e in j.entries(kinds=("failure", "alarm"))] == ["failure", "alarm"]
         assert [e.kind for e in j.entries(since=1)] == ["applied", "alarm"]
         line = j.entries(kinds=("applied",))[0].line()
-        assert "applied" in line and "[4.2 ms]" in line and '"switch": "chip"' in line
+        assert line.endswith(" applied       (swap) [4.2 ms]  switch: chip; added: 1 → 18, 2 → 17")
+        assert j.entries()[-1].line().endswith(" alarm         (no spare left)")
         with pytest.raises(ValueError, match="unknown journal kind"):
-            j.record("oops")
+            j.record_stored("oops")
+        with pytest.raises(ValueError, match="Unread is not a kind of journal entry"):
+            j.record(Unread(fields={"x": 1}))
 
 
 def test_a_file_that_is_not_a_journal_is_refused(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(JournalError, match="not a usable journal"):
-        Journal(bad)
+        SqliteJournal(bad)
 
 
 # ---- damaged journals (issue 15, item 6) ----------------------------------------------------
@@ -152,9 +169,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _journal_with_entries(path, n=300) -> None:
     """A real journal spanning several pages."""
-    with Journal(path) as j:
+    with SqliteJournal(path) as j:
         for k in range(n):
-            j.record("note", cause="filler", k=k, text="x" * 40)
+            j.record_stored("note", cause="filler", k=k, text="x" * 40)
         j.set_intended("ocs", [(1, 33)], cause="test")
 
 
@@ -238,9 +255,9 @@ def test_an_empty_or_damaged_journal_is_refused_never_recreated(tmp_path, name):
     before = sorted(p.name for p in tmp_path.iterdir())
     size = os.path.getsize(path) if path.is_file() else None
     with pytest.raises(JournalError, match=DAMAGE[name][1]) as err:
-        j = Journal(path)
+        j = SqliteJournal(path)
         # what the agent does at start: every read must fail the same way if open did not
-        j.entries(kinds=("restart",))
+        j.stored_entries(kinds=("restart",))
         j.intended()
     assert str(path) in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == before      # nothing made beside it
@@ -269,8 +286,9 @@ def test_an_unreadable_journal_is_refused():
         locked.mkdir(mode=0)
         try:
             for journal in (path, locked / "journal.db"):
-                for args in (["-c", "from photonic_testbed.hil.agent.journal import Journal; "
-                                    "import sys; Journal(sys.argv[1])", str(journal)],
+                for args in (["-c", "from photonic_testbed.hil.agent.sqlite_journal import "
+                                    "SqliteJournal; import sys; SqliteJournal(sys.argv[1])",
+                              str(journal)],
                              ["-m", "photonic_testbed.ptb", "journal", str(journal)]):
                     out = subprocess.run([*as_nobody, sys.executable, *args], cwd=ROOT,
                                          env=env, capture_output=True, text=True, timeout=120)
@@ -285,15 +303,15 @@ def test_an_unreadable_journal_is_refused():
 
 def test_a_new_journal_only_where_no_file_exists(tmp_path):
     path = tmp_path / "fresh.db"
-    with Journal(path) as j:
-        assert j.entries() == [] and j.intended() == {}
-        j.record("note", cause="first")
+    with SqliteJournal(path) as j:
+        assert j.stored_entries() == [] and j.intended() == {}
+        j.record_stored("note", cause="first")
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("fresh.db-")) \
         == ["fresh.db"]
-    with Journal(path) as j:
-        assert [e.cause for e in j.entries()] == ["first"]
+    with SqliteJournal(path) as j:
+        assert [e.cause for e in j.stored_entries()] == ["first"]
     with pytest.raises(JournalError, match="no folder"):
-        Journal(tmp_path / "missing" / "j.db")
+        SqliteJournal(tmp_path / "missing" / "j.db")
 
 
 def _run_ptb(*args):
@@ -329,47 +347,55 @@ def test_ptb_agent_refuses_a_damaged_journal(tmp_path, name):
 
 
 def test_listeners_hear_every_entry_written_as_it_is_stored(tmp_path):
-    """`listen`: each entry once, in order, with the text the journal keeps; entries of a
-    rolled-back change are not heard; a listener that fails does not stop the writer."""
+    """`listen`: each entry once, in order, in the type it is read back in and with the text
+    the journal keeps; entries of a rolled-back change are not heard; a listener that fails
+    does not stop the writer."""
     import orjson
     heard = []
-    with Journal(tmp_path / "j.db") as j:
-        j.record("note", "before anyone listens")
+    with SqliteJournal(tmp_path / "j.db") as j:
+        j.record(Note(), "before anyone listens")
         j.listen(lambda e, text: heard.append((e, text)))
         j.listen(lambda e, text: 1 / 0)                        # logged, not raised
-        j.record("note", "deferred", defer=True, ranks={0: "gpu0", 1: "gpu1"})
+        j.record(RankMapAnnounced(job="a", world=2, changed={0: "gpu0", 1: "gpu1"}),
+                 "deferred", defer=True)
         j.set_intended_many({"ocs-a": [(1, 33)], "ocs-b": [(2, 34), (1, 40)]}, "phase dp")
         with pytest.raises(TypeError):          # the second cannot be stored: neither is
             j.set_intended_many({"ocs-a": [(1, 33)], "ocs-c": [(1, object())]}, "bad")
         j.set_intended_many({"ocs-a": [(3, 35)]}, "quiet", event=False)
-        stored = j.entries()
-    assert [e.seq for e, _ in heard] == [e.seq for e in stored[1:]]
-    for (e, text), s in zip(heard, stored[1:]):
-        assert (e.ts, e.kind, e.cause, e.latency_s) == (s.ts, s.kind, s.cause, s.latency_s)
+        typed, stored = j.entries(), j.stored_entries()
+    assert [e.seq for e, _ in heard] == [e.seq for e in typed[1:]]
+    for (e, text), t, s in zip(heard, typed[1:], stored[1:], strict=True):
+        assert (e.ts, e.kind, e.cause, e.latency_s) == (t.ts, t.kind, t.cause, t.latency_s)
+        assert e.details == t.details           # what is written is what is read back
         assert orjson.loads(text) == s.details
-        assert orjson.loads(orjson.dumps(e.details, option=orjson.OPT_NON_STR_KEYS)) == \
-            s.details
-    assert [s.details.get("switch") for s in stored[2:]] == ["ocs-a", "ocs-b"]
+    assert [t.details for t in typed[2:]] == [Intent(switch="ocs-a", circuits=[(1, 33)]),
+                                              Intent(switch="ocs-b",
+                                                     circuits=[(1, 40), (2, 34)])]
 
 
-def test_a_bulky_entry_is_briefed_alike_from_the_writer_or_the_file(tmp_path):
-    """The agent publishes an entry from the writer's objects (tuples, integer keys) as it
-    would from the journal's file (lists, string keys)."""
-    import orjson
-    from photonic_testbed.hil.agent.bus import EVENT_DETAILS_BYTES, _brief_details, \
-        published_details
-    live = {"job": "a", "rank_map": {r: f"s{r // 8}g{r % 8}" for r in range(64)},
-            "dark": [("rail0-pod0", 3, 35)], "pairs": tuple((i, 32 + i) for i in range(1, 33)),
-            "applied": {f"rail{k}": {"seconds": 0.001 * k, "added": [[1, 33]] * 20,
-                                     "removed": []} for k in range(8)},
-            "where": pathlib.Path("/tmp/x"), "by_server": {3: "s3"}}
-    with Journal(tmp_path / "j.db") as j:
-        j.record("phase", "phase dp", **live)
-        stored = j.entries()[-1].details
-    assert len(orjson.dumps(stored)) > EVENT_DETAILS_BYTES
-    assert _brief_details(live) == published_details(stored)      # as JSON has it already
-    assert published_details(stored)["rank_map"] == {"items": 64}
-    assert published_details(stored)["applied"]["added"] == 160
+def test_a_bulky_entry_is_published_alike_from_the_writer_or_the_file(tmp_path):
+    """The agent publishes an entry from the writer's own Struct as a restarted agent does
+    from the journal's file: shortened alike, and said to be (`brief`)."""
+    from photonic_testbed.hil.agent.bus import EVENT_DETAILS_BYTES, published_event
+    phase = PhaseSwitched(phase="dp", job="a", prestaged=[f"rail{k}" for k in range(12)],
+                          applied={f"rail{k}": SwitchReport(seconds=0.001 * k, added=[
+                              (i, 32 + i) for i in range(1, 33)]) for k in range(16)})
+    order = RestartOrder(job="a", rank_map={r: f"s{r // 8}g{r % 8}" for r in range(256)})
+    small = Note(job="a", gpus=["gpu3"])
+    heard = []
+    with SqliteJournal(tmp_path / "j.db") as j:
+        j.listen(lambda e, text: heard.append(published_event(e, text)))
+        for details in (phase, order, small):
+            j.record(details, "c")
+        from_file = [published_event(e) for e in j.entries()]
+    assert heard == from_file
+    assert [e.get("brief", False) for e in from_file] == [True, True, False]
+    assert len(orjson.dumps(builtins(phase))) > EVENT_DETAILS_BYTES
+    assert from_file[0]["details"]["prestaged"] == {"items": 12}
+    assert from_file[0]["details"]["applied"] == {"switches": 16, "added": 512, "removed": 0,
+                                                  "seconds_max": 0.015}
+    assert from_file[1]["details"] == {"job": "a", "rank_map": {"items": 256}}
+    assert from_file[2]["details"] == {"job": "a", "gpus": ["gpu3"]}
 
 
 def _phase_details(phase: int, switches: int = 64) -> dict:
@@ -401,21 +427,21 @@ def test_long_lists_are_kept_once_and_read_back_whole(tmp_path):
     import orjson
     path = tmp_path / "j.db"
     heard = []
-    with Journal(path) as j:
+    with SqliteJournal(path) as j:
         j.listen(lambda e, text: heard.append(text))
         for k in range(40):
-            j.record("phase", f"phase {k}", 0.01, defer=k % 3 != 0, **_phase_details(k))
-        j.record("note", "small", pairs=[[1, 33]] * 20)           # under SHARE_ABOVE: whole
-        got = j.entries(kinds=("phase",))
+            j.record_stored("phase", f"phase {k}", 0.01, defer=k % 3 != 0, **_phase_details(k))
+        j.record_stored("note", "small", pairs=[[1, 33]] * 20)           # under SHARE_ABOVE: whole
+        got = j.stored_entries(kinds=("phase",))
     assert [e.details for e in got] == [_phase_details(k) for k in range(40)]
     assert [orjson.loads(t) for t in heard[:40]] == [_phase_details(k) for k in range(40)]
     whole = sum(len(orjson.dumps(_phase_details(k))) for k in range(40))
     events, shared = _stored_bytes(path)
     assert shared < 2 * len(orjson.dumps(_phase_details(0)))     # two phases' lists, once
     assert events + shared < whole / 3, (events, shared, whole)     # 35 KB -> 9 KB an entry
-    with Journal(path) as j:                                     # a new writer: the same
-        j.record("phase", "again", **_phase_details(1))
-        assert j.entries()[-1].details == _phase_details(1)
+    with SqliteJournal(path) as j:                                     # a new writer: the same
+        j.record_stored("phase", "again", **_phase_details(1))
+        assert j.stored_entries()[-1].details == _phase_details(1)
     assert _stored_bytes(path)[1] == shared
 
 
@@ -430,56 +456,61 @@ def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
                (orjson.dumps(old).decode(),))
     db.execute("INSERT INTO intended VALUES ('rail0-pod0', '[[1,33]]', 1)")
     db.close()
-    with Journal(path) as j:
+    with SqliteJournal(path) as j:
         assert j._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
-        j.record("phase", "q", **_phase_details(1))
-        assert [e.details for e in j.entries()] == [{}, old, _phase_details(1)]
+        j.record_stored("phase", "q", **_phase_details(1))
+        assert [e.details for e in j.stored_entries()] == [{}, old, _phase_details(1)]
         assert j.intended() == {"rail0-pod0": [(1, 33)]}
-    with Journal(path) as j:                                     # opened again: as it was
-        assert [e.details for e in j.entries()] == [{}, old, _phase_details(1)]
+    with SqliteJournal(path) as j:                                     # opened again: as it was
+        assert [e.details for e in j.stored_entries()] == [{}, old, _phase_details(1)]
+        typed = [e.details for e in j.entries()]                       # and in their types
     assert _stored_bytes(path)[1] > 0
+    assert typed[0] == Note() and isinstance(typed[1], PhaseSwitched)
+    assert (typed[1].phase, typed[1].job, len(typed[1].applied)) == ("pp", "a", 8)
+    assert typed[1].applied["rail0-pod0"].added == [tuple(p) for p in old["applied"][
+        "rail0-pod0"]["added"]]
 
 
 def test_a_lost_or_damaged_shared_value_is_a_clear_error(tmp_path):
     import sqlite3
     path = tmp_path / "j.db"
-    with Journal(path) as j:
-        j.record("note", "small")
-        seq = j.record("phase", "p", **_phase_details(0))
+    with SqliteJournal(path) as j:
+        j.record_stored("note", "small")
+        seq = j.record_stored("phase", "p", **_phase_details(0))
     db = sqlite3.connect(str(path), isolation_level=None)
     digest = db.execute("SELECT digest FROM shared_values").fetchone()[0]
     db.execute("UPDATE shared_values SET value='[[1,' WHERE digest=?", (digest,))
     db.close()
-    with Journal(path) as j:
+    with SqliteJournal(path) as j:
         with pytest.raises(JournalError, match=f"entry {seq} refers to does not match its "
                                                f"digest"):
-            j.entries()
-        assert [e.cause for e in j.entries(limit=1)] == ["small"]    # the others read
+            j.stored_entries()
+        assert [e.cause for e in j.stored_entries(limit=1)] == ["small"]    # the others read
     db = sqlite3.connect(str(path), isolation_level=None)
     db.execute("DELETE FROM shared_values WHERE digest=?", (digest,))
     db.close()
-    with Journal(path) as j:
+    with SqliteJournal(path) as j:
         with pytest.raises(JournalError, match=f"damaged: entry {seq} refers to 1 shared "
                                                f"value.*{digest}"):
-            j.entries()
+            j.stored_entries()
 
 
 def test_details_that_hold_the_reference_key_are_stored_whole(tmp_path):
     odd = {**_phase_details(0), "note": {"$shared": "not a reference"}}
-    with Journal(tmp_path / "j.db") as j:
-        j.record("note", "odd", **odd)
-        assert j.entries()[-1].details == odd
+    with SqliteJournal(tmp_path / "j.db") as j:
+        j.record_stored("note", "odd", **odd)
+        assert j.stored_entries()[-1].details == odd
     assert _stored_bytes(tmp_path / "j.db")[1] == 0
 
 
 SHARING_WRITER = """
 import sys
-from photonic_testbed.hil.agent.journal import Journal
-j = Journal(sys.argv[1])
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+j = SqliteJournal(sys.argv[1])
 for k in range(100000):
     circuits = [[i, 33 + (i * (3 + 2 * (k % 5))) % 32] for i in range(1, 33)]
     fresh = [[i, 33 + (i * k) % 32] for i in range(1, 33)]     # a list never seen before
-    seq = j.record("phase", f"phase {k}", k=k, applied={
+    seq = j.record_stored("phase", f"phase {k}", k=k, applied={
         f"ocs{s}": {"added": circuits, "removed": fresh if s == 0 else circuits}
         for s in range(16)})
     print(seq, flush=True)
@@ -489,8 +520,8 @@ for k in range(100000):
 def test_entries_with_shared_lists_reported_written_survive_kill_9(tmp_path):
     path = tmp_path / "journal.db"
     acknowledged = acknowledged_then_killed(SHARING_WRITER, path, 150)
-    with Journal(path) as j:
-        got = {e.seq: e.details for e in j.entries()}
+    with SqliteJournal(path) as j:
+        got = {e.seq: e.details for e in j.stored_entries()}
     assert set(acknowledged) <= set(got)
     for seq in acknowledged:
         k = got[seq]["k"]
@@ -524,9 +555,9 @@ def test_a_journal_opened_to_be_read_is_never_written(tmp_path):
     path = tmp_path / "old.db"
     _schema_1_journal(path)
     before = path.read_bytes()
-    with Journal(path, read_only=True) as j:
-        assert [e.cause for e in j.entries()] == ["old"]
-        for write in (lambda: j.record("note", "new"),
+    with SqliteJournal(path, read_only=True) as j:
+        assert [e.cause for e in j.stored_entries()] == ["old"]
+        for write in (lambda: j.record_stored("note", "new"),
                       lambda: j.set_intended("ocs", [(1, 33)], "x")):
             with pytest.raises(JournalError, match="opened to be read, not written"):
                 write()
@@ -536,7 +567,7 @@ def test_a_journal_opened_to_be_read_is_never_written(tmp_path):
     assert out.returncode == 0 and "note" in out.stdout and "(old)" in out.stdout, out
     assert path.read_bytes() == before
     with pytest.raises(JournalError, match="no journal at"):
-        Journal(tmp_path / "absent.db", read_only=True)
+        SqliteJournal(tmp_path / "absent.db", read_only=True)
 
 
 def test_a_journal_on_a_read_only_medium_is_read_and_not_written(tmp_path):
@@ -547,16 +578,16 @@ def test_a_journal_on_a_read_only_medium_is_read_and_not_written(tmp_path):
     folder, mounted = tmp_path / "disk", tmp_path / "ro"
     folder.mkdir()
     mounted.mkdir()
-    with Journal(folder / "j.db") as j:
-        j.record("note", "kept")
-        j.record("phase", "p", **_phase_details(0))
+    with SqliteJournal(folder / "j.db") as j:
+        j.record_stored("note", "kept")
+        j.record_stored("phase", "p", **_phase_details(0))
     script = f"""
 set -e
 mount --bind {folder} {mounted}
 mount -o remount,bind,ro {mounted}
 {sys.executable} -m photonic_testbed.ptb journal {mounted}/j.db
 echo ---
-{sys.executable} -c "from photonic_testbed.hil.agent.journal import Journal as J; \\
+{sys.executable} -c "from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal as J; \\
 J('{mounted}/j.db')" \\
     2>&1 || true
 """
@@ -569,7 +600,7 @@ J('{mounted}/j.db')" \\
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out
     printed, _, refused = out.stdout.partition("---")
-    assert "(kept)" in printed and '"rail0-pod0": {"added": [[1, 36]' in printed, printed
+    assert "(kept)" in printed and "rail0-pod0: {seconds: 0, added: 1 → 36" in printed, printed
     assert "cannot write the journal: its folder is on a read-only medium" in refused, refused
     assert "damaged" not in refused
 
@@ -577,14 +608,14 @@ J('{mounted}/j.db')" \\
 def test_an_entry_whose_details_are_not_json_is_named(tmp_path):
     import sqlite3
     path = tmp_path / "j.db"
-    with Journal(path) as j:
-        j.record("note", "fine")
-        seq = j.record("note", "hurt", k=1)
+    with SqliteJournal(path) as j:
+        j.record_stored("note", "fine")
+        seq = j.record_stored("note", "hurt", k=1)
     db = sqlite3.connect(str(path), isolation_level=None)
     db.execute("UPDATE events SET details='{\"k\": ' WHERE seq=?", (seq,))
     db.close()
-    with Journal(path, read_only=True) as j:
+    with SqliteJournal(path, read_only=True) as j:
         with pytest.raises(JournalError, match=f"damaged: the details of entry {seq} are not "
                                                f"JSON"):
-            j.entries()
-        assert [e.cause for e in j.entries(limit=1)] == ["fine"]
+            j.stored_entries()
+        assert [e.cause for e in j.stored_entries(limit=1)] == ["fine"]

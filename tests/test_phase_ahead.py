@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 
+from photonic_testbed.common.jobplan import dp_tp
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.job.fabric_client import Fabric
-from photonic_testbed.common.jobplan import dp_tp
+
 from tests.test_agent_bus import _rig_on_bus, _until
 from tests.test_bus_at_most_once import serving
 
@@ -43,7 +44,7 @@ def test_the_next_phase_is_set_up_while_the_job_computes(tmp_path):
                 # after the first phase every one was found set up ahead
                 assert fabric.ahead == asked - 1
             ahead = [e for e in agent.journal.entries(kinds=("phase",))
-                     if e.details.get("ahead")]
+                     if e.details.ahead]
             assert len(ahead) >= asked - 1
         finally:
             fabric.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 
 import pytest
 from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.rig import RigFileError
 from photonic_testbed.ptb.stack import Stack
@@ -111,6 +113,70 @@ def test_bad_rig_files_say_where_and_what(tmp_path, edit, message):
     path.write_text(GOOD.replace(edit[0], edit[1], 1))
     with pytest.raises(RigFileError, match=message):
         rigfile.load(path)
+
+
+AGENT = textwrap.dedent("""\
+
+    [agent]
+    verify_dbm = -14.5
+    quarantine_s = 5
+    prestage = true
+    verify_phases = true
+    allocation = "first-fit"
+    diagnosed_per_incident = 1
+    diagnosed_per_window = 3
+    eviction_window_s = 120.0
+    """)
+
+
+def test_the_agent_table_is_read_and_written_back(tmp_path):
+    assert rigfile.parse(GOOD).agent == AgentConfig()
+    assert "[agent]" not in rigfile.dumps(rigfile.parse(GOOD))      # the defaults: no table
+    rig = rigfile.parse(GOOD + AGENT, base=tmp_path)
+    assert rig.agent == AgentConfig(verify_dbm=-14.5, quarantine_s=5.0, prestage=True,
+                                    verify_phases=True, allocation="first-fit",
+                                    diagnosed_per_incident=1, diagnosed_per_window=3,
+                                    eviction_window_s=120.0)
+    assert isinstance(rig.agent.quarantine_s, float)
+    assert rigfile.parse(rigfile.dumps(rig), base=tmp_path) == rig
+    only = rigfile.parse(GOOD + "\n[agent]\nallocation = \"first-fit\"\n")
+    assert only.agent == AgentConfig(allocation="first-fit")
+    assert rigfile.dumps(only).endswith('\n[agent]\nallocation = "first-fit"\n')
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("quarantine_s = 5", "quarantine_s = -1"),
+     "agent.quarantine_s: expected a number of seconds >= 0, got -1"),
+    (("quarantine_s = 5", "quarantine_s = nan"),
+     "agent.quarantine_s: expected a number of seconds >= 0, got nan"),
+    (("quarantine_s = 5", 'quarantine_s = "5"'),
+     "agent.quarantine_s: expected a number of seconds >= 0, got '5'"),
+    (("verify_dbm = -14.5", "verify_dbm = inf"),
+     r"agent.verify_dbm: expected a power in dBm \(a finite number\), got inf"),
+    (("prestage = true", "prestage = 1"), "agent.prestage: expected true or false, got 1"),
+    (('allocation = "first-fit"', 'allocation = "worst-fit"'),
+     "agent.allocation: expected one of best-fit, first-fit, got 'worst-fit'"),
+    (("diagnosed_per_window = 3", "diagnosed_per_window = 2.5"),
+     "agent.diagnosed_per_window: expected a count >= 0, got 2.5"),
+    (("diagnosed_per_incident = 1", "diagnosed_per_incident = true"),
+     "agent.diagnosed_per_incident: expected a count >= 0, got True"),
+    (("eviction_window_s = 120.0", "eviction_window_s = 0"),
+     "agent.eviction_window_s: expected a number of seconds > 0, got 0"),
+    (("quarantine_s = 5", "quarantine = 5"),
+     "agent.quarantine: expected one of the keys verify_dbm, quarantine_s, prestage, "
+     "verify_phases, allocation, diagnosed_per_incident, diagnosed_per_window, "
+     "eviction_window_s, got 'quarantine'"),
+])
+def test_bad_agent_settings_say_where_and_what(tmp_path, edit, message):
+    text = GOOD + AGENT
+    assert edit[0] in text
+    text = text.replace(edit[0], edit[1], 1)
+    line = next(n for n, x in enumerate(text.splitlines(), 1) if x == edit[1])
+    path = tmp_path / "rig.toml"
+    path.write_text(text)
+    with pytest.raises(RigFileError) as e:
+        rigfile.load(path)
+    assert re.fullmatch(f"{re.escape(str(path))}:{line}: {message}", str(e.value)), str(e.value)
 
 
 def test_missing_rig_file(tmp_path):

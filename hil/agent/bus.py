@@ -1,9 +1,9 @@
 """The agent as a bus process (`ptb agent`): the `Agent` core wired to the rig's services.
 
-- Switches: one `BusSwitch` (a `CircuitSwitch` over a `ServiceClient`) per switch the rig's
-  GPUs are cabled to; every change is sent with `expect` = the version last seen
-  (compare-and-set); a `StaleState` (someone else changed the switch) re-reads and retries
-  once, since the agent's intent is the fabric's.
+- Switches: one `BusSwitch` (`hil.agent.bus_switch`: a `CircuitSwitch` over a
+  `ServiceClient`) per switch the rig's GPUs are cabled to; every change is sent with
+  `expect` = the version last seen (compare-and-set); a `StaleState` (someone else changed the
+  switch) re-reads and retries once, since the agent's intent is the fabric's.
 - Light: `read_power(switch, port)` asks the GPU monitor of the GPU on that output port
   (`rx_power`) for the received power its transceiver reports (DDM): the rack's one monitor
   `gpus`, or with one monitor per host ([monitors] in the rig) that host's `gpus-HOST`; the
@@ -19,30 +19,38 @@
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 import orjson
 import zmq
-
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
-    CircuitConflict, SwitchError, check_circuits
 from photonic_testbed.common import heap
+from photonic_testbed.common.jobplan import JobPlan, PlanError
+from photonic_testbed.common.rack_layout import Attachment, RackLayout
+from photonic_testbed.drivers.circuit_switch import (
+    SwitchError,
+)
 from photonic_testbed.hil.agent.agent import Agent, AgentError
-from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import BadRequest, BusError, ServiceClient, StaleState, \
-    UnknownOperation, call_many, from_wire
+from photonic_testbed.hil.agent.bus_switch import BusSwitch
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.entries import Admit, Alarm, Note, RestartOrder, Unread, builtins
+from photonic_testbed.hil.agent.events import NoEvents
+from photonic_testbed.hil.agent.journal import Entry, Journal
+from photonic_testbed.hil.agent.policies import RankMap
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.bus.client import (
+    BusError,
+    ServiceClient,
+    call_many,
+)
 from photonic_testbed.hil.bus.mirror import StateSubscriber
+from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.server import Answer, Server
 from photonic_testbed.hil.bus.state import Delete, Set, StateOp
-from photonic_testbed.common.jobplan import JobPlan, PlanError
-from photonic_testbed.hil.agent.journal import Entry, Journal
-from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
@@ -54,228 +62,8 @@ DARK_DBM = -99.0
 PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
 
 
-class _AnsweredReport(ApplyReport):
-    """A switch service's report of an `apply_circuits` (its answer's result), its circuit
-    lists read off the wire (and checked, `circuits_from_wire`) when first looked at: by the
-    agent's journal, once the job has the grant the change was for, not while it waits for it
-    (a phase switch on 64 OCSes: 128 lists of 32 circuits, 1.5 ms). A list that cannot be
-    read raises then (`Agent._reported` journals it as such)."""
-
-    _result: Any
-
-    def __init__(self, result: Any, seconds: float):
-        object.__setattr__(self, "seconds", seconds)
-        object.__setattr__(self, "_result", result)
-
-    @functools.cached_property
-    def added(self) -> Circuits:                                  # type: ignore[override]
-        return schema.circuits_from_wire(self._result["added"])
-
-    @functools.cached_property
-    def removed(self) -> Circuits:                                # type: ignore[override]
-        return schema.circuits_from_wire(self._result["removed"])
-
-    def pairs(self, which: str) -> list[tuple[int, int]]:
-        """The list as it came, checked in one pass in C (pairs of two integers, no input or
-        output named twice) and sorted; a list that fails is read as `added`/`removed` are,
-        which says what is wrong (a 64-OCS phase switch's journal entry: 128 lists, half the
-        time of making each a dict first)."""
-        raw = self._result[which]
-        try:
-            got = msgspec.convert(raw, _WIRE_PAIRS, strict=True)
-        except (msgspec.ValidationError, TypeError):
-            got = None
-        if got is None or len({a for a, _ in got}) != len(got) \
-                or len({b for _, b in got}) != len(got):
-            return super().pairs(which)
-        got.sort()
-        return got
-
-
-_WIRE_PAIRS = list[tuple[int, int]]
-
-
-class BusSwitch(CircuitSwitch):
-    """A switch service on the bus, as a CircuitSwitch."""
-
-    # A switch whose service refused a request together is sent its own requests; it asks its
-    # service again (describe) this long after, and rejoins a group the service says it is in
-    # (the services restarted together again, say).
-    REGROUP_S = 30.0
-
-    def __init__(self, name: str, client: ServiceClient):
-        self.name = name
-        self.client = client
-        snap = client.call("snapshot")
-        self._ports = int(snap["state"]["ports"])
-        self.version = snap["state"]["version"]
-        self._regroup_at: float | None = None
-        self.group: tuple[str, frozenset] | None = None
-        self._learn_group()
-
-    def _learn_group(self) -> None:
-        """The switches served with this one, which one apply_circuits_together sent here may
-        change (describe's `together`); None: none, or a service that does not say."""
-        described = self.client.call("describe")
-        together = described.get("together") if isinstance(described, dict) else None
-        self.group = None
-        if together is None:
-            return
-        switches = together.get("switches") if isinstance(together, dict) else None
-        group = together.get("group") if isinstance(together, dict) else None
-        if not (isinstance(switches, list) and all(isinstance(s, str) for s in switches)
-                and isinstance(group, str)):
-            log.warning("%s: its service describes `together` as %.80r, not {group: an id, "
-                        "switches: [names]}: sent its own requests", self.name, together)
-            return
-        if self.name in switches and len(set(switches)) > 1:
-            self.group = (group, frozenset(switches))
-
-    def _regroup(self, now: float) -> None:
-        """Ask the service again whether it serves this switch together with others, when a
-        refusal together set it apart REGROUP_S ago."""
-        if self.group is not None or self._regroup_at is None or now < self._regroup_at:
-            return
-        try:
-            self._learn_group()
-        except BusError as e:
-            self.group = None
-            log.info("%s: cannot ask whether it is served together (%s)", self.name, e)
-        self._regroup_at = None if self.group is not None else now + self.REGROUP_S
-        if self.group is not None:
-            log.info("%s is served together again (%d switches)", self.name, len(self.group[1]))
-
-    @property
-    def ports(self) -> int:
-        return self._ports
-
-    def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
-        got = self.apply_together([(self, circuits)])[0]
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-    @classmethod
-    def apply_together(cls, work):
-        """Every switch's `apply_circuits` sent before any answer is waited for (one thread,
-        each request retried with its own id), each with the state version the agent last saw
-        (`expect`). A switch that changed under the agent is read again and asked once more;
-        refused again, or any other error: a SwitchError for that switch alone."""
-        out: list = [None] * len(work)
-        wires: dict[int, list] = {}
-        now = time.monotonic()
-        for sw, _ in work:
-            sw._regroup(now)
-        for i, (sw, circuits) in enumerate(work):
-            try:
-                wires[i] = schema.circuits_to_wire(check_circuits(circuits, sw._ports))
-            except CircuitConflict as e:
-                out[i] = e
-        timeout = max(sw.client.timeout for sw, _ in work)
-        t0 = time.perf_counter()
-        pending = list(wires)
-        for attempt in (0, 1):
-            answers = cls._send([work[i][0] for i in pending], [wires[i] for i in pending],
-                                timeout)
-            stale = []
-            for i, got in zip(pending, answers):
-                sw = work[i][0]
-                if isinstance(got, StaleState) and not attempt:
-                    stale.append(i)
-                elif isinstance(got, StaleState):
-                    out[i] = SwitchError(f"{sw.name} keeps changing under the agent")
-                elif isinstance(got, BusError):
-                    out[i] = SwitchError(f"{sw.name}: {got}")
-                else:
-                    out[i] = _AnsweredReport(got, time.perf_counter() - t0)
-            pending = []
-            for i in stale:
-                sw = work[i][0]
-                log.warning("%s changed under the agent; re-reading", sw.name)
-                try:
-                    sw.client.call("read_circuits")
-                    sw.version = sw.client.version
-                    pending.append(i)
-                except BusError as e:
-                    out[i] = SwitchError(f"{sw.name}: {e}")
-            if not pending:
-                break
-        return out
-
-    @staticmethod
-    def _send(switches: list["BusSwitch"], wires: list[list], timeout: float) -> list:
-        """Each switch's circuits sent, every request before any answer is awaited: the
-        switches served together (`group`) in one `apply_circuits_together` to one of them,
-        the others each in its own `apply_circuits`; each with the version the agent last
-        saw. Returns, per switch, its result or its BusError; each switch written has its new
-        version. A service that refuses a request together (restarted apart from the others,
-        say) is sent each switch's own request, and asks again after REGROUP_S."""
-        groups: dict[tuple, list[int]] = {}
-        for i, sw in enumerate(switches):
-            key = sw.group if sw.group is not None else ("", i)
-            groups.setdefault(key, []).append(i)
-        calls, members = [], []
-        for key, idx in groups.items():
-            sw = switches[idx[0]]
-            if len(idx) == 1:
-                calls.append((sw.client, "apply_circuits", {"circuits": wires[idx[0]]},
-                              sw.version))
-            else:
-                calls.append((sw.client, "apply_circuits_together", {"changes": [
-                    {"switch": switches[i].name, "circuits": wires[i],
-                     "expect": switches[i].version} for i in idx]}, None))
-            members.append(idx)
-        out: list = [None] * len(switches)
-        apart: list[int] = []
-        for idx, got in zip(members, call_many(calls, timeout)):
-            if len(idx) == 1:
-                if not isinstance(got, BusError):
-                    switches[idx[0]].version = switches[idx[0]].client.version
-                out[idx[0]] = got
-            elif isinstance(got, (BadRequest, UnknownOperation)):
-                log.warning("%s refused the switches' changes together (%s); sending each "
-                            "its own", switches[idx[0]].name, got)
-                for i in idx:
-                    switches[i].group = None
-                    switches[i]._regroup_at = time.monotonic() + switches[i].REGROUP_S
-                apart += idx
-            elif isinstance(got, BusError):
-                for i in idx:
-                    out[i] = got
-            elif _switches_answered(got) != [switches[i].name for i in idx]:
-                for i in idx:                   # (a service at odds with the contract)
-                    out[i] = BusError(f"{switches[idx[0]].name} answered the changes together "
-                                      "for other switches than those asked")
-            else:
-                for i, part in zip(idx, got["changes"]):
-                    sw = switches[i]
-                    sw.version = part["version"]
-                    out[i] = (part["result"] if "result" in part else
-                              from_wire(part["error"], part["message"], part["version"]))
-        if apart:
-            for i, got in zip(apart, BusSwitch._send([switches[i] for i in apart],
-                                                     [wires[i] for i in apart], timeout)):
-                out[i] = got
-        return out
-
-    def circuits(self) -> Circuits:
-        try:
-            got = self.client.call("read_circuits")
-        except BusError as e:
-            raise SwitchError(f"{self.name}: {e}") from e
-        self.version = self.client.version
-        return dict(schema.circuits_from_wire(got["circuits"]))
-
-    def describe(self) -> dict:
-        return {"name": self.name, "kind": "BusSwitch", "endpoint": self.client.endpoint,
-                "ports": self._ports}
-
-    def close(self) -> None:
-        self.client.close()
-
-
 def _job_changes(was: dict, now: dict) -> list[StateOp]:
-    """The published jobs' changes as state operations: a job's changed fields alone (a phase
+    """The published jobs' changes as delta operations: a job's changed fields alone (a phase
     switch changes a job's phase and round, not its rank map of 2,048 ranks)."""
     ops: list[StateOp] = []
     for name, job in now.items():
@@ -287,27 +75,28 @@ def _job_changes(was: dict, now: dict) -> list[StateOp]:
     return ops + [Delete(["jobs", name]) for name in was if name not in now]
 
 
-def _switches_answered(got: Any) -> list | None:
-    """The switches an `apply_circuits_together` answer has an entry for, in order (None: not
-    such an answer)."""
-    parts = got.get("changes") if isinstance(got, dict) else None
-    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-        return None
-    return [p.get("switch") for p in parts]
-
-
 NO_ORDER: dict[str, Any] = {"seq": 0, "rank_map": {}, "cause": ""}
 
 
-def published_details(details: dict) -> dict:
-    """An event's details as the agent publishes them: whole when small; otherwise each list
-    or table of more than EVENT_ITEMS_SHOWN items given as its size (`{"items": n}`; a phase
-    switch's `applied` as its totals), so that the last 200 events of a 2,048-GPU rack (a phase
-    switch there names thousands of circuits on 64 switches) stay within the bus's frames. The
-    journal keeps every entry whole (`ptb journal`)."""
-    if len(orjson.dumps(details, default=str)) <= EVENT_DETAILS_BYTES:
-        return details
-    return _brief_details(details)
+def published_event(e: Entry, text: str | None = None) -> dict[str, Any]:
+    """A journal entry as the agent publishes it (`text`: its details as JSON, as written).
+    Its details whole when small; otherwise (`"brief": true`) each list or table of more than
+    EVENT_ITEMS_SHOWN items given as its size (`{"items": n}`; a phase switch's `applied` as
+    its totals), so that the last 200 events of a 2,048-GPU rack (a phase switch there names
+    thousands of circuits on 64 switches) stay within the bus's frames. The journal keeps
+    every entry whole (`ptb journal`)."""
+    if text is None:                    # (as the journal writes it)
+        text = orjson.dumps(e.details.fields, default=str, option=orjson.OPT_NON_STR_KEYS
+                            ).decode() if isinstance(e.details, Unread) else \
+            msgspec.json.encode(e.details).decode()
+    event: dict[str, Any] = {"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
+                             "latency_s": e.latency_s}
+    if len(text) <= EVENT_DETAILS_BYTES:
+        event["details"] = orjson.loads(text)
+    else:
+        event["details"] = _brief_details(builtins(e.details))
+        event["brief"] = True
+    return event
 
 
 def _brief_details(details: dict) -> dict:
@@ -342,15 +131,14 @@ def restart_orders(journal: Journal) -> dict[str, dict]:
     orders: dict[str, dict] = {}
     admitted = ""
     for e in journal.entries(kinds=("decision", "restart")):
-        if e.kind == "decision":
-            if e.details.get("action") == "admit":
-                admitted = e.details.get("job") or e.details["plan"]["name"]
-            continue
-        name = e.details.get("job") or admitted
-        rank_map = {int(r): g for r, g in e.details.get("rank_map", {}).items()}
-        orders[name] = {"seq": orders.get(name, NO_ORDER)["seq"] + 1,
-                        "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
-                        "cause": e.cause}
+        if isinstance(e.details, Admit):
+            admitted = e.details.name()
+        elif isinstance(e.details, RestartOrder):
+            name = e.details.job or admitted
+            orders[name] = {"seq": orders.get(name, NO_ORDER)["seq"] + 1,
+                            "rank_map": {str(r): g for r, g in
+                                         sorted(e.details.rank_map.items())},
+                            "cause": e.cause}
     return orders
 
 
@@ -366,27 +154,27 @@ def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
                       servers={g.name: g.server for g in rig.gpus if g.server})
 
 
-class AgentProcess:
-    """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`."""
+class AgentProcess(NoEvents):
+    """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`. It hears the
+    agent's restart orders and alarms (`on_order`, `on_alarm`) and publishes them."""
 
-    def __init__(self, rig: Rig, journal_path: str, *, timeout: float = 5.0,
-                 verify_dbm: float = -12.0, quarantine_s: float = 60.0,
-                 journal_sync: str = "FULL", settle_heap: bool = False):
-        """`settle_heap` (the `ptb agent` process): the heap is settled (`common.heap`) once
-        started and after each admission, once its answer has gone."""
+    def __init__(self, rig: Rig, journal_path: str, *, config: AgentConfig | None = None,
+                 timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False):
+        """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
+        (the `ptb agent` process): the heap is settled (`common.heap`) once started and after
+        each admission, once its answer has gone."""
         self.rig = rig
         self._settle_heap = settle_heap
         self._admitted = False                      # since the heap was last settled
         self.keys = rig.client_keys()
         self.timeout = timeout
-        self.journal = Journal(journal_path, journal_sync)
+        self.journal = SqliteJournal(journal_path, journal_sync)
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
         self.server: Server | None = None
         self.sub: StateSubscriber | None = None
         self.agent: Agent | None = None
-        self._verify_dbm = verify_dbm
-        self._quarantine_s = quarantine_s
+        self.config = config if config is not None else rig.agent
         self._health_seen: dict[str, str] = {}
         self._alarms: list[str] = []
         self._orders: dict[str, dict] = {}         # job -> its last restart order
@@ -426,13 +214,9 @@ class AgentProcess:
                 self._receivers.setdefault(a.switch, {}).setdefault(
                     self.rig.monitor_of(g), set()).add(a.rx)
         self.agent = Agent(layout, self.switches, self.journal, self._read_power,
-                           verify_dbm=self._verify_dbm, quarantine_s=self._quarantine_s,
-                           on_order=self._on_order, on_alarm=self._on_alarm)
+                           config=self.config, events=self)
         self._orders = restart_orders(self.journal)
-        for entry in self.journal.entries()[-EVENTS_KEPT:]:
-            self._events.append({"seq": entry.seq, "ts": entry.ts, "kind": entry.kind,
-                                 "cause": entry.cause, "latency_s": entry.latency_s,
-                                 "details": published_details(entry.details)})
+        self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.rig.agent_endpoints()
         self.server = Server(
@@ -510,7 +294,7 @@ class AgentProcess:
                                   {"switch": switch, "ports": sorted(asks[m])})
                                  for m in monitors], self.timeout)
             dbm: dict[str, float] = {}
-            for m, got in zip(monitors, answers):
+            for m, got in zip(monitors, answers, strict=True):
                 if isinstance(got, BusError):
                     # its ports read dark for this event, asked again at the next
                     log.warning("no received power from %s for %s %s: %s", m, switch,
@@ -531,7 +315,7 @@ class AgentProcess:
             try:
                 self.agent.on_health(*changed)
             except (AgentError, SwitchError) as e:
-                self._on_alarm(f"failover failed: {e}", {})
+                self.on_alarm(f"failover failed: {e}", Alarm())
 
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
@@ -566,20 +350,19 @@ class AgentProcess:
         order = self._order(name)
         rank_map = {int(r): g for r, g in args.rank_map.items()}
         if args.restart_seq < order["seq"]:
-            agent.journal.record("note", f"job {name} rejoined: it has not taken restart "
-                                 f"order {order['seq']}", job=name,
-                                 rejoin=msgspec.structs.asdict(args))
+            agent.journal.record(Note(job=name, rejoin=msgspec.to_builtins(args)),
+                                 f"job {name} rejoined: it has not taken restart order "
+                                 f"{order['seq']}")
             return {"job": name, "rank_map": order["rank_map"], "restart": order}
         known = agent.jobs.get(name)
         if known is None or known.plan.to_dict() != plan.to_dict() or \
                 known.rank_map != rank_map:
-            agent.journal.record("note", f"job {name} rejoined on a rank map the journal "
-                                 "does not hold: taken on as it runs", job=name,
-                                 rejoin=msgspec.structs.asdict(args))
+            agent.journal.record(Note(job=name, rejoin=msgspec.to_builtins(args)),
+                                 f"job {name} rejoined on a rank map the journal does not "
+                                 "hold: taken on as it runs")
             agent.admit(plan, rank_map, job=name)
         else:
-            agent.journal.record("note", f"job {name} rejoined", job=name,
-                                 state=args.state)
+            agent.journal.record(Note(job=name, state=args.state), f"job {name} rejoined")
         if args.state == "failed":
             agent.on_job_failure("job waiting for a restart order after an agent restart",
                                  job=name)
@@ -636,16 +419,7 @@ class AgentProcess:
         return {"job": job.name}
 
     def _swap(self, args: schema.GpuArgs) -> dict:
-        gpu = args.gpu
-        agent = self.agent
-        if gpu not in agent.layout.gpus:
-            raise AgentError(f"no GPU {gpu!r} in the rack; it has {', '.join(agent.layout.gpus)}")
-        if not agent.holds_rank(gpu):
-            raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
-        with agent._lock:
-            agent.journal.record("detected", f"operator asked to swap {gpu} out")
-            agent._failed_at[gpu] = agent.clock()      # keep it out of the spares a while
-            out = agent._failover(agent.holder(gpu), [gpu], "manual swap")
+        out = self.agent.swap_out(args.gpu)
         if out is None:
             raise AgentError("no job admitted: nothing to swap")
         return {"swaps": dict(out.swaps), "rank_map": {str(r): g for r, g in
@@ -657,21 +431,21 @@ class AgentProcess:
         return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
                 "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
-                "verify_dbm": a.verify_dbm, "quarantine_s": a.quarantine_s}
+                "verify_dbm": a.config.verify_dbm, "quarantine_s": a.config.quarantine_s}
 
     @property
     def journal_path(self) -> str:
         return getattr(self.journal, "path", "")
 
     # --- outputs ----------------------------------------------------------------------------
-    def _on_order(self, job: str, rank_map: dict, cause: str) -> None:
+    def on_order(self, job: str, rank_map: RankMap, cause: str) -> None:
         # the same order a restarted agent derives from the journal (`restart_orders`)
         self._orders[job] = {"seq": self._order(job)["seq"] + 1,
                              "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
                              "cause": cause}
         self._publish()          # the job is waiting for this: send it now
 
-    def _on_alarm(self, text: str, details: dict) -> None:
+    def on_alarm(self, text: str, about: Alarm) -> None:
         self._alarms.append(text)
         del self._alarms[:-50]
 
@@ -682,12 +456,12 @@ class AgentProcess:
         got = self._rack_cache
         if got is not None:
             (ranks, health), rows = got
-            if health == a._health and len(ranks) == len(a.jobs) and all(
+            if health == a.healths() and len(ranks) == len(a.jobs) and all(
                     ranks.get(name) == j.rank_map for name, j in a.jobs.items()):
                 return rows           # (dicts compared in C; copied only when they change)
         rows = self._build_rack()
         self._rack_cache = (({name: dict(j.rank_map) for name, j in a.jobs.items()},
-                             dict(a._health)), rows)
+                             dict(a.healths())), rows)
         return rows
 
     def _build_rack(self) -> list[dict]:
@@ -700,7 +474,7 @@ class AgentProcess:
             role = ("in_use_spare" if spare and rank is not None else
                     "spare" if spare else "active")
             out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
-                        "health": a._health.get(g, "ok"), "role": role, "rank": rank,
+                        "health": a.health(g), "role": role, "rank": rank,
                         "job": job})
         return out
 
@@ -743,11 +517,8 @@ class AgentProcess:
 
     def _recorded(self, e: Entry, text: str) -> None:
         """A journal entry as it is written: its published form, taken now (the details are
-        the writer's live objects; a small entry exactly as the journal keeps it)."""
-        details = orjson.loads(text) if len(text) <= EVENT_DETAILS_BYTES else \
-            _brief_details(e.details)
-        self._fresh.append({"seq": e.seq, "ts": e.ts, "kind": e.kind, "cause": e.cause,
-                            "latency_s": e.latency_s, "details": details})
+        the writer's own; a small entry exactly as the journal keeps it)."""
+        self._fresh.append(published_event(e, text))
 
     def _publish(self) -> None:
         """New journal entries are appended to `events` (the oldest dropped past 200), the

@@ -2,8 +2,9 @@
 
 It names every device (its kind, driver and address: a serial port or a VISA resource), the
 chip (topology and calibration file), the GPUs and spares and the switch ports they attach to,
-and the bus (endpoints, heartbeat, CurveZMQ keys). Every command that takes `--rig FILE` reads
-it with `load()`, which refuses a bad file with the key, the line and what was expected;
+the bus (endpoints, heartbeat, CurveZMQ keys) and the agent's settings. Every command that
+takes `--rig FILE` reads it with `load()`, which refuses a bad file with the key, the line and
+what was expected;
 `dumps()` and `write()` give the text that `parse()` reads back as the same rig.
 docs/rigfile.md describes every key.
 """
@@ -15,12 +16,21 @@ import os
 import pathlib
 import re
 import tomllib
+from typing import Any
 
 from photonic_testbed.common.topology import TopologyError, topology_named
-from photonic_testbed.hil.devices.kinds import KINDS
 from photonic_testbed.hil import files
-from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
-                                            GpuConfig, Rig, RigFileError)
+from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, expected
+from photonic_testbed.hil.devices.kinds import KINDS
+from photonic_testbed.hil.rig.model import (
+    PROCESSES,
+    BusConfig,
+    ChipConfig,
+    DeviceConfig,
+    GpuConfig,
+    Rig,
+    RigFileError,
+)
 
 ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
 NVML_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
@@ -123,6 +133,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         "chip": (dict, False, "a [chip] table"),
         "gpus": (list, False, "an array of [[gpus]] tables"),
         "monitors": (dict, False, "a [monitors.HOST] table per host that runs a GPU monitor"),
+        "agent": (dict, False, "an [agent] table of the agent's settings"),
     })
     base = base or pathlib.Path.cwd()
 
@@ -296,7 +307,24 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                                  *monitors.values()] for ep in eps if not _is_loopback(ep)]
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
-    return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors)
+    return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors,
+               _agent_config(c, top.get("agent", {})))
+
+
+def _agent_config(c: _Checker, data: dict) -> AgentConfig:
+    """The [agent] table: each key a setting of `AgentConfig` (those left out keep their
+    defaults), its type and value checked where the setting says."""
+    types: dict[type, type | tuple[type, ...]] = {bool: bool, int: int, float: (int, float),
+                                                  str: str}
+    got = c.table(data, "agent", {name: (types[type(f.default)], False, f.metadata["expected"])
+                                  for name, f in SETTINGS.items()})
+    values: dict[str, Any] = {}
+    for key, value in got.items():
+        why = expected(key, value)
+        if why is not None:
+            c.fail("agent", key, why, value)
+        values[key] = float(value) if isinstance(SETTINGS[key].default, float) else value
+    return AgentConfig(**values)
 
 
 def _check_gpu_monitoring(c: _Checker, g: dict, i: int, before: list[GpuConfig]) -> None:
@@ -419,6 +447,11 @@ def dumps(rig: Rig) -> str:
     for host, (request, publish) in rig.monitors.items():
         out += ["", f"[monitors.{_toml_key(host)}]", f"request = {_toml_value(request)}",
                 f"publish = {_toml_value(publish)}"]
+    default = AgentConfig()
+    changed = [f"{name} = {_toml_value(getattr(rig.agent, name))}" for name in SETTINGS
+               if getattr(rig.agent, name) != getattr(default, name)]
+    if changed:                     # (the settings left at their defaults are not written)
+        out += ["", "[agent]", *changed]
     return "\n".join(out) + "\n"
 
 

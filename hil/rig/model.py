@@ -1,4 +1,5 @@
-"""What a rig is made of, as values: devices, the chip, GPUs, GPU monitors and the bus.
+"""What a rig is made of, as values: devices, the chip, GPUs, GPU monitors, the bus, and the
+agent's settings.
 
 `hil.rig.file` reads and writes these from the rig file (TOML, docs/rigfile.md);
 `hil.rig.emulated` makes them for the emulated rigs.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass, field
 
+from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.bus.security import ClientKeys, client_keys
 from photonic_testbed.hil.devices.service import ServiceSpec
 
@@ -87,6 +89,7 @@ class Rig:
     # host -> (request, publish) of that host's GPU monitor ([monitors.HOST]); empty: one
     # monitor (the bus's gpus endpoints) for every GPU, as the emulated rack has
     monitors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    agent: AgentConfig = field(default_factory=AgentConfig)     # the [agent] table
 
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""

@@ -26,10 +26,12 @@ import sqlite3
 import statistics
 import time
 import urllib.parse
+from typing import cast
 
 from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.entries import PhaseSwitched, Swap, words
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.mirror import SubscriberThread
 from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.hil.lab.control_client import request
@@ -109,7 +111,7 @@ def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
     for ph, rnd in seq:                        # warm-up: every circuit set seen once
         fabric.phase(ph, rnd)
     times: list[float] = []
-    with Journal(stack.journal, read_only=True) as j:
+    with SqliteJournal(stack.journal, read_only=True) as j:
         last = j.entries()[-1].seq
         size0 = journal_bytes(stack.journal)
         while len(times) < runs:
@@ -123,8 +125,8 @@ def _phases(stack: Stack, fabric: Fabric, plan: JobPlan, runs: int, gap_s: float
         wait_for(lambda: len([e for e in j.entries(since=last, kinds=("phase",))]) >= runs,
                  f"the {runs} timed phase switches in the journal")
         grown = (journal_bytes(stack.journal) - size0) / runs
-        written = [len(e.details.get("applied", {}))
-                   for e in j.entries(since=last, kinds=("phase",))][:runs]
+        written = [len(e.details.applied) for e in j.entries(since=last, kinds=("phase",))
+                   if isinstance(e.details, PhaseSwitched)][:runs]
     return times, written, grown
 
 
@@ -145,7 +147,7 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                            telemetry=False).start()
     pods = len(rank_map) // per_pod_ranks
     try:
-        with Journal(stack.journal, read_only=True) as j:
+        with SqliteJournal(stack.journal, read_only=True) as j:
             last = j.entries()[-1].seq
             for run in range(-1, runs):          # run -1: a warm-up, not kept
                 # a rank in a different pod each run (rank 43: GPU 3 of the 6th server)
@@ -172,12 +174,11 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
                 t: dict[str, float] = {}
                 for e in es:
                     t.setdefault(e.kind, e.ts)
-                dec = next(e for e in es if e.kind == "decision"
-                           and e.details.get("action") == "swap")
-                rank_map = {int(r): g for r, g in dec.details["rank_map"].items()}
+                dec = next(e for e in es if isinstance(e.details, Swap))
+                rank_map = dict(cast(Swap, dec.details).rank_map)
                 if "verified" not in t:
-                    raise CommandFailed(f"the swap of {victim} did not verify: "
-                                        f"{[e.details for e in es if e.kind == 'verify_failed']}")
+                    dark = [words(e.details) for e in es if e.kind == "verify_failed"]
+                    raise CommandFailed(f"the swap of {victim} did not verify: {dark}")
                 t_bus = wait_for(functools.partial(seen.get, victim),
                                  f"{victim}'s failure on the bus")
                 request(stack.control, {"cmd": "heal_gpu", "gpu": victim}, 30.0)

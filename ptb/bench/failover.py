@@ -20,7 +20,8 @@ import statistics
 import time
 
 from photonic_testbed.common.jobplan import dp_ring
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.entries import RankMapAnnounced, Swap
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.mirror import SubscriberThread
 from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.hil.lab.control_client import request
@@ -60,7 +61,7 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
         parts: dict[str, list[float]] = {k: [] for k in ("detect", "decide", "apply",
                                                         "verify", "total", "bus event",
                                                         "from bus event")}
-        with Journal(stack.journal, read_only=True) as j:
+        with SqliteJournal(stack.journal, read_only=True) as j:
             last = j.entries()[-1].seq
             for _ in range(runs):
                 victim = rank_map[3]
@@ -76,10 +77,9 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                 t: dict[str, float] = {}
                 for e in es:
                     t.setdefault(e.kind, e.ts)
-                    if e.kind == "rank_map":        # what changed (the whole map: the restart)
-                        rank_map.update({int(r): g for r, g in e.details["changed"].items()})
-                dec = next(e.ts for e in es if e.kind == "decision"
-                           and e.details.get("action") == "swap")
+                    if isinstance(e.details, RankMapAnnounced):     # what changed (the whole
+                        rank_map.update(e.details.changed)          # map: the restart)
+                dec = next(e.ts for e in es if isinstance(e.details, Swap))
                 parts["detect"].append(t["detected"] - t_fail)
                 parts["decide"].append(dec - t["detected"])
                 parts["apply"].append(t["applied"] - dec)

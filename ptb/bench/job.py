@@ -24,15 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import RackLayout, duplex_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits
-from photonic_testbed.hil.agent.agent import Agent
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.ocs import OCSPhysics
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import RackLayout, duplex_rack
+from photonic_testbed.hil.agent.agent import Agent
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.events import NoEvents
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.rig import RigSpec
 from photonic_testbed.ptb.bench import integer, number
 from photonic_testbed.ptb.bench.datacenter import rack_plan
@@ -94,9 +96,10 @@ class World:
                         for k, (s, n) in enumerate(layout.switches.items())}
         self.rack = EmulatedRack(layout, self.physics, self.clock)
         self.switches = {s: SettlingSwitch(s, p) for s, p in self.physics.items()}
-        self.journal = Journal(workdir / f"{layout.name}-{time.monotonic_ns()}.db", "NORMAL")
+        self.journal = SqliteJournal(workdir / f"{layout.name}-{time.monotonic_ns()}.db", "NORMAL")
         self.agent = Agent(layout, self.switches, self.journal,
-                           lambda s, p: self.rack.port_powers_dbm(s, [p])[p], quarantine_s=0.0)
+                           lambda s, p: self.rack.port_powers_dbm(s, [p])[p],
+                           config=AgentConfig(quarantine_s=0.0))
         rank_map = self.agent.admit(plan, rank_map)
         self.job = TrainingJob(plan, rank_map, self.rack, self.clock, poll_s=poll_s,
                                grant_timeout_s=60.0, link_timeout_s=1.0)
@@ -104,6 +107,16 @@ class World:
     def close(self) -> None:
         self.agent.close()
         self.journal.close()
+
+
+class _Grants(NoEvents):
+    """The agent's grants passed straight to the job."""
+
+    def __init__(self, job: TrainingJob):
+        self.job = job
+
+    def on_grant(self, phase: str, round: int) -> None:
+        self.job.grant(phase, round)
 
 
 class SimFabric:
@@ -115,7 +128,7 @@ class SimFabric:
         self.w, self.settle_s, self.ahead = world, settle_s, ahead
         self.ready: tuple[tuple[str, int], float] | None = None
         self.stalls: list[float] = []
-        world.agent.on_grant = lambda phase, rnd: None      # granted here, once settled
+        world.agent.events = NoEvents()      # granted here, once settled
         world.job.subscribe(self.on_event)
 
     def _switch(self, change) -> tuple[float, Any]:
@@ -166,7 +179,7 @@ def _scaling(servers: int, steps: int, workdir: Path) -> dict:
     w = World(layout, plan, workdir, dict(enumerate(layout.workers)))
     setup_s = time.perf_counter() - t
     try:
-        w.agent.on_grant = w.job.grant
+        w.agent.events = _Grants(w.job)
         w.job.subscribe(w.agent.on_job_event)
         w.job.run(1)                                       # warm-up: every round seen once
         t = time.perf_counter()

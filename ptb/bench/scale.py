@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-
+from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.agent.agent import Agent
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
-from photonic_testbed.hil.agent.journal import Journal
-from photonic_testbed.common.rack_layout import rail_rack
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 NAME = "scale"
 HELP = "agent decision time (failover, phase switch) for 32 ... 2,048 GPUs, in process"
@@ -77,13 +77,14 @@ def _measure(kind: str, servers: int, failovers: int, phases: int, rnd: random.R
     layout = rail_rack(f"rails{servers}", servers + 1, rails=8, spare_servers=1)
     switches = {s: InstantSwitch(s, n) for s, n in layout.switches.items()}
     plan = plan_for(kind, servers)
-    journal = Journal(workdir / f"{kind}-{servers}.db", "NORMAL")
-    agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=0.0)
+    journal = SqliteJournal(workdir / f"{kind}-{servers}.db", "NORMAL")
+    agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                  config=AgentConfig(quarantine_s=0.0))
     try:
         t = time.perf_counter()
         agent.admit(plan)
         admit_s = time.perf_counter() - t
-        keys = list(agent._targets)
+        keys = list(agent.job().circuits.targets)
         agent.on_phase(*keys[0])
         fail_s = []
         for _ in range(failovers):
@@ -197,9 +198,9 @@ def fragmentation(policy: str, stream: list[tuple], pods: int, workdir: Path) ->
     free (in the rack, though in no single pod) is fragmentation."""
     layout = rail_rack(f"frag-{policy}", 32 * pods, rails=8, spare_servers=1, pod=32)
     switches = {s: InstantSwitch(s, n) for s, n in layout.switches.items()}
-    journal = Journal(workdir / f"frag-{policy}.db", "NORMAL")
-    agent = Agent(layout, switches, journal, lambda s, p: -3.0, quarantine_s=0.0,
-                  allocation=policy)
+    journal = SqliteJournal(workdir / f"frag-{policy}.db", "NORMAL")
+    agent = Agent(layout, switches, journal, lambda s, p: -3.0,
+                  config=AgentConfig(quarantine_s=0.0, allocation=policy))
     admitted = refused = fragmented = 0
     stranded: list[int] = []
     names: dict[int, str] = {}

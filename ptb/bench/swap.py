@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.job import torch_job
 from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.ptb.bench.measure import agent_stack, percentile
@@ -100,7 +100,7 @@ def _free_gpus_ready(job: _Job, stack: Stack) -> bool:
 
 
 def _journal_after(path, t: float) -> list:
-    with Journal(path, read_only=True) as j:
+    with SqliteJournal(path, read_only=True) as j:
         return [e for e in j.entries() if e.ts >= t]
 
 

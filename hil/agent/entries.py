@@ -1,0 +1,255 @@
+"""The journal's entries, typed: one msgspec Struct per kind of entry, written and read back as
+the same type (`Journal.record(Admit(...), cause=...)`, `Journal.entries()`).
+
+An entry's kind is its own column of the journal; its details are the Struct's fields, as JSON
+(the fields left at their defaults are not written). Decisions come in four forms: `Admit`,
+`Swap` and `Release` say which in their `action`; `Intent` (the circuits a switch is to hold,
+written by the journal itself before the switch moves) has none. The types read every journal
+the agent has written, those of version 0.2 and of schema 1 included: what older agents left
+out has a default here (a job's name, the whole rank map of an early `rank_map` entry).
+
+`words(details)` gives an entry's details as a person reads them (`ptb journal`, the GUI's
+events view): `swaps: gpu3 → spare0; added: 1 → 18`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import msgspec
+
+Pairs = list[tuple[int, int]]       # circuits: (input, output), sorted
+Point = tuple[str, int, int]        # a circuit of a switch: (switch, input, output)
+
+
+class Details(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An entry's details; each kind of entry is a subclass naming its `kind`."""
+    kind: ClassVar[str] = ""
+
+
+class Start(Details):
+    """An agent started (its switches are reconciled next)."""
+    kind: ClassVar[str] = "start"
+
+
+class JobFailure(Details):
+    """A job reported a failure: the GPUs it lost and the links it found down."""
+    kind: ClassVar[str] = "failure"
+    gpus: list[str] = []
+    links: list[tuple[str, str]] = []
+    job: str | None = None
+
+
+class Detected(Details):
+    """A GPU is taken for failed: by its health, the job's report, a loopback or an operator
+    (`gpu` is left out by agents before 0.3: the cause names it)."""
+    kind: ClassVar[str] = "detected"
+    gpu: str = ""
+    reasons: list[str] = []
+    reason: str = ""
+
+
+class Decision(Details, tag_field="action"):
+    """A decision about a job, before it is acted on; `action` says which."""
+    kind: ClassVar[str] = "decision"
+
+
+class Admit(Decision, tag="admit"):
+    """A job taken on: its plan (`JobPlan.to_dict()`) and the GPU of each rank."""
+    job: str | None = None          # (None: a journal before jobs had names: the plan's)
+    plan: dict[str, Any] = {}
+    rank_map: dict[int, str] = {}
+
+    def name(self) -> str:
+        return self.job or str(self.plan.get("name", ""))
+
+
+class Swap(Decision, tag="swap"):
+    """Failed GPUs replaced: by whom, the job's new rank map, and its phase then."""
+    job: str | None = None
+    failed: list[str] = []
+    swaps: dict[str, str] = {}
+    rank_map: dict[int, str] = {}
+    phase: tuple[str, int] | None = None
+    degraded: bool = False
+
+
+class Release(Decision, tag="release"):
+    """A job is done: its GPUs and circuits are freed."""
+    job: str | None = None
+
+
+class Intent(Details):
+    """The circuits a switch is to hold, journaled before it is told (a decision without an
+    action: the journal writes it with the switch's intended circuits)."""
+    kind: ClassVar[str] = "decision"
+    switch: str
+    circuits: Pairs = []
+
+
+class SwitchReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a switch reported it changed, and how long it took; `unreadable` says why a report
+    could not be read (the switch said it made the circuits)."""
+    seconds: float = 0.0
+    added: Pairs = []
+    removed: Pairs = []
+    unreadable: str | None = None
+
+
+class Applied(Details):
+    """A switch's circuits for a job written, as the switch reported."""
+    kind: ClassVar[str] = "applied"
+    switch: str = ""
+    job: str | None = None
+    seconds: float = 0.0
+    added: Pairs = []
+    removed: Pairs = []
+    unreadable: str | None = None
+
+
+class Verified(Details):
+    """Light read at circuits' outputs (dBm by "switch:port"): every one bright enough."""
+    kind: ClassVar[str] = "verified"
+    dbm: dict[str, float] = {}
+    dark: list[Point] = []
+
+
+class VerifyFailed(Verified):
+    """Light read at circuits' outputs: those in `dark` too weak."""
+    kind: ClassVar[str] = "verify_failed"
+
+
+class RankMapAnnounced(Details):
+    """A job's rank map announced: the ranks that changed (agents before 0.2 wrote the whole
+    map as `rank_map`)."""
+    kind: ClassVar[str] = "rank_map"
+    job: str | None = None
+    world: int = 0
+    changed: dict[int, str] = {}
+    rank_map: dict[int, str] | None = None
+
+
+class RestartOrder(Details):
+    """The job is told to restart on this rank map."""
+    kind: ClassVar[str] = "restart"
+    job: str | None = None
+    rank_map: dict[int, str] = {}
+
+
+class PhaseSwitched(Details):
+    """A job's (phase, round) circuits made (after its grant), or set up ahead while it
+    computed (`ahead`), and the switches handed the next phase's circuits (`prestaged`)."""
+    kind: ClassVar[str] = "phase"
+    phase: str = ""
+    round: int = 0
+    job: str | None = None
+    applied: dict[str, SwitchReport] = {}
+    prestaged: list[str] = []
+    ahead: bool = False
+
+
+class Alarm(Details):
+    """Something a person has to look at (the text is the entry's cause); what it concerns."""
+    kind: ClassVar[str] = "alarm"
+    switch: str | None = None
+    during: str | None = None
+    job: str | None = None
+    gpus: list[str] | None = None
+    world: int | None = None
+    phase: str | None = None
+    round: int | None = None
+    event: str | None = None
+    circuit: list[int] | None = None
+    dark: list[list[Any]] | None = None       # [switch, input, output(, dBm)]
+    tested: dict[str, bool] | None = None
+    recent: int | None = None
+
+
+class Reconcile(Details):
+    """A switch repaired to its intended circuits (`switch`, `added`, `removed`), or the
+    reconciliation done (`moves`: circuits changed per switch)."""
+    kind: ClassVar[str] = "reconcile"
+    switch: str | None = None
+    added: Pairs = []
+    removed: Pairs = []
+    moves: dict[str, int] | None = None
+
+
+class Note(Details):
+    """Something the agent noticed and acted on without a decision of its own."""
+    kind: ClassVar[str] = "note"
+    job: str | None = None
+    gpus: list[str] | None = None
+    links: list[tuple[str, str]] | None = None
+    swaps: dict[str, str] | None = None
+    reasons: list[str] | None = None
+    state: str | None = None
+    rejoin: dict[str, Any] | None = None      # a job's rejoin request, as it came
+
+
+class Loopback(Details):
+    """A loopback test: whether each GPU hears its own light through the switch."""
+    kind: ClassVar[str] = "diagnosis"
+    loopback: dict[str, bool] = {}
+
+
+class Unread(Details):
+    """Details not read in their type: an entry of a kind this program does not know, or
+    details shortened for publication (`hil.agent.bus`); kept as they came."""
+    fields: dict[str, Any] = {}
+
+
+AnyDecision = Admit | Swap | Release
+_TYPES: dict[str, type[Details]] = {t.kind: t for t in (
+    Start, JobFailure, Detected, Decision, Applied, Verified, VerifyFailed, RankMapAnnounced,
+    RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback)}
+KINDS = tuple(_TYPES)                # what the agent writes, in this order; the GUI filters on it
+
+
+def decode(kind: str, details: Mapping[str, Any]) -> Details:
+    """Stored details (as JSON has them) in their type; msgspec.ValidationError if they do not
+    read as one of that kind, ValueError for a kind not known here."""
+    if kind not in _TYPES:
+        raise ValueError(f"{kind!r} is not a kind of journal entry "
+                         f"({', '.join(KINDS)})")
+    if kind == "decision":
+        return msgspec.convert(details, AnyDecision if "action" in details else Intent,
+                               strict=False)
+    return msgspec.convert(details, _TYPES[kind], strict=False)
+
+
+def builtins(details: Details) -> dict[str, Any]:
+    """The details as plain values (what is written), keys in field order."""
+    if isinstance(details, Unread):
+        return dict(details.fields)
+    return msgspec.to_builtins(details)
+
+
+def _value(v: Any, depth: int = 0) -> str:
+    """A value in a few words: pairs as arrows, numbers short."""
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    if isinstance(v, Mapping):
+        if not v:
+            return "none"
+        if depth >= 1:
+            return "{" + ", ".join(f"{k}: {_value(x, depth + 1)}" for k, x in v.items()) + "}"
+        return ", ".join(f"{k} → {_value(x, depth + 1)}" if not isinstance(x, Mapping)
+                         else f"{k}: {_value(x, depth + 1)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        if not v:
+            return "none"
+        if all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):
+            return ", ".join(f"{_value(a, depth + 1)} → {_value(b, depth + 1)}" for a, b in v)
+        return ", ".join(_value(x, depth + 1) for x in v)
+    return str(v)
+
+
+def words(details: Details | Mapping[str, Any], sep: str = "; ") -> str:
+    """An entry's details as a person reads them: `swaps: gpu3 → spare0; added: 1 → 18`
+    (not raw JSON); a decision's action first."""
+    fields = builtins(details) if isinstance(details, Details) else details
+    return sep.join(f"{k.replace('_', ' ')}: {_value(v)}" for k, v in fields.items())

@@ -1,0 +1,121 @@
+"""Recovery: an agent (re)started takes up where the last one left, from its journal.
+
+The switches are reconciled with the journal's intended circuits first (only what differs is
+repaired). Then the jobs are read back: each admission not released since, with the rank map
+of its last swap (or of its admission) and the phase whose circuits the switches were last
+told to hold. A swap decided but never announced (the agent was killed between the two) is
+finished: its circuits made so, verified, and the job told, so the job hears of it exactly
+once and no switch moves more than it would have.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from photonic_testbed.common.jobplan import JobPlan
+from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.agent.entries import (
+    Admit,
+    PhaseSwitched,
+    RankMapAnnounced,
+    Release,
+    Start,
+    Swap,
+)
+from photonic_testbed.hil.agent.failover import Failover, Matchings
+from photonic_testbed.hil.agent.jobs import Job, Key, SwapOutcome
+from photonic_testbed.hil.agent.journal import Journal
+from photonic_testbed.hil.agent.pool import GpuPool
+from photonic_testbed.hil.agent.writer import SwitchWriter
+
+
+@dataclass
+class Recovered:
+    """A job as the journal has it, and the swap of it decided but not announced, if any
+    (its decision, and the entry's cause)."""
+    job: Job
+    unfinished: tuple[Swap, str] | None = None
+
+
+@dataclass
+class _Found:
+    """What the journal says of a job so far: its admission, its last swap (with the entry's
+    sequence number and cause), its last announced rank map and its last phase."""
+    admit: Admit
+    swap: tuple[Swap, int, str] | None = None
+    announced: int = 0
+    phase: Key | None = None
+
+
+def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> list[Recovered]:
+    """The jobs the journal holds (admitted and not released), in the order admitted."""
+    found: dict[str, _Found] = {}
+    last = ""                   # (an entry without a job's name: the job admitted last)
+    for e in journal.entries(kinds=("decision", "rank_map", "phase")):
+        d = e.details
+        if isinstance(d, Admit):
+            last = d.name()
+            found[last] = _Found(d)
+            continue
+        if not isinstance(d, (Swap, Release, RankMapAnnounced, PhaseSwitched)):
+            continue            # (a switch's intended circuits: read whole below)
+        f = found.get(d.job or last)
+        if f is None:
+            continue
+        if isinstance(d, Release):
+            del found[d.job or last]
+        elif isinstance(d, Swap):
+            f.swap = (d, e.seq, e.cause)
+        elif isinstance(d, RankMapAnnounced):
+            f.announced = e.seq
+        elif d.phase:
+            f.phase = (d.phase, d.round)
+    intended = {n: dict(c) for n, c in journal.intended().items()}
+    out = []
+    for name, f in found.items():
+        plan = JobPlan.from_dict(f.admit.plan)
+        swap = f.swap[0] if f.swap is not None else None
+        rank_map = dict(swap.rank_map if swap is not None else f.admit.rank_map)
+        circuits = policies.JobCircuits(plan, layout, rank_map, matchings)
+        phase = f.phase
+        if swap is not None and swap.phase:
+            phase = swap.phase
+        job = Job(name, plan, circuits, phase or next(iter(circuits.targets)), dict(rank_map))
+
+        # The phase whose circuits the switches were last told to hold (a phase entry is
+        # written after its grant, so a kill just after a switch may have lost it).
+        def held(key: Key, circuits: policies.JobCircuits = circuits) -> bool:
+            targets = circuits.targets.get(key)
+            return bool(targets) and all(
+                all(intended.get(n, {}).get(i) == o for i, o in c.items())
+                for n, c in targets.items())
+        if not held(job.phase):
+            job.phase = next((k for k in circuits.targets if held(k)), job.phase)
+        unfinished = None
+        if f.swap is not None and f.swap[1] >= f.announced:
+            unfinished = (f.swap[0], f.swap[2])
+        out.append(Recovered(job, unfinished))
+    return out
+
+
+def recover(journal: Journal, layout: RackLayout, jobs: dict[str, Job], pool: GpuPool,
+            writer: SwitchWriter, failover: Failover, matchings: Matchings
+            ) -> SwapOutcome | None:
+    """What `Agent.start` does: journal the start, reconcile the switches, rebuild `jobs` (and
+    the GPUs and switch parts they hold) from the journal, and finish each swap decided but
+    not announced. Returns the outcome of the (last) swap finished."""
+    journal.record(Start(), "agent started")
+    writer.reconcile("agent start")
+    jobs.clear()                          # what the journal says, from scratch
+    pool.release_all()
+    writer.drop_all()
+    outcome = None
+    for r in read_jobs(journal, layout, matchings):
+        job = r.job
+        jobs[job.name] = job
+        pool.take(job.name, list(job.rank_map.values()))
+        writer.hold(job.name, job.circuits.targets[job.key()])
+        if r.unfinished is not None:
+            swap, cause = r.unfinished
+            outcome = failover.resume(job, list(swap.failed), dict(swap.swaps), cause)
+    return outcome
