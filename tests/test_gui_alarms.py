@@ -17,7 +17,7 @@ from PySide6.QtGui import QColor  # noqa: E402
 from PySide6.QtWidgets import QLabel  # noqa: E402
 
 from photonic_testbed.gui.alarms import (ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook,  # noqa: E402
-                                         job_condition)
+                                         by_cause, job_condition)
 from photonic_testbed.gui.events import readable  # noqa: E402
 from photonic_testbed.gui.jobs import JobsView  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
@@ -193,6 +193,78 @@ def test_every_alarm_begins_and_clears_with_its_condition():
     assert book.evaluate(model, t + 4) == []
     model.apply_delta({"op": "alarms", "value": ["switch chip refused the circuits"]})
     assert len(book.evaluate(model, t + 4)) == 1
+
+
+def _ring_after_a_stop(job_state: str, agent_said: bool) -> FabricModel:
+    """An opus-like rack of 8 servers without spares on a 32-port OCS, job dp on a ring of
+    circuits, server5 failed, every receiver reading dark (-60 dBm)."""
+    now = time.time()
+    model = FabricModel()
+    servers = [{"name": f"server{i}", "switch": "ocs", "port": i + 1, "role": "active",
+                "rank": i, "job": "dp", "health": "failed" if i == 5 else "ok"}
+               for i in range(8)]
+    ring = {i + 1: 32 + (i + 1) % 8 + 1 for i in range(8)}
+    model.apply_snapshot({"seq": 1, "rack": servers, "switches": [
+        ocs("ocs", ports=32, circuits=ring)], "services": {"agent": {"state": "connected"}}})
+    model.circuits_changed["ocs"] = now - 30
+    report = job_dict(job_state, t=now - 20, throughput=0.0)
+    report["rank_map"] = {str(i): f"server{i}" for i in range(8)}
+    model.apply_delta({"op": "jobs", "value": {"dp": report}})
+    model.apply_delta({"op": "samples", "value": {
+        f"rx/server{i}": [[now - 0.5, -60.0]] for i in range(8)}})
+    if agent_said:
+        text = "no healthy spare for server5 and job 'dp' cannot run on 7 ranks: job stopped"
+        model.apply_delta({"op": "journal", "value": [
+            {"seq": 9, "ts": now - 20, "kind": "alarm", "cause": text,
+             "details": {"gpus": ["server5"], "job": "dp"}}]})
+        model.apply_delta({"op": "alarms", "value": [text]})
+    return model
+
+
+def test_links_dark_after_a_stopped_job_follow_their_cause(qtbot, tmp_path):
+    # The agent stopped the job for want of a spare: that leads, its six dark links (the ring
+    # without the failed server's two) follow it on one line, not as six alarms.
+    model = _ring_after_a_stop("stopped", agent_said=True)
+    alarms = AlarmBook(LIMITS).evaluate(model)
+    links = sorted(a.key for a in alarms if a.key.startswith("link:"))
+    assert links == sorted(f"link:ocs:{33 + (i + 1) % 8}" for i in (0, 1, 2, 3, 6, 7))
+    groups = by_cause(alarms)
+    assert [g.lead.key for g in groups] == ["spares"]
+    assert sorted(a.key for a in groups[0].follows) == links
+    banner = AlarmBanner(model, AlarmBook(LIMITS))
+    qtbot.addWidget(banner)
+    banner.resize(1200, 80)
+    banner.show()
+    lines = banner.label.text().splitlines()
+    assert len(lines) == 2, lines
+    assert "no spare left" in lines[0] and "job stopped" in lines[0]
+    assert "6 links dark on ocs: server0 → server1 -60.0 dBm" in lines[1]
+    assert "(2 more)" in lines[1]
+    assert_not_blank(pixels(banner, tmp_path / "stopped.png"), min_fraction=0.02)
+
+    # Stopped by a person (no alarm of the agent): the job's stop leads, with its links.
+    model = _ring_after_a_stop("stopped", agent_said=False)
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["job:dp"]
+    assert groups[0].lead.text == ("job dp stopped, its circuits still set: their links are "
+                                   "dark")
+    assert len(groups[0].follows) == 6
+    # Failed: the job's alarm leads, its dark links follow it.
+    model = _ring_after_a_stop("failed", agent_said=False)
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["job:dp"] and "failed" in groups[0].lead.text
+    assert len(groups[0].follows) == 6
+    # Running, and still dark: nothing explains them; one alarm for the switch, links under it.
+    model = _ring_after_a_stop("running", agent_said=False)
+    model.apply_delta({"op": "jobs", "value": {"dp": {
+        **job_dict("running"), "rank_map": {str(i): f"server{i}" for i in range(8)}}}})
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["links:ocs"]
+    assert groups[0].lead.text == "6 links on ocs read below -12 dBm"
+    assert len(groups[0].follows) == 6
+    assert groups[0].lines(time.time())[1].strip() == (
+        "↳ server0 → server1 -60.0 dBm, server1 → server2 -60.0 dBm, server2 → server3 "
+        "-60.0 dBm, server3 → server4 -60.0 dBm, … (2 more)")
 
 
 def test_the_banner_turns_red_naming_the_alarm_and_green_when_fixed(qtbot, tmp_path):
