@@ -392,9 +392,9 @@ def test_the_ocs_map_has_a_dbm_scale_gpu_names_and_tooltips(qtbot, tmp_path):
     assert "in 1: -2.0 dBm" in tip and "out 10: -4.2 dBm" in tip
     assert "job dp (rank 0 → rank 1)" in tip
     assert "no circuit 2 → 12" in view.tooltip_at(view.cell_rect(2, 12).center())
-    x0, y0, s = view._geometry()
+    matrix = view.matrix_rect()
     assert "input 6: transmitter of spare1 (ok, spare, no rank)" in \
-        view.tooltip_at(QPointF(x0 - 3, y0 + 5.5 * s))
+        view.tooltip_at(QPointF(matrix.left() - 3, matrix.top() + 5.5 * matrix.height() / 8))
     assert_not_blank(pixels(view, tmp_path / "ocs-names.png"))
     scale = PowerScale()
     qtbot.addWidget(scale)
