@@ -107,15 +107,15 @@ def rig_window(rig, settings=None, limits: Limits | None = None, **bus_options):
     from photonic_testbed.gui.bus import HEATER_KINDS, BusFabric, link_sources
     from photonic_testbed.gui.calibration import CalibrationFileError, load_calibration
     from photonic_testbed.gui.model import FabricModel
-    from photonic_testbed.gui.window import MainWindow
+    from photonic_testbed.gui.window import MainWindow, RigParts
 
     model = FabricModel()
     fabric = BusFabric(model, rig, **bus_options)
-    sources = {"trend:links": link_sources(rig),
-               "trend:heaters": sorted(n for n, d in rig.devices.items()
-                                       if d.kind in HEATER_KINDS)}
+    heaters = sorted(n for n, d in rig.devices.items() if d.kind in HEATER_KINDS)
+    sources = {"trend:links": link_sources(rig), "trend:heaters": heaters}
+    parts = RigParts(gpus=bool(rig.gpus), heaters=bool(heaters), chip=rig.chip is not None)
     window = MainWindow(model, fabric, settings=settings, sources=sources, limits=limits,
-                        title=f"photonic testbed — rig {rig.name} ({rig.path})")
+                        title=f"photonic testbed — rig {rig.name} ({rig.path})", parts=parts)
     if rig.chip is not None and rig.chip.calibration:
         try:
             window.calibration.set_data(load_calibration(rig.chip.calibration),

@@ -756,6 +756,7 @@ class PortMapView(QWidget):
         self.model = model
         self.views: dict[str, SwitchView] = {}
         self.frames: dict[str, StaleFrame] = {}
+        self.titles: dict[str, QLabel] = {}
         self._splitter = QSplitter(Qt.Orientation.Horizontal)
         self._empty = QLabel("no switch on the bus yet")
         self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
@@ -771,6 +772,7 @@ class PortMapView(QWidget):
     def _rebuild(self) -> None:
         for name in [n for n in self.views if n not in self.model.switches]:
             self.views.pop(name)
+            self.titles.pop(name)
             self.frames.pop(name).deleteLater()
         for name, state in self.model.switches.items():
             if name in self.views:
@@ -783,6 +785,9 @@ class PortMapView(QWidget):
                            + ("colour: power at the egress port" if state.kind == "ocs" else
                               "one hue per circuit; squares: GPU receivers' power")
                            + "; hover for details")
+            title.setObjectName(f"title-{name}")
+            title.setWordWrap(True)         # a narrow panel: two lines, never a cut one
+            self.titles[name] = title
             view: SwitchView = (OcsMatrixView if state.kind == "ocs" else ChipView)(
                 self.model, name)
             box.addWidget(title)

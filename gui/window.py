@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-
-from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QStatusBar,
-                               QVBoxLayout, QWidget)
+from dataclasses import dataclass
 
 from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
@@ -23,6 +19,17 @@ from photonic_testbed.gui.portmap import PortMapView
 from photonic_testbed.gui.rack import RackView
 from photonic_testbed.gui.stale import StaleFrame
 from photonic_testbed.gui.trends import TrendsView
+from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QStatusBar,
+    QVBoxLayout,
+    QWidget,
+)
 
 SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53935"}
 LAYOUT_VERSION = 2          # 2: the Jobs and Trends docks (an older saved layout is not used)
@@ -31,6 +38,26 @@ DEMO_TEXT = "DEMO DATA — synthetic, not a rig: nothing shown here is real"
 DEFAULT_SOURCES: dict[str, list[str]] = {
     "rack": ["agent"], "jobs": ["agent"], "events": ["agent"], "trend:jobs": ["agent"],
     "trend:loss": ["agent"], "trend:links": [], "trend:heaters": []}
+
+
+@dataclass(frozen=True)
+class RigParts:
+    """What a rig has, so that the window shows no view it has nothing for."""
+    gpus: bool = True           # a rack of GPUs (and an agent): rack, jobs, events, link and
+    #                             job trends, swap
+    heaters: bool = True        # heaters: their power trend, set heater
+    chip: bool = True           # a chip: its calibration
+
+    def trends(self) -> tuple[str, ...]:
+        """The trends (gui/trends.py) the rig can have."""
+        return (("links", "jobs", "loss") if self.gpus else ()) + \
+            (("heaters",) if self.heaters else ())
+
+    def docks(self) -> dict[str, bool]:
+        """Whether each dock has something to show on this rig."""
+        # Without GPUs no agent runs (`ptb agent` refuses such a rig): no journal either.
+        return {"rack": self.gpus, "jobs": self.gpus, "calibration": self.chip,
+                "trends": bool(self.trends()), "events": self.gpus, "control": True}
 
 
 class ServiceStatus(QObject):
@@ -70,9 +97,11 @@ class ServiceStatus(QObject):
 class MainWindow(QMainWindow):
     def __init__(self, model: FabricModel, commands: Commands, title: str = "photonic testbed",
                  settings: QSettings | None = None, *, demo: bool = False,
-                 sources: Mapping[str, list[str]] | None = None, limits: Limits | None = None):
+                 sources: Mapping[str, list[str]] | None = None, limits: Limits | None = None,
+                 parts: RigParts | None = None):
         super().__init__()
         self.model = model
+        self.parts = parts or RigParts()
         self.settings = settings or QSettings("photonic-testbed", "ptb-gui")
         self.setWindowTitle(title)
         self.demo = demo
@@ -101,7 +130,8 @@ class MainWindow(QMainWindow):
         self.calibration = CalibrationView()
         self.control = ManualControl(model, self.runner)
         self.jobs = JobsView(model, self.limits)
-        self.trends = TrendsView(model, self.limits)
+        self.trends = TrendsView(model, self.limits, kinds=self.parts.trends())
+        self.control.show_forms(heater=self.parts.heaters, swap=self.parts.gpus)
         self.frames: dict[str, StaleFrame] = {
             "rack": StaleFrame(self.rack), "events": StaleFrame(self.events),
             "jobs": StaleFrame(self.jobs)}
@@ -143,7 +173,17 @@ class MainWindow(QMainWindow):
         self.events.export_requested.connect(self.export_events)
         self._actions()
         self.restore_layout()
+        self.show_parts()
         self.mark_stale()
+
+    def show_parts(self) -> None:
+        """Hide the docks the rig has nothing for (whatever a saved layout says), and their
+        entries in the View menu; the others keep the layout's choice."""
+        for key, has in self.parts.docks().items():
+            dock = self.docks[key]
+            dock.toggleViewAction().setEnabled(has)
+            if not has:
+                dock.hide()
 
     # --- stale views ----------------------------------------------------------------------
     def stale_frames(self) -> dict[str, StaleFrame]:
@@ -206,6 +246,9 @@ class MainWindow(QMainWindow):
         return True
 
     def _actions(self) -> None:
+        # Each action carries what it is for (its data) to a bound method: a lambda naming the
+        # window would keep it alive, with its timers running, after it is closed and dropped.
+        has = self.parts.docks()
         view = self.menuBar().addMenu("&View")
         for i, (key, dock) in enumerate(self.docks.items(), start=2):
             act = dock.toggleViewAction()
@@ -213,7 +256,9 @@ class MainWindow(QMainWindow):
             view.addAction(act)
             show = QAction(f"Show {dock.windowTitle()}", self)
             show.setShortcut(QKeySequence(f"Alt+{i}"))
-            show.triggered.connect(lambda _=False, d=dock: (d.show(), d.raise_()))
+            show.setData(key)
+            show.setEnabled(has[key])
+            show.triggered.connect(self._show_chosen)
             self.addAction(show)
         reset = QAction("Reset layout", self)
         reset.setShortcut(QKeySequence("Ctrl+Shift+R"))
@@ -226,26 +271,50 @@ class MainWindow(QMainWindow):
         f.addAction(open_cal)
         export = QAction("Export events as CSV…", self)
         export.setShortcut(QKeySequence("Ctrl+E"))
-        export.triggered.connect(lambda _=False: self.export_events())
+        export.triggered.connect(self._export_chosen)
         f.addAction(export)
         pictures = f.addMenu("Save view as PNG")
         for name in self.views():
             act = QAction(name, self)
-            act.triggered.connect(lambda _=False, n=name: self.save_view(n))
+            act.setData(name)
+            act.triggered.connect(self._save_chosen)
             pictures.addAction(act)
         quit_ = QAction("Quit", self)
         quit_.setShortcut(QKeySequence.StandardKey.Quit)
         quit_.triggered.connect(self.close)
         f.addAction(quit_)
         control = self.menuBar().addMenu("&Control")
-        for text, key, slot in (("Connect…", "Ctrl+K", self.control.ask_connect),
-                                ("Disconnect…", "Ctrl+D", self.control.ask_disconnect),
-                                ("Set heater…", "Ctrl+H", self.control.ask_heater),
-                                ("Swap GPU…", "Ctrl+Shift+S", self.control.ask_swap)):
+        for text, key, action, usable in (
+                ("Connect…", "Ctrl+K", "connect", True),
+                ("Disconnect…", "Ctrl+D", "disconnect", True),
+                ("Set heater…", "Ctrl+H", "heater", self.parts.heaters),
+                ("Swap GPU…", "Ctrl+Shift+S", "swap", self.parts.gpus)):
             act = QAction(text, self)
             act.setShortcut(QKeySequence(key))
-            act.triggered.connect(lambda _=False, s=slot: (self._show("control"), s()))
+            act.setData(action)
+            act.setEnabled(usable)
+            act.triggered.connect(self._control_chosen)
             control.addAction(act)
+
+    def _chosen(self) -> str:
+        """The data of the action that called the slot running now."""
+        action = self.sender()
+        return str(action.data()) if isinstance(action, QAction) else ""
+
+    def _show_chosen(self) -> None:
+        self._show(self._chosen())
+
+    def _export_chosen(self) -> None:
+        self.export_events()
+
+    def _save_chosen(self) -> None:
+        self.save_view(self._chosen())
+
+    def _control_chosen(self) -> None:
+        ask = {"connect": self.control.ask_connect, "disconnect": self.control.ask_disconnect,
+               "heater": self.control.ask_heater, "swap": self.control.ask_swap}
+        self._show("control")
+        ask[self._chosen()]()
 
     def _gap(self, want: int, got: int) -> None:
         self.statusBar().showMessage(
@@ -283,7 +352,7 @@ class MainWindow(QMainWindow):
         else:
             self.resize(1600, 1000)
         if not (isinstance(state, QByteArray) and self.restoreState(state, LAYOUT_VERSION)):
-            QTimer.singleShot(0, self._default_sizes)
+            QTimer.singleShot(0, self, self._default_sizes)   # dropped if the window goes
 
     def save_layout(self) -> None:
         self.settings.setValue("geometry", self.saveGeometry())
@@ -294,6 +363,7 @@ class MainWindow(QMainWindow):
         self.restoreState(self._default_state, LAYOUT_VERSION)
         for dock in self.docks.values():
             dock.show()
+        self.show_parts()
         self._default_sizes()
 
     def closeEvent(self, event) -> None:

@@ -134,7 +134,7 @@ def test_each_view_opens_on_the_live_rig(qtbot, window, rig, tmp_path):
     assert win.trends.curve_data("heater/chip")[1][-1] >= 0
     # the chip's describe gives its board's power budget: a line at it, no "unknown" note
     assert "chip" in win.trends.budget_lines
-    assert "budget unknown" not in win.trends.budget_note.toPlainText()
+    assert "budget unknown" not in win.trends.budget_note.text()
     assert_not_blank(pixels(win.trends, tmp_path / "trends.png"), min_colours=20)
     # The chip's ports carry the GPUs' names, and a receiver's mark its power colour.
     chip = win.portmap.views["chip"]
