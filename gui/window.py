@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
@@ -344,9 +344,16 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["jobs"]], [int(self.height() * 0.3)],
                          Qt.Orientation.Vertical)
 
+    def _state_key(self) -> str:
+        """Where the docks' layout is kept: one per kind of rig ("state" for a rig with
+        everything, "state-no-gpus-no-heaters-no-chip" ...), so that the docks a bare rig
+        hides are not saved as hidden for the next, fuller one."""
+        return "state" + "".join(f"-no-{f.name}" for f in fields(self.parts)
+                                 if not getattr(self.parts, f.name))
+
     def restore_layout(self) -> None:
         geometry = self.settings.value("geometry")
-        state = self.settings.value("state")
+        state = self.settings.value(self._state_key())
         if isinstance(geometry, QByteArray):
             self.restoreGeometry(geometry)
         else:
@@ -356,7 +363,7 @@ class MainWindow(QMainWindow):
 
     def save_layout(self) -> None:
         self.settings.setValue("geometry", self.saveGeometry())
-        self.settings.setValue("state", self.saveState(LAYOUT_VERSION))
+        self.settings.setValue(self._state_key(), self.saveState(LAYOUT_VERSION))
         self.settings.sync()
 
     def reset_layout(self) -> None:

@@ -519,7 +519,8 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
     procs = Processes(tmp_path)
     try:
         monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
-        gui = DemoGui(procs, path, said.append, extra=("--quit-after", "30"))
+        layout = ("--settings", str(tmp_path / "gui.ini"))     # not the user's own layout
+        gui = DemoGui(procs, path, said.append, extra=("--quit-after", "30", *layout))
         assert gui.up and said[-1].startswith("GUI open")
         gui.finish()
         assert said[-1].startswith("GUI still open")
@@ -528,13 +529,13 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
         gui.finish()
         assert said[-1].startswith("GUI closed during the demo")
         # Kept open: the demo waits until the window closes (here: by itself).
-        kept = DemoGui(procs, path, said.append, extra=("--quit-after", "1"))
+        kept = DemoGui(procs, path, said.append, extra=("--quit-after", "1", *layout))
         assert kept.up
         kept.finish(keep_open=True)
         assert "kept open" in said[-2] and said[-1] == "GUI closed (exit 0)"
         monkeypatch.setenv("QT_QPA_PLATFORM", "nosuchplatform")
         monkeypatch.setenv("DISPLAY", ":99")
-        dead = DemoGui(procs, path, said.append)
+        dead = DemoGui(procs, path, said.append, extra=layout)
         assert not dead.up
         assert "GUI did not start (exit 1)" in said[-1] and "Qt cannot start here" in said[-1]
     finally:

@@ -93,3 +93,29 @@ def test_a_run_leaves_no_window_of_its_own_behind(qapp, tmp_path):
     left = [type(w).__name__ for w in QApplication.topLevelWidgets()
             if id(w) not in before and isinstance(w, MainWindow)]
     assert left == []
+
+
+def test_a_rig_without_a_rack_leaves_the_cockpit_layout_alone(qapp, tmp_path):
+    """The docks an OCS-only rig hides are not saved as hidden for the next, fuller rig: the
+    layout is kept per kind of rig."""
+    from photonic_testbed.gui.app import tear_down
+    from photonic_testbed.gui.commands import NoCommands
+    from photonic_testbed.gui.model import FabricModel
+    from photonic_testbed.gui.window import RigParts
+    from PySide6.QtCore import QSettings
+
+    def opened(parts: RigParts) -> MainWindow:
+        settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
+        win = MainWindow(FabricModel(), NoCommands(), settings=settings, parts=parts)
+        win.show()
+        return win
+    bare = opened(RigParts(gpus=False, heaters=False, chip=False))
+    assert [k for k, d in bare.docks.items() if not d.isHidden()] == ["control"]
+    bare.close()                                        # its layout saved
+    tear_down(bare)
+    full = opened(RigParts())
+    try:
+        assert [k for k, d in full.docks.items() if d.isHidden()] == []
+    finally:
+        full.close()
+        tear_down(full)
