@@ -114,7 +114,7 @@ class BusFabric(Commands):
         self.error: BaseException | None = None
 
     # ---- subscribing ----------------------------------------------------------------------
-    def start(self) -> "BusFabric":
+    def start(self) -> BusFabric:
         for name, (request, _) in self.endpoints.items():
             self._service(name, "connecting", f"waiting for {request}")
         self._started = time.monotonic()

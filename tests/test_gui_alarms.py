@@ -12,22 +12,27 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
-from PySide6.QtGui import QColor  # noqa: E402
-from PySide6.QtWidgets import QLabel  # noqa: E402
-
-from photonic_testbed.gui.alarms import (ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook,  # noqa: E402
-                                         by_cause, job_condition)
+from photonic_testbed.gui.alarms import (  # noqa: E402
+    ALARM_BG,
+    CLEAR_BG,
+    AlarmBanner,
+    AlarmBook,
+    by_cause,
+    job_condition,
+)
 from photonic_testbed.gui.events import readable  # noqa: E402
 from photonic_testbed.gui.jobs import JobsView  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
 from photonic_testbed.gui.model import FabricModel, Job, ModelError  # noqa: E402
-from photonic_testbed.gui.portmap import (ChipView, OcsMatrixView, PowerScale,  # noqa: E402
-                                          power_colour)
+from photonic_testbed.gui.portmap import ChipView, OcsMatrixView, PowerScale, power_colour  # noqa: E402
 from photonic_testbed.gui.series import Ring, SeriesStore  # noqa: E402
 from photonic_testbed.gui.stale import StaleFrame  # noqa: E402
 from photonic_testbed.gui.startup import install_hint, missing_in, qt_start_problem  # noqa: E402
 from photonic_testbed.gui.trends import TrendsView  # noqa: E402
+from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
+from PySide6.QtGui import QColor  # noqa: E402
+from PySide6.QtWidgets import QLabel  # noqa: E402
+
 from tests.test_gui import BENES, assert_not_blank, colour_at, near, ocs, pixels  # noqa: E402
 
 LIMITS = Limits(report_old_s=5.0, failed_s=3.0, stuck_s=15.0, link_dbm=-12.0,
