@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+import socket
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 from photonic_testbed.gui.limits import Limits
 
 log = logging.getLogger(__name__)
+
+# What a platform without a window manager (offscreen, minimal, vnc) says each time a window is
+# shown: it cannot pass the window's size hints on. Harmless, and on offscreen runs the only
+# line Qt prints, so it is dropped; every other message goes through.
+NO_SIZE_HINTS = "This plugin does not support propagateSizeHints()"
 
 
 # what a screenshot may be saved as (Qt picks the format by the file's suffix)
@@ -83,40 +93,111 @@ def run(args: argparse.Namespace) -> int:
     from PySide6.QtCore import QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
-    if rig is not None:
-        from photonic_testbed.hil.bus.security import KeyFileError
-        try:
-            window, fabric = rig_window(rig, settings, limits=limits,
-                                        rx_period_s=args.rx_period)
-        except KeyFileError as e:
-            raise GuiUnavailable(f"{args.rig}: the bus's CURVE keys: {e}") from None
-    else:
-        window, fabric = demo_window(args.seed, settings, limits=limits)
-    fabric.start()
-    window.show()
-    if args.ready_file:
-        def ready():
-            with open(args.ready_file, "w", encoding="utf-8") as f:
-                f.write(f"{app.platformName()}\n")
-        QTimer.singleShot(0, ready)       # the event loop runs: the window is up
-    saved = [True]
-    if args.quit_after is not None:
-        def finish():
-            if args.screenshot and not window.grab().save(args.screenshot):
-                log.error("the screenshot could not be written to %s", args.screenshot)
-                saved[0] = False
-            window.close()
-        QTimer.singleShot(int(args.quit_after * 1000), finish)
-    code = app.exec()
-    if code == 0 and not saved[0]:
-        code = 1
-    if rig is not None:
-        fabric.close()
-    else:
-        fabric.stop()
+    with quiet_size_hints():
+        app = QApplication.instance() or QApplication(sys.argv[:1])
+        settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings \
+            else None
+        if rig is not None:
+            from photonic_testbed.hil.bus.security import KeyFileError
+            try:
+                window, fabric = rig_window(rig, settings, limits=limits,
+                                            rx_period_s=args.rx_period)
+            except KeyFileError as e:
+                raise GuiUnavailable(f"{args.rig}: the bus's CURVE keys: {e}") from None
+        else:
+            window, fabric = demo_window(args.seed, settings, limits=limits)
+        with closed_by_signals(window):
+            fabric.start()
+            window.show()
+            if args.ready_file:
+                def ready():
+                    with open(args.ready_file, "w", encoding="utf-8") as f:
+                        f.write(f"{app.platformName()}\n")
+                QTimer.singleShot(0, window, ready)     # the event loop runs: the window is up
+            saved = [True]
+            if args.quit_after is not None:
+                def finish():
+                    if args.screenshot and not window.grab().save(args.screenshot):
+                        log.error("the screenshot could not be written to %s", args.screenshot)
+                        saved[0] = False
+                    window.close()
+                QTimer.singleShot(int(args.quit_after * 1000), window, finish)
+            code = app.exec()
+            if code == 0 and not saved[0]:
+                code = 1
+        if rig is not None:
+            fabric.close()
+        else:
+            fabric.stop()
+        tear_down(window)
     return code
+
+
+def tear_down(window: Any) -> None:
+    """Delete the window, and the model under it, now: once the bus's threads have stopped
+    (nothing posts to the model any more) and while Qt runs. Left to the interpreter's exit,
+    PySide deletes what is left in no particular order, Qt's objects and pyqtgraph's among
+    them, after Qt's own teardown has begun."""
+    import shiboken6
+    model = window.model
+    shiboken6.delete(window)
+    shiboken6.delete(model)
+
+
+@contextlib.contextmanager
+def closed_by_signals(window: Any) -> Iterator[None]:
+    """Ctrl+C in the terminal (SIGINT) and SIGTERM close the window as Quit does (its layout
+    saved, the bus closed). Python runs its signal handlers between bytecodes only, and Qt's
+    event loop is C++: a socket written by the C signal handler wakes the loop, so a handler
+    runs at once. Without this Ctrl+C raised KeyboardInterrupt in whatever slot ran next (a
+    traceback, a model update cut in half) and the window stayed open."""
+    from PySide6.QtCore import QSocketNotifier, QTimer
+
+    wake_r, wake_w = socket.socketpair()
+    for sock in (wake_r, wake_w):
+        sock.setblocking(False)
+
+    def close(signum: int, frame: Any) -> None:
+        QTimer.singleShot(0, window, window.close)
+
+    def woken() -> None:
+        with contextlib.suppress(OSError):
+            wake_r.recv(64)
+    notifier = QSocketNotifier(wake_r.fileno(), QSocketNotifier.Type.Read)
+    notifier.activated.connect(woken)
+    previous_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    previous = {s: signal.signal(s, close) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(previous_fd)
+        notifier.setEnabled(False)
+        wake_r.close()
+        wake_w.close()
+
+
+@contextlib.contextmanager
+def quiet_size_hints() -> Iterator[None]:
+    """Drop `NO_SIZE_HINTS` on platforms without a window manager; every other message goes
+    where it went before (the previous handler, else standard error as Qt writes it)."""
+    from photonic_testbed.gui.startup import NO_WINDOW
+    from PySide6.QtCore import QtMsgType, qFormatLogMessage, qInstallMessageHandler
+    from PySide6.QtGui import QGuiApplication
+
+    def handler(mode: QtMsgType, context: Any, message: str) -> None:
+        if message == NO_SIZE_HINTS and QGuiApplication.platformName() in NO_WINDOW:
+            return
+        if previous is not None:
+            previous(mode, context, message)
+        else:
+            sys.stderr.write(qFormatLogMessage(mode, context, message) + "\n")
+    previous = qInstallMessageHandler(handler)
+    try:
+        yield
+    finally:
+        qInstallMessageHandler(previous)
 
 
 def rig_window(rig, settings=None, limits: Limits | None = None, **bus_options):
@@ -124,15 +205,15 @@ def rig_window(rig, settings=None, limits: Limits | None = None, **bus_options):
     from photonic_testbed.gui.bus import HEATER_KINDS, BusFabric, link_sources
     from photonic_testbed.gui.calibration import CalibrationFileError, load_calibration
     from photonic_testbed.gui.model import FabricModel
-    from photonic_testbed.gui.window import MainWindow
+    from photonic_testbed.gui.window import MainWindow, RigParts
 
     model = FabricModel()
     fabric = BusFabric(model, rig, **bus_options)
-    sources = {"trend:links": link_sources(rig),
-               "trend:heaters": sorted(n for n, d in rig.devices.items()
-                                       if d.kind in HEATER_KINDS)}
+    heaters = sorted(n for n, d in rig.devices.items() if d.kind in HEATER_KINDS)
+    sources = {"trend:links": link_sources(rig), "trend:heaters": heaters}
+    parts = RigParts(gpus=bool(rig.gpus), heaters=bool(heaters), chip=rig.chip is not None)
     window = MainWindow(model, fabric, settings=settings, sources=sources, limits=limits,
-                        title=f"photonic testbed — rig {rig.name} ({rig.path})")
+                        title=f"photonic testbed — rig {rig.name} ({rig.path})", parts=parts)
     if rig.chip is not None and rig.chip.calibration:
         try:
             window.calibration.set_data(load_calibration(rig.chip.calibration),

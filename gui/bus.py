@@ -92,8 +92,9 @@ class BusFabric(Commands):
         self.down_after_s = down_after_s
         self.endpoints: dict[str, tuple[str, str]] = dict(rig.endpoints())
         self.kinds: dict[str, str] = {n: d.kind for n, d in rig.devices.items()}
-        self.endpoints[AGENT] = rig.agent_endpoints()
-        self.kinds[AGENT] = AGENT
+        if rig.gpus:            # a rig without GPUs runs no agent (`ptb agent` refuses it)
+            self.endpoints[AGENT] = rig.agent_endpoints()
+            self.kinds[AGENT] = AGENT
         if rig.gpus:
             for name, eps in rig.gpu_monitors().items():
                 self.endpoints[name] = eps

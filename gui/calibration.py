@@ -23,13 +23,23 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QListWidget, QPushButton,
-                               QSplitter, QVBoxLayout, QWidget)
+from photonic_testbed.common.calibration import (
+    MAX_FILE_BYTES,
+    Calibration,
+    CalibrationFileError,
+    UnverifiedCalibrationWarning,
+)
 from PySide6.QtCore import Qt, QTimer
-
-from photonic_testbed.common.calibration import (MAX_FILE_BYTES, Calibration,
-                                                 CalibrationFileError,
-                                                 UnverifiedCalibrationWarning)
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
 
 FRINGE_KEYS = ("sweep_v", "power", "fit_v", "fit_power", "extinction_db")
 TITLE = "9pt"
@@ -200,7 +210,7 @@ class CalibrationView(QWidget):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        QTimer.singleShot(0, self._cell_ticks)        # once the plots have their new sizes
+        QTimer.singleShot(0, self, self._cell_ticks)     # once the plots have their new sizes
 
     def set_data(self, data: dict[str, Any], source: str = "") -> None:
         data = check_calibration(data)

@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import Signal
-from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QListWidget, QListWidgetItem, QMessageBox, QPushButton, QSpinBox,
-                               QVBoxLayout, QWidget)
-
 from photonic_testbed.gui.commands import Command, CommandResult, CommandRunner
 from photonic_testbed.gui.model import FabricModel
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QListWidget,
+    QListWidgetItem,
+    QMessageBox,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 
 def describe_change(c: Command, model: FabricModel) -> str:
@@ -118,6 +128,7 @@ class ManualControl(QWidget):
         form.addRow(self.swap_button)
 
         self.log = QListWidget()
+        self.forms = {"circuits": ports, "heater": heater, "swap": swap}
         forms = QHBoxLayout()
         for g in (ports, heater, swap):
             forms.addWidget(g)
@@ -129,6 +140,11 @@ class ManualControl(QWidget):
         self.switch.currentTextChanged.connect(self._ranges)
         self._switches()
         self._rack()
+
+    def show_forms(self, *, heater: bool = True, swap: bool = True) -> None:
+        """Hide the forms of what the rig does not have (heaters, a rack to swap in)."""
+        self.forms["heater"].setVisible(heater)
+        self.forms["swap"].setVisible(swap)
 
     # --- keeping the choices current ---------------------------------------------------
     def _switches(self) -> None:

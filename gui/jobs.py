@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import (QHeaderView, QLabel, QSplitter, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
-
 from photonic_testbed.gui.alarms import Limits, duration, job_condition
 from photonic_testbed.gui.model import FabricModel, Job
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import (
+    QHeaderView,
+    QLabel,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
+# The details (why a job is not well, its restart orders) are free text of any length: they
+# are written out under the table, where they wrap, not in a column that would be cut.
 COLUMNS = ("job", "state", "step", "steps/s", "loss", "phase", "ranks", "restarts",
-           "last report", "detail")
+           "last report")
 RANK_COLUMNS = ("rank", "GPU", "health", "switch", "port")
 STATE_COLOUR = {"running": "#2e7d32", "waiting": "#c77c02", "failed": "#c62828",
                 "restarting": "#1565c0", "stopped": "#546e7a", "done": "#546e7a",
@@ -43,6 +51,12 @@ class JobsView(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
+        header.setMinimumSectionSize(24)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.details = QLabel()
+        self.details.setObjectName("job-details")
+        self.details.setWordWrap(True)
+        self.details.setTextFormat(Qt.TextFormat.PlainText)
         self.ranks_title = QLabel()
         self.ranks = QTableWidget(0, len(RANK_COLUMNS))
         self.ranks.setHorizontalHeaderLabels(RANK_COLUMNS)
@@ -59,7 +73,8 @@ class JobsView(QWidget):
         top = QVBoxLayout(upper)
         top.setContentsMargins(0, 0, 0, 0)
         top.addWidget(self.summary)
-        top.addWidget(self.table)
+        top.addWidget(self.table, 1)
+        top.addWidget(self.details)
         split.addWidget(upper)
         split.addWidget(lower)
         split.setStretchFactor(1, 3)
@@ -101,6 +116,7 @@ class JobsView(QWidget):
         self.conditions = {j.name: job_condition(j, now, self.limits) for j in jobs}
         keep = self.chosen()
         self.table.setRowCount(len(jobs))
+        details: list[str] = []
         for r, job in enumerate(jobs):
             rep = job.report
             cond = self.conditions[job.name]
@@ -110,10 +126,12 @@ class JobsView(QWidget):
             if job.restart_seq:
                 detail = (detail + "; " if detail else "") + \
                     f"restart order {job.restart_seq}: {job.restart_cause}"
+            if detail:
+                details.append(f"{job.name}: {detail}")
             values = (job.name, state, str(rep.step), _num(rep.throughput, ".1f"),
                       _num(rep.loss, ".4g"),
                       "" if job.phase is None else f"{job.phase} / round {job.round}",
-                      str(job.world), str(job.restart_seq), age, detail)
+                      str(job.world), str(job.restart_seq), age)
             for c, v in enumerate(values):
                 item = self.table.item(r, c)
                 if item is None:
@@ -128,8 +146,12 @@ class JobsView(QWidget):
                         item.setBackground(QBrush(colour))
                         item.setForeground(QBrush(QColor("white")))
                         item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
-                if c == len(values) - 1:
-                    item.setToolTip(v)
+                if c == 0:
+                    item.setToolTip(detail)
+        text = "\n".join(details)
+        if self.details.text() != text:
+            self.details.setText(text)
+        self.details.setVisible(bool(details))
         stuck = [j for j, c in self.conditions.items() if c is not None and c[0] == "stuck"]
         if not jobs:
             self.summary.setText("no job on the rack")

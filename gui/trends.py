@@ -4,28 +4,43 @@ chooses. Drawn from the model's series (gui/series.py) once a second, not per sa
 busy bus costs the GUI nothing more."""
 from __future__ import annotations
 
+import html
 import math
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
-from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import (QComboBox, QGridLayout, QHBoxLayout, QLabel, QToolTip,
-                               QVBoxLayout, QWidget)
-
 from photonic_testbed.gui.alarms import Limits
 from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.gui.stale import StaleFrame
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QColor, QCursor
+from PySide6.QtWidgets import (
+    QComboBox,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
 
 WINDOWS = (("last 1 min", 60.0), ("last 5 min", 300.0), ("last 15 min", 900.0),
            ("last 1 h", 3600.0))
 MAX_LINKS = 24              # a big rack's links: the weakest are drawn
-LEGEND_MAX = 9              # more lines than this: no legend (it would hide them); hover
+LEGEND_MAX = 9              # more lines than this: no legend (it would be a wall); hover
 UNITS = {"links": "dBm", "heaters": "mW", "jobs": "steps/s", "loss": ""}
 # Calm colours first: red stays for the threshold and for alarms.
 COLOURS = ("#4fc3f7", "#ffb74d", "#81c784", "#ba68c8", "#fff176", "#f06292", "#4db6ac",
            "#a1887f", "#90a4ae", "#aed581", "#7986cb", "#ffd54f")
+BACKGROUND = "#16181d"
+FOREGROUND = "#c8ccd4"
+THRESHOLD = "#ef5350"
+BUDGET = "#ffb74d"
+FLOOR_DBM = -50.0           # darker readings (a dark receiver reads -99) are drawn here
+TITLES = {"links": "received power per GPU link", "heaters": "heater power",
+          "jobs": "job throughput (reported by the job)", "loss": "job loss (reported by the job)"}
 
 
 def nice_top(v: float) -> float:
@@ -36,39 +51,75 @@ def nice_top(v: float) -> float:
     return next(m * k for m in (1, 2, 2.5, 5, 10) if v <= m * k * (1 + 1e-12))
 
 
-def line_colour(i: int, n: int):
-    return COLOURS[i] if i < len(COLOURS) else pg.intColor(i, hues=max(n, 6))
-BACKGROUND = "#16181d"
-THRESHOLD = "#ef5350"
-BUDGET = "#ffb74d"
-FLOOR_DBM = -50.0           # darker readings (a dark receiver reads -99) are drawn here
+def line_colour(i: int, n: int) -> QColor:
+    return QColor(COLOURS[i]) if i < len(COLOURS) else pg.intColor(i, hues=max(n, 6))
 
 
-def _plot(title: str, left: str, legend_at: tuple[int, int] = (6, 4)) -> pg.PlotWidget:
-    w = pg.PlotWidget(axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
-    w.setBackground(BACKGROUND)
-    w.setMinimumSize(260, 120)
-    item = w.getPlotItem()
-    item.setTitle(title, size="9pt")
-    item.setLabel("left", left)        # no SI prefixes: "mW", never "kmW"
-    item.showGrid(x=True, y=True, alpha=0.25)
-    item.setClipToView(True)
-    item.setDownsampling(auto=True, mode="peak")
-    legend = item.addLegend(offset=legend_at, labelTextSize="8pt", verSpacing=-6)
-    legend.setColumnCount(3)
-    legend.setBrush(pg.mkBrush(22, 24, 29, 190))
-    return w
+class TrendPlot(QWidget):
+    """One trend: its title above the plot and its legend below it, both as wrapped text
+    outside the plotted area, so neither is cut nor hides a line."""
+
+    def __init__(self, title: str, left: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("trend")
+        self.setStyleSheet(f"#trend {{ background: {BACKGROUND}; }} "
+                           f"#trend QLabel {{ color: {FOREGROUND}; }}")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground)
+        self.title = QLabel(title)
+        self.title.setWordWrap(True)
+        self.title.setAlignment(Qt.AlignmentFlag.AlignHCenter)
+        self.plot = pg.PlotWidget(axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
+        self.plot.setBackground(BACKGROUND)
+        self.plot.setMinimumSize(240, 90)
+        item = self.plot.getPlotItem()
+        item.setLabel("left", left)        # no SI prefixes: "mW", never "kmW"
+        item.showGrid(x=True, y=True, alpha=0.25)
+        item.setClipToView(True)
+        item.setDownsampling(auto=True, mode="peak")
+        self.legend = QLabel()
+        self.legend.setObjectName("legend")
+        self.legend.setWordWrap(True)
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.hide()
+        self.note = QLabel()              # what the plot cannot say (a budget unknown, ...)
+        self.note.setWordWrap(True)
+        self.note.setStyleSheet(f"color: {BUDGET};")
+        self.note.hide()
+        box = QVBoxLayout(self)
+        box.setContentsMargins(4, 2, 4, 2)
+        box.setSpacing(1)
+        for w in (self.title, self.plot, self.legend, self.note):
+            box.addWidget(w, 1 if w is self.plot else 0)
+
+    def set_legend(self, entries: list[tuple[str, QColor]], why_none: str = "") -> None:
+        """A coloured mark and a name per line; `why_none` in its place when there is none."""
+        if not entries:
+            self.legend.setText(why_none)
+            self.legend.setVisible(bool(why_none))
+            return
+        self.legend.setText("&nbsp;&nbsp; ".join(
+            f"<span style='color:{c.name()}'>&#9632;</span>&nbsp;{html.escape(name)}"
+            for name, c in entries))
+        self.legend.show()
+
+    def set_note(self, text: str) -> None:
+        self.note.setText(text)
+        self.note.setVisible(bool(text))
 
 
 class TrendsView(QWidget):
     """Plots: `links` (dBm), `heaters` (mW), `jobs` (steps/s), `loss`; each in a StaleFrame
-    (`frames`) so that the window can grey one whose source is down."""
+    (`frames`) so that the window can grey one whose source is down. Only the plots of
+    `kinds` are shown (a rig without heaters has no heater plot), loss once a job reports
+    one; those shown share the view's area."""
 
     def __init__(self, model: FabricModel, limits: Limits | None = None,
-                 parent: QWidget | None = None, period_ms: int = 1000):
+                 parent: QWidget | None = None, period_ms: int = 1000,
+                 kinds: Iterable[str] = ("links", "heaters", "jobs", "loss")):
         super().__init__(parent)
         self.model = model
         self.limits = limits or Limits()
+        self.kinds = tuple(k for k in TITLES if k in set(kinds))
         self.window_s = WINDOWS[1][1]
         self.choice = QComboBox()
         for text, seconds in WINDOWS:
@@ -76,16 +127,18 @@ class TrendsView(QWidget):
         self.choice.setCurrentIndex(1)
         self.choice.currentIndexChanged.connect(self._window_changed)
         self.note = QLabel()
+        self.note.setWordWrap(True)
         top = QHBoxLayout()
         top.addWidget(QLabel("time window:"))
         top.addWidget(self.choice)
         top.addWidget(self.note, 1)
-        # Good links read near 0 dBm: their legend goes to the bottom, out of their way.
-        self.links = _plot("received power per GPU link", "dBm", legend_at=(6, -4))
+        self.cards = {k: TrendPlot(TITLES[k], left) for k, left in
+                      (("links", "dBm"), ("heaters", "mW"), ("jobs", "steps / s"),
+                       ("loss", "loss"))}
+        self.plots = {k: card.plot for k, card in self.cards.items()}
+        self.links, self.heaters = self.plots["links"], self.plots["heaters"]
+        self.jobs, self.loss = self.plots["jobs"], self.plots["loss"]
         self.links.setYRange(FLOOR_DBM, 0.0, padding=0.02)
-        self.heaters = _plot("heater power", "mW", legend_at=(6, -4))
-        self.jobs = _plot("job throughput (reported by the job)", "steps / s")
-        self.loss = _plot("job loss (reported by the job)", "loss")
         self.threshold = pg.InfiniteLine(pos=self.limits.link_dbm, angle=0, movable=False,
                                          pen=pg.mkPen(THRESHOLD, width=1.5,
                                                       style=pg.QtCore.Qt.PenStyle.DashLine),
@@ -94,34 +147,26 @@ class TrendsView(QWidget):
                                                     "anchors": [(0, 0), (0, 0)]})
         self.links.addItem(self.threshold)
         self.budget_lines: dict[str, pg.InfiniteLine] = {}
-        self.budget_note = pg.TextItem(color=BUDGET, anchor=(0, 0))
-        # On the plot's frame, not in its data: it stays in view whatever the time.
-        self.budget_note.setParentItem(self.heaters.getPlotItem().vb)
-        self.budget_note.setPos(6, 4)
-        for p in (self.heaters, self.jobs, self.loss):
-            p.setXLink(self.links)
-        self.frames = {"links": StaleFrame(self.links), "heaters": StaleFrame(self.heaters),
-                       "jobs": StaleFrame(self.jobs), "loss": StaleFrame(self.loss)}
-        grid = QGridLayout()
-        grid.setSpacing(2)
-        grid.addWidget(self.frames["links"], 0, 0)
-        grid.addWidget(self.frames["heaters"], 0, 1)
-        grid.addWidget(self.frames["jobs"], 1, 0)
-        grid.addWidget(self.frames["loss"], 1, 1)
+        # Under the heater plot, not over its data.
+        self.budget_note = self.cards["heaters"].note
+        self.frames = {k: StaleFrame(card) for k, card in self.cards.items()}
+        self.grid = QGridLayout()
+        self.grid.setSpacing(2)
+        self.nothing = QLabel("nothing to plot: this rig has no GPU links, heaters or jobs")
+        self.nothing.setAlignment(Qt.AlignmentFlag.AlignCenter)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addLayout(top)
-        layout.addLayout(grid, 1)
-        self.frames["loss"].hide()              # shown once a job reports a loss
+        layout.addLayout(self.grid, 1)
+        self._shown: tuple[str, ...] = ()
         self.curves: dict[str, pg.PlotDataItem] = {}
         self._owner: dict[str, pg.PlotWidget] = {}
         self._top: dict[str, float] = {}            # series -> largest value drawn
         self._ranges: dict[tuple, tuple[float, float]] = {}
-        self.plots = {"links": self.links, "heaters": self.heaters, "jobs": self.jobs,
-                      "loss": self.loss}
         for kind, w in self.plots.items():
             w.scene().sigMouseMoved.connect(lambda pos, k=kind: self._hover(k, pos))
         self._drawn: dict[str, int] = {}        # series -> ring version drawn
+        self._arrange(tuple(k for k in self.kinds if k != "loss"))
         model.budgetChanged.connect(self._budget)
         self.timer = QTimer(self)
         self.timer.timeout.connect(self.refresh)
@@ -130,6 +175,30 @@ class TrendsView(QWidget):
             self._budget(device)
         self._budget_text()
         self.refresh()
+
+    def shown(self) -> tuple[str, ...]:
+        """The kinds of plot shown now."""
+        return self._shown
+
+    def _arrange(self, kinds: tuple[str, ...]) -> None:
+        """Lay the plots of `kinds` out two by two (one alone takes the whole width; the last
+        of an odd number the whole of its row); the others are hidden."""
+        if kinds == self._shown:
+            return
+        self._shown = kinds
+        for frame in self.frames.values():
+            self.grid.removeWidget(frame)
+            frame.hide()
+        self.grid.removeWidget(self.nothing)
+        self.nothing.setVisible(not kinds)
+        if not kinds:
+            self.grid.addWidget(self.nothing, 0, 0)
+        columns = 1 if len(kinds) == 1 else 2
+        for i, kind in enumerate(kinds):
+            row, col = divmod(i, columns)
+            span = columns if i == len(kinds) - 1 and col == 0 else 1
+            self.grid.addWidget(self.frames[kind], row, col, 1, span)
+            self.frames[kind].show()
 
     def _window_changed(self) -> None:
         self.window_s = float(self.choice.currentData())
@@ -169,13 +238,14 @@ class TrendsView(QWidget):
                    sorted(self.model.budgets.items()) if mw is None]
         known = [f"{d} {mw:g} mW" for d, (mw, _) in sorted(self.model.budgets.items())
                  if mw is not None]
-        title = "heater power"
+        title = TITLES["heaters"]
         if known:
             title += " against the board's budget (" + ", ".join(known) + ")"
         if unknown:
             title += " (board budget unknown)"
-        self.heaters.getPlotItem().setTitle(title, size="9pt")
-        self.budget_note.setText("budget unknown — " + "; ".join(unknown) if unknown else "")
+        self.cards["heaters"].title.setText(title)
+        self.cards["heaters"].set_note("budget unknown — " + "; ".join(unknown) if unknown
+                                       else "")
 
     # --- drawing --------------------------------------------------------------------------
     def _series(self) -> dict[str, list[str]]:
@@ -187,8 +257,9 @@ class TrendsView(QWidget):
             rx = [n for n in rx if n.split("/", 1)[1] in holders]
         if len(rx) > MAX_LINKS:
             rx = sorted(rx, key=lambda n: store.last(n)[1])[:MAX_LINKS]
-        return {"links": sorted(rx), "heaters": store.names("heater"),
-                "jobs": store.names("throughput"), "loss": store.names("loss")}
+        got = {"links": sorted(rx), "heaters": store.names("heater"),
+               "jobs": store.names("throughput"), "loss": store.names("loss")}
+        return {k: names for k, names in got.items() if k in self.kinds}
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
@@ -212,9 +283,8 @@ class TrendsView(QWidget):
                 ring = store.series[name]
                 curve = self.curves.get(name)
                 if curve is None:
-                    label = name.split("/", 1)[1]
                     pen = pg.mkPen(line_colour(i, len(names)), width=2)
-                    curve = plots[kind].plot([], [], pen=pen, name=label)
+                    curve = plots[kind].plot([], [], pen=pen)
                     self.curves[name] = curve
                     self._owner[name] = plots[kind]
                 if self._drawn.get(name) != ring.version:
@@ -225,11 +295,15 @@ class TrendsView(QWidget):
                                   symbolPen=None, symbolBrush=curve.opts["pen"].color())
                     self._drawn[name] = ring.version
                     self._top[name] = float(v.max()) if len(v) else 0.0
-        self.frames["loss"].setVisible(bool(chosen["loss"]))
+        self._arrange(tuple(k for k in self.kinds if k != "loss" or chosen["loss"]))
         for kind, names in chosen.items():
-            legend = plots[kind].getPlotItem().legend
-            if legend is not None:
-                legend.setVisible(0 < len(names) <= LEGEND_MAX)
+            if len(names) > LEGEND_MAX:
+                self.cards[kind].set_legend([], f"{len(names)} lines: hover a line for its "
+                                                "name")
+            else:
+                self.cards[kind].set_legend([(n.split("/", 1)[1],
+                                              self.curves[n].opts["pen"].color())
+                                             for n in names])
         # The ranges move in steps, not with every second: the axes, most of what a repaint
         # costs, are drawn again only when a range changes. The time axis pages by a tenth
         # of the window, and starts where the data does when there is less than a window.
@@ -240,23 +314,25 @@ class TrendsView(QWidget):
         start = end - self.window_s
         if firsts:
             start = min(max(start, min(firsts) - page / 2), end - page)
-        self._range("x", self.links, start, end)
+        # Each plot is given the time range (pyqtgraph's linked axes align plots by their
+        # pixels: a plot across the whole width would show another range than one beside it).
+        for kind in self._shown:
+            self._range("x", plots[kind], start, end)
         # Heaters from zero, against the budget; throughput from zero.
         budgets = [mw for mw, _ in self.model.budgets.values() if mw is not None]
-        heat = [self._top[n] for n in chosen["heaters"]] + budgets
+        heat = [self._top[n] for n in chosen.get("heaters", ())] + budgets
         if max(heat, default=0.0) > 0:
             self._range("y", self.heaters, 0.0, nice_top(max(heat) * 1.1))
-        rates = [self._top[n] for n in chosen["jobs"]]
+        rates = [self._top[n] for n in chosen.get("jobs", ())]
         self._range("y", self.jobs, 0.0, nice_top(max(rates, default=0.0) * 1.1))
         n_rx = len(store.names("rx"))
         notes = []
-        if n_rx > MAX_LINKS:
-            notes.append(f"links: the {MAX_LINKS} weakest of {n_rx} drawn")
-        if chosen["links"]:
-            notes.append(f"links below {FLOOR_DBM:g} dBm (dark) drawn at {FLOOR_DBM:g}")
-        if not chosen["links"]:
-            notes.append("no link readings yet")
-        if not chosen["jobs"]:
+        if "links" in chosen:
+            if n_rx > MAX_LINKS:
+                notes.append(f"links: the {MAX_LINKS} weakest of {n_rx} drawn")
+            notes.append(f"links below {FLOOR_DBM:g} dBm (dark) drawn at {FLOOR_DBM:g}"
+                         if chosen["links"] else "no link readings yet")
+        if "jobs" in chosen and not chosen["jobs"]:
             notes.append("no job report yet")
         self.note.setText("; ".join(notes))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
@@ -37,6 +38,26 @@ DEMO_TEXT = "DEMO DATA — synthetic, not a rig: nothing shown here is real"
 DEFAULT_SOURCES: dict[str, list[str]] = {
     "rack": ["agent"], "jobs": ["agent"], "events": ["agent"], "trend:jobs": ["agent"],
     "trend:loss": ["agent"], "trend:links": [], "trend:heaters": []}
+
+
+@dataclass(frozen=True)
+class RigParts:
+    """What a rig has, so that the window shows no view it has nothing for."""
+    gpus: bool = True           # a rack of GPUs (and an agent): rack, jobs, events, link and
+    #                             job trends, swap
+    heaters: bool = True        # heaters: their power trend, set heater
+    chip: bool = True           # a chip: its calibration
+
+    def trends(self) -> tuple[str, ...]:
+        """The trends (gui/trends.py) the rig can have."""
+        return (("links", "jobs", "loss") if self.gpus else ()) + \
+            (("heaters",) if self.heaters else ())
+
+    def docks(self) -> dict[str, bool]:
+        """Whether each dock has something to show on this rig."""
+        # Without GPUs no agent runs (`ptb agent` refuses such a rig): no journal either.
+        return {"rack": self.gpus, "jobs": self.gpus, "calibration": self.chip,
+                "trends": bool(self.trends()), "events": self.gpus, "control": True}
 
 
 class ServiceStatus(QObject):
@@ -76,9 +97,11 @@ class ServiceStatus(QObject):
 class MainWindow(QMainWindow):
     def __init__(self, model: FabricModel, commands: Commands, title: str = "photonic testbed",
                  settings: QSettings | None = None, *, demo: bool = False,
-                 sources: Mapping[str, list[str]] | None = None, limits: Limits | None = None):
+                 sources: Mapping[str, list[str]] | None = None, limits: Limits | None = None,
+                 parts: RigParts | None = None):
         super().__init__()
         self.model = model
+        self.parts = parts or RigParts()
         self.settings = settings or QSettings("photonic-testbed", "ptb-gui")
         self.setWindowTitle(title)
         self.demo = demo
@@ -107,7 +130,8 @@ class MainWindow(QMainWindow):
         self.calibration = CalibrationView()
         self.control = ManualControl(model, self.runner)
         self.jobs = JobsView(model, self.limits)
-        self.trends = TrendsView(model, self.limits)
+        self.trends = TrendsView(model, self.limits, kinds=self.parts.trends())
+        self.control.show_forms(heater=self.parts.heaters, swap=self.parts.gpus)
         self.frames: dict[str, StaleFrame] = {
             "rack": StaleFrame(self.rack), "events": StaleFrame(self.events),
             "jobs": StaleFrame(self.jobs)}
@@ -148,7 +172,17 @@ class MainWindow(QMainWindow):
         self.events.export_requested.connect(self.export_events)
         self._actions()
         self.restore_layout()
+        self.show_parts()
         self.mark_stale()
+
+    def show_parts(self) -> None:
+        """Hide the docks the rig has nothing for (whatever a saved layout says), and their
+        entries in the View menu; the others keep the layout's choice."""
+        for key, has in self.parts.docks().items():
+            dock = self.docks[key]
+            dock.toggleViewAction().setEnabled(has)
+            if not has:
+                dock.hide()
 
     # --- stale views ----------------------------------------------------------------------
     def stale_frames(self) -> dict[str, StaleFrame]:
@@ -211,14 +245,19 @@ class MainWindow(QMainWindow):
         return True
 
     def _actions(self) -> None:
+        # Each action carries what it is for (its data) to a bound method: a lambda naming the
+        # window would keep it alive, with its timers running, after it is closed and dropped.
+        has = self.parts.docks()
         view = self.menuBar().addMenu("&View")
-        for i, dock in enumerate(self.docks.values(), start=2):
+        for i, (key, dock) in enumerate(self.docks.items(), start=2):
             act = dock.toggleViewAction()
             act.setShortcut(QKeySequence(f"Ctrl+{i}"))
             view.addAction(act)
             show = QAction(f"Show {dock.windowTitle()}", self)
             show.setShortcut(QKeySequence(f"Alt+{i}"))
-            show.triggered.connect(lambda _=False, d=dock: (d.show(), d.raise_()))
+            show.setData(key)
+            show.setEnabled(has[key])
+            show.triggered.connect(self._show_chosen)
             self.addAction(show)
         reset = QAction("Reset layout", self)
         reset.setShortcut(QKeySequence("Ctrl+Shift+R"))
@@ -231,26 +270,50 @@ class MainWindow(QMainWindow):
         f.addAction(open_cal)
         export = QAction("Export events as CSV…", self)
         export.setShortcut(QKeySequence("Ctrl+E"))
-        export.triggered.connect(lambda _=False: self.export_events())
+        export.triggered.connect(self._export_chosen)
         f.addAction(export)
         pictures = f.addMenu("Save view as PNG")
         for name in self.views():
             act = QAction(name, self)
-            act.triggered.connect(lambda _=False, n=name: self.save_view(n))
+            act.setData(name)
+            act.triggered.connect(self._save_chosen)
             pictures.addAction(act)
         quit_ = QAction("Quit", self)
         quit_.setShortcut(QKeySequence.StandardKey.Quit)
         quit_.triggered.connect(self.close)
         f.addAction(quit_)
         control = self.menuBar().addMenu("&Control")
-        for text, key, slot in (("Connect…", "Ctrl+K", self.control.ask_connect),
-                                ("Disconnect…", "Ctrl+D", self.control.ask_disconnect),
-                                ("Set heater…", "Ctrl+H", self.control.ask_heater),
-                                ("Swap GPU…", "Ctrl+Shift+S", self.control.ask_swap)):
+        for text, key, action, usable in (
+                ("Connect…", "Ctrl+K", "connect", True),
+                ("Disconnect…", "Ctrl+D", "disconnect", True),
+                ("Set heater…", "Ctrl+H", "heater", self.parts.heaters),
+                ("Swap GPU…", "Ctrl+Shift+S", "swap", self.parts.gpus)):
             act = QAction(text, self)
             act.setShortcut(QKeySequence(key))
-            act.triggered.connect(lambda _=False, s=slot: (self._show("control"), s()))
+            act.setData(action)
+            act.setEnabled(usable)
+            act.triggered.connect(self._control_chosen)
             control.addAction(act)
+
+    def _chosen(self) -> str:
+        """The data of the action that called the slot running now."""
+        action = self.sender()
+        return str(action.data()) if isinstance(action, QAction) else ""
+
+    def _show_chosen(self) -> None:
+        self._show(self._chosen())
+
+    def _export_chosen(self) -> None:
+        self.export_events()
+
+    def _save_chosen(self) -> None:
+        self.save_view(self._chosen())
+
+    def _control_chosen(self) -> None:
+        ask = {"connect": self.control.ask_connect, "disconnect": self.control.ask_disconnect,
+               "heater": self.control.ask_heater, "swap": self.control.ask_swap}
+        self._show("control")
+        ask[self._chosen()]()
 
     def _rejected(self, why: str) -> None:
         self.statusBar().showMessage(f"ignored {why}", 5000)
@@ -276,25 +339,33 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["jobs"]], [int(self.height() * 0.3)],
                          Qt.Orientation.Vertical)
 
+    def _state_key(self) -> str:
+        """Where the docks' layout is kept: one per kind of rig ("state" for a rig with
+        everything, "state-no-gpus-no-heaters-no-chip" ...), so that the docks a bare rig
+        hides are not saved as hidden for the next, fuller one."""
+        return "state" + "".join(f"-no-{f.name}" for f in fields(self.parts)
+                                 if not getattr(self.parts, f.name))
+
     def restore_layout(self) -> None:
         geometry = self.settings.value("geometry")
-        state = self.settings.value("state")
+        state = self.settings.value(self._state_key())
         if isinstance(geometry, QByteArray):
             self.restoreGeometry(geometry)
         else:
             self.resize(1600, 1000)
         if not (isinstance(state, QByteArray) and self.restoreState(state, LAYOUT_VERSION)):
-            QTimer.singleShot(0, self._default_sizes)
+            QTimer.singleShot(0, self, self._default_sizes)   # dropped if the window goes
 
     def save_layout(self) -> None:
         self.settings.setValue("geometry", self.saveGeometry())
-        self.settings.setValue("state", self.saveState(LAYOUT_VERSION))
+        self.settings.setValue(self._state_key(), self.saveState(LAYOUT_VERSION))
         self.settings.sync()
 
     def reset_layout(self) -> None:
         self.restoreState(self._default_state, LAYOUT_VERSION)
         for dock in self.docks.values():
             dock.show()
+        self.show_parts()
         self._default_sizes()
 
     def closeEvent(self, event) -> None:

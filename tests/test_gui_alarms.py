@@ -12,7 +12,14 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from photonic_testbed.gui.alarms import ALARM_BG, CLEAR_BG, AlarmBanner, AlarmBook, job_condition  # noqa: E402
+from photonic_testbed.gui.alarms import (  # noqa: E402
+    ALARM_BG,
+    CLEAR_BG,
+    AlarmBanner,
+    AlarmBook,
+    by_cause,
+    job_condition,
+)
 from photonic_testbed.gui.events import readable  # noqa: E402
 from photonic_testbed.gui.jobs import JobsView  # noqa: E402
 from photonic_testbed.gui.limits import Limits  # noqa: E402
@@ -209,6 +216,80 @@ def test_every_alarm_begins_and_clears_with_its_condition():
     assert len(book.evaluate(model, t + 4)) == 1
 
 
+def _ring_after_a_stop(job_state: str, agent_said: bool) -> FabricModel:
+    """An opus-like rack of 8 servers without spares on a 32-port OCS, job dp on a ring of
+    circuits, server5 failed, every receiver reading dark (-60 dBm)."""
+    now = time.time()
+    model = FabricModel()
+    servers = [{"name": f"server{i}", "switch": "ocs", "port": i + 1, "role": "active",
+                "rank": i, "job": "dp", "health": "failed" if i == 5 else "ok"}
+               for i in range(8)]
+    ring = {i + 1: 32 + (i + 1) % 8 + 1 for i in range(8)}
+    show_ocs(model, name="ocs", ports=32, circuits=ring)
+    model.circuits_changed["ocs"] = now - 30
+    report = job_dict(job_state, t=now - 20, throughput=0.0)
+    report["rank_map"] = {str(i): f"server{i}" for i in range(8)}
+    events: list[dict] = []
+    alarms: list[str] = []
+    if agent_said:
+        text = "no healthy spare for server5 and job 'dp' cannot run on 7 ranks: job stopped"
+        events = [{"seq": 9, "ts": now - 20, "kind": "alarm", "cause": text,
+                   "details": {"gpus": ["server5"], "job": "dp"}}]
+        alarms = [text]
+    model.apply_snapshot("agent", "agent", agent_state(rack=servers, events=events,
+                                                       jobs={"dp": report}, alarms=alarms))
+    model.set_service("agent", "connected")
+    model.add_samples({f"rx/server{i}": [[now - 0.5, -60.0]] for i in range(8)})
+    return model
+
+
+def test_links_dark_after_a_stopped_job_follow_their_cause(qtbot, tmp_path):
+    # The agent stopped the job for want of a spare: that leads, its six dark links (the ring
+    # without the failed server's two) follow it on one line, not as six alarms.
+    model = _ring_after_a_stop("stopped", agent_said=True)
+    alarms = AlarmBook(LIMITS).evaluate(model)
+    links = sorted(a.key for a in alarms if a.key.startswith("link:"))
+    assert links == sorted(f"link:ocs:{33 + (i + 1) % 8}" for i in (0, 1, 2, 3, 6, 7))
+    groups = by_cause(alarms)
+    assert [g.lead.key for g in groups] == ["spares"]
+    assert sorted(a.key for a in groups[0].follows) == links
+    banner = AlarmBanner(model, AlarmBook(LIMITS))
+    qtbot.addWidget(banner)
+    banner.resize(1200, 80)
+    banner.show()
+    lines = banner.label.text().splitlines()
+    assert len(lines) == 2, lines
+    assert "no spare left" in lines[0] and "job stopped" in lines[0]
+    assert "6 links dark on ocs: server0 → server1 -60.0 dBm" in lines[1]
+    assert "(2 more)" in lines[1]
+    assert_not_blank(pixels(banner, tmp_path / "stopped.png"), min_fraction=0.02)
+
+    # Stopped by a person (no alarm of the agent): the job's stop leads, with its links.
+    model = _ring_after_a_stop("stopped", agent_said=False)
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["job:dp"]
+    assert groups[0].lead.text == ("job dp stopped, its circuits still set: their links are "
+                                   "dark")
+    assert len(groups[0].follows) == 6
+    # Failed: the job's alarm leads, its dark links follow it.
+    model = _ring_after_a_stop("failed", agent_said=False)
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["job:dp"] and "failed" in groups[0].lead.text
+    assert len(groups[0].follows) == 6
+    # Running, and still dark: nothing explains them; one alarm for the switch, links under it.
+    model = _ring_after_a_stop("running", agent_said=False)
+    model.apply_change("agent", [Set(["jobs"], {"dp": {
+        **job_dict("running"), "rank_map": {str(i): f"server{i}" for i in range(8)}}})])
+    groups = by_cause(AlarmBook(LIMITS).evaluate(model))
+    assert [g.lead.key for g in groups] == ["links:ocs"]
+    assert groups[0].lead.text == "6 links on ocs read below -12 dBm"
+    assert len(groups[0].follows) == 6
+    assert groups[0].lines(time.time())[1].strip() == (
+        "↳ server0 → server1 -60.0 dBm, server1 → server2 -60.0 dBm, server2 → server3 "
+        "-60.0 dBm, server3 → server4 -60.0 dBm, … (2 more)")
+
+
+
 def test_the_banner_turns_red_naming_the_alarm_and_green_when_fixed(qtbot, tmp_path):
     model = FabricModel()
     model.set_service("agent", "connected")
@@ -273,7 +354,7 @@ def test_the_job_view_shows_state_rate_rank_map_and_a_stuck_job(qtbot, tmp_path)
     assert cells[:7] == ["dp", "running", "100", "9.5", "2.312", "dp / round 0", "4"]
     stuck = view.row_of("old")
     assert view.table.item(stuck, 1).text() == "STUCK (running)"
-    assert "no report for" in view.table.item(stuck, 9).text()
+    assert "old: no report for" in view.details.text()      # under the table, whole
     assert "STUCK: old" in view.summary.text()
     view.table.selectRow(row)
     assert view.ranks.rowCount() == 4
@@ -334,9 +415,9 @@ def test_the_ocs_map_has_a_dbm_scale_gpu_names_and_tooltips(qtbot, tmp_path):
     assert "in 1: -2.0 dBm" in tip and "out 10: -4.2 dBm" in tip
     assert "job dp (rank 0 → rank 1)" in tip
     assert "no circuit 2 → 12" in view.tooltip_at(view.cell_rect(2, 12).center())
-    x0, y0, s = view._geometry()
+    matrix = view.matrix_rect()
     assert "input 6: transmitter of spare1 (ok, spare, no rank)" in \
-        view.tooltip_at(QPointF(x0 - 3, y0 + 5.5 * s))
+        view.tooltip_at(QPointF(matrix.left() - 3, matrix.top() + 5.5 * matrix.height() / 8))
     assert_not_blank(pixels(view, tmp_path / "ocs-names.png"))
     scale = PowerScale()
     qtbot.addWidget(scale)
@@ -387,11 +468,11 @@ def test_trends_follow_the_window_and_the_heater_budget(qtbot, tmp_path):
     view.set_window(60.0)
     t, _ = view.curve_data("rx/gpu0")
     assert len(t) <= 61 and t[0] >= now - 61
-    assert "budget unknown" not in view.budget_note.toPlainText()
+    assert "budget unknown" not in view.budget_note.text()
     model.set_budget("chip", None, "not in its describe")
-    assert "budget unknown — chip: not in its describe" in view.budget_note.toPlainText()
+    assert "budget unknown — chip: not in its describe" in view.budget_note.text()
     model.set_budget("chip", 1500.0)
-    assert view.budget_note.toPlainText() == "" and view.budget_lines["chip"].value() == 1500.0
+    assert view.budget_note.text() == "" and view.budget_lines["chip"].value() == 1500.0
     view.refresh()
     assert view.heaters.getPlotItem().vb.viewRange()[1][1] >= 1500.0
     assert "heaters of chip: 999" in view.nearest("heaters", now - 1, 999.0)
@@ -457,7 +538,8 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
     stack = Stack(tmp_path)
     try:
         monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
-        gui = DemoGui(stack, path, said.append, extra=("--quit-after", "30"))
+        layout = ("--settings", str(tmp_path / "gui.ini"))     # not the user's own layout
+        gui = DemoGui(stack, path, said.append, extra=("--quit-after", "30", *layout))
         assert gui.up and said[-1].startswith("GUI open")
         gui.finish()
         assert said[-1].startswith("GUI still open")
@@ -466,13 +548,13 @@ def test_ptb_demo_reports_what_became_of_its_gui(tmp_path, monkeypatch):
         gui.finish()
         assert said[-1].startswith("GUI closed during the demo")
         # Kept open: the demo waits until the window closes (here: by itself).
-        kept = DemoGui(stack, path, said.append, extra=("--quit-after", "1"))
+        kept = DemoGui(stack, path, said.append, extra=("--quit-after", "1", *layout))
         assert kept.up
         kept.finish(keep_open=True)
         assert "kept open" in said[-2] and said[-1] == "GUI closed (exit 0)"
         monkeypatch.setenv("QT_QPA_PLATFORM", "nosuchplatform")
         monkeypatch.setenv("DISPLAY", ":99")
-        dead = DemoGui(stack, path, said.append)
+        dead = DemoGui(stack, path, said.append, extra=layout)
         assert not dead.up
         assert "GUI did not start (exit 1)" in said[-1] and "Qt cannot start here" in said[-1]
     finally:

@@ -96,10 +96,13 @@ class Agent:
 @pytest.fixture(scope="module")
 def lumion(tmp_path_factory):
     """The lumion rig's chip and OCS on the bus (its power meter and laser not served), and a
-    rig file naming them all and the agent."""
+    rig file naming them all, the rack's GPUs and the agent (a rig without GPUs has none)."""
     path = tmp_path_factory.mktemp("rig") / "rig.toml"
+    lay = rig_spec("lumion").rack_layout()
+    gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
+                 for g, a in lay.gpus.items())
     with EmulatedRig(rig_spec("lumion"), ideal_chip=True, switching_s=0.0) as emulated:
-        rigfile.write(path, rigfile.for_emulator("lumion", emulated.endpoints))
+        rigfile.write(path, rigfile.for_emulator("lumion", emulated.endpoints, gpus=gpus))
         rig = rigfile.load(path)
         with Supervised(rig.service_specs(["chip", "ocs"])):
             yield rig
@@ -332,13 +335,14 @@ def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bu
 
 def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_path):
     endpoints = {k: f"tcp://127.0.0.1:{rigfile.free_port()}" for k in
-                 ("agent_request", "agent_publish")}
+                 ("agent_request", "agent_publish", "gpus_request", "gpus_publish")}
     rig = rigfile.Rig("empty", tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **endpoints),
                       {"ocs": rigfile.DeviceConfig(
                           "ocs", "switch", "TCPIP::127.0.0.1::1::SOCKET",
                           "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
                           f"tcp://127.0.0.1:{rigfile.free_port()}",
-                          f"tcp://127.0.0.1:{rigfile.free_port()}")})
+                          f"tcp://127.0.0.1:{rigfile.free_port()}")},
+                      gpus=(rigfile.GpuConfig("gpu0", "ocs", 1),))       # so: an agent
     rigfile.write(rig.path, rig)
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
     win, fabric = rig_window(rigfile.load(rig.path), settings, down_after_s=0.3)
