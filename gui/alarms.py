@@ -182,7 +182,7 @@ class AlarmBook:
         # The agent's alarm that names a job is that job's cause (a stop for want of a spare).
         named: dict[str, str] = {}
         for text in texts:
-            job = said[text].details.get("job") if text in said else None
+            job = getattr(said[text].details, "job", None) if text in said else None
             if isinstance(job, str):
                 named[job] = "spares" if text in spare_texts else f"agent:{text}"
         agent_up = agent is None or agent.state != "down"
@@ -207,7 +207,7 @@ class AlarmBook:
             raised(f"agent:{text}", f"calibration drifting: {text}", _ts(said, text), True)
         down = {a.key for a in found if a.key.startswith("service:")}
         for text in other[-MAX_LINES:]:
-            switch = said[text].details.get("switch") if text in said else None
+            switch = getattr(said[text].details, "switch", None) if text in said else None
             raised(f"agent:{text}", f"agent: {text}", _ts(said, text), True,
                    cause=f"service:{switch}" if f"service:{switch}" in down else "")
         keys = {a.key for a in found}
