@@ -22,8 +22,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from photonic_testbed.calibration.progressive import TWO_PI, Calibrator, CalibrationRunError, \
-    UnlitArm
+from photonic_testbed.calibration.progressive import (
+    TWO_PI,
+    CalibrationRunError,
+    Calibrator,
+    UnlitArm,
+)
 from photonic_testbed.calibration.station import heater_volts
 
 log = logging.getLogger(__name__)
@@ -268,7 +272,7 @@ def _probe_neighbours(cal: Calibrator, cell: str, near: dict[int, list[int]],
         # coupled)
         keep = [cols[j] for j in heated]
         solved = np.linalg.solve(moves[:, keep], (shifts - (base + end) / 2.0) / f.rad_per_mw)
-        ks = {str(j): float(v) for j, v in zip(heated, solved)}
+        ks = {str(j): float(v) for j, v in zip(heated, solved, strict=True)}
     return {"channel": probe.ch, "k": ks, "drift_rad": drift}
 
 
@@ -406,7 +410,7 @@ def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
     x = prior * (g.T @ np.linalg.solve(cov, np.asarray(errors)))
     return {"channel": ch, "errors": [float(e) for e in errors[-len(loads):]],
             "d_offset": float(x[0]),
-            "dk": {str(j): float(v / beta) for j, v in zip(cols, x[1:])}}
+            "dk": {str(j): float(v / beta) for j, v in zip(cols, x[1:], strict=True)}}
 
 
 EXTINCTION_PROBE_RAD = 0.1       # the two readings either side of the bar / cross setting

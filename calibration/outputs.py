@@ -238,7 +238,7 @@ class OutputGraph(Graph):
 class _Readings(Mapping):
     """A cell -> reading mapping that reads the meter only for the cells asked for."""
 
-    def __init__(self, station: "OutputStation"):
+    def __init__(self, station: OutputStation):
         self.station = station
         self._cache: dict[str, float] = {}
 
@@ -262,7 +262,7 @@ class OutputStation(Station):
     base: Station | None = None              # the station this view reads for
 
     @classmethod
-    def over(cls, station: Station, graph: OutputGraph) -> "OutputStation":
+    def over(cls, station: Station, graph: OutputGraph) -> OutputStation:
         """A view of `station` (same instruments, same counters) that reads the outputs; the
         lit input stays the station's own, so the two never disagree about it."""
         view = cls(**{f.name: getattr(station, f.name) for f in fields(station)})

@@ -188,7 +188,7 @@ class CellFit:
         return dict(self.__dict__)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CellFit":
+    def from_dict(cls, d: dict) -> CellFit:
         return cls(**d)
 
 
@@ -310,7 +310,7 @@ class Calibrator:
                 p, delta = solve(delta + TWO_PI * np.array([extra_turns.get(c, 0)
                                                              for c in states]))
         r = self.r_ohm
-        return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p)}
+        return {ch: heater_volts(float(max(x, 0.0)), r[ch]) for ch, x in zip(chans, p, strict=True)}
 
     def settings_with_margin(self, states: Mapping[str, str | float],
                              margin_rad: float = ROUTE_MARGIN_RAD) -> dict[int, float]:

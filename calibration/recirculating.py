@@ -36,8 +36,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 
-from photonic_testbed.calibration.progressive import BAR, CROSS, CalibrationRunError, Route, \
-    UnlitArm
+from photonic_testbed.calibration.progressive import (
+    BAR,
+    CROSS,
+    CalibrationRunError,
+    Route,
+    UnlitArm,
+)
 from photonic_testbed.common.topology import Topology
 
 End = tuple          # ("cell", id, arm) or ("port", p)

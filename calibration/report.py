@@ -112,7 +112,7 @@ def write_report(cal: Calibration, folder: str | os.PathLike) -> str:
         cols = 8
         rows = math.ceil(len(ids) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 1.7 * rows), squeeze=False)
-        for ax, cid in zip(axes.flat, ids):
+        for ax, cid in zip(axes.flat, ids, strict=False):
             c = cells[cid]
             ax.plot(c["sweep_p_mw"], c["power"], ".", ms=3)
             p_fit = np.asarray(c["fit_v"]) ** 2

@@ -16,8 +16,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from photonic_testbed.calibration.crosstalk import extinction_db, measure_crosstalk, \
-    measure_extinctions, refine_offsets, refine_under_load
+from photonic_testbed.calibration.crosstalk import (
+    extinction_db,
+    measure_crosstalk,
+    measure_extinctions,
+    refine_offsets,
+    refine_under_load,
+)
 from photonic_testbed.calibration.outputs import output_calibrator, sweep_from_outputs
 from photonic_testbed.calibration.progressive import Calibrator, CellFit
 from photonic_testbed.calibration.station import Station, StationError
@@ -170,7 +175,7 @@ def build_calibration(cal: Calibrator, rig: str = "", chip_id: str = "",
     if cal.crosstalk is not None:
         k = cal.crosstalk[np.ix_(chans, chans)]
         k_std = _crosstalk_spread(cal, chans)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Calibration(heaters, k, topo.name, "calibration run", chip_id or topo.name, rig,
                        date, method, k_std, record)
 

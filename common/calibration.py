@@ -99,13 +99,13 @@ class Calibration:
     verified: bool = field(default=True, compare=False)
 
     @classmethod
-    def ideal(cls, channels, chip: str = "") -> "Calibration":
+    def ideal(cls, channels, chip: str = "") -> Calibration:
         return cls({int(ch): HeaterCalibration() for ch in channels}, None, chip, "ideal")
 
     # ---- the file ------------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, data: bytes | str, where: str = "calibration") -> "Calibration":
+    def parse(cls, data: bytes | str, where: str = "calibration") -> Calibration:
         """A calibration from a file's bytes (or text). Raises CalibrationFileError, naming
         `where`, for anything but a well-formed file whose checksum (version 3) matches."""
         if len(data) > MAX_FILE_BYTES:
@@ -126,7 +126,7 @@ class Calibration:
         return cls.from_dict(d, source=where)
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "dict") -> "Calibration":
+    def from_dict(cls, d: Any, source: str = "dict") -> Calibration:
         """A calibration from a file's JSON object: the checksum (version 3) verified, every
         field checked for presence, type and range."""
         c = _Check(source)
@@ -209,7 +209,7 @@ class Calibration:
             raise CalibrationError(f"calibration {self.source} is for chip id {self.chip_id!r}, "
                                    f"not {chip_id!r}")
 
-    def merged(self, newer: "Calibration") -> "Calibration":
+    def merged(self, newer: Calibration) -> Calibration:
         """This calibration with what a later run of some cells measured (`ptb calibrate
         --cells ... --update FILE`): the newer run's heaters replace these, its crosstalk
         entries (pairs of heaters it calibrated) replace these, every other heater and entry is
@@ -243,7 +243,7 @@ class Calibration:
         return replace(self, heaters=heaters, crosstalk=k, crosstalk_std=k_std, cells=cells,
                        date=newer.date or self.date, source=f"{self.source} + {newer.source}")
 
-    def without_crosstalk(self) -> "Calibration":
+    def without_crosstalk(self) -> Calibration:
         """The same heaters with no crosstalk compensation (for comparisons)."""
         return replace(self, crosstalk=None, crosstalk_std=None)
 
@@ -276,7 +276,7 @@ class Calibration:
                 delta = delta + 2 * math.pi * (p < 0)
             else:
                 raise CalibrationError("no non-negative heater powers reach these phases")
-        return {c: float(v) for c, v in zip(chans, np.sqrt(p * r / 1000.0))}
+        return {c: float(v) for c, v in zip(chans, np.sqrt(p * r / 1000.0), strict=True)}
 
     def phases(self, volts: Mapping[int, float]) -> dict[int, float]:
         """Phases (rad, in [0, 2 pi)) the calibration predicts for these heater voltages."""
@@ -285,7 +285,8 @@ class Calibration:
         p = 1000.0 * np.array([volts[c] for c in chans]) ** 2 / r
         if self.crosstalk is not None and chans == sorted(self.heaters):
             p = (np.eye(len(chans)) + self.crosstalk) @ p
-        return {c: float(x) for c, x in zip(chans, np.mod(off + math.pi * p / p_pi, 2 * math.pi))}
+        phases = np.mod(off + math.pi * p / p_pi, 2 * math.pi)
+        return {c: float(x) for c, x in zip(chans, phases, strict=True)}
 
 
 # ---- the file's checks -----------------------------------------------------------------------

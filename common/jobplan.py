@@ -20,8 +20,9 @@ about switches.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 PATTERNS = ("ring", "chain", "all_to_all")
 
@@ -205,7 +206,7 @@ class JobPlan:
                 "phases": [asdict(p) for p in self.phases]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], max_world: int | None = None) -> "JobPlan":
+    def from_dict(cls, d: dict[str, Any], max_world: int | None = None) -> JobPlan:
         """A plan from its dict (`to_dict`). `max_world`: refuse a bigger world before its
         links are worked out (they cost the world's square for an all-to-all)."""
         try:

@@ -152,7 +152,7 @@ class Topology:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
+    def from_dict(cls, d: Any) -> Topology:
         """A topology from its description (`describe()`'s shape, e.g. off the bus)."""
         if not isinstance(d, Mapping):
             raise TopologyError(f"a topology is a dict, not {type(d).__name__}")
@@ -340,7 +340,7 @@ def _joins(nodes, edges, port_nodes, stub_angle) -> tuple:
         back = (ang + 180.0) % 360.0
         around.setdefault(b, []).extend([(back, 0, ("cell", f"e{k}", 2), k),
                                          (back, 1, ("cell", f"e{k}", 3), k)])
-    for p, (nd, ang) in enumerate(zip(port_nodes, stub_angle), start=1):
+    for p, (nd, ang) in enumerate(zip(port_nodes, stub_angle, strict=True), start=1):
         around.setdefault(nd, []).append((ang, 0, ("port", p), None))
     joins = []
     for nd in sorted(around):

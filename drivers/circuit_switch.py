@@ -136,7 +136,7 @@ class CircuitSwitch(abc.ABC):
         """The circuits the switch reports as set, read from the device."""
 
     @classmethod
-    def apply_together(cls, work: list[tuple["CircuitSwitch", Mapping[int, int]]]
+    def apply_together(cls, work: list[tuple[CircuitSwitch, Mapping[int, int]]]
                        ) -> list[ApplyReport | Exception] | None:
         """Apply circuits to several switches of this class at once, from the calling thread
         (a class whose switches sit behind one message bus sends every request before waiting
@@ -161,5 +161,5 @@ class CircuitSwitch(abc.ABC):
         topology)."""
         return {"name": self.name, "kind": type(self).__name__, "ports": self.ports}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - not abstract: a switch with nothing to release
         """Release the connection (never done in __del__)."""

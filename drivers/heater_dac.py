@@ -15,8 +15,9 @@ import errno
 import logging
 import re
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import serial
 
@@ -173,7 +174,7 @@ class HeaterDAC:
                 pass
             self._ser = None
 
-    def __enter__(self) -> "HeaterDAC":
+    def __enter__(self) -> HeaterDAC:
         if self._ser is None:
             self.open()
         return self

@@ -22,16 +22,38 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from photonic_testbed.common.calibration import (MAX_FILE_BYTES, Calibration,  # noqa: F401
-                                                 CalibrationError, CalibrationFileError,
-                                                 HeaterCalibration)
-from photonic_testbed.common.topology import Topology, TopologyError, topology_from_json, \
-    topology_named
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
-    SwitchError
-from photonic_testbed.drivers.routing import BAR, CROSS, RoutingError, benes_cell_states, \
-    circuits_to_permutation, clements_decompose, mzi, permutation_matrix, route_waveguides, \
-    trace_states, trace_waveguides
+from photonic_testbed.common.calibration import (  # noqa: F401
+    MAX_FILE_BYTES,
+    Calibration,
+    CalibrationError,
+    CalibrationFileError,
+    HeaterCalibration,
+)
+from photonic_testbed.common.topology import (
+    Topology,
+    TopologyError,
+    topology_from_json,
+    topology_named,
+)
+from photonic_testbed.drivers.circuit_switch import (
+    ApplyReport,
+    Circuits,
+    CircuitSwitch,
+    SwitchError,
+)
+from photonic_testbed.drivers.routing import (
+    BAR,
+    CROSS,
+    RoutingError,
+    benes_cell_states,
+    circuits_to_permutation,
+    clements_decompose,
+    mzi,
+    permutation_matrix,
+    route_waveguides,
+    trace_states,
+    trace_waveguides,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +256,7 @@ class Mesh(CircuitSwitch):
         mine = tuple(volts[ch] for ch in self._channels)
 
         def work():
-            phases = self.calibration.phases(dict(zip(self._channels, mine)))
+            phases = self.calibration.phases(dict(zip(self._channels, mine, strict=True)))
             out = {}
             for c in self.topology.cells:
                 theta = phases[c.channels[0]]

@@ -18,14 +18,24 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
-from typing import Callable
+from collections.abc import Callable, Iterable, Mapping
 
-from photonic_testbed.drivers.circuit_switch import (ApplyReport, Circuits, CircuitSwitch,
-                                                    SwitchError, check_circuits)
-from photonic_testbed.drivers.scpi import (ERROR_ENTRY, ConnectionLost, InstrumentDisconnected,
-                                          ProtocolError, SCPIInstrument, parse_error,
-                                          scpi_error)
+from photonic_testbed.drivers.circuit_switch import (
+    ApplyReport,
+    Circuits,
+    CircuitSwitch,
+    SwitchError,
+    check_circuits,
+)
+from photonic_testbed.drivers.scpi import (
+    ERROR_ENTRY,
+    ConnectionLost,
+    InstrumentDisconnected,
+    ProtocolError,
+    SCPIInstrument,
+    parse_error,
+    scpi_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +71,7 @@ def parse_circuits(text: str) -> Circuits:
             raise ProtocolError(f"not a connection state: {text[:80]!r}") from None
         if len(ins) != len(outs):
             raise ProtocolError(f"unpaired connection state: {text[:80]!r}")
-        out.update(zip(ins, outs))
+        out.update(zip(ins, outs, strict=True))
     return out
 
 
@@ -129,7 +139,7 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
             raise ProtocolError(f"power monitor answered {reply[:80]!r}") from None
         if len(values) != len(ports):
             raise ProtocolError(f"asked {len(ports)} ports, got {len(values)} powers")
-        return dict(zip(ports, values))
+        return dict(zip(ports, values, strict=True))
 
     def _check_port(self, port: int) -> None:
         if not isinstance(port, int) or not 1 <= port <= 2 * self._n:
@@ -142,7 +152,7 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
         return got.wait() if isinstance(got, PendingChange) else got
 
     def begin_apply(self, circuits: Mapping[int, int] | Iterable[tuple[int, int]]
-                    ) -> "ApplyReport | PendingChange":
+                    ) -> ApplyReport | PendingChange:
         """`apply` in two halves: the change sent and its answer read later (a
         `PendingChange`), or the report at once when the switch already holds `circuits`.
         Reads the map first when the driver does not know it (`can_begin` says it will not
@@ -241,7 +251,7 @@ class PendingChange:
         self.lost: ConnectionLost | None = None
         self.deadline = time.monotonic() + switch.settle_timeout_s
 
-    def send(self) -> "PendingChange":
+    def send(self) -> PendingChange:
         self.deadline = time.monotonic() + self.switch.settle_timeout_s
         try:
             self.switch._res_io_write(f"{self.line};*OPC?;:SYST:ERR?")

@@ -457,8 +457,8 @@ def route_waveguides(topology: Topology, pairs: Iterable[tuple[int, int]],
     flow = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                             shape=(k * n_v, n_x + n_c))
     # Each waveguide (cell arm) carries at most one path.
-    arm_i = np.array([4 * c + i for c, (i, o) in zip(arc_cell, arc_arms)])
-    arm_o = np.array([4 * c + o for c, (i, o) in zip(arc_cell, arc_arms)])
+    arm_i = np.array([4 * c + i for c, (i, o) in zip(arc_cell, arc_arms, strict=True)])
+    arm_o = np.array([4 * c + o for c, (i, o) in zip(arc_cell, arc_arms, strict=True)])
     arm_rows = np.concatenate([np.tile(arm_i, k), np.tile(arm_o, k)])
     arm_cap = sparse.csr_array((np.ones(2 * n_x), (arm_rows, np.tile(np.arange(n_x), 2))),
                                shape=(4 * n_c, n_x + n_c))

@@ -210,7 +210,7 @@ class EmulatedChip:
 
     @classmethod
     def from_calibration(cls, topology: Mapping, calibration, *, seed: int = 0,
-                         **kwargs) -> "EmulatedChip":
+                         **kwargs) -> EmulatedChip:
         """A digital twin: the chip whose hidden truth is a measured calibration's (a
         `common.calibration.Calibration`, see `truth_from_calibration`); `crosstalk_scale`
         scales the file's crosstalk (what if it were twice as strong)."""
@@ -456,7 +456,7 @@ class EmulatedChip:
         # The field after the cell already lost MONITOR_TAP to the photodiode.
         tapped = bottom / (1.0 - MONITOR_TAP) * MONITOR_TAP
         return {cid: self._noisy(float(mw)) * RESPONSIVITY_A_PER_W * 1000.0 + DARK_CURRENT_UA
-                for cid, mw in zip(self.cell_ids, tapped)}
+                for cid, mw in zip(self.cell_ids, tapped, strict=True)}
 
     def monitor_current_ua(self, cell: str) -> float:
         currents = self.monitor_currents_ua()
@@ -506,7 +506,7 @@ class EmulatedChip:
         volts = np.sqrt(p * t.resistance_ohm[sel] / 1000.0)
         if (volts > MAX_VOLTS).any():
             raise ChipError(f"setting these cells needs more than {MAX_VOLTS} V")
-        return {self.channels[i]: float(v) for i, v in zip(sel, volts)}
+        return {self.channels[i]: float(v) for i, v in zip(sel, volts, strict=True)}
 
 
 def _odds_ratio(extinction_db: float) -> float:

@@ -10,7 +10,7 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class WallClock:

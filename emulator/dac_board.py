@@ -17,6 +17,7 @@ import tty
 from collections.abc import Callable
 
 import numpy as np
+
 from photonic_testbed.firmware.core import Board, make_chain
 from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 

@@ -34,15 +34,17 @@ on which rank map, from which checkpoint, and when its first step after the rest
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matchings
 from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matchings
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,9 @@ class TrainingJob:
             self.clock.sleep(self.poll_s)
         return True
 
+    def _is_granted(self, key: tuple[str, int]) -> bool:
+        return self._granted == key
+
     def _failed_ranks(self) -> list[str]:
         failed = self.rack.failed_gpus()
         return [g for g in self.rank_map.values() if g in failed] if failed else []
@@ -269,7 +274,7 @@ class TrainingJob:
                 self._granted = None
             t0 = self.clock.now()
             self._emit("phase", name, rnd)
-            if self.gated and not self._wait(lambda: self._granted == (name, rnd),
+            if self.gated and not self._wait(functools.partial(self._is_granted, (name, rnd)),
                                              self.grant_timeout_s):
                 raise _Failure(f"circuits for {name} round {rnd} not granted in "
                                f"{self.grant_timeout_s} s")
@@ -279,7 +284,7 @@ class TrainingJob:
             if down:
                 self._emit("stall", name, rnd, links=[list(p) for p in down])
 
-                def all_up() -> bool:
+                def all_up(pairs: list[tuple[str, str]] = pairs) -> bool:
                     nonlocal state
                     state = self.rack.link_map(pairs)
                     return all(t is not None and t.up for t in state.values())

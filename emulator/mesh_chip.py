@@ -22,8 +22,14 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse import linalg as splinalg
 
-from photonic_testbed.emulator.chip import MONITOR_TAP, OUTPUT_TAP, RESPONSIVITY_A_PER_W, \
-    DARK_CURRENT_UA, ChipError, EmulatedChip
+from photonic_testbed.emulator.chip import (
+    DARK_CURRENT_UA,
+    MONITOR_TAP,
+    OUTPUT_TAP,
+    RESPONSIVITY_A_PER_W,
+    ChipError,
+    EmulatedChip,
+)
 
 
 class RecirculatingChip(EmulatedChip):
@@ -129,7 +135,7 @@ class RecirculatingChip(EmulatedChip):
         bottom = np.abs(f[4 * np.arange(len(self.cell_ids)) + 3]) ** 2 @ self._inputs
         tapped = bottom / (1.0 - MONITOR_TAP) * MONITOR_TAP
         return {cid: self._noisy(float(mw)) * RESPONSIVITY_A_PER_W * 1000.0 + DARK_CURRENT_UA
-                for cid, mw in zip(self.cell_ids, tapped)}
+                for cid, mw in zip(self.cell_ids, tapped, strict=True)}
 
 
 def make_chip(topology: Mapping, **kwargs) -> EmulatedChip:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 import orjson
+
 from photonic_testbed.emulator.scpi import Instrument, SCPIError, no_arg
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
 from photonic_testbed.emulator.scpi import Instrument, SCPIError, Waiting, boolean, no_arg, number
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import zmq
+
 from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.clock import WallClock

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 from photonic_testbed.common.topology import build as build_topology
 from photonic_testbed.emulator.bench_optics import OpticalBench
 from photonic_testbed.emulator.chip import NOMINAL_R_OHM, ChipError, EmulatedChip
-from photonic_testbed.emulator.mesh_chip import make_chip
 from photonic_testbed.emulator.control import ControlServer
 from photonic_testbed.emulator.dac_board import EmulatedDACBoard, heater_resistances
-from photonic_testbed.hil.rig.emulated import RigSpec
+from photonic_testbed.emulator.mesh_chip import make_chip
 from photonic_testbed.hil.files import write_atomic
+from photonic_testbed.hil.rig.emulated import RigSpec
 
 if TYPE_CHECKING:
     from photonic_testbed.emulator.rackhost import RackHost
@@ -76,7 +76,8 @@ class EmulatedRig:
                                if self.chip is not None and self.ideal_chip else None)
                 if self.chip is not None and self.chip_calibration is not None:
                     resistances = heater_resistances(self.spec.dac_modules * 8, self.seed)
-                    for ch, r in zip(self.chip.channels, self.chip.truth_.resistance_ohm):
+                    for ch, r in zip(self.chip.channels, self.chip.truth_.resistance_ohm,
+                                     strict=True):
                         resistances[ch] = float(r)
                 photocurrent = (self._photocurrent
                                 if self.chip is not None and self.chip.monitors else None)
@@ -215,7 +216,7 @@ class EmulatedRig:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "EmulatedRig":
+    def __enter__(self) -> EmulatedRig:
         self.start()
         return self
 

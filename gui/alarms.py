@@ -27,11 +27,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QWidget
+
 from photonic_testbed.gui.limits import Limits
 from photonic_testbed.gui.model import FabricModel, Job
 from photonic_testbed.hil.agent.journal import Entry
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QWidget
 
 __all__ = ["Alarm", "AlarmBanner", "AlarmBook", "AlarmGroup", "Limits", "by_cause",
            "job_condition"]

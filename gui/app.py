@@ -182,9 +182,10 @@ def closed_by_signals(window: Any) -> Iterator[None]:
 def quiet_size_hints() -> Iterator[None]:
     """Drop `NO_SIZE_HINTS` on platforms without a window manager; every other message goes
     where it went before (the previous handler, else standard error as Qt writes it)."""
-    from photonic_testbed.gui.startup import NO_WINDOW
     from PySide6.QtCore import QtMsgType, qFormatLogMessage, qInstallMessageHandler
     from PySide6.QtGui import QGuiApplication
+
+    from photonic_testbed.gui.startup import NO_WINDOW
 
     def handler(mode: QtMsgType, context: Any, message: str) -> None:
         if message == NO_SIZE_HINTS and QGuiApplication.platformName() in NO_WINDOW:

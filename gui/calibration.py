@@ -23,12 +23,6 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from photonic_testbed.common.calibration import (
-    MAX_FILE_BYTES,
-    Calibration,
-    CalibrationFileError,
-    UnverifiedCalibrationWarning,
-)
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QFileDialog,
@@ -39,6 +33,13 @@ from PySide6.QtWidgets import (
     QSplitter,
     QVBoxLayout,
     QWidget,
+)
+
+from photonic_testbed.common.calibration import (
+    MAX_FILE_BYTES,
+    Calibration,
+    CalibrationFileError,
+    UnverifiedCalibrationWarning,
 )
 
 FRINGE_KEYS = ("sweep_v", "power", "fit_v", "fit_power", "extinction_db")

@@ -61,7 +61,7 @@ class Commands(abc.ABC):
     def submit(self, command: Command, done: Callable[[CommandResult], None]) -> None:
         """Send `command` without blocking; call `done` exactly once, from any thread."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - not abstract: nothing to release by default
         """Release whatever the implementation holds."""
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-from photonic_testbed.gui.commands import Command, CommandResult, CommandRunner
-from photonic_testbed.gui.model import FabricModel
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
@@ -26,6 +24,9 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from photonic_testbed.gui.commands import Command, CommandResult, CommandRunner
+from photonic_testbed.gui.model import FabricModel
 
 
 def describe_change(c: Command, model: FabricModel) -> str:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from PySide6.QtCore import QObject, QTimer
+
 from photonic_testbed.common.topology import Topology, benes
 from photonic_testbed.gui.commands import Command, CommandResult, Commands
 from photonic_testbed.gui.model import FabricModel
@@ -22,7 +24,6 @@ from photonic_testbed.gui.paths import trace
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.mirror import StatePublisher
 from photonic_testbed.hil.bus.state import Delete, Set, StateOp
-from PySide6.QtCore import QObject, QTimer
 
 VMAX = 7.0           # the demo heaters' voltage limit
 V_PI = 5.0           # volts for a pi phase shift in the demo's made-up heaters

@@ -7,10 +7,6 @@ import json
 import time
 from typing import cast
 
-from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
-from photonic_testbed.hil.agent.entries import builtins
-from photonic_testbed.hil.agent.entries import words as readable  # (details in words)
-from photonic_testbed.hil.agent.journal import KINDS, Entry
 from PySide6.QtCore import (
     QAbstractTableModel,
     QModelIndex,
@@ -31,6 +27,11 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from photonic_testbed.gui.model import MAX_ENTRIES, FabricModel
+from photonic_testbed.hil.agent.entries import builtins
+from photonic_testbed.hil.agent.entries import words as readable  # (details in words)
+from photonic_testbed.hil.agent.journal import KINDS, Entry
 
 _TOP = QModelIndex()            # the table's rows hang from the invisible top
 COLUMNS = ("seq", "time", "kind", "cause", "latency (ms)", "details")

@@ -8,10 +8,11 @@ import os
 import time
 from collections.abc import Iterable
 
+from PySide6.QtWidgets import QWidget
+
 from photonic_testbed.gui.events import readable
 from photonic_testbed.hil.agent.entries import builtins
 from photonic_testbed.hil.agent.journal import Entry
-from PySide6.QtWidgets import QWidget
 
 CSV_COLUMNS = ("seq", "time", "unix_time", "kind", "cause", "latency_ms", "details",
                "details_json")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-from photonic_testbed.gui.alarms import Limits, duration, job_condition
-from photonic_testbed.gui.model import FabricModel, Job
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (
@@ -19,6 +17,9 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from photonic_testbed.gui.alarms import Limits, duration, job_condition
+from photonic_testbed.gui.model import FabricModel, Job
 
 # The details (why a job is not well, its restart orders) are free text of any length: they
 # are written out under the table, where they wrap, not in a column that would be cut.

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
+from PySide6.QtCore import QObject, Qt, Signal, Slot
+
 from photonic_testbed.common.topology import Topology, TopologyError
 from photonic_testbed.gui.series import SeriesStore
 from photonic_testbed.hil.agent.entries import Details, Unread, decode
@@ -39,7 +41,6 @@ from photonic_testbed.hil.agent.journal import KINDS as JOURNAL_KINDS
 from photonic_testbed.hil.agent.journal import Entry
 from photonic_testbed.hil.bus.mirror import clone
 from photonic_testbed.hil.bus.state import Set, StateError, StateOp, apply, touched
-from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 log = logging.getLogger(__name__)
 

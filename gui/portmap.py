@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass
 
 import pyqtgraph as pg
-from photonic_testbed.gui.model import FabricModel, Gpu, SwitchChange
-from photonic_testbed.gui.paths import LightPath, trace
-from photonic_testbed.gui.stale import StaleFrame
 from PySide6.QtCore import QEvent, QLineF, QPointF, QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QLinearGradient, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSplitter, QToolTip, QVBoxLayout, QWidget
+
+from photonic_testbed.gui.model import FabricModel, Gpu, SwitchChange
+from photonic_testbed.gui.paths import LightPath, trace
+from photonic_testbed.gui.stale import StaleFrame
 
 FLASH_S = 0.8
 RINGS = 8                          # newest OCS changes that also get a ring

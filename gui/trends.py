@@ -11,9 +11,6 @@ from collections.abc import Iterable
 
 import numpy as np
 import pyqtgraph as pg
-from photonic_testbed.gui.alarms import Limits
-from photonic_testbed.gui.model import FabricModel
-from photonic_testbed.gui.stale import StaleFrame
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor, QCursor
 from PySide6.QtWidgets import (
@@ -25,6 +22,10 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from photonic_testbed.gui.alarms import Limits
+from photonic_testbed.gui.model import FabricModel
+from photonic_testbed.gui.stale import StaleFrame
 
 WINDOWS = (("last 1 min", 60.0), ("last 5 min", 300.0), ("last 15 min", 900.0),
            ("last 1 h", 3600.0))

@@ -7,6 +7,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QStatusBar,
+    QVBoxLayout,
+    QWidget,
+)
+
 from photonic_testbed.gui.alarms import AlarmBanner, AlarmBook, Limits
 from photonic_testbed.gui.calibration import CalibrationView
 from photonic_testbed.gui.commands import CommandResult, CommandRunner, Commands
@@ -19,17 +31,6 @@ from photonic_testbed.gui.portmap import PortMapView
 from photonic_testbed.gui.rack import RackView
 from photonic_testbed.gui.stale import StaleFrame
 from photonic_testbed.gui.trends import TrendsView
-from PySide6.QtCore import QByteArray, QObject, QSettings, Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (
-    QDockWidget,
-    QFileDialog,
-    QLabel,
-    QMainWindow,
-    QStatusBar,
-    QVBoxLayout,
-    QWidget,
-)
 
 SERVICE_COLOUR = {"connected": "#43a047", "connecting": "#fb8c00", "down": "#e53935"}
 LAYOUT_VERSION = 2          # 2: the Jobs and Trends docks (an older saved layout is not used)

@@ -171,7 +171,7 @@ def refuse_if_served(rig, used: dict[str, Any]) -> None:
     devices = [d for d in used.values() if not d.request.endswith(":0")]
     with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
         up = list(pool.map(lambda d: _serving(d.request, keys), devices))
-    running = [d for d, yes in zip(devices, up) if yes]
+    running = [d for d, yes in zip(devices, up, strict=True) if yes]
     if running:
         names = "; ".join(f"the {d.kind} service {d.name!r} at {d.request}" for d in running)
         raise CommandFailed(f"{names} is running on the bus and drives "
@@ -341,10 +341,11 @@ def _resave(path: pathlib.Path) -> int:
     """Read a calibration file and write it back in the current version (with a checksum)."""
     import warnings
 
-    from photonic_testbed.common.calibration import CALIBRATION_VERSION, \
-        UnverifiedCalibrationWarning
-    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration, \
-        write_calibration
+    from photonic_testbed.common.calibration import (
+        CALIBRATION_VERSION,
+        UnverifiedCalibrationWarning,
+    )
+    from photonic_testbed.drivers.mesh import CalibrationError, read_calibration, write_calibration
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnverifiedCalibrationWarning)

@@ -9,12 +9,18 @@ import pathlib
 import re
 import time
 
-from photonic_testbed.hil.lab.discover import (DEFAULT_TIMEOUT_S, SCPI_PORT, DiscoveryError,
-                                               discover, endpoint_addresses, host_resource,
-                                               listed_serial_ports, listed_visa_resources,
-                                               skeleton)
+from photonic_testbed.hil.lab.discover import (
+    DEFAULT_TIMEOUT_S,
+    SCPI_PORT,
+    DiscoveryError,
+    discover,
+    endpoint_addresses,
+    host_resource,
+    listed_serial_ports,
+    listed_visa_resources,
+    skeleton,
+)
 from photonic_testbed.ptb.cli import CommandFailed, check_output
-
 
 # ---- the command ---------------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import threading
 import zmq
 
 from photonic_testbed.hil.bus.security import KeyFileError
+from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.gpus.ddm import ETHTOOL_TIMEOUT_S, DdmReader
 from photonic_testbed.hil.gpus.health import GpuHealthUnavailable, NvmlHealth
 from photonic_testbed.hil.gpus.monitor import POLL_S, GpuMonitor, GpuMonitorError
-from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed
 

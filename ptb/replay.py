@@ -167,11 +167,11 @@ def replay_on_emulator(session_path: str | os.PathLike, *, rig: str = "lumion", 
     endpoint. The session's devices are found by endpoint key (dac, ocs, ...) or by the device
     names an emulated rig file gives them (chip, heaters, powermeter, ...). Returns the
     ReplayReport."""
-    from photonic_testbed.hil.lab.control_client import request
     from photonic_testbed.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.lab.control_client import request
     from photonic_testbed.hil.lab.replayer import replay
-    from photonic_testbed.hil.rig import rig_spec
     from photonic_testbed.hil.lab.session import Comparison, Session, parse_address
+    from photonic_testbed.hil.rig import rig_spec
     session = Session.load(session_path)
     with EmulatedRig(rig_spec(rig), seed=seed) as emulated:
         if emulated.dac is not None:

@@ -7,13 +7,14 @@ import signal
 import threading
 
 import zmq
+
 from photonic_testbed.common import heap
-from photonic_testbed.hil.files import WAIT_S, write_atomic
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.devices.kinds import ServiceError
 from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.devices.supervisor import Manager, SupervisorError
 from photonic_testbed.hil.devices.together import serve_together
+from photonic_testbed.hil.files import WAIT_S, write_atomic
 from photonic_testbed.hil.rig import RigFileError, load
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 

@@ -118,8 +118,12 @@ def _ping(name: str, kind: str, endpoint: str, keys) -> Answer:
 
 def _instrument_askers(path: str, wanted: list[str]) -> dict[str, Callable[[], Answer]]:
     from photonic_testbed.hil.lab.discover import SCPI_PORT, probe_scpi, probe_serial
-    from photonic_testbed.hil.lab.session import (ENDPOINT_DEVICES, SessionError, parse_address,
-                                                  read_endpoints)
+    from photonic_testbed.hil.lab.session import (
+        ENDPOINT_DEVICES,
+        SessionError,
+        parse_address,
+        read_endpoints,
+    )
     try:
         wires = {k: parse_address(a, SCPI_PORT) for k, a in read_endpoints(path).items()
                  if k in ENDPOINT_DEVICES}

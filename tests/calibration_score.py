@@ -208,8 +208,9 @@ def circuit_errors(rig, dac, calibration, circuit_sets) -> tuple[float, float]:
     circuit end, and the largest excess of a set's worst light at another port over the
     oracle's worst (dB)."""
     s = circuit_scores(rig, dac, calibration, circuit_sets)
-    main = max(float(np.abs(o - r).max()) for o, r in zip(s["ours_main"], s["oracle_main"]))
-    xt = max(float(o.max() - r.max()) for o, r in zip(s["ours_xt"], s["oracle_xt"]))
+    main = max(float(np.abs(o - r).max())
+               for o, r in zip(s["ours_main"], s["oracle_main"], strict=True))
+    xt = max(float(o.max() - r.max()) for o, r in zip(s["ours_xt"], s["oracle_xt"], strict=True))
     return main, xt
 
 

@@ -137,7 +137,7 @@ def main() -> None:
         if "photocurrents_na" in spec:
             session["photocurrents_na"] = spec["photocurrents_na"]
         replies = firmware_replay.run_session(session, core, hal_emulated)
-        for step, reply in zip(session["steps"], replies):
+        for step, reply in zip(session["steps"], replies, strict=True):
             step["expect"] = reply.decode("ascii")
         vectors["sessions"].append(session)
     OUT.write_text(json.dumps(vectors, indent=1, ensure_ascii=True) + "\n")

@@ -3,10 +3,14 @@ permutation with per-path loss and a little leakage, and that counts its moves."
 from __future__ import annotations
 
 import random
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
-from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch, \
-    check_circuits
+from photonic_testbed.drivers.circuit_switch import (
+    ApplyReport,
+    Circuits,
+    CircuitSwitch,
+    check_circuits,
+)
 
 
 class PermutationSwitch(CircuitSwitch):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 from agent_events import Heard
 from optics_doubles import PermutationSwitch
+
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import lumion, opus
 from photonic_testbed.emulator.clock import SimClock

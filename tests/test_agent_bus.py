@@ -13,6 +13,7 @@ import time
 
 import pytest
 import zmq
+
 from photonic_testbed.common.jobplan import dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import layout
 from photonic_testbed.emulator.rig import EmulatedRig

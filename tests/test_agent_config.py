@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from photonic_testbed.common.rack_layout import RECEIVER_SENSITIVITY_DBM
 from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.gui.limits import Limits
@@ -14,7 +15,6 @@ from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, AgentConfig
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.ptb.agent import config_of
 from photonic_testbed.ptb.cli import build_parser, main
-
 from tests.test_agent_bus import _rig_on_bus
 from tests.test_bus_at_most_once import serving
 

@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import pytest
+
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec, dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import duplex_rack, lumion
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits

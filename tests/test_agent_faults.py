@@ -10,7 +10,6 @@ import signal
 import time
 
 from photonic_testbed.hil.bus.client import ServiceClient
-
 from tests.test_agent_bus import _ptb, _rig_on_bus, _stop, _until
 
 SWAPS = int(os.environ.get("PTB_FAULT_SWAPS", "50"))
@@ -110,7 +109,6 @@ def test_a_restart_order_journaled_but_never_published_reaches_the_job(tmp_path)
     from photonic_testbed.hil.agent.entries import RankMapAnnounced, RestartOrder, Swap
     from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
     from photonic_testbed.hil.job.fabric_client import Fabric
-
     from tests.test_bus_at_most_once import serving
 
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, path):

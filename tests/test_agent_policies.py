@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 from optics_doubles import PermutationSwitch
+
 from photonic_testbed.common.jobplan import dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import Attachment, RackLayout, lumion
 from photonic_testbed.emulator.clock import SimClock

@@ -4,6 +4,7 @@ spares are shared; a failure with no spare left degrades only the job it hits.""
 from __future__ import annotations
 
 import pytest
+
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, check_circuits

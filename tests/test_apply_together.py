@@ -13,6 +13,7 @@ import time
 
 import pytest
 import zmq
+
 from photonic_testbed.drivers.circuit_switch import ApplyReport, SwitchError
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.hil.agent.bus_switch import BusSwitch
@@ -21,7 +22,6 @@ from photonic_testbed.hil.bus.client import BadRequest, ServiceClient
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.bus.state import Set
-
 from tests.test_serve_together import four_switches, moving, rotation, served
 
 
@@ -339,6 +339,7 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
     with the contract): the switch said it made the circuits, so the job gets its grant; the
     journal says which report could not be read, and an alarm is raised."""
     from agent_events import Heard
+
     from photonic_testbed.common.jobplan import dp_tp
     from photonic_testbed.common.rack_layout import opus
     from photonic_testbed.hil.agent import Agent

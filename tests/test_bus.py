@@ -9,6 +9,7 @@ import time
 
 import pytest
 import zmq
+
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (

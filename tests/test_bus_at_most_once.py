@@ -10,14 +10,14 @@ import time
 
 import pytest
 
+from photonic_testbed.common.jobplan import dp_ring
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import FIRST_ATTEMPT_S, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.devices.kinds import KINDS
 from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
-from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
-from photonic_testbed.common.jobplan import dp_ring
 
 SLOW_S = 2.5 * FIRST_ATTEMPT_S        # the client resends at least twice while it runs
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import BadRequest, RemoteError, ServiceClient
-from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from tests.test_bus import Supervised
 

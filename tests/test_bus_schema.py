@@ -7,6 +7,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.mirror import Mirror, StatePublisher
 from photonic_testbed.hil.bus.state import Delete, Set, StateError, apply, touched
@@ -268,7 +269,6 @@ def test_a_service_answers_an_unencodable_result_with_an_error():
 
     from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
     from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
-
     from tests.bus_doubles import MemoryPowerMeter
 
     class NanMeter(MemoryPowerMeter):

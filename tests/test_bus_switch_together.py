@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitConflict, SwitchError
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
@@ -14,7 +15,6 @@ from photonic_testbed.hil.agent.bus_switch import BusSwitch
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.rig import rig_spec
-
 from tests.test_datacenter_rig import SMALL
 
 

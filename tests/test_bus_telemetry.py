@@ -11,13 +11,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.devices.service import TELEMETRY_SHARE, DeviceService, ServiceSpec
 from photonic_testbed.hil.rig import rig_spec
-
 from tests.bus_doubles import GatedPowerMeter, TimedPowerMeter
 from tests.test_bus import Supervised
 

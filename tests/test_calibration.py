@@ -16,10 +16,21 @@ from photonic_testbed.calibration.progressive import Graph
 from photonic_testbed.calibration.report import drift_check, write_report
 from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.common.topology import benes
-from photonic_testbed.drivers.mesh import CalibrationError, Mesh, read_calibration, \
-    write_calibration
-from tests.calibration_score import cell_extinctions, extinction_ok, extinction_scores, \
-    heater_errors, lumion_station, permutation_errors, wrapped
+from photonic_testbed.drivers.mesh import (
+    CalibrationError,
+    Mesh,
+    read_calibration,
+    write_calibration,
+)
+from tests.calibration_score import (
+    cell_extinctions,
+    extinction_ok,
+    extinction_scores,
+    heater_errors,
+    lumion_station,
+    permutation_errors,
+    wrapped,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,6 +206,7 @@ def test_cli_ctrl_c_saves_progress_and_a_rerun_continues(tmp_path):
     once two cells are fitted until the interrupt is sent: the interrupt always lands mid-run
     (the whole run takes 0.4 s; on a busy machine a poll of the progress file could miss it)."""
     import threading
+
     from photonic_testbed.emulator.rig import EmulatedRig
     from photonic_testbed.hil.rig import rig_spec
     out = tmp_path / "cal.json"
@@ -270,8 +282,8 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 
 def test_cli_reads_a_rig_file(tmp_path):
-    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.emulator.rig import EmulatedRig
+    from photonic_testbed.hil import rig as rigfile
     from photonic_testbed.hil.rig import rig_spec
     with EmulatedRig(rig_spec("lumion"), seed=3, workdir=tmp_path, switching_s=0.0) as rig:
         path = tmp_path / "rig.toml"

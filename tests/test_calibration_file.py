@@ -14,9 +14,14 @@ import warnings
 import numpy as np
 import pytest
 
-from photonic_testbed.common.calibration import (CALIBRATION_VERSION, Calibration,
-                                                 CalibrationFileError, HeaterCalibration,
-                                                 UnverifiedCalibrationWarning, checksum)
+from photonic_testbed.common.calibration import (
+    CALIBRATION_VERSION,
+    Calibration,
+    CalibrationFileError,
+    HeaterCalibration,
+    UnverifiedCalibrationWarning,
+    checksum,
+)
 from photonic_testbed.drivers.mesh import read_calibration, write_calibration
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

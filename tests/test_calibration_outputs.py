@@ -17,8 +17,13 @@ from photonic_testbed.calibration.run import calibrate
 from photonic_testbed.calibration.station import StationError
 from photonic_testbed.common.topology import benes
 from photonic_testbed.drivers.mesh import read_calibration, write_calibration
-from tests.calibration_score import extinction_ok, extinction_scores, heater_errors, \
-    lumion_station, permutation_errors
+from tests.calibration_score import (
+    extinction_ok,
+    extinction_scores,
+    heater_errors,
+    lumion_station,
+    permutation_errors,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,8 +20,15 @@ from photonic_testbed.common.topology import Topology, benes, hexagonal
 from photonic_testbed.drivers.mesh import Mesh, read_calibration, write_calibration
 from photonic_testbed.emulator.chip import DARK_CURRENT_UA, MONITOR_TAP
 from photonic_testbed.emulator.mesh_chip import RecirculatingChip
-from tests.calibration_score import cell_extinctions, circuit_errors, extinction_ok, \
-    extinction_scores, heater_errors, random_circuits, rig_station
+from tests.calibration_score import (
+    cell_extinctions,
+    circuit_errors,
+    extinction_ok,
+    extinction_scores,
+    heater_errors,
+    random_circuits,
+    rig_station,
+)
 
 HEX = hexagonal(4)
 # circuits scored: sets of three, and single ones (the leaks of one alone)

@@ -8,8 +8,14 @@ import pytest
 
 from photonic_testbed.common.topology import benes, clements
 from photonic_testbed.drivers.routing import benes_cell_states, clements_decompose
-from photonic_testbed.emulator.chip import (MONITOR_TAP, NOMINAL_P_PI_MW, OUTPUT_TAP, ChipError,
-                               EmulatedChip, cell_matrix)
+from photonic_testbed.emulator.chip import (
+    MONITOR_TAP,
+    NOMINAL_P_PI_MW,
+    OUTPUT_TAP,
+    ChipError,
+    EmulatedChip,
+    cell_matrix,
+)
 
 
 class Clock:

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, check_circuits
 
@@ -40,7 +41,8 @@ def _requests(draw) -> list:
     n = draw(st.integers(0, 4))
     ins = draw(st.permutations([1, 2, 3, 4]))[:n]
     outs = draw(st.permutations([5, 6, 7, 8]))[:n]
-    pairs: list = [[a, b] if draw(st.booleans()) else (a, b) for a, b in zip(ins, outs)]
+    pairs: list = [[a, b] if draw(st.booleans()) else (a, b)
+                   for a, b in zip(ins, outs, strict=True)]
     for _ in range(draw(st.integers(0, 3))):
         flaw = draw(st.sampled_from(["port", "repeat", "odd", "any"]))
         if flaw == "port" and pairs:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from photonic_testbed.hil.agent.entries import Note
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.ptb.cli import main

@@ -9,8 +9,16 @@ import pathlib
 
 import pytest
 
-from photonic_testbed.common.topology import (Topology, TopologyError, benes, clements, hexagonal,
-                                              square, topology_from_json, topology_named)
+from photonic_testbed.common.topology import (
+    Topology,
+    TopologyError,
+    benes,
+    clements,
+    hexagonal,
+    square,
+    topology_from_json,
+    topology_named,
+)
 from photonic_testbed.drivers.mesh import read_topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

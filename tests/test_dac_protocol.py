@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from photonic_testbed.drivers.heater_dac import (DACTimeout, HeaterDAC, OverCurrent, OverVoltage,
-                                                ProtocolError, UnknownCommand)
+from photonic_testbed.drivers.heater_dac import (
+    DACTimeout,
+    HeaterDAC,
+    OverCurrent,
+    OverVoltage,
+    ProtocolError,
+    UnknownCommand,
+)
 
 ONE_MODULE_OPEN = [
     (b"id?\n", b"Q8iv-0001\n"),

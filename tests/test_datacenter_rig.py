@@ -7,6 +7,7 @@ import json
 import socket
 
 import pytest
+
 from photonic_testbed.emulator.control import request
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile

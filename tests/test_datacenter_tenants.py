@@ -9,6 +9,7 @@ import threading
 
 import orjson
 import pytest
+
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.emulator.control import request
 from photonic_testbed.emulator.rig import EmulatedRig
@@ -18,7 +19,6 @@ from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.hil.rig import rig_spec
-
 from tests.test_agent_bus import _until
 from tests.test_bus_at_most_once import serving
 from tests.test_datacenter_rig import SMALL

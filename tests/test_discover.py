@@ -18,12 +18,19 @@ import time
 import pytest
 import serial
 
+from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import ServiceClient
-from photonic_testbed.emulator.rig import EmulatedRig
-from photonic_testbed.hil.lab.discover import (DAC_ID, DiscoveryError, Probe, discover,
-                                               host_resource, probe_scpi, probe_serial,
-                                               skeleton)
+from photonic_testbed.hil.lab.discover import (
+    DAC_ID,
+    DiscoveryError,
+    Probe,
+    discover,
+    host_resource,
+    probe_scpi,
+    probe_serial,
+    skeleton,
+)
 from photonic_testbed.ptb.replay import _wait_for_power_up
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from photonic_testbed.firmware import core
 from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 
-
 # ---- parse_fixed: decimal text to 1e-4 units, rounded half up (away from zero) ---------------
 
 @pytest.mark.parametrize("text, units", [
@@ -104,8 +103,8 @@ def test_vmax_between_two_dac_codes_is_reachable_and_never_exceeded():
     board, hal = board_with([1000] * 8)
     hits = 0
     for vmax in range(40001, 40100):  # 1e-4 V steps: many fall between two DAC codes
-        assert board.execute("vmax0=%s" % core.format_fixed(vmax, "")[1:].strip()) == "OK\n"
-        assert board.execute("v0=%d.%04d" % (vmax // 10000, vmax % 10000)) == "OK\n", vmax
+        assert board.execute(f"vmax0={core.format_fixed(vmax, '')[1:].strip()}") == "OK\n"
+        assert board.execute(f"v0={vmax // 10000}.{vmax % 10000:04d}") == "OK\n", vmax
         assert board.volts_of(0, board.codes[0]) <= vmax
         hits += board.code_of(0, vmax) != board.codes[0]
         assert board.execute("v0=0") == "OK\n"

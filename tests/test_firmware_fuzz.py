@@ -12,6 +12,7 @@ import re
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from photonic_testbed.firmware import core
 from photonic_testbed.firmware.hal_emulated import EmulatedHAL
 

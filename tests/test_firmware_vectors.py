@@ -13,9 +13,9 @@ import re
 import shutil
 import subprocess
 
+import firmware_replay
 import pytest
 
-import firmware_replay
 from photonic_testbed.firmware import core, hal_emulated
 
 HERE = pathlib.Path(__file__).parent
@@ -33,7 +33,7 @@ def expected(session: dict) -> list[bytes]:
 
 def describe(session: dict, k: int) -> str:
     step = session["steps"][k]
-    what = step.get("send", "wait %s ms" % step.get("wait_ms") if "wait_ms" in step else "power up")
+    what = step.get("send", f"wait {step.get('wait_ms')} ms" if "wait_ms" in step else "power up")
     return f"session {session['name']!r} step {k} ({what[:60]!r})"
 
 
@@ -42,7 +42,7 @@ def test_cpython_core_replays_every_vector(session):
     got = firmware_replay.run_session(session, core, hal_emulated)
     want = expected(session)
     assert len(got) == len(want)
-    for k, (g, w) in enumerate(zip(got, want)):
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, describe(session, k)
 
 
@@ -99,5 +99,5 @@ def test_micropython_replays_every_vector_byte_for_byte(mp_result, session):
     got = [bytes.fromhex(h) for h in mp_result["replies"][session["name"]]]
     want = expected(session)
     assert len(got) == len(want)
-    for k, (g, w) in enumerate(zip(got, want)):
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, describe(session, k)

@@ -23,8 +23,13 @@ from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.bus.client import BadRequest, RemoteError, ServiceClient
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Server
-from photonic_testbed.hil.gpus.ddm import DARK_DBM, DdmError, DdmReader, parse_ethtool_module, \
-    run_ethtool
+from photonic_testbed.hil.gpus.ddm import (
+    DARK_DBM,
+    DdmError,
+    DdmReader,
+    parse_ethtool_module,
+    run_ethtool,
+)
 from photonic_testbed.hil.gpus.health import GpuHealth, GpuHealthUnavailable, NvmlHealth
 from photonic_testbed.hil.gpus.monitor import GpuMonitor, GpuMonitorError, map_nvml
 from photonic_testbed.hil.rig import GpuConfig, RigFileError
@@ -572,10 +577,10 @@ def _swap_on_monitors(tmp_path, rig, hosts: dict):
     entry of `hosts` ({host name or None: fake NVML Host}): Xid 79 on gpu0 -> the agent swaps
     the spare in, verifies the circuits with rx_power read from the transceivers' DDM, and
     orders the job's restart. Returns the agent's state after the swap."""
+    from photonic_testbed.common.jobplan import dp_ring
     from photonic_testbed.hil.agent.bus import AgentProcess
     from photonic_testbed.hil.devices.service import DeviceService
     from photonic_testbed.hil.job.fabric_client import Fabric
-    from photonic_testbed.common.jobplan import dp_ring
 
     stop = threading.Event()
     threads, monitors, healths = [], [], []

@@ -10,6 +10,10 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
+from PySide6.QtGui import QColor, QImage  # noqa: E402
+from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
+
 from photonic_testbed.common.calibration import checksum  # noqa: E402
 from photonic_testbed.common.topology import Topology, TopologyError  # noqa: E402
 from photonic_testbed.gui.calibration import CalibrationFileError, CalibrationView, load_calibration  # noqa: E402
@@ -30,9 +34,6 @@ from photonic_testbed.gui.rack import RackView  # noqa: E402
 from photonic_testbed.gui.window import MainWindow  # noqa: E402
 from photonic_testbed.hil.bus.schema import circuits_to_wire  # noqa: E402
 from photonic_testbed.hil.bus.state import Set  # noqa: E402
-from PySide6.QtCore import QPoint, QSettings, QTimer  # noqa: E402
-from PySide6.QtGui import QColor, QImage  # noqa: E402
-from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
+from PySide6.QtGui import QColor  # noqa: E402
+from PySide6.QtWidgets import QLabel  # noqa: E402
+
 from photonic_testbed.gui.alarms import (  # noqa: E402
     ALARM_BG,
     CLEAR_BG,
@@ -30,10 +34,6 @@ from photonic_testbed.gui.stale import StaleFrame  # noqa: E402
 from photonic_testbed.gui.startup import install_hint, missing_in, qt_start_problem  # noqa: E402
 from photonic_testbed.gui.trends import TrendsView  # noqa: E402
 from photonic_testbed.hil.bus.state import Delete, Set  # noqa: E402
-from PySide6.QtCore import QPoint, QPointF, QSettings, Qt  # noqa: E402
-from PySide6.QtGui import QColor  # noqa: E402
-from PySide6.QtWidgets import QLabel  # noqa: E402
-
 from tests.test_gui import (  # noqa: E402
     BENES,
     agent_state,

@@ -13,10 +13,11 @@ import time
 
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
-from photonic_testbed.gui.app import NO_SIZE_HINTS, main, quiet_size_hints  # noqa: E402
-from photonic_testbed.gui.window import MainWindow  # noqa: E402
 from PySide6.QtCore import qWarning  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
+
+from photonic_testbed.gui.app import NO_SIZE_HINTS, main, quiet_size_hints  # noqa: E402
+from photonic_testbed.gui.window import MainWindow  # noqa: E402
 
 START_S = 60.0              # a cold start imports Qt, pyqtgraph and numpy
 CLOSE_S = 30.0
@@ -98,11 +99,12 @@ def test_a_run_leaves_no_window_of_its_own_behind(qapp, tmp_path):
 def test_a_rig_without_a_rack_leaves_the_cockpit_layout_alone(qapp, tmp_path):
     """The docks an OCS-only rig hides are not saved as hidden for the next, fuller rig: the
     layout is kept per kind of rig."""
+    from PySide6.QtCore import QSettings
+
     from photonic_testbed.gui.app import tear_down
     from photonic_testbed.gui.commands import NoCommands
     from photonic_testbed.gui.model import FabricModel
     from photonic_testbed.gui.window import RigParts
-    from PySide6.QtCore import QSettings
 
     def opened(parts: RigParts) -> MainWindow:
         settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)

@@ -13,6 +13,9 @@ import time
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import pytest  # noqa: E402
+from PySide6.QtCore import QSettings  # noqa: E402
+from PySide6.QtWidgets import QMessageBox  # noqa: E402
+
 from photonic_testbed.emulator.rig import EmulatedRig  # noqa: E402
 from photonic_testbed.gui.app import rig_window  # noqa: E402
 from photonic_testbed.gui.commands import Command  # noqa: E402
@@ -22,9 +25,6 @@ from photonic_testbed.hil.bus import schema  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.bus.server import Server  # noqa: E402
 from photonic_testbed.hil.rig import rig_spec  # noqa: E402
-from PySide6.QtCore import QSettings  # noqa: E402
-from PySide6.QtWidgets import QMessageBox  # noqa: E402
-
 from tests.test_agent_bus import _agent, _stop, lumion_bus  # noqa: E402,F401 (a fixture)
 from tests.test_bus import Supervised  # noqa: E402
 from tests.test_gui import _answer_dialog, assert_not_blank, colour_at, near, pixels  # noqa: E402

@@ -26,6 +26,11 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from PySide6.QtCore import QEvent, QPoint, QRect, QSettings  # noqa: E402
+from PySide6.QtGui import QColor  # noqa: E402
+from PySide6.QtWidgets import QAbstractItemView, QApplication, QLabel, QStyle, QTableWidget  # noqa: E402
+from pytestqt.exceptions import TimeoutError as QtTimeout  # noqa: E402
+
 from photonic_testbed.emulator.control import request  # noqa: E402
 from photonic_testbed.emulator.rig import EmulatedRig  # noqa: E402
 from photonic_testbed.gui.alarms import ALARM_BG, CLEAR_BG  # noqa: E402
@@ -36,11 +41,6 @@ from photonic_testbed.gui.trends import COLOURS  # noqa: E402
 from photonic_testbed.hil import rig as rigfile  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.devices.service import DeviceService  # noqa: E402
-from PySide6.QtCore import QEvent, QPoint, QRect, QSettings  # noqa: E402
-from PySide6.QtGui import QColor  # noqa: E402
-from PySide6.QtWidgets import QAbstractItemView, QApplication, QLabel, QStyle, QTableWidget  # noqa: E402
-from pytestqt.exceptions import TimeoutError as QtTimeout  # noqa: E402
-
 from tests.test_agent_bus import _agent, _ptb, _rig_on_bus, _serve  # noqa: E402
 from tests.test_gui import assert_not_blank, colour_at, near, pixels  # noqa: E402
 

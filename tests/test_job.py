@@ -5,15 +5,22 @@ import queue
 from itertools import combinations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from optics_doubles import PermutationSwitch
 
+from photonic_testbed.common.jobplan import (
+    JobPlan,
+    PhaseSpec,
+    PlanError,
+    dp_ring,
+    dp_tp,
+    round_robin_matchings,
+)
+from photonic_testbed.common.rack_layout import lumion
 from photonic_testbed.emulator.clock import SimClock, WallClock
 from photonic_testbed.emulator.job import JobError, TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack
-from photonic_testbed.common.jobplan import (JobPlan, PhaseSpec, PlanError, dp_ring, dp_tp,
-                                          round_robin_matchings)
-from photonic_testbed.common.rack_layout import lumion
 
 RING = {i: 17 + (i % 8) for i in range(1, 9)}
 RANKS = {r: f"gpu{r}" for r in range(8)}
@@ -223,7 +230,7 @@ def test_restart_records_say_when_the_job_failed_restarted_and_resumed():
     assert len(records) == job.restarts >= 3
     failures = [e for e in job.log if e.kind == "failure"]
     restarted = [e for e in job.log if e.kind == "restarted"]
-    for rec, fail, back in zip(records, failures, restarted):
+    for rec, fail, back in zip(records, failures, restarted, strict=True):
         assert rec.failed_t == fail.t and rec.failure == "GPU(s) gpu3 failed"
         assert rec.t == back.t and rec.t >= rec.failed_t + 0.5       # the checkpoint reload
         assert rec.cause == "healed" and rec.rank_map == RANKS

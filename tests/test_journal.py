@@ -11,6 +11,7 @@ import time
 
 import orjson
 import pytest
+
 from photonic_testbed.hil.agent.entries import (
     Alarm,
     Applied,

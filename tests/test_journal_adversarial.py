@@ -18,12 +18,12 @@ import threading
 import time
 
 import orjson
-import photonic_testbed.hil.agent.sqlite_journal as journal_module
 import pytest
+
+import photonic_testbed.hil.agent.sqlite_journal as journal_module
 from photonic_testbed.hil.agent.entries import PhaseSwitched, SwitchReport, builtins
 from photonic_testbed.hil.agent.journal import JournalError
 from photonic_testbed.hil.agent.sqlite_journal import SHARE_ABOVE, SHARED_ITEMS, SqliteJournal
-
 from tests.test_journal import _schema_1_journal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import pathlib
 import shutil
 
 import pytest
+
 from photonic_testbed.common.jobplan import round_robin_matchings
 from photonic_testbed.common.rack_layout import lumion
 from photonic_testbed.gui.model import to_entry

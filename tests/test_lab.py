@@ -9,8 +9,8 @@ import pathlib
 import subprocess
 import sys
 
-from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.ptb.replay import _wait_for_power_up
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

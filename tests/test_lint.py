@@ -5,7 +5,6 @@ import os
 import pathlib
 import subprocess
 import sys
-
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

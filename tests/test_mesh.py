@@ -12,8 +12,14 @@ import pytest
 from photonic_testbed.common.topology import Topology, TopologyError, benes, clements, square
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, CircuitSwitch, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
-from photonic_testbed.drivers.mesh import Calibration, CalibrationError, HeaterCalibration, Mesh, \
-    read_calibration, write_calibration
+from photonic_testbed.drivers.mesh import (
+    Calibration,
+    CalibrationError,
+    HeaterCalibration,
+    Mesh,
+    read_calibration,
+    write_calibration,
+)
 from photonic_testbed.emulator import chip as chip_physics
 from photonic_testbed.emulator.chip import EmulatedChip
 from photonic_testbed.emulator.rig import EmulatedRig
@@ -251,7 +257,7 @@ def test_clements_mesh_routes_permutations():
     chip = EmulatedChip(top.describe(), ideal=True, monitors=False, clock=lambda: 1.0)
     chip._clock = lambda: 0.0
     mesh = Mesh(top, WiredDAC(chip, top.channels))
-    circuits = {i: o for i, o in zip(range(1, 7), [9, 7, 12, 8, 11, 10])}
+    circuits = {i: o for i, o in zip(range(1, 7), [9, 7, 12, 8, 11, 10], strict=True)}
     mesh.apply(circuits)
     chip._clock = lambda: 1.0
     assert shares(chip, circuits).min() > 0.999

@@ -12,8 +12,13 @@ from photonic_testbed.common.topology import Topology, hexagonal, square
 from photonic_testbed.drivers.circuit_switch import CircuitConflict, SwitchError
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Calibration, Mesh
-from photonic_testbed.drivers.routing import BAR, RoutingError, mzi, route_waveguides, \
-    trace_waveguides
+from photonic_testbed.drivers.routing import (
+    BAR,
+    RoutingError,
+    mzi,
+    route_waveguides,
+    trace_waveguides,
+)
 from photonic_testbed.emulator.chip import OUTPUT_TAP, ChipError
 from photonic_testbed.emulator.mesh_chip import RecirculatingChip, make_chip
 from photonic_testbed.emulator.rig import EmulatedRig
@@ -130,13 +135,13 @@ def test_energy_is_conserved_up_to_the_modelled_loss(make):
     rng = np.random.default_rng(3)
     ideal = chip_of(t, ideal=True, monitors=False)
     ideal.set_voltages({ch: float(v) for ch, v in
-                        zip(ideal.channels, rng.uniform(0, 7, len(ideal.channels)))})
+                        zip(ideal.channels, rng.uniform(0, 7, len(ideal.channels)), strict=True)})
     light = {1: 1.0, 6: 2.5}
     out = sum(ideal.transfer(light).values()) / (1 - OUTPUT_TAP) + ideal.free_end_mw(light)
     assert out == pytest.approx(3.5, rel=1e-9)
     lossy = chip_of(t, seed=5)
     lossy.set_voltages({ch: float(v) for ch, v in
-                        zip(lossy.channels, rng.uniform(0, 7, len(lossy.channels)))})
+                        zip(lossy.channels, rng.uniform(0, 7, len(lossy.channels)), strict=True)})
     out = sum(lossy.transfer(light).values()) / (1 - OUTPUT_TAP) + lossy.free_end_mw(light)
     assert 0.0 < out < 3.5 * 0.99
 

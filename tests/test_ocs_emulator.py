@@ -12,6 +12,7 @@ import time
 
 import pytest
 import pyvisa
+
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter

@@ -9,8 +9,15 @@ from photonic_testbed.drivers.circuit_switch import CircuitConflict
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch, format_circuits, parse_circuits
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.drivers.scpi import (DataOutOfRange, IllegalParameterValue, ProtocolError,
-                          UndefinedHeader, scpi_error, CommandError, ExecutionError)
+from photonic_testbed.drivers.scpi import (
+    CommandError,
+    DataOutOfRange,
+    ExecutionError,
+    IllegalParameterValue,
+    ProtocolError,
+    UndefinedHeader,
+    scpi_error,
+)
 from tests.scripted_visa import DROP, expected_protocol
 
 IDN = "Polatis,N-OST-32x32-HU1-DMHNS,001234,6.5.2.18"

@@ -9,7 +9,6 @@ import time
 from photonic_testbed.common.jobplan import dp_tp
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.job.fabric_client import Fabric
-
 from tests.test_agent_bus import _rig_on_bus, _until
 from tests.test_bus_at_most_once import serving
 

@@ -6,11 +6,17 @@ import json
 import pytest
 from optics_doubles import PermutationSwitch
 
+from photonic_testbed.common.rack_layout import (
+    Attachment,
+    LayoutError,
+    RackLayout,
+    layout,
+    lumion,
+    opus,
+)
 from photonic_testbed.emulator.clock import SimClock
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.hil.gpus.health import GpuHealth
-from photonic_testbed.common.rack_layout import (Attachment, LayoutError, RackLayout, layout,
-                                                 lumion, opus)
 
 RING = {i: 17 + (i % 8) for i in range(1, 9)}     # gpu(i-1).tx -> gpu(i % 8).rx
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.emulator.control import ControlError, request
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.rig import rig_spec
 
 

@@ -22,8 +22,8 @@ import pytest
 from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.lab.replayer import ScriptedDevices
-from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.hil.lab.session import Session
+from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.replay import _wait_for_power_up, replay_on_emulator, session_fixture
 
 qontrol = pytest.importorskip("qontrol")

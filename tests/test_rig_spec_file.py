@@ -2,7 +2,6 @@
 import pytest
 
 from photonic_testbed.emulator.rig import EmulatedRig
-
 from photonic_testbed.hil.rig import rig_spec
 
 

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+
 from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.bus.client import ServiceClient

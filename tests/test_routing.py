@@ -10,15 +10,31 @@ import numpy as np
 import pytest
 from scipy.stats import unitary_group
 
-from photonic_testbed.common.topology import (Topology, TopologyError, benes, build, clements,
-                                              hexagonal, square)
+from photonic_testbed.common.topology import (
+    Topology,
+    TopologyError,
+    benes,
+    build,
+    clements,
+    hexagonal,
+    square,
+)
 from photonic_testbed.drivers.circuit_switch import CircuitConflict
-from photonic_testbed.drivers.routing import (BAR, CROSS, RoutingError, benes_cell_states,
-                                              benes_route, circuits_to_permutation,
-                                              clements_decompose, matching_schedule, mzi,
-                                              permutation_matrix, round_robin, route_mesh,
-                                              trace_states)
-
+from photonic_testbed.drivers.routing import (
+    BAR,
+    CROSS,
+    RoutingError,
+    benes_cell_states,
+    benes_route,
+    circuits_to_permutation,
+    clements_decompose,
+    matching_schedule,
+    mzi,
+    permutation_matrix,
+    round_robin,
+    route_mesh,
+    trace_states,
+)
 
 # ---- topology data ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import pytest
 import test_scpi_server as scpi_client
+
 from photonic_testbed.emulator import scpi_loop
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.scpi import Instrument, Session

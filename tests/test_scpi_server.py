@@ -12,6 +12,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from photonic_testbed.emulator import scpi_server
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.optical_instruments import LaserInstrument, PowerMeterInstrument

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.scpi import SCPIError

@@ -13,8 +13,14 @@ import serial
 
 from photonic_testbed.hil.lab.recorder import Recorder, RecorderError
 from photonic_testbed.hil.lab.replayer import ReplayError, ScriptedDevices, replay
-from photonic_testbed.hil.lab.session import (Comparison, Session, SessionError, Wire, device_wires,
-                                          parse_address)
+from photonic_testbed.hil.lab.session import (
+    Comparison,
+    Session,
+    SessionError,
+    Wire,
+    device_wires,
+    parse_address,
+)
 
 HEADER = {"format": "ptb-session", "version": 1, "started": "2026-11-24T09:00:00.000Z",
           "devices": {"ocs": {"wire": "tcp", "address": "TCPIP::127.0.0.1::5025::SOCKET"},
@@ -315,7 +321,7 @@ def test_a_session_file_that_cannot_be_written_stops_the_recording_whole_lines_k
             rec.writer._file = _FillingFile(rec.writer._file, 150)
             relayed = parse_address(rec.addresses["echo"])
             with socket.create_connection((relayed.host, relayed.port), timeout=10) as s:
-                for k in range(200):
+                for _ in range(200):
                     try:
                         s.sendall(b"x" * 100 + b"?\n")
                         if not s.recv(4096):
@@ -440,6 +446,7 @@ def test_ptb_record_relays_a_rig_file_and_runs_the_client(tmp_path):
     in the rig file written, the recording stops when it ends, its exit code is the command's."""
     import subprocess
     import sys
+
     from photonic_testbed.hil import rig as rigfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     device = EchoDevice()

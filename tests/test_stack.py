@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
 

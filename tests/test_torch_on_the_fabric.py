@@ -17,11 +17,12 @@ import pytest
 
 pytest.importorskip("torch")
 
+from test_torch_job import events_of, finish, launch  # noqa: E402
+
 from photonic_testbed.emulator.control import request  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.job import torch_job  # noqa: E402
 from photonic_testbed.ptb.bench.measure import agent_stack  # noqa: E402
-from test_torch_job import events_of, finish, launch  # noqa: E402
 
 SMALL = ("--width", "32", "--batch", "2", "--block", "16", "--layers", "1")
 TIMEOUT_S = 600

@@ -27,10 +27,10 @@ from photonic_testbed.drivers.laser import Laser
 from photonic_testbed.drivers.mesh import write_calibration
 from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
-from photonic_testbed.hil import rig as rigfile
 from photonic_testbed.emulator.chip import ChipError, EmulatedChip, cell_matrix
 from photonic_testbed.emulator.dac_board import heater_resistances
 from photonic_testbed.emulator.rig import EmulatedRig
+from photonic_testbed.hil import rig as rigfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 16
@@ -51,7 +51,7 @@ def chip_file(seed: int) -> Calibration:
     t = chip.truth()
     heaters = {ch: HeaterCalibration(float(o), float(p), float(r), cell=chip.cell_ids[i])
                for i, (ch, o, p, r) in enumerate(zip(t.channels, t.offset_rad, t.p_pi_mw,
-                                                     t.resistance_ohm))}
+                                                     t.resistance_ohm, strict=True))}
     at = [t.channels.index(ch) for ch in sorted(t.channels)]
     cells = {}
     for i, cid in enumerate(chip.cell_ids):

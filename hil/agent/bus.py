@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import orjson
 import zmq
+
 from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
@@ -42,13 +43,13 @@ from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
     BusError,
     ServiceClient,
     call_many,
 )
 from photonic_testbed.hil.bus.mirror import StateSubscriber
-from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.server import Answer, Server
 from photonic_testbed.hil.bus.state import Delete, Set, StateOp
 from photonic_testbed.hil.rig import Rig, RigFileError

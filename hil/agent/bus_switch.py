@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+
 from photonic_testbed.drivers.circuit_switch import (
     ApplyReport,
     CircuitConflict,

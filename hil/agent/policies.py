@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
 from photonic_testbed.common.jobplan import JobPlan, round_robin_matchings
 from photonic_testbed.common.rack_layout import RackLayout
+from photonic_testbed.drivers.circuit_switch import CircuitConflict, Circuits, check_circuits
 
 Targets = dict[str, Circuits]           # switch name -> circuits
 RankMap = dict[int, str]
@@ -288,7 +288,7 @@ class _RankIndex:
         self._slices: dict[int, tuple[np.ndarray, np.ndarray]] = {
             r: (k, w) for r, k, w in zip(self._ranks[starts].tolist() if n else [],
                                          np.split(self._key_of, bounds),
-                                         np.split(self._where, bounds))}
+                                         np.split(self._where, bounds), strict=True)}
         # rank -> ({phase-round index: (start, end) in its link indices}, link indices)
         self._made: dict[int, tuple[dict[int, tuple[int, int]], list[int]]] = {}
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import msgspec
 import orjson
+
 from photonic_testbed.hil.agent.entries import KINDS, Details, Intent, Unread, decode
 from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
 

@@ -28,8 +28,15 @@ import zmq
 
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (re-exported for callers)
-    BadRequest, BusError, DeadlineExceeded, RemoteError, ServiceUnavailable, StaleState,
-    UnknownOperation, from_wire)
+    BadRequest,
+    BusError,
+    DeadlineExceeded,
+    RemoteError,
+    ServiceUnavailable,
+    StaleState,
+    UnknownOperation,
+    from_wire,
+)
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
 
 log = logging.getLogger(__name__)
@@ -78,7 +85,7 @@ class ServiceClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def __enter__(self) -> "ServiceClient":
+    def __enter__(self) -> ServiceClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
 from photonic_testbed.hil.bus.state import Set, StateError, StateOp, apply, changes

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import orjson
+
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (the schema's errors, re-exported)
     BadFrame,
     BadRequest,

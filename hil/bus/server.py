@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import (
     BadFrame,

@@ -19,13 +19,12 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from photonic_testbed import moved
 from photonic_testbed.common.calibration import CalibrationError
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.server import Answer
-
-from photonic_testbed import moved
 
 
 class ServiceError(Exception):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from photonic_testbed.common import heap
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest

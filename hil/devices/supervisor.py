@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.security import ClientKeys, make_client
 from photonic_testbed.hil.devices.service import ServiceSpec, run_service

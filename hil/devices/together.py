@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import zmq
+
 from photonic_testbed.hil.bus.errors import StaleState, to_wire
 from photonic_testbed.hil.bus.server import Answer
 from photonic_testbed.hil.devices.calls import DeviceCalls

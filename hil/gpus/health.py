@@ -108,7 +108,7 @@ class NvmlHealth:
         finally:
             self.nvml.nvmlShutdown()
 
-    def __enter__(self) -> "NvmlHealth":
+    def __enter__(self) -> NvmlHealth:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -136,7 +136,7 @@ class NvmlHealth:
         """Read every GPU's counters now (and any Xids seen since the last poll)."""
         nvml = self.nvml
         out = []
-        for uuid, h in zip(self.uuids, self._handles):
+        for uuid, h in zip(self.uuids, self._handles, strict=True):
             xids = tuple(self._pending_xids.get(uuid, ()))
             self._pending_xids[uuid] = []
             try:

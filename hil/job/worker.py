@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import DistError, PrefixStore, TCPStore
+
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.hil.bus.client import BusError
 from photonic_testbed.hil.job import torch_job
@@ -68,7 +70,6 @@ from photonic_testbed.hil.job.model import (
     state_tensors,
     unflatten_into,
 )
-from torch.distributed import DistError, PrefixStore, TCPStore
 
 log = logging.getLogger(__name__)
 

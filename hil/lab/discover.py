@@ -27,7 +27,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-
 log = logging.getLogger(__name__)
 
 
@@ -136,8 +135,12 @@ def host_resource(text: str) -> str:
 def endpoint_addresses(path: str) -> tuple[list[str], list[str]]:
     """An emulator's endpoints file: (its serial link, its instruments' socket resources)."""
     from photonic_testbed.hil import files
-    from photonic_testbed.hil.lab.session import (ENDPOINT_DEVICES, SessionError, parse_address,
-                                              read_endpoints)
+    from photonic_testbed.hil.lab.session import (
+        ENDPOINT_DEVICES,
+        SessionError,
+        parse_address,
+        read_endpoints,
+    )
     try:
         endpoints = read_endpoints(path, wait_s=files.WAIT_S)
         wires = [parse_address(a, SCPI_PORT) for k, a in endpoints.items()

@@ -125,7 +125,7 @@ def _port(text: str, where: str) -> int:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 # ---- the session's content -----------------------------------------------------------------------
@@ -174,7 +174,7 @@ class Session:
     _exchanges: list[Exchange] | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Session":
+    def load(cls, path: str | os.PathLike) -> Session:
         path = pathlib.Path(path)
         try:
             size = path.stat().st_size
@@ -189,7 +189,7 @@ class Session:
         return cls.parse(text, str(path))
 
     @classmethod
-    def parse(cls, text: str, where: str = "session") -> "Session":
+    def parse(cls, text: str, where: str = "session") -> Session:
         lines = text.splitlines()
         if not lines:
             raise SessionError(f"{where}: empty: a session starts with its header line")
@@ -251,7 +251,7 @@ class Session:
             self._exchanges = _exchanges(self.events)
         return self._exchanges
 
-    def script(self) -> list[tuple[str, "Exchange | tuple[str, int]"]]:
+    def script(self) -> list[tuple[str, Exchange | tuple[str, int]]]:
         """The client's side in order: ("open", (device, conn)), ("exchange", Exchange),
         ("close", (device, conn)); each exchange where its first byte was."""
         by_start = {(x.device, x.conn, x.line): x for x in self.exchanges()}
@@ -489,14 +489,14 @@ class Comparison:
         a, b = self.kept(expected), self.kept(got)
         if len(a) != len(b):
             return False
-        return all(x == y or self._close(x, y) for x, y in zip(a, b))
+        return all(x == y or self._close(x, y) for x, y in zip(a, b, strict=True))
 
     def _close(self, x: bytes, y: bytes) -> bool:
         if not self.rel_tol:
             return False
         if _NUMBER.sub(b"#", x) != _NUMBER.sub(b"#", y):
             return False
-        for p, q in zip(_NUMBER.findall(x), _NUMBER.findall(y)):
+        for p, q in zip(_NUMBER.findall(x), _NUMBER.findall(y), strict=True):
             a, b = float(p), float(q)
             if not (math.isfinite(a) and math.isfinite(b)):
                 if p != q:                   # beyond a float: equal only as the same text

@@ -8,12 +8,28 @@
 The names below are the package's interface: `from photonic_testbed.hil import rig` and
 `rig.load(path)`, `rig.for_emulator(spec, endpoints)`, ... (docs/rigfile.md).
 """
-from photonic_testbed.hil.rig.emulated import (EMULATED_DEVICES, RIGS, RigSpec, for_emulator,
-                                               free_port, free_ports, is_emulator_description,
-                                               rig_spec, rig_spec_from_file)
+from photonic_testbed.hil.rig.emulated import (
+                                               EMULATED_DEVICES,
+                                               RIGS,
+                                               RigSpec,
+                                               for_emulator,
+                                               free_port,
+                                               free_ports,
+                                               is_emulator_description,
+                                               rig_spec,
+                                               rig_spec_from_file,
+)
 from photonic_testbed.hil.rig.file import ENDPOINT, dumps, load, parse, write
-from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
-                                            GpuConfig, Rig, RigFileError, monitor_device)
+from photonic_testbed.hil.rig.model import (
+                                               PROCESSES,
+                                               BusConfig,
+                                               ChipConfig,
+                                               DeviceConfig,
+                                               GpuConfig,
+                                               Rig,
+                                               RigFileError,
+                                               monitor_device,
+)
 
 __all__ = ["EMULATED_DEVICES", "ENDPOINT", "PROCESSES", "RIGS", "BusConfig", "ChipConfig",
            "DeviceConfig", "GpuConfig", "Rig", "RigFileError", "RigSpec", "dumps",

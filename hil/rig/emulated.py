@@ -17,10 +17,17 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
-from photonic_testbed.common.topology import TopologyError, build
 from photonic_testbed.common.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
-from photonic_testbed.hil.rig.model import (PROCESSES, BusConfig, ChipConfig, DeviceConfig,
-                                            GpuConfig, Rig, RigFileError)
+from photonic_testbed.common.topology import TopologyError, build
+from photonic_testbed.hil.rig.model import (
+    PROCESSES,
+    BusConfig,
+    ChipConfig,
+    DeviceConfig,
+    GpuConfig,
+    Rig,
+    RigFileError,
+)
 
 DAC_MODULE_CHANNELS = 8           # a Q8iv module drives 8 heaters
 

@@ -81,10 +81,10 @@ def print_table(rows: list[dict]) -> None:
     keys = list(rows[0])
     cells = [[str(r.get(k, "")) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
 
 
 def _run(mod, args) -> int:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import ServiceClient

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from photonic_testbed.ptb.bench import SEED, integer, number
 
 NAME = "gui"
@@ -78,6 +79,9 @@ class _Record:
 
 def run(args) -> dict:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication, QSplitter, QVBoxLayout, QWidget
+
     from photonic_testbed.common.topology import Topology
     from photonic_testbed.gui.alarms import AlarmBanner
     from photonic_testbed.gui.demo import benes_topology, chip_circuits
@@ -87,8 +91,6 @@ def run(args) -> dict:
     from photonic_testbed.gui.trends import TrendsView
     from photonic_testbed.hil.bus.schema import circuits_to_wire
     from photonic_testbed.hil.bus.state import Set
-    from PySide6.QtCore import QTimer
-    from PySide6.QtWidgets import QApplication, QSplitter, QVBoxLayout, QWidget
 
     app = QApplication.instance() or QApplication([])
     rng = random.Random(args.seed)

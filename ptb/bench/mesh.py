@@ -3,6 +3,7 @@ decomposition side by side with the `interferometer` package (W. Clements' refer
 plus `Mesh.apply` end to end over the emulated lumion rig's pty."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -13,8 +14,14 @@ import numpy as np
 from photonic_testbed.common.topology import benes, hexagonal, square
 from photonic_testbed.drivers.heater_dac import HeaterDAC
 from photonic_testbed.drivers.mesh import Mesh
-from photonic_testbed.drivers.routing import RoutingError, benes_route, clements_decompose, \
-    route_mesh, route_waveguides, trace_waveguides
+from photonic_testbed.drivers.routing import (
+    RoutingError,
+    benes_route,
+    clements_decompose,
+    route_mesh,
+    route_waveguides,
+    trace_waveguides,
+)
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.bench import SEED, integer
@@ -22,6 +29,10 @@ from photonic_testbed.ptb.bench import SEED, integer
 NAME = "mesh"
 HELP = "chip routing: Benes looping, 9x9 mesh MILP, Clements vs the interferometer package"
 
+
+
+def _route_next(perms) -> object:
+    return benes_route(next(perms))
 
 def add_arguments(p) -> None:
     p.add_argument("--repeats", type=integer(1, 10 ** 5), default=20,
@@ -54,7 +65,7 @@ def run(args) -> dict:
         # numpy permutations (as measured before): sequences of ints to benes_route
         perms = [cast(Sequence[int], rng.permutation(n)) for _ in range(args.repeats)]
         it = iter(perms)
-        t = _median_time(lambda: benes_route(next(it)), args.repeats)
+        t = _median_time(functools.partial(_route_next, it), args.repeats)
         result["benes"][n] = t
         rows.append({"task": f"Benes looping N={n}", "ours_ms": f"{t * 1e3:.3f}",
                      "reference_ms": "", "ratio": "", "ours_err": "", "reference_err": ""})
@@ -110,18 +121,18 @@ def run(args) -> dict:
                                     f"{max(times) * 1e3:.0f})",
                          "reference_ms": "", "ratio": "", "ours_err": "", "reference_err": ""})
 
-    from scipy.stats import unitary_group   # 0.8 s to import: not at `ptb --help`
+    from scipy.stats import unitary_group  # 0.8 s to import: not at `ptb --help`
     for n in (8, 32, 64):
         u = unitary_group.rvs(n, random_state=args.seed + n)
         reps = 5 if n < 64 else 3
-        ours = _median_time(lambda: clements_decompose(u), reps)
+        ours = _median_time(functools.partial(clements_decompose, u), reps)
         ours_err = float(np.abs(clements_decompose(u).matrix() - u).max())
         row = {"task": f"Clements decomposition N={n}", "ours_ms": f"{ours * 1e3:.2f}",
                "reference_ms": "", "ratio": "", "ours_err": f"{ours_err:.1e}",
                "reference_err": ""}
         entry = {"ours_s": ours, "ours_err": ours_err}
         if interferometer is not None:
-            theirs = _median_time(lambda: interferometer.square_decomposition(u),
+            theirs = _median_time(functools.partial(interferometer.square_decomposition, u),
                                   3 if n < 64 else 1)
             dec = interferometer.square_decomposition(u)
             theirs_err = float(np.abs(dec.calculate_transformation() - u).max())

@@ -44,7 +44,7 @@ def _row(label: str, s: dict, lines: str) -> dict:
 def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     n = 32
-    perms = [dict(zip(range(1, n + 1), (int(x) for x in rng.permutation(n) + n + 1)))
+    perms = [dict(zip(range(1, n + 1), (int(x) for x in rng.permutation(n) + n + 1), strict=True))
              for _ in range(args.reconfigurations)]
     with EmulatedRig(rig_spec("opus"), seed=args.seed, switching_s=0.0) as rig:
         server = rig.optics.servers["ocs"]

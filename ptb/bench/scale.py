@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
 from photonic_testbed.common.rack_layout import rail_rack
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch

@@ -7,14 +7,14 @@ import pathlib
 import sys
 
 from optics_doubles import PermutationSwitch
+
+import photonic_testbed
 from photonic_testbed.hil.agent import Agent
 from photonic_testbed.hil.emulator.clock import SimClock
 from photonic_testbed.hil.emulator.rack import EmulatedRack
 from photonic_testbed.hil.jobplan import dp_tp
 from photonic_testbed.hil.journal import Journal
 from photonic_testbed.hil.rack_layout import lumion
-
-import photonic_testbed
 
 if photonic_testbed.__version__ != "0.2.0":
     sys.exit(f"this is photonic_testbed {photonic_testbed.__version__} from "
