@@ -76,7 +76,7 @@ class _Probe:
         p[self.ch] = 0.0
         theta0 = cal.phase_of(self.cell, p)
         return ((fringe_phase - theta0 - self.arm_shift) % TWO_PI) / \
-            (f.rad_per_mw * (1.0 + cal.crosstalk[self.ch, self.ch]))
+            (f.rad_per_mw * (1.0 + cal.coupling()[self.ch, self.ch]))
 
     def read(self, p_mw: float) -> float:
         st = self.cal.station
@@ -125,6 +125,8 @@ def measure_crosstalk(cal: Calibrator, radius: float = 2.5, passes: int = 2,
     error from light leaking off a route that the heated neighbour detunes. `between(npass)`
     runs after each pass but the last, with that pass's matrix (a refinement of the
     efficiencies, which the next pass's quadrature points depend on)."""
+    if passes < 1:
+        raise ValueError(f"crosstalk passes must be at least 1, not {passes}")
     n = 1 + max(cal.channels)
     near = neighbours(cal, radius)
     cells = [c for c in cal.order() if c in cal.state["fits"]]
@@ -141,10 +143,10 @@ def measure_crosstalk(cal: Calibrator, radius: float = 2.5, passes: int = 2,
                 cal.on_checkpoint(cal.state)
             if on_progress:
                 on_progress(cell, npass * len(cells) + k + 1, passes * len(cells))
-        cal.crosstalk = crosstalk_matrix(done, n)
+        cal.crosstalk = matrix = crosstalk_matrix(done, n)
         if between is not None and npass < passes - 1:
             between(npass)
-    return cal.crosstalk
+    return matrix
 
 
 def crosstalk_matrix(rows: dict, n: int) -> np.ndarray:
@@ -370,8 +372,9 @@ def refine_under_load(cal: Calibrator, loads: tuple[str, ...] = LOAD_STATES,
 
 def _apply_row(cal: Calibrator, entry: dict) -> None:
     i = int(entry["channel"])
+    crosstalk = cal.coupling()
     for j, v in entry["dk"].items():
-        cal.crosstalk[i, int(j)] += v
+        crosstalk[i, int(j)] += v
 
 
 def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
@@ -403,7 +406,7 @@ def _check_under_load(cal: Calibrator, cell: str, cells: list[str],
         errors.append(err)
         sigmas.append(PHASE_NOISE_RAD)
     g = np.array(rows)
-    k_row = np.abs(cal.crosstalk[ch, cols])
+    k_row = np.abs(cal.coupling()[ch, cols])
     prior = np.concatenate([[OFFSET_PRIOR_RAD ** 2],
                             beta ** 2 * (K_PRIOR ** 2 + (K_SCALE_PRIOR * k_row) ** 2)])
     cov = (g * prior) @ g.T + np.diag(np.square(sigmas))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import cast
 
 from photonic_testbed.calibration.progressive import CalibrationRunError, Calibrator, Graph, Route
@@ -178,7 +178,7 @@ class OutputGraph(Graph):
     def _bootstrap_route(self, cell: str) -> Route:
         """Light on one input arm of `cell` through calibrated cells only (any before them)."""
         sources = [self.source[(cell, arm)] for arm in (0, 1)]
-        fallback = None
+        fallback: Route | None = None
         for arm in (0, 1):
             for states, end in self._traces_back(sources[arm]):
                 for port in sorted(self.in_cone(end)):
@@ -187,6 +187,8 @@ class OutputGraph(Graph):
                         return Route(port, arm, states, away, None)
                     if fallback is None:
                         fallback = Route(port, arm, states, {}, None)
+        if fallback is None:
+            raise CalibrationRunError(f"{cell}: no chip input reaches it")
         log.warning("%s: no input keeps its second arm dark; its first sweep is approximate",
                     cell)
         return fallback
@@ -254,21 +256,21 @@ class _Readings(Mapping):
         return len(self.station.topology.cells)
 
 
+@dataclass
 class OutputStation(Station):
     """The station seen by the progressive machinery: a cell's "monitor" is the share of its
     light on the outputs that carry its bottom output arm (meter readings)."""
 
-    graph: OutputGraph | None = None
-    base: Station | None = None              # the station this view reads for
+    graph: OutputGraph = field(kw_only=True)
+    base: Station = field(kw_only=True)      # the station this view reads for
 
     @classmethod
     def over(cls, station: Station, graph: OutputGraph) -> OutputStation:
         """A view of `station` (same instruments, same counters) that reads the outputs; the
         lit input stays the station's own, so the two never disagree about it."""
-        view = cls(**{f.name: getattr(station, f.name) for f in fields(station)})
+        view = cls(**{f.name: getattr(station, f.name) for f in fields(Station)},
+                   graph=graph, base=station)
         view.monitors = False
-        view.graph = graph
-        view.base = station
         return view
 
     def light(self, chip_input: int) -> None:
@@ -398,12 +400,12 @@ def _bootstrap_sweep(cal: Calibrator, cell: str) -> dict:
         ranked = candidates
     if not ranked:
         return _sweep(cal, cell)
-    error = None
+    errors: list[CalibrationRunError] = []
     for route in ranked[:4]:
         graph.use_route(cell, route)
         try:
             return _sweep(cal, cell)
         except CalibrationRunError as e:
             log.info("%s lit from input %d: %s; trying another input", cell, route.port, e)
-            error = error or e
-    raise error
+            errors.append(e)
+    raise errors[0]

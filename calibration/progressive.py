@@ -233,6 +233,12 @@ class Calibrator:
     def fit(self, cell: str) -> CellFit:
         return CellFit.from_dict(self.state["fits"][cell])
 
+    def coupling(self) -> np.ndarray:
+        """The crosstalk matrix, for the steps that only run once it is measured."""
+        if self.crosstalk is None:
+            raise CalibrationRunError("the crosstalk is not measured yet")
+        return self.crosstalk
+
     def fits(self) -> dict[str, CellFit]:
         return {c: CellFit.from_dict(d) for c, d in self.state["fits"].items()}
 

@@ -35,7 +35,7 @@ def summary(cal: Calibration) -> str:
         cross = {cid: c["cross_extinction_db"] for cid, c in cells.items()
                  if "cross_extinction_db" in c}
         if cross:
-            worst = min(cross, key=cross.get)
+            worst = min(cross, key=lambda cid: cross[cid])
             lines.append(f"cross extinction at the monitors: median "
                          f"{np.median(list(cross.values())):.1f} dB, worst {cross[worst]:.1f} dB "
                          f"({worst})")

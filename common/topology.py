@@ -82,22 +82,25 @@ class Topology:
     port_nodes: tuple[int, ...] = ()             # port p (1-based) enters at port_nodes[p - 1]
     # Recirculating meshes only: the waveguides joining cell arms (and ports) at the nodes.
     joins: tuple[tuple[tuple, tuple], ...] = ()
-    _index: dict = field(default=None, compare=False, repr=False)
+    # cell id -> its place in `cells`; both made from the fields above by __post_init__
+    _index: dict[str, int] = field(init=False, compare=False, repr=False)
     # link end -> [(link index, the link's other end)]: where light goes from an end
-    _touching: dict = field(default=None, compare=False, repr=False)
+    _touching: dict[tuple, list[tuple[int, tuple]]] = field(init=False, compare=False,
+                                                             repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise TopologyError(f"topology kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if isinstance(self.ports, bool) or not isinstance(self.ports, int) or self.ports < 1:
             raise TopologyError(f"topology ports must be an integer >= 1, not {self.ports!r}")
-        index = {}
+        index: dict[str, int] = {}
         for k, c in enumerate(self.cells):
             if c.id in index:
                 raise TopologyError(f"cell id {c.id!r} appears twice")
             index[c.id] = k
         highest = self.ports if self.kind in ("square", "hexagonal") else 2 * self.ports
-        links, touching = [], {}
+        links: list[tuple[tuple, tuple]] = []
+        touching: dict[tuple, list[tuple[int, tuple]]] = {}
         for i, (a, b) in enumerate(self.links):
             a = _end(a, index, highest, f"link #{i} from")
             b = _end(b, index, highest, f"link #{i} to")
@@ -342,11 +345,11 @@ def _joins(nodes, edges, port_nodes, stub_angle) -> tuple:
                                          (back, 1, ("cell", f"e{k}", 3), k)])
     for p, (nd, ang) in enumerate(zip(port_nodes, stub_angle, strict=True), start=1):
         around.setdefault(nd, []).append((ang, 0, ("port", p), None))
-    joins = []
+    joins: list[tuple[tuple, tuple]] = []
     for nd in sorted(around):
         ends = sorted(around[nd], key=lambda e: (e[0], e[1]))
         n = len(ends)
-        best = None
+        pairings: list[tuple[tuple[int, int], list[tuple[tuple, tuple]]]] = []
         for start in range(n):
             pairs, i = [], 0
             while i < n:
@@ -358,10 +361,9 @@ def _joins(nodes, edges, port_nodes, stub_angle) -> tuple:
                 else:
                     i += 1
             ports = sum(1 for a, b in pairs for x in (a, b) if x[0] == "port")
-            score = (ports, len(pairs))
-            if best is None or score > best[0]:
-                best = (score, pairs)
-        joins += best[1]
+            pairings.append(((ports, len(pairs)), pairs))
+        # the best score; of equal ones, the first start
+        joins += max(pairings, key=lambda scored: scored[0])[1]
     return tuple(joins)
 
 

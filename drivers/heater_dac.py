@@ -164,7 +164,7 @@ class HeaterDAC:
 
     def open(self) -> BoardInfo:
         self._connect()
-        return self.info
+        return self._require_info()
 
     def close(self) -> None:
         if self._ser is not None:
@@ -312,7 +312,7 @@ class HeaterDAC:
         """After a timeout, replies to lines sent before may still come: ask `nchan?` and drop
         every line until its answer, then read back what the board holds (`vhex?`/`vall?`),
         since the lines whose replies were lost may or may not have been applied."""
-        want = str(self.info.channels)
+        want = str(self._require_info().channels)
         self._drain()
         self._write("nchan?")
         deadline = time.monotonic() + self.timeout
@@ -419,7 +419,7 @@ class HeaterDAC:
         return round(code * self._require_info().vfull / CODE_FULL, 4)
 
     def _read_codes(self) -> list[int]:
-        info = self.info
+        info = self._require_info()
         if info.compact:
             line = self._query("vhex?")[0]
             if len(line) != 4 * info.channels:
@@ -452,12 +452,13 @@ class HeaterDAC:
         want = list(self._codes)
         for ch in changed:
             want[ch] = targets[ch]
-        if self.info.compact:
+        info = self._require_info()
+        if info.compact:
             batch = [(f"vhex{first}=" + "".join(f"{want[c]:04X}" for c in range(first, last + 1)),
                       first, last) for first, last in self._runs(changed)]
         else:
             batch = []
-            for module in self.info.modules:
+            for module in info.modules:
                 span = range(module.first_channel, module.first_channel + module.channels)
                 if any(c in span for c in changed):
                     values = ",".join(f"{self._volts(want[c]):.4f}" for c in span)
@@ -555,8 +556,9 @@ class HeaterDAC:
 
     def set_imax(self, ch: int, milliamps: float) -> None:
         self._code(ch, 0.0)
-        if not 0.0 <= milliamps <= self._require_info().ifull:
-            raise ValueError(f"{milliamps!r} mA is outside 0..{self.info.ifull:g} mA")
+        ifull = self._require_info().ifull
+        if not 0.0 <= milliamps <= ifull:
+            raise ValueError(f"{milliamps!r} mA is outside 0..{ifull:g} mA")
         self._call(self._command, f"imax{ch}={milliamps:.4f}")
         self._limits[("imax", ch)] = milliamps
 

@@ -19,6 +19,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from photonic_testbed.drivers.circuit_switch import (
     ApplyReport,
@@ -152,7 +153,7 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
         return got.wait() if isinstance(got, PendingChange) else got
 
     def begin_apply(self, circuits: Mapping[int, int] | Iterable[tuple[int, int]]
-                    ) -> ApplyReport | PendingChange:
+                    ) -> ApplyReport | PendingChange[ApplyReport]:
         """`apply` in two halves: the change sent and its answer read later (a
         `PendingChange`), or the report at once when the switch already holds `circuits`.
         Reads the map first when the driver does not know it (`can_begin` says it will not
@@ -226,10 +227,13 @@ class OpticalCircuitSwitch(SCPIInstrument, CircuitSwitch):
                 after: Callable[[Circuits], Circuits]) -> None:
         """Send a state change with `*OPC?;:SYST:ERR?` on the same line and wait for it
         (PendingChange: reconciled after a dropped session)."""
-        PendingChange(self, line, redo, after).send().wait()
+        PendingChange(self, line, redo, after, lambda: None).send().wait()
 
 
-class PendingChange:
+Outcome = TypeVar("Outcome")     # what a concluded change gives: `apply`'s report, or nothing
+
+
+class PendingChange(Generic[Outcome]):
     """A state change sent to the switch (with `*OPC?;:SYST:ERR?` on the same line) whose
     answer is still to be read.
 
@@ -243,7 +247,7 @@ class PendingChange:
 
     def __init__(self, switch: OpticalCircuitSwitch, line: str,
                  redo: Callable[[Circuits], str | None], after: Callable[[Circuits], Circuits],
-                 report: Callable[[], ApplyReport] | None = None):
+                 report: Callable[[], Outcome]):
         self.switch = switch
         self.line = line
         self._redo, self._after, self._report = redo, after, report
@@ -251,7 +255,7 @@ class PendingChange:
         self.lost: ConnectionLost | None = None
         self.deadline = time.monotonic() + switch.settle_timeout_s
 
-    def send(self) -> PendingChange:
+    def send(self) -> PendingChange[Outcome]:
         self.deadline = time.monotonic() + self.switch.settle_timeout_s
         try:
             self.switch._res_io_write(f"{self.line};*OPC?;:SYST:ERR?")
@@ -272,7 +276,7 @@ class PendingChange:
         """The answer, once `state()` says a line waits."""
         return self.switch.take_waiting(self.switch.settle_timeout_s)
 
-    def wait(self) -> ApplyReport | None:
+    def wait(self) -> Outcome:
         if self.lost is None:
             try:
                 return self.conclude(self.take())
@@ -280,7 +284,7 @@ class PendingChange:
                 self.lost = e
         return self.recover()
 
-    def recover(self) -> ApplyReport | None:
+    def recover(self) -> Outcome:
         """The session dropped (or went silent) before the answer: reopen it, read the map
         back and send what is still missing."""
         sw = self.switch
@@ -291,10 +295,10 @@ class PendingChange:
         line = self._redo(now)
         if line is None:
             log.info("%s: the switch had already made the change", sw.resource_name)
-            return self._report() if self._report else None
+            return self._report()
         self.base, self.line = now, line
         try:
-            reply = sw._exchange(f"{line};*OPC?;:SYST:ERR?", True, sw.settle_timeout_s)
+            reply = sw._exchange(f"{line};*OPC?;:SYST:ERR?", sw.settle_timeout_s)
         except ConnectionLost as e2:
             sw.known = None
             raise InstrumentDisconnected(f"{sw.resource_name}: lost again while "
@@ -308,7 +312,7 @@ class PendingChange:
         m = ERROR_ENTRY.match(entry)
         return opc.strip() == "1" and m is not None and int(m.group(1)) == 0
 
-    def conclude(self, reply: str) -> ApplyReport | None:
+    def conclude(self, reply: str) -> Outcome:
         sw = self.switch
         opc, _, entry = reply.partition(";")
         if opc.strip() != "1":
@@ -319,4 +323,4 @@ class PendingChange:
             sw.known = None
             raise scpi_error(code, msg, self.line, [(code, msg)] + sw.errors())
         sw.known = self._after(self.base) if self.base is not None else None
-        return self._report() if self._report else None
+        return self._report()

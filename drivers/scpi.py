@@ -256,9 +256,10 @@ class SCPIInstrument:
         self.bytes_received += len(reply) + 2
         return reply.rstrip("\r\n")
 
-    def _exchange(self, line: str, reply: bool, timeout_s: float | None = None) -> str | None:
+    def _exchange(self, line: str, timeout_s: float | None = None) -> str:
+        """Send a query and read its reply line."""
         self._res_io_write(line)
-        return self._res_io_read(timeout_s) if reply else None
+        return self._res_io_read(timeout_s)
 
     # ---- a reply waited for elsewhere ----------------------------------------------------------
 
@@ -319,13 +320,13 @@ class SCPIInstrument:
     def query(self, line: str, timeout_s: float | None = None) -> str:
         """Send a query and return its reply; a read-only query is simply resent after a drop."""
         try:
-            return self._exchange(line, True, timeout_s)
+            return self._exchange(line, timeout_s)
         except ConnectionLost as e:
             log.warning("%s: session lost during %r (%s); reopening", self.resource_name,
                         line[:60], e)
         self._reconnect()
         try:
-            return self._exchange(line, True, timeout_s)
+            return self._exchange(line, timeout_s)
         except ConnectionLost as e:
             cls = InstrumentTimeout if e.timeout else InstrumentDisconnected
             raise cls(f"{self.resource_name}: no answer to {line[:60]!r} on a fresh session "
@@ -347,10 +348,10 @@ class SCPIInstrument:
     def write(self, line: str) -> None:
         """Send a line with no reply and no error check (for lab-script compatibility)."""
         try:
-            self._exchange(line, False)
+            self._res_io_write(line)
         except ConnectionLost:
             self._reconnect()
-            self._exchange(line, False)
+            self._res_io_write(line)
 
     def command(self, line: str) -> None:
         """Send a setting and confirm it in the same round trip (`line;:SYST:ERR?`); settings
