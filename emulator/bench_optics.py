@@ -61,13 +61,20 @@ class OpticalBench:
         """mW entering each OCS ingress."""
         return {LASER_INGRESS: self.laser.output_mw()} if self.laser is not None else {}
 
+    def selector(self) -> OCSPhysics:
+        """The OCS's physics, which the meter and the chip's input light go through."""
+        if self.physics is None:
+            raise RuntimeError("this optical bench has no OCS (made with ocs_ports=0)")
+        return self.physics
+
     def meter_egress(self, channel: int) -> int:
-        return self.physics.n + channel
+        return self.selector().n + channel
 
     def chip_light_in(self) -> dict[int, float]:
         """mW the input selector (the OCS) sends into each chip input."""
-        n = self.physics.n
-        out = self.physics.transfer(self.light_in())
+        physics = self.selector()
+        n = physics.n
+        out = physics.transfer(self.light_in())
         return {k: out[n + k] for k in range(1, n + 1) if out.get(n + k, 0.0) > 0.0}
 
     def light_chip(self) -> None:
@@ -85,7 +92,7 @@ class OpticalBench:
         if self.chip is not None:
             self.light_chip()
             return self.chip.tap_power_mw(self.meter_output(channel))
-        return self.physics.transfer(self.light_in())[self.meter_egress(channel)]
+        return self.selector().transfer(self.light_in())[self.meter_egress(channel)]
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -523,7 +523,8 @@ def _state_phases(cid: str, st) -> tuple[float, float]:
             raise ChipError(f"cell {cid}: state {st!r} is not bar or cross")
         return named[st], 0.0
     if isinstance(st, Mapping):
-        theta = st.get("theta", named.get(st.get("state")))
+        state = st.get("state")
+        theta = st.get("theta", named.get(state) if isinstance(state, str) else None)
         if theta is None:
             raise ChipError(f"cell {cid}: give a state (bar/cross) or theta")
         return float(theta), float(st.get("phi", 0.0))

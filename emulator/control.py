@@ -58,7 +58,8 @@ class ControlServer:
             sock.bind(bind)
         self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="emulator-control", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), name="emulator-control",
+                                        daemon=True)
         self._thread.start()
         log.info("control endpoint on %s", self.endpoint)
         return self.endpoint
@@ -93,8 +94,7 @@ class ControlServer:
             log.exception("control %s failed", req["cmd"])
             return {"ok": False, "error": f"{req['cmd']} failed: {type(e).__name__}: {e}"}
 
-    def _serve(self) -> None:
-        sock = self._sock
+    def _serve(self, sock: zmq.Socket) -> None:
         while not self._stop.is_set():
             try:
                 if not sock.poll(POLL_MS):

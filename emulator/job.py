@@ -294,14 +294,16 @@ class TrainingJob:
                     raise _Failure(f"link(s) down: {', '.join(f'{a}->{b}' for a, b in down)}",
                                    gpus=dead, links=down)
             wait += self.clock.now() - t0
-            rates = {p: state[p].rate_gbps for p in pairs}
+            # every link is up here (the wait above returns only then), so each has its truth
+            links = {p: t for p, t in state.items() if t is not None}
+            rates = {p: links[p].rate_gbps for p in pairs}
             slowest = min(rates.values(), default=0.0)
             seconds = spec.bytes * 8 / (slowest * 1e9) if pairs else 0.0
             best = max(rates.values(), default=0.0)
             comm_record = Communication(
                 self.clock.now(), self.step + 1, name, rnd, len(pairs),
-                tuple(p for p in pairs if not state[p].up),
-                tuple((a, b, r) for (a, b), r in rates.items() if state[(a, b)].up and r < best),
+                tuple(p for p in pairs if not links[p].up),
+                tuple((a, b, r) for (a, b), r in rates.items() if links[(a, b)].up and r < best),
                 seconds)
             self.communications.append(comm_record)
             if not comm_record.all_up:
@@ -327,8 +329,10 @@ class TrainingJob:
 
     def _do_restart(self) -> None:
         with self._lock:
-            rank_map, cause = self._pending
-            self._pending = None
+            pending, self._pending = self._pending, None
+        # _Restart is raised only while one is pending, and only this thread takes it
+        assert pending is not None
+        rank_map, cause = pending
         try:
             new = self._checked(rank_map)
             links = self.plan.links(len(new), self.matchings)

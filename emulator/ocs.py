@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import orjson
 
-from photonic_testbed.emulator.scpi import Instrument, SCPIError, no_arg
+from photonic_testbed.emulator.scpi import Instrument, SCPIError, without_arg
 
 log = logging.getLogger(__name__)
 
@@ -255,15 +255,14 @@ class OCSInstrument(Instrument):
         n = physics.n
         self.idn = f"Polatis (emulated),N-OST-{n}x{n}-HU1-DMHNS,{serial},6.5.2.18"
         p = physics
-        self.command(":OXC:SWITch:SIZE?", lambda s, x, a: (no_arg(a), f"{n},{n}")[1])
+        self.command(":OXC:SWITch:SIZE?", without_arg(lambda: f"{n},{n}"))
         self.command(":OXC:SWITch:CONNect:ADD",
                      lambda s, x, a: p.connect(parse_pairs(a, n)))
         self.command(":OXC:SWITch:CONNect:SUBtract",
                      lambda s, x, a: p.disconnect(parse_pairs(a, n)))
         self.command(":OXC:SWITch:CONNect:ONLY", self._only)
-        self.command(":OXC:SWITch:DISConnect:ALL", lambda s, x, a: (no_arg(a), p.replace({}))[1])
-        self.command(":OXC:SWITch:CONNect:STATe?",
-                     lambda s, x, a: (no_arg(a), format_pairs(p.commanded))[1])
+        self.command(":OXC:SWITch:DISConnect:ALL", without_arg(lambda: p.replace({})))
+        self.command(":OXC:SWITch:CONNect:STATe?", without_arg(lambda: format_pairs(p.commanded)))
         self.command(":OXC:SWITch:CONNect:PORT?", self._port)
         self.command(":PMONitor:POWer?", self._pmon)
 

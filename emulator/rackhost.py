@@ -113,6 +113,7 @@ class RackHost:
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
+        self._reporter: tuple[threading.Event, threading.Thread] | None = None   # while reporting
         self.job_events: collections.deque[dict] = collections.deque(maxlen=JOB_EVENTS_KEPT)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -291,7 +292,7 @@ class RackHost:
                               checkpoint_every=checkpoint_every, restart_s=restart_s,
                               grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
             self.job_events = collections.deque(maxlen=JOB_EVENTS_KEPT)
-            job.subscribe(self._on_event)
+            job.subscribe(lambda ev: self._on_event(ev, job, fabric))
             fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
             self.job, self.fabric = job, fabric
             job.start(steps)
@@ -299,10 +300,9 @@ class RackHost:
         return {"plan": job_plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
                 "steps": steps}
 
-    def _on_event(self, ev: JobEvent) -> None:
+    def _on_event(self, ev: JobEvent, job: TrainingJob, fabric: Fabric) -> None:
         """The job's thread: phases go to the agent (and wait for the circuits), failures
         are reported; everything but phases is kept for job_status."""
-        fabric, job = self.fabric, self.job
         if ev.kind == "phase":
             try:
                 fabric.phase(ev.phase, ev.round)
@@ -418,7 +418,7 @@ class RackHost:
 
     def _stop_reporter(self) -> None:
         """Stop the reports (after the last one, of the state the job ended in)."""
-        got = getattr(self, "_reporter", None)
+        got = self._reporter
         if got is not None:
             stop, thread = got
             stop.set()

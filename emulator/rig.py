@@ -112,9 +112,13 @@ class EmulatedRig:
         """A datacenter rig's rail OCSes, each its own SCPI endpoint (keyed by the switch's
         name in `endpoints`), and the control endpoint (control = port_base + 3, the OCSes
         port_base + 4 on, with fixed ports)."""
+        from photonic_testbed.emulator.rack import RackError
         from photonic_testbed.emulator.rails import RailSwitches
         base = self.port_base
-        rails = self.rails = RailSwitches(self.spec.rack_layout(), seed=self.seed,
+        layout = self.spec.rack_layout()
+        if layout is None:
+            raise RackError(f"rig {self.spec.name} has servers but no rack of them")
+        rails = self.rails = RailSwitches(layout, seed=self.seed,
                                           switching_s=self.switching_s,
                                           port_base=None if base is None else base + 4)
         self.endpoints.update(rails.start())
@@ -133,14 +137,20 @@ class EmulatedRig:
                 or now - self._pd_cache[0] > PD_REFRESH_S):
             if self.optics is not None and self.optics.physics is not None:
                 self.optics.light_chip()
-            self._pd_cache = (now, self.chip.monitor_currents_ua())
+            self._pd_cache = (now, self._chip().monitor_currents_ua())
         self._pd_last = channel
         return self._pd_cache[1][cell] * 1e-6
 
     def _heater_changed(self, channel: int, volts: float) -> None:
         self._pd_cache = None
         self._pd_last = -1
-        self.chip.set_voltage(channel, volts)
+        self._chip().set_voltage(channel, volts)
+
+    def _chip(self) -> EmulatedChip:
+        """The chip, for the DAC board's callbacks (which are wired only when there is one)."""
+        if self.chip is None:
+            raise ChipError(f"rig {self.spec.name} has no chip")
+        return self.chip
 
     def _make_chip(self) -> None:
         """The chip on the DAC's heaters. With the rig's optical bench, the laser reaches the

@@ -25,7 +25,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,11 @@ class Command:
     pattern: str
     handler: Callable[[Session, tuple, str], Any]
     locked: bool = True          # run holding the instrument lock (False for commands that wait;
-    regex: re.Pattern | None = None     # they take the lock themselves between their waits)
+    #                              they take the lock themselves between their waits)
+    regex: re.Pattern = field(init=False)     # what an uppercased header must match
+
+    def __post_init__(self) -> None:
+        self.regex = compile_header(self.pattern)
 
 
 class Session:
@@ -223,7 +227,7 @@ class Instrument:
     # ---- table ------------------------------------------------------------------------------
 
     def command(self, pattern: str, handler, locked: bool = True) -> None:
-        self.commands.append(Command(pattern, handler, locked, compile_header(pattern)))
+        self.commands.append(Command(pattern, handler, locked))
         self._found.clear()
 
     def lookup(self, header: str) -> tuple[Command, tuple] | None:
@@ -379,3 +383,12 @@ def boolean(arg: str) -> bool:
 def no_arg(arg: str) -> None:
     if arg:
         raise SCPIError(-108, f"unexpected {arg[:30]!r}")
+
+
+def without_arg(answer: Callable[[], Reply]) -> Callable[[Session, tuple, str], Reply]:
+    """A handler for a header that takes no parameter: one given is refused (-108) before
+    `answer()` runs."""
+    def handler(session: Session, suffixes: tuple, arg: str) -> Reply:
+        no_arg(arg)
+        return answer()
+    return handler

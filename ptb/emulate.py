@@ -129,7 +129,7 @@ def run(args) -> int:
         if args.write_rig:
             rigfile.write(args.write_rig, bus_rig)
         print(f"rig {spec.name} (seed {args.seed}): {spec.description}")
-        if rig.chip_calibration is not None:
+        if rig.chip is not None and rig.chip_calibration is not None:
             print(f"  chip: the twin of {args.chip_from} ({len(rig.chip.channels)} heaters)")
         for name, where in rig.endpoints.items():
             if name == "dac" and rig.dac is not None:
