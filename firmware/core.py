@@ -196,7 +196,7 @@ class LineFramer:
     def feed(self, data):
         """What `data` completes, in order: a line (str, without its newline) or the error
         code of a refused one."""
-        out = []
+        out = []  # type: list[str | int]  # a comment: MicroPython has no typing
         for b in data:
             if b == 10:  # newline ends a line
                 if self.dropping:

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             if args.ready_file:
                 def ready():
                     with open(args.ready_file, "w", encoding="utf-8") as f:
-                        f.write(f"{app.platformName()}\n")
+                        f.write(f"{QApplication.platformName()}\n")
                 QTimer.singleShot(0, window, ready)     # the event loop runs: the window is up
             saved = [True]
             if args.quit_after is not None:

@@ -226,7 +226,8 @@ class BusFabric(Commands):
             self._described[device] = None        # ask again with the next state
             return
         # The service's describe wraps the driver's under "device".
-        inner = described.get("device") if isinstance(described.get("device"), dict) else {}
+        device_described = described.get("device")
+        inner = device_described if isinstance(device_described, dict) else {}
         if self.kinds.get(device) == "chip":
             topology = described.get("topology") or inner.get("topology")
             if topology is None:
@@ -234,7 +235,8 @@ class BusFabric(Commands):
                 self._described[device] = None
             else:
                 self.model.post_topology(device, topology)
-        heaters = inner.get("heaters") if isinstance(inner.get("heaters"), dict) else inner
+        heaters_described = inner.get("heaters")
+        heaters = heaters_described if isinstance(heaters_described, dict) else inner
         budget = heaters.get("power_budget_mw", described.get("power_budget_mw"))
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             self.model.post_budget(device, float(budget))

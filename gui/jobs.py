@@ -94,14 +94,16 @@ class JobsView(QWidget):
 
     def row_of(self, job: str) -> int:
         for r in range(self.table.rowCount()):
-            if self.table.item(r, 0).text() == job:
+            item = self.table.item(r, 0)
+            if item is not None and item.text() == job:
                 return r
         raise KeyError(job)
 
     def chosen(self) -> str | None:
         rows = self.table.selectionModel().selectedRows()
-        if rows:
-            return self.table.item(rows[0].row(), 0).text()
+        item = self.table.item(rows[0].row(), 0) if rows else None
+        if item is not None:
+            return item.text()
         return next(iter(sorted(self.model.jobs)), None)
 
     def state_text(self, job: Job) -> str:

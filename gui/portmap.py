@@ -658,7 +658,7 @@ class ChipView(SwitchView):
         dashed: list[QLineF] = []
         for c in topo.cells:
             cid = c.id
-            st = cells.get(cid, {}).get("state")
+            st = cells.get(cid, {}).get("state", "")     # "": no state known, an empty box
             fill = CELL_FILL.get(st, EMPTY)
             flash = self.flashes.level(("cell", cid))
             if flash is not None:

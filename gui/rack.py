@@ -54,7 +54,8 @@ class RackView(QWidget):
 
     def row_of(self, name: str) -> int:
         for r in range(self.table.rowCount()):
-            if self.table.item(r, 0).text() == name:
+            item = self.table.item(r, 0)
+            if item is not None and item.text() == name:
                 return r
         raise KeyError(name)
 

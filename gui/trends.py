@@ -257,7 +257,8 @@ class TrendsView(QWidget):
             # A free spare's receiver is dark by design: only the links of the jobs.
             rx = [n for n in rx if n.split("/", 1)[1] in holders]
         if len(rx) > MAX_LINKS:
-            rx = sorted(rx, key=lambda n: store.last(n)[1])[:MAX_LINKS]
+            # the weakest links (a series with no sample, which `add` never leaves, goes last)
+            rx = sorted(rx, key=lambda n: (store.last(n) or (0.0, math.inf))[1])[:MAX_LINKS]
         got = {"links": sorted(rx), "heaters": store.names("heater"),
                "jobs": store.names("throughput"), "loss": store.names("loss")}
         return {k: names for k, names in got.items() if k in self.kinds}
