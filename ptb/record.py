@@ -76,8 +76,11 @@ def run(args) -> int:
         raise CommandFailed(str(e)) from None
     writer = recorder.writer
     assert writer is not None
-    threading.Thread(target=lambda: writer.failed.wait() and stop.set(), daemon=True,
-                     name="session-failed").start()       # a write error stops the recording
+
+    def stop_on_failure() -> None:          # a write error stops the recording
+        if writer.failed.wait():
+            stop.set()
+    threading.Thread(target=stop_on_failure, daemon=True, name="session-failed").start()
     try:
         if args.write_endpoints:
             out = read_endpoints(args.endpoints) if args.endpoints else {}

@@ -82,7 +82,7 @@ class Stack:
         self.say = say or (lambda text: None)
         self.ready_s = ready_s
         self.stop_s = stop_s
-        self.rig: rigfile.Rig | None = None
+        self._rig: rigfile.Rig | None = None     # `rig`, once the emulator has written it
         self.rig_path = self.workdir / "rig.toml"
         self.control = ""                  # the emulator's control endpoint
         self.journal = self.workdir / "journal.db"
@@ -111,14 +111,14 @@ class Stack:
         self._stage("emulator", f"the emulated rig {rig}", "emulate", "--rig", rig, *options,
                     "--write-rig", str(self.rig_path), "--endpoints", str(endpoints),
                     ready=lambda: self.rig_path.exists() and endpoints.exists())
-        self.rig = self._load_rig()
+        loaded = self._rig = self._load_rig()
         self.control = json.loads(endpoints.read_text())["control"]
-        devices, gpus = list(self.rig.devices), self.rig.gpus
+        devices, gpus = list(loaded.devices), loaded.gpus
         switches = sorted({g.switch for g in gpus})
         self.say(f"emulated rig {rig}: {_few(devices, 'devices')} on their wires"
                  + (f"; {len(gpus)} GPUs ({sum(g.spare for g in gpus)} spares) on "
                     f"{_few(switches, 'switches')}" if gpus else ""))
-        return self.rig
+        return loaded
 
     def calibrate(self, *options: str) -> rigfile.Rig:
         """`ptb calibrate` of the emulated chip through the rig's instruments, its progress
@@ -144,9 +144,9 @@ class Stack:
         self.started["calibration"] = time.monotonic() - t
         chip = dataclasses.replace(rig.chip, calibration=str(out))
         rigfile.write(self.rig_path, dataclasses.replace(rig, chip=chip))
-        self.rig = self._load_rig()
+        calibrated = self._rig = self._load_rig()
         self.say(f"calibration written to {out}")
-        return self.rig
+        return calibrated
 
     def serve(self, *options: str) -> dict[str, Any]:
         """`ptb serve` of every device of the rig file; ready once every service is bound
@@ -228,7 +228,7 @@ class Stack:
     def processes(self) -> dict[str, subprocess.Popen]:
         return {name: child.proc for name, child in self._children.items()}
 
-    def wait(self, what: str, cond: Callable[[], T], timeout: float | None = None, *,
+    def wait(self, what: str, cond: Callable[[], T | None], timeout: float | None = None, *,
              log: str | None = None) -> T:
         """Poll `cond` until it gives a true value (returned), checking meanwhile that every
         lasting process still runs; at most `timeout` s (the stack's `ready_s` by default).
@@ -304,10 +304,15 @@ class Stack:
         with contextlib.suppress(ControlError):
             request(self.control, {"cmd": "job_stop"}, timeout_s=JOB_STOP_S)
 
+    @property
+    def rig(self) -> rigfile.Rig:
+        """The rig as its rig file says, once `emulate` has written it."""
+        return self._need_rig("the stack")
+
     def _need_rig(self, stage: str) -> rigfile.Rig:
-        if self.rig is None:
+        if self._rig is None:
             raise CommandFailed(f"{stage} needs the rig: start the emulator first")
-        return self.rig
+        return self._rig
 
     def _load_rig(self) -> rigfile.Rig:
         try:

@@ -9,6 +9,7 @@ import signal
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,15 @@ def _pump(endpoint_conn, go, n: int, values: dict) -> None:
     ctx.term()
 
 
+@dataclass
+class _Heard:
+    """The telemetry messages a subscriber has received so far."""
+    n: int = 0
+    last: int = 0                     # the newest one's sequence number
+    first_t: float | None = None      # when the first and the newest arrived (perf_counter)
+    last_t: float | None = None
+
+
 def _telemetry(n: int, values: dict) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
@@ -81,15 +91,15 @@ def _telemetry(n: int, values: dict) -> dict:
         endpoint = parent.recv() if parent.poll(30) else None
         if endpoint is None:
             raise RuntimeError("the telemetry publisher did not start")
-        got = {"n": 0, "last": 0, "first_t": None, "last_t": None}
+        got = _Heard()
 
-        def on_telemetry(device, msg):
+        def on_telemetry(device: str, msg: dict) -> None:
             now = time.perf_counter()
-            if got["first_t"] is None:
-                got["first_t"] = now
-            got["last_t"] = now
-            got["n"] += 1
-            got["last"] = msg["seq"]
+            if got.first_t is None:
+                got.first_t = now
+            got.last_t = now
+            got.n += 1
+            got.last = msg["seq"]
         with StateSubscriber({"bench": ("tcp://127.0.0.1:1", endpoint)},
                              on_telemetry=on_telemetry) as sub:
             sub.SNAPSHOT_RETRY_S = 3600.0        # no service behind it: telemetry only
@@ -98,12 +108,12 @@ def _telemetry(n: int, values: dict) -> dict:
                 sub.poll(0.05)
             go.set()
             idle_since = time.monotonic()
-            while got["last"] < n and time.monotonic() - idle_since < 2.0:
+            while got.last < n and time.monotonic() - idle_since < 2.0:
                 if sub.poll(0.1):
                     idle_since = time.monotonic()
-        span = (got["last_t"] or 0) - (got["first_t"] or 0)
-        return {"received": got["n"], "sent": n,
-                "per_s": got["n"] / span if span > 0 else 0.0,
+        span = (got.last_t or 0) - (got.first_t or 0)
+        return {"received": got.n, "sent": n,
+                "per_s": got.n / span if span > 0 else 0.0,
                 "bytes": len(schema.encode(schema.make("telemetry", device="bench", seq=n,
                                                        t=time.time(), values=values)))}
     finally:
@@ -150,6 +160,8 @@ def _restart_times(manager: Manager, request: str, kills: int) -> list[float]:
                 client.call("read_heaters")
                 time.sleep(manager.stable_s + 0.2)     # stable again: minimum back-off
                 pid = manager.pid("heaters")
+                if pid is None:
+                    raise RuntimeError("the heaters service is not running")
                 t = time.perf_counter()
                 os.kill(pid, signal.SIGKILL)
                 while True:             # usable again: a device read answered by the new one

@@ -30,6 +30,7 @@ from typing import cast
 
 from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent.entries import PhaseSwitched, Swap, words
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.mirror import SubscriberThread
@@ -85,6 +86,14 @@ def rack_plan(spec) -> tuple[JobPlan, int]:
         PhaseSpec("tp", "ring", group=spec.rails, stride=1),
         PhaseSpec("dp", "ring", group=group, stride=spec.rails),
         PhaseSpec("ep", "all_to_all", group=group, stride=spec.rails))), group
+
+
+def rail_layout(spec) -> RackLayout:
+    """The rack of a datacenter rig: its GPUs on the rail OCSes."""
+    layout = spec.rack_layout()
+    if layout is None:
+        raise CommandFailed(f"rig {spec.name} has no rack of GPUs")
+    return layout
 
 
 def _rows(label: str, xs: list[float]) -> dict:
@@ -227,7 +236,7 @@ def run(args) -> dict:
         if fabric is not None:
             fabric.close()
         stack.close()
-    switches = len(spec.rack_layout().switches)
+    switches = len(rail_layout(spec).switches)
     all_ocs = [x for x, n in zip(phase_s, written, strict=False) if n == switches]
     rows = [{"case": f"start-up: {k} (launch to ready)", "runs": 1,
              "p50_ms": f"{1e3 * v:.0f}", "p99_ms": "", "max_ms": ""}

@@ -294,11 +294,11 @@ def run(args) -> dict:
         f"({min(30.0, args.duration / 5):g} s), {rss[-1][1]:.1f} MiB at the end "
         f"({rss[-1][1] - settled:+.1f} MiB since warm)"]
     for key in ("trends", "jobs"):
-        got = result.get(f"{key}_refresh_ms")
-        if got:
-            result["notes"].append(f"{key} view refresh (once a second): p50 {got['p50']:.1f} ms, "
-                                   f"p99 {got['p99']:.1f} ms, max {got['max']:.1f} ms "
-                                   f"over {got['count']}")
+        timing = result.get(f"{key}_refresh_ms")
+        if timing:
+            result["notes"].append(f"{key} view refresh (once a second): "
+                                   f"p50 {timing['p50']:.1f} ms, p99 {timing['p99']:.1f} ms, "
+                                   f"max {timing['max']:.1f} ms over {timing['count']}")
     if not args.portmap_only:
         result["notes"].append(f"with the alarm banner, the trends ({n_links} links, heaters, "
                                "job throughput and loss) and the job view on screen")

@@ -37,7 +37,7 @@ from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.rig import RigSpec
 from photonic_testbed.ptb.bench import integer, number
-from photonic_testbed.ptb.bench.datacenter import rack_plan
+from photonic_testbed.ptb.bench.datacenter import rack_plan, rail_layout
 
 NAME = "job"
 HELP = ("the emulated job on up to 2,048 GPUs (wall time per step) and its training overhead "
@@ -173,7 +173,7 @@ def opus_plan(servers_per_pod: int, pods: int, compute_s: float) -> JobPlan:
 def _scaling(servers: int, steps: int, workdir: Path) -> dict:
     spec = RigSpec(f"rails{servers}", "", servers=servers, rails=8, pod=min(32, servers),
                    spare_servers=1)
-    layout = spec.rack_layout()
+    layout = rail_layout(spec)
     plan, _ = rack_plan(spec)
     t = time.perf_counter()
     w = World(layout, plan, workdir, dict(enumerate(layout.workers)))
@@ -227,7 +227,7 @@ def run(args) -> dict:
             rows.append({"what": "scaling", **got})
         spec = RigSpec("overhead", "", servers=args.overhead_servers, rails=8,
                        pod=min(32, args.overhead_servers), spare_servers=1)
-        layout = spec.rack_layout()
+        layout = rail_layout(spec)
         group = (spec.pod or spec.servers) - 1
         pods = spec.servers // (spec.pod or spec.servers)
         chip = duplex_rack("chip-rack", "chip", 16, 8, 2)

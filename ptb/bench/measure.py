@@ -94,7 +94,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def wait_for(cond: Callable[[], T], what: str, timeout: float = 30.0) -> T:
+def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
     """Poll `cond` fast (a bench times what it waits for) until it gives a true value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -47,8 +47,11 @@ def run(args) -> dict:
     perms = [dict(zip(range(1, n + 1), (int(x) for x in rng.permutation(n) + n + 1), strict=True))
              for _ in range(args.reconfigurations)]
     with EmulatedRig(rig_spec("opus"), seed=args.seed, switching_s=0.0) as rig:
+        if rig.optics is None:
+            raise RuntimeError("the opus rig has no optical bench")
         server = rig.optics.servers["ocs"]
-        moves0 = rig.optics.physics.moves
+        physics = rig.optics.selector()
+        moves0 = physics.moves
         with OpticalCircuitSwitch(rig.endpoints["ocs"]) as ocs:
             ocs.apply({})
             times = []
@@ -58,7 +61,7 @@ def run(args) -> dict:
                 ocs.apply(p)
                 times.append(time.perf_counter() - t)
             ours = _stats(times, server.bytes_in + server.bytes_out - before, len(perms))
-            ours_moves = rig.optics.physics.moves - moves0
+            ours_moves = physics.moves - moves0
             if ocs.circuits() != perms[-1]:
                 raise RuntimeError("the switch does not hold the last map applied")
 

@@ -77,6 +77,13 @@ class _Job:
     def latest_order(self) -> dict | None:
         return next((e for e in reversed(self.events()) if e["kind"] == "order"), None)
 
+    def order(self) -> dict:
+        """The latest rank order, once the job is running (it writes one before any step)."""
+        got = self.latest_order()
+        if got is None:
+            raise CommandFailed(f"the job in {self.workdir} has written no rank order")
+        return got
+
     def steps_done(self) -> int:
         return max((e["step"] for e in self.events() if e["kind"] == "step"), default=0)
 
@@ -127,8 +134,7 @@ def _in_place(stack: Stack, args, workdir: str) -> dict:
         time.sleep(args.window)
         before = _throughput(job, t, time.time())
         for _ in range(args.runs):
-            order = job.latest_order()
-            victim = order["rank_map"]["3"]
+            victim = job.order()["rank_map"]["3"]
             t_fail = time.time()
             request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
 
@@ -176,9 +182,8 @@ def _torchrun(stack: Stack, args, workdir: str) -> dict:
             target = (n // k + 1) * k + k // 2
             stack.wait(f"step {target}", lambda: job.steps_done() >= target,  # noqa: B023
                        300, log=name)
-            gen = job.latest_order()["gen"]
-            order = job.latest_order()
-            victim = order["rank_map"]["3"]
+            order = job.order()
+            gen, victim = order["gen"], order["rank_map"]["3"]
             reached = job.steps_done()
             t_fail = time.time()
             request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
