@@ -38,3 +38,20 @@ def test_mypy(tmp_path):
                           cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr).replace(
         "photonic_testbed/", "")   # paths in the repository: drivers/mesh.py, ...
+
+
+def test_mypy_board(tmp_path):
+    """mypy on the board's own files as the board runs them: `main` and `hal_board` top-level
+    beside the command core `core`, with a stub of MicroPython's `machine` (the package run
+    leaves their folder out: its name is no module name, and `machine` exists on the board
+    only)."""
+    board = ROOT / "firmware" / "rp2040-board"
+    path = [ROOT / "firmware", board, ROOT / "tests" / "micropython" / "stubs"]
+    env = {**os.environ, "MYPYPATH": os.pathsep.join(map(str, path))}
+    modules = [arg for f in sorted(board.glob("*.py")) for arg in ("-m", f.stem)]
+    assert modules, f"no board files in {board}"
+    done = subprocess.run([sys.executable, "-m", "mypy", "--config-file",
+                           str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache"),
+                           "--no-error-summary", *modules],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr

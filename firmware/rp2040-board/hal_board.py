@@ -45,7 +45,9 @@ class BoardHAL:
         line = ch % 16
         for bit in range(4):
             self.mux[bit]((line >> bit) & 1)
-        time.sleep_us(20)  # multiplexer and RC settling
+        # multiplexer and RC settling; sleep_us and ticks_ms are MicroPython's own: CPython's
+        # `time` (whose stubs mypy reads) has neither, nor can a stub replace a stdlib module
+        time.sleep_us(20)  # type: ignore[attr-defined]
 
     def read_current(self, ch):
         self._select(ch)
@@ -60,4 +62,4 @@ class BoardHAL:
         return (raw * PD_FULL + 32767) // 65535
 
     def ticks_ms(self):
-        return time.ticks_ms()
+        return time.ticks_ms()  # type: ignore[attr-defined]  # (MicroPython's: see _select)
