@@ -12,9 +12,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from photonic_testbed.calibration.progressive import Graph
+from photonic_testbed.calibration.crosstalk import measure_crosstalk
+from photonic_testbed.calibration.progressive import CalibrationRunError, Calibrator, Graph
 from photonic_testbed.calibration.report import drift_check, write_report
 from photonic_testbed.calibration.run import calibrate
+from photonic_testbed.calibration.station import Station
 from photonic_testbed.common.topology import benes
 from photonic_testbed.drivers.mesh import (
     CalibrationError,
@@ -171,6 +173,14 @@ def test_every_route_reaches_its_cell_from_a_chip_input():
             r = g.route(cell)
             assert len(r.cells) == stage and 1 <= r.port <= 16
             assert not set(r.cells) & set(r.away)
+
+
+def test_the_crosstalk_matrix_is_asked_for_only_once_measured():
+    cal = Calibrator(Station(benes(4), dac=None))      # nothing measured: no instrument asked
+    with pytest.raises(CalibrationRunError, match="crosstalk is not measured yet"):
+        cal.coupling()
+    with pytest.raises(ValueError, match="crosstalk passes must be at least 1, not 0"):
+        measure_crosstalk(cal, passes=0)
 
 
 # ---- the command line ----------------------------------------------------------------------------
