@@ -12,11 +12,11 @@ from photonic_testbed.gui.model import FabricModel
 from photonic_testbed.gui.ocs_matrix import OcsMatrixView
 from photonic_testbed.gui.stale import StaleFrame
 from photonic_testbed.gui.switch_view import (
-    _COLOURS,
     EMPTY,
     FLASH,
     NO_POWER,
     POWER_RANGE_DBM,
+    VIRIDIS,
     SwitchView,
     circuit_colour,
     power_colour,
@@ -46,8 +46,8 @@ class PowerScale(QWidget):
                        Qt.AlignmentFlag.AlignVCenter, "power")
             grad = QLinearGradient(x0, 0, x1, 0)
             for i in range(0, 256, 16):
-                grad.setColorAt(i / 255, _COLOURS[i])
-            grad.setColorAt(1.0, _COLOURS[255])
+                grad.setColorAt(i / 255, VIRIDIS[i])
+            grad.setColorAt(1.0, VIRIDIS[255])
             p.fillRect(QRectF(x0, y, x1 - x0, 12), grad)
             for v in range(int(lo), int(hi) + 1, 10):
                 x = x0 + (v - lo) / (hi - lo) * (x1 - x0)

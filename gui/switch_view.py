@@ -30,7 +30,7 @@ NO_POWER = QColor("#7f8ea3")
 _ROUTES = {"bar": ((0, 2), (1, 3)), "cross": ((0, 3), (1, 2)),
            "partial": ((0, 2), (1, 3), (0, 3), (1, 2))}
 
-_COLOURS = [QColor(int(r), int(g), int(b)) for r, g, b in
+VIRIDIS = [QColor(int(r), int(g), int(b)) for r, g, b in
             pg.colormap.get("viridis").getLookupTable(nPts=256, alpha=False)]
 
 
@@ -38,7 +38,7 @@ def power_colour(dbm: float | None) -> QColor:
     if dbm is None or not math.isfinite(dbm):
         return NO_POWER
     lo, hi = POWER_RANGE_DBM
-    return _COLOURS[int(min(1.0, max(0.0, (dbm - lo) / (hi - lo))) * 255)]
+    return VIRIDIS[int(min(1.0, max(0.0, (dbm - lo) / (hi - lo))) * 255)]
 
 
 def _dbm(v: float | None) -> str:
