@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -10,6 +11,7 @@ from photonic_testbed.common.rack_layout import RECEIVER_SENSITIVITY_DBM
 from photonic_testbed.emulator.rack import EmulatedRack
 from photonic_testbed.gui.limits import Limits
 from photonic_testbed.hil import rig as rigfile
+from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, AgentConfigError
 from photonic_testbed.hil.bus.client import ServiceClient
@@ -105,3 +107,15 @@ def _rig_text(agent: str) -> str:
     return ('[rig]\nname = "r"\n[bus]\ncurve = false\n[devices.ocs]\nkind = "switch"\n'
             'driver = "photonic_testbed.drivers.polatis:Polatis"\n'
             'address = "TCPIP::127.0.0.1::5025::SOCKET"\n' + agent)
+
+
+def test_an_agent_process_used_before_start_or_after_close_says_so(tmp_path):
+    """Its agent, server and subscriber are made by `start`: a loop run before then (or after
+    `close`) is refused in a sentence, not an AttributeError of None."""
+    agent = AgentProcess(rigfile.parse(_rig_text("")), str(tmp_path / "journal.db"))
+    with pytest.raises(AgentError, match=r"^the agent of rig r is not started \(start\(\) it "
+                                         r"first\) or is closed$"):
+        agent.step()
+    agent.close()
+    with pytest.raises(AgentError, match="is not started"):
+        agent.run(threading.Event())

@@ -330,3 +330,31 @@ def test_a_state_server_mirrors_the_agents_own_state():
         stop.set()
         thread.join(5)
         server.close()
+
+
+def test_a_server_service_or_client_used_outside_its_life_says_so():
+    """A server's sockets and state exist from `bind` to `close`, a device service's server
+    likewise, a client's socket until `close`: a use outside that is refused in a sentence
+    that names what and why, not an AttributeError from deep inside."""
+    from photonic_testbed.hil.bus.client import BusError, ServiceClient
+    from photonic_testbed.hil.bus.server import Server
+    from photonic_testbed.hil.devices.kinds import ServiceError
+    from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
+    from tests.bus_doubles import MemoryPowerMeter
+
+    server = Server("agent", {"phase": "dp"})
+    with pytest.raises(RuntimeError, match=r"^agent: the server is not bound \(bind\(\) it"):
+        server.update({"phase": "tp"})
+    server.bind()
+    assert server.update({"phase": "tp"}) is not None
+    server.close()
+    with pytest.raises(RuntimeError, match=r"agent: the server is not bound .* or is closed$"):
+        server.poll(0)
+    service = DeviceService(ServiceSpec("pm", "power_meter", "mem", telemetry_hz=0.0),
+                            driver=MemoryPowerMeter("mem"))
+    with pytest.raises(ServiceError, match=r"^service pm is not bound"):
+        service.handle(schema.encode(schema.make("request", id="1", op="ping")))
+    client = ServiceClient("tcp://127.0.0.1:9")
+    client.close()
+    with pytest.raises(BusError, match=r"^the client of tcp://127.0.0.1:9 is closed$"):
+        client.receive("1", time.monotonic())

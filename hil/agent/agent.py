@@ -334,7 +334,10 @@ class Agent:
         kind = get("kind")
         try:
             if kind == "phase":
-                self.on_phase(get("phase"), get("round", 0))
+                phase = get("phase")
+                if phase is None:
+                    raise AgentError("a phase event without its phase")
+                self.on_phase(phase, get("round", 0))
             elif kind == "failure":
                 d = get("details", {}) or {}
                 self.on_job_failure(d.get("reason", ""), d.get("gpus", ()), d.get("links", ()))

@@ -172,9 +172,11 @@ class AgentProcess(NoEvents):
         self.journal = SqliteJournal(journal_path, journal_sync)
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
-        self.server: Server | None = None
-        self.sub: StateSubscriber | None = None
-        self.agent: Agent | None = None
+        # made by `start` (the agent needs the switches' answers first): reached through
+        # `agent`, `server` and `sub`, which say so before then
+        self._agent: Agent | None = None
+        self._server: Server | None = None          # (None again once closed)
+        self._sub: StateSubscriber | None = None
         self.config = config if config is not None else rig.agent
         self._health_seen: dict[str, str] = {}
         self._alarms: list[str] = []
@@ -189,6 +191,31 @@ class AgentProcess(NoEvents):
         self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
         self._rx: dict[str, tuple[str | None, dict]] = {}
         self._published = 0.0
+
+    @property
+    def agent(self) -> Agent:
+        """The agent core (once started)."""
+        if self._agent is None:
+            raise self._not_started()
+        return self._agent
+
+    @property
+    def server(self) -> Server:
+        """The agent's request server on the bus (from `start` to `close`)."""
+        if self._server is None:
+            raise self._not_started()
+        return self._server
+
+    @property
+    def sub(self) -> StateSubscriber:
+        """The subscriber to the GPU monitors' health (from `start` to `close`)."""
+        if self._sub is None:
+            raise self._not_started()
+        return self._sub
+
+    def _not_started(self) -> AgentError:
+        return AgentError(f"the agent of rig {self.rig.name} is not started (start() it "
+                          "first) or is closed")
 
     # --- set-up -----------------------------------------------------------------------------
     def _client(self, endpoint: str) -> ServiceClient:
@@ -214,13 +241,13 @@ class AgentProcess(NoEvents):
             for a in atts:
                 self._receivers.setdefault(a.switch, {}).setdefault(
                     self.rig.monitor_of(g), set()).add(a.rx)
-        self.agent = Agent(layout, self.switches, self.journal, self._read_power,
-                           config=self.config, events=self)
+        agent = self._agent = Agent(layout, self.switches, self.journal, self._read_power,
+                                    config=self.config, events=self)
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.rig.agent_endpoints()
-        self.server = Server(
+        server = self._server = Server(
             "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
             keys=self.rig.server_keys(),
@@ -230,10 +257,10 @@ class AgentProcess(NoEvents):
                       "phase_done": self._phase_done,
                       "job_report": self._job_report, "relay_ping": self._relay_ping},
             settle=self._publish)
-        bound = self.server.bind()
-        self.sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
-                                   telemetry=False)
-        self.agent.start()              # reconcile; finish a swap a killed agent left
+        bound = server.bind()
+        self._sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
+                                    telemetry=False)
+        agent.start()                   # reconcile; finish a swap a killed agent left
         self._publish()
         if self._settle_heap:
             heap.settle("start-up")
@@ -241,14 +268,14 @@ class AgentProcess(NoEvents):
         return bound
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-        if self.sub is not None:
-            self.sub.close()
-            self.sub = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        if self._agent is not None:
+            self._agent.close()
+        if self._sub is not None:
+            self._sub.close()
+            self._sub = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for c in self.clients:
             c.close()
         self.clients.clear()
@@ -268,10 +295,11 @@ class AgentProcess(NoEvents):
         request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
         phase request is not queued behind the journal's sync and the GUI's update."""
         self._rx.clear()              # received power is read afresh for each event
-        self.sub.poll(0)
-        self.server.poll(0)
+        sub, server = self.sub, self.server
+        sub.poll(0)
+        server.poll(0)
         if time.monotonic() - self._published < PUBLISH_EVERY_S and \
-                (self.server.router.poll(0) or self.sub.sub.poll(0)):
+                (server.router.poll(0) or sub.sub.poll(0)):
             return
         self._publish()
         if self._admitted and self._settle_heap:
@@ -535,10 +563,11 @@ class AgentProcess(NoEvents):
             if len(self._events) > EVENTS_KEPT:
                 ops.append(Delete(["events", 0]))
                 self._events.pop(0)
-        if self.server is None:
+        server = self._server
+        if server is None:                  # (not started, or closed: nobody to tell)
             return
         state = self._state(events=False)
-        old = self.server.state.state
+        old = server.state.state
         for k, v in state.items():
             was = old.get(k)
             if was == v:
@@ -546,5 +575,5 @@ class AgentProcess(NoEvents):
             ops += _job_changes(was, v) if k == "jobs" and isinstance(was, dict) else \
                 [Set([k], v)]
         if ops:
-            self.server.change(ops)
+            server.change(ops)
 

@@ -93,9 +93,11 @@ class Diagnosis:
         intended circuits stay as they were (a probe is not a decision: an agent restarted
         mid-probe puts the switches back)."""
         loops: dict[str, dict[int, int]] = {}
+        sender: dict[tuple[str, int], str] = {}      # (switch, input) -> the GPU sending there
         for g in gpus:
             for att in self.layout.gpus.get(g, ()):
                 loops.setdefault(att.switch, {})[att.tx] = att.rx
+                sender[att.switch, att.tx] = g
         heard = {g: True for g in gpus}
         for s, pairs in loops.items():
             ports = set(pairs) | set(pairs.values())
@@ -104,7 +106,7 @@ class Diagnosis:
             probe.update(pairs)
             self.writer.probe(s, probe)
             for i, o in pairs.items():
-                g = self.layout.owner(s, i)
+                g = sender[s, i]
                 heard[g] = heard[g] and float(self.read_power(s, o)) >= self.verify_dbm
         self.journal.record(Loopback(loopback=dict(heard)), cause, defer=True)
         return heard
@@ -129,7 +131,7 @@ class Diagnosis:
         blamed = [g for g in ends if not heard[g]]
         for s, i, o in dark:
             src, dst = self.layout.owner(s, i), self.layout.owner(s, o)
-            if heard.get(src) and heard.get(dst):
+            if src is not None and dst is not None and heard.get(src) and heard.get(dst):
                 self.alarm(f"{cause}: {src} -> {dst} is dark on {s} ({i} -> {o}) although "
                            "both hear themselves: the switch's path is at fault",
                            Alarm(switch=s, circuit=[i, o]))

@@ -282,13 +282,14 @@ class _RankIndex:
         self._where = where[order]
         self._key_of = key_of[self._where]            # the (phase, round) of each, by index
         # rank -> (phase-round indices, link indices) of its links, in step order: numpy
-        # slices, made lists once the rank is asked about
+        # slices, made lists once the rank is asked about (none without links: np.split would
+        # still give one empty piece)
         bounds = np.flatnonzero(np.diff(self._ranks)) + 1
         starts = [0, *bounds.tolist()]
         self._slices: dict[int, tuple[np.ndarray, np.ndarray]] = {
-            r: (k, w) for r, k, w in zip(self._ranks[starts].tolist() if n else [],
+            r: (k, w) for r, k, w in zip(self._ranks[starts].tolist(),
                                          np.split(self._key_of, bounds),
-                                         np.split(self._where, bounds), strict=True)}
+                                         np.split(self._where, bounds), strict=True)} if n else {}
         # rank -> ({phase-round index: (start, end) in its link indices}, link indices)
         self._made: dict[int, tuple[dict[int, tuple[int, int]], list[int]]] = {}
 

@@ -86,7 +86,9 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
         # written after its grant, so a kill just after a switch may have lost it).
         def held(key: Key, circuits: policies.JobCircuits = circuits) -> bool:
             targets = circuits.targets.get(key)
-            return bool(targets) and all(
+            if not targets:
+                return False
+            return all(
                 all(intended.get(n, {}).get(i) == o for i, o in c.items())
                 for n, c in targets.items())
         if not held(job.phase):

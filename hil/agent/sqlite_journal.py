@@ -158,6 +158,13 @@ def _details(text: str) -> dict:
         return json.loads(text)
 
 
+def _inserted(cur: sqlite3.Cursor) -> int:
+    """The sequence number of the entry the INSERT just run on `cur` wrote."""
+    seq = cur.lastrowid
+    assert seq is not None          # (sqlite3 sets it on every INSERT)
+    return seq
+
+
 @contextlib.contextmanager
 def _sqlite_errors(path: str, doing: str):
     """Turn SQLite's failures into a JournalError that names the file."""
@@ -534,8 +541,7 @@ class SqliteJournal:
             finally:
                 if not defer:
                     self._commit()
-            seq = cur.lastrowid
-            assert seq is not None
+            seq = _inserted(cur)
             if defer:
                 self._deferred.append(seq)
             self._tell(Entry(seq, ts, kind, cause, latency_s, typed), text)
@@ -578,9 +584,9 @@ class SqliteJournal:
                     if event:
                         ts = time.time()
                         details = f'{{"circuits": {text}, "switch": {json.dumps(name)}}}'
-                        seq = self._db.execute(
+                        seq = _inserted(self._db.execute(
                             "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                            (ts, "decision", cause, details)).lastrowid
+                            (ts, "decision", cause, details)))
                         written.append((Entry(seq, ts, "decision", cause, None, Intent(
                             switch=name, circuits=[(int(a), int(b)) for a, b in pairs])),
                             details))

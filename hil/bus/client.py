@@ -85,6 +85,12 @@ class ServiceClient:
             self._sock.close(linger=0)
             self._sock = None
 
+    def _open(self) -> zmq.Socket:
+        """The socket, while the client is not closed."""
+        if self._sock is None:
+            raise BusError(f"the client of {self.endpoint} is closed")
+        return self._sock
+
     def __enter__(self) -> ServiceClient:
         return self
 
@@ -98,35 +104,35 @@ class ServiceClient:
         """Send one request (a retry when `rid` is given: the same id), waiting at most `wait`
         seconds for a connection (a request is never queued for a peer that is not connected);
         returns its id (for `receive`)."""
-        if self._sock is None:
-            raise BusError("the client is closed")
+        sock = self._open()
         rid = rid or self._prefix + str(next(_ids))
         ttl = self.timeout if ttl is None else ttl
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,
                           expect=expect)
         frame = schema.encode(msg)
         try:
-            self._sock.send(frame, zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             # Not connected (yet): wait for the connection, else the caller's wait times out
             # and it retries on a fresh socket.
-            if wait > 0 and self._sock.poll(max(1, int(wait * 1e3)), zmq.POLLOUT):
+            if wait > 0 and sock.poll(max(1, int(wait * 1e3)), zmq.POLLOUT):
                 try:
-                    self._sock.send(frame, zmq.NOBLOCK)
+                    sock.send(frame, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
         return rid
 
     def receive(self, rid: str, deadline: float):
         """Wait until `deadline` (time.monotonic) for the answer to request `rid`."""
+        sock = self._open()
         while True:
             left = deadline - time.monotonic()
             # past the deadline, an answer already waiting is still taken (poll(0))
-            if not self._sock.poll(max(1, int(left * 1e3)) if left > 0 else 0):
+            if not sock.poll(max(1, int(left * 1e3)) if left > 0 else 0):
                 if time.monotonic() >= deadline:
                     raise ServiceUnavailable(f"no answer from {self.endpoint} in time")
                 continue
-            frame = self._sock.recv()
+            frame = sock.recv()
             try:
                 msg = schema.decode_message(frame)
             except schema.SchemaError as e:

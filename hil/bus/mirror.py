@@ -119,6 +119,12 @@ class Mirror:
         """The device's state version (what compare-and-set requests `expect`)."""
         return None if self.state is None else self.state.get("version")
 
+    def held(self) -> dict:
+        """The state, once a snapshot is loaded (a delta changes it, never before)."""
+        if self.state is None:
+            raise StateError(f"{self.device}: no snapshot loaded yet")
+        return self.state
+
     def load(self, snap: Mapping) -> bool:
         """Take a snapshot, then the buffered deltas after it. True when in sync."""
         self.state = clone(snap["state"])
@@ -167,7 +173,7 @@ class Mirror:
             self._buffer.append(dict(msg))
             return False
         try:
-            apply(self.state, msg["ops"])
+            apply(self.held(), msg["ops"])
         except StateError as e:
             self._gap(f"delta {msg['seq']} does not apply: {e}")
             return False
@@ -307,7 +313,7 @@ class StateSubscriber:
             log.warning("dropping a published frame: %s", e)
             return
         self.received += 1
-        dev = self.devices.get(msg.get("device"))
+        dev = self.devices.get(msg["device"]) if "device" in msg else None
         if dev is None:
             return
         if msg["type"] == "telemetry":
@@ -321,7 +327,7 @@ class StateSubscriber:
         was_synced = not dev.mirror.needs_snapshot
         ops = dev.mirror.feed(msg)
         if ops is not None and self.on_state:
-            self.on_state(dev.name, dev.mirror.state, ops)
+            self.on_state(dev.name, dev.mirror.held(), ops)
         if dev.mirror.needs_snapshot and (was_synced or dev.pending is None):
             self._ask_snapshot(dev)
 
@@ -357,7 +363,7 @@ class StateSubscriber:
             log.warning("%s: bad snapshot: %s", dev.name, e)
             return
         if dev.mirror.load(snap) and self.on_state:
-            self.on_state(dev.name, dev.mirror.state, None)
+            self.on_state(dev.name, dev.mirror.held(), None)
         dev.last_heartbeat = time.monotonic()         # the reply is a sign of life too
         self._set_alive(dev, True)
 

@@ -38,19 +38,25 @@ class ClientKeys:
     server_public: bytes
 
 
-def _load(path: str | os.PathLike, want_secret: bool) -> tuple[bytes, bytes | None]:
+def _load(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+    """A key file's public key, and its secret key when it holds one."""
     path = pathlib.Path(path)
     try:
-        public, secret = zmq.auth.load_certificate(path)
+        return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
         raise KeyFileError(f"cannot read the key file {path}: {e}") from None
-    if want_secret and not secret:
+
+
+def _load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """A .key_secret file's public and secret keys."""
+    public, secret = _load(path)
+    if not secret:
         raise KeyFileError(f"{path} holds no secret key (use the .key_secret file)")
     return public, secret
 
 
 def server_keys(secret_file: str | os.PathLike, authorized_dir: str | os.PathLike) -> ServerKeys:
-    public, secret = _load(secret_file, True)
+    public, secret = _load_secret(secret_file)
     folder = pathlib.Path(authorized_dir)
     if not folder.is_dir():
         raise KeyFileError(f"the authorised client keys folder {folder} does not exist")
@@ -59,8 +65,8 @@ def server_keys(secret_file: str | os.PathLike, authorized_dir: str | os.PathLik
 
 def client_keys(secret_file: str | os.PathLike, server_public_file: str | os.PathLike
                 ) -> ClientKeys:
-    public, secret = _load(secret_file, True)
-    server_public, _ = _load(server_public_file, False)
+    public, secret = _load_secret(secret_file)
+    server_public, _ = _load(server_public_file)
     return ClientKeys(public, secret, server_public)
 
 

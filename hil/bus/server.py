@@ -168,9 +168,11 @@ class Server:
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
         self.auth: Any = None
-        self.router: zmq.Socket | None = None
-        self.pub: Publisher | None = None
-        self.state: StatePublisher | None = None
+        # bound by `bind` (None before it and after `close`): reached through `router`, `pub`
+        # and `state`, which say so when they are not there
+        self._router: zmq.Socket | None = None
+        self._pub: Publisher | None = None
+        self._state: StatePublisher | None = None
         self.incarnation = uuid.uuid4().hex[:12]
         self.online = True
         # False: no heartbeats (the owner cannot stand behind them: its device is stuck), so
@@ -215,6 +217,31 @@ class Server:
     def version(self) -> str:
         return f"{self.incarnation}:{self.changes}"
 
+    @property
+    def router(self) -> zmq.Socket:
+        """The request socket (once bound)."""
+        if self._router is None:
+            raise self._unbound()
+        return self._router
+
+    @property
+    def pub(self) -> Publisher:
+        """The publishing socket (once bound)."""
+        if self._pub is None:
+            raise self._unbound()
+        return self._pub
+
+    @property
+    def state(self) -> StatePublisher:
+        """The published state (once bound)."""
+        if self._state is None:
+            raise self._unbound()
+        return self._state
+
+    def _unbound(self) -> RuntimeError:
+        return RuntimeError(f"{self.name}: the server is not bound (bind() it first) or is "
+                            "closed")
+
     def _ping(self, args: schema.Args) -> dict:
         return {"device": self.name, "kind": self.kind, "online": self.online,
                 "incarnation": self.incarnation, "seq": self.state.seq,
@@ -234,8 +261,7 @@ class Server:
         try:
             if self.keys is not None:
                 self.auth = start_authenticator(self.ctx, self.keys)
-            router = self.ctx.socket(zmq.ROUTER)
-            self.router = router
+            router = self._router = self.ctx.socket(zmq.ROUTER)
             request, publish = self._endpoints
             router.linger = 0
             router.ipv6 = "[" in request         # an IPv6 literal, tcp://[::1]:port
@@ -243,24 +269,24 @@ class Server:
             router.router_mandatory = False
             make_server(router, self.keys)
             router.bind(request)
-            self.pub = Publisher(self.ctx, publish, self.keys)
+            pub = self._pub = Publisher(self.ctx, publish, self.keys)
             state = dict(self._initial)
             if self._publish_version:
                 state["version"] = self.version
-            self.state = StatePublisher(self.name, state, self.pub.send, self.incarnation)
+            self._state = StatePublisher(self.name, state, pub.send, self.incarnation)
         except Exception:
             self.close()
             raise
-        return self.router.getsockopt_string(zmq.LAST_ENDPOINT), self.pub.endpoint
+        return router.getsockopt_string(zmq.LAST_ENDPOINT), pub.endpoint
 
     def close(self) -> None:
-        if self.router is not None:
-            self.router.close(linger=0)
-        if self.pub is not None:
-            self.pub.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._pub is not None:
+            self._pub.close()
         if self.auth is not None:
             self.auth.stop()
-        self.router = self.pub = self.auth = None
+        self._router = self._pub = self.auth = None
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
 
@@ -345,13 +371,14 @@ class Server:
         if now >= self._next_beat:
             self.send_heartbeat()
         answered = self._send_later()
-        if not self._queue and not self.router.poll(0):
+        router = self.router
+        if not self._queue and not router.poll(0):
             wait = min(timeout, max(0.0, self._next_beat - now))
             if self._running:
                 wait = min(wait, 0.005)             # an answer may be ready soon: look again
             # Nothing waiting now: whatever arrives during this wait arrives "now".
             self._seen_empty = time.monotonic()
-            if not self.router.poll(max(0, int(wait * 1e3))):
+            if not router.poll(max(0, int(wait * 1e3))):
                 return answered + self._send_later()
             self._seen_empty = time.monotonic()
         self._drain()
@@ -584,9 +611,10 @@ class Server:
     def _send(self, envelope: list[bytes] | None, frame: bytes) -> None:
         if envelope is None:
             return
+        router = self.router
         try:
             for part in envelope:
-                self.router.send(part, zmq.NOBLOCK | zmq.SNDMORE)
-            self.router.send(frame, zmq.NOBLOCK)
+                router.send(part, zmq.NOBLOCK | zmq.SNDMORE)
+            router.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:     # the client went away; its loss
             log.debug("%s: answer not delivered: %s", self.name, e)

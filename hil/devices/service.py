@@ -79,7 +79,7 @@ class DeviceService:
         self.name = spec.name
         self.driver = driver
         self._context = context
-        self.server: Server | None = None
+        self._server: Server | None = None      # from `bind` to `close` (`server`)
         self._telemetry_seq = 0
         # served from a loop (serve_together): its group, and the device's calls (on a thread
         # of its own); neither when the service answers in-process (`handle`)
@@ -110,18 +110,26 @@ class DeviceService:
                                             for op, fn in self.kind.ops.items()}
             if self.is_switch:
                 handlers["apply_circuits_together"] = self._apply_together
-            self.server = Server(
+            self._server = Server(
                 self.name, {"kind": spec.kind, "online": True, **self.kind.state(self.driver)},
                 kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
                 heartbeat=spec.heartbeat, handlers=handlers, describe=self._describe,
                 publish_version=True, context=self._context)
-            request, publish = self.server.bind()
+            request, publish = self._server.bind()
         except Exception:
             self.close()
             raise
         log.info("service %s (%s) on %s, publishing on %s", self.name, spec.kind, request,
                  publish)
         return request, publish
+
+    @property
+    def server(self) -> Server:
+        """The device's request server (from `bind` to `close`)."""
+        if self._server is None:
+            raise ServiceError(f"service {self.name} is not bound (bind() it first) or is "
+                               "closed")
+        return self._server
 
     @property
     def is_switch(self) -> bool:
@@ -198,9 +206,9 @@ class DeviceService:
         return batch.future
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self.driver is not None and callable(getattr(self.driver, "close", None)):
             try:
                 self.driver.close()
@@ -287,14 +295,16 @@ class DeviceService:
         driver hangs: the supervisor restarts the service with a fresh driver), and start
         again once it ends; returns when to look again."""
         began = self.calls.busy_since if self.calls is not None else None
-        stuck = began is not None and now - began >= self.spec.stuck_s
-        if stuck == self.server.beating:
-            self.server.beating = not stuck
-            self.server.online = not stuck        # (its next health check says more)
-            self.server.update({"online": not stuck})
+        ran = None if began is None else now - began      # the call under way, so far
+        stuck = ran is not None and ran >= self.spec.stuck_s
+        server = self.server
+        if stuck == server.beating:
+            server.beating = not stuck
+            server.online = not stuck        # (its next health check says more)
+            server.update({"online": not stuck})
             if stuck:
                 log.warning("%s: a device call has run for %.1f s: stuck; heartbeats stop",
-                            self.name, now - began)
+                            self.name, ran)
             else:
                 log.warning("%s: the stuck device call ended; heartbeats again", self.name)
         return began + self.spec.stuck_s if began is not None and not stuck else math.inf
@@ -326,10 +336,15 @@ class DeviceService:
         then the pass's values ({} when it failed or has nothing to report)."""
         try:
             if first:
-                got = self.kind.telemetry(self.driver)
+                telemetry = self.kind.telemetry
+                if telemetry is None:               # (a kind without: nothing to report)
+                    return {}
+                got = telemetry(self.driver)
                 if not isinstance(got, Generator):
                     return got
                 self._pass = got
+            elif self._pass is None:                # (the pass has ended: nothing more)
+                return {}
             next(self._pass)
             return None
         except StopIteration as end:

@@ -133,7 +133,7 @@ class Manager:
                     msg = schema.decode(frames[-1])
                 except schema.SchemaError:
                     continue
-                sup = self.services.get(msg.get("device"))
+                sup = self.services.get(msg["device"]) if "device" in msg else None
                 if sup is not None:
                     sup.last_heartbeat = now
                     sup.heard = True

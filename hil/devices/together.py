@@ -199,15 +199,15 @@ def _turn(loop: Loop, wake: dict[DeviceService, float]) -> None:
             except BlockingIOError:
                 pass
             continue
-        service = loop.owner.get(sock)
-        if service is None:
+        owner = loop.owner.get(sock)
+        if owner is None:
             continue
-        if isinstance(sock, int) and service.calls is not None:     # an awaited answer
-            service.calls.on_readable()
-            touched[service] = None
-            if not service.server.answering:
+        if isinstance(sock, int) and owner.calls is not None:     # an awaited answer
+            owner.calls.on_readable()
+            touched[owner] = None
+            if not owner.server.answering:
                 continue        # (a part of a request to another service)
-        todo[service] = None
+        todo[owner] = None
     while loop.ready:
         calls = loop.ready.popleft()
         calls.call_done()

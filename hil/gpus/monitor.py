@@ -93,11 +93,11 @@ def map_nvml(gpus: tuple[GpuConfig, ...], uuids: list[str]) -> dict[str, str]:
                     f"here, indices 0..{len(uuids) - 1}")
             uuid = uuids[g.nvml]
         else:
-            uuid = known.get(g.nvml.lower())
-            if uuid is None:
+            if g.nvml.lower() not in known:
                 raise GpuMonitorError(
                     f"rig GPU {g.name}: nvml = {g.nvml!r} is not a GPU of this host; NVML sees "
                     + ", ".join(f"{i}: {u}" for i, u in enumerate(uuids)))
+            uuid = known[g.nvml.lower()]
         if uuid in out:
             raise GpuMonitorError(f"rig GPUs {out[uuid]} and {g.name} are both NVML GPU {uuid}")
         out[uuid] = g.name
@@ -261,7 +261,9 @@ class GpuMonitor:
 
     def _check(self) -> list[GpuHealth]:
         """Read every mapped GPU; returns the health of those whose state or reasons changed
-        (every one, the first time)."""
+        (every one, the first time; none without NVML)."""
+        if self.health is None:
+            return []
         now = self.clock()
         changed = []
         for raw in self.health.poll():

@@ -221,6 +221,8 @@ class Adam:
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
             g = p.grad
+            if g is None:           # the loss did not reach it: left as it is (as torch.optim)
+                continue
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
@@ -237,6 +239,18 @@ def new_optimizer(model: nn.Module, lr: float) -> Adam:
 def state_tensors(model: nn.Module, opt: Adam) -> list[torch.Tensor]:
     """Everything a rank's training state is: weights, then Adam's moments and step count."""
     return [p.data for p in model.parameters()] + opt.tensors()
+
+
+def gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient from the last backward pass (every parameter of the model
+    takes part in the loss: one without is named in a RuntimeError)."""
+    out = []
+    for i, p in enumerate(params):
+        if p.grad is None:
+            raise RuntimeError(f"parameter {i} (shape {tuple(p.shape)}) has no gradient: the "
+                               "loss does not reach it")
+        out.append(p.grad)
+    return out
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

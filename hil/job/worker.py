@@ -65,6 +65,7 @@ from photonic_testbed.hil.job.model import (
     build_model,
     digest,
     flatten,
+    gradients,
     new_optimizer,
     save_weights,
     state_tensors,
@@ -508,11 +509,12 @@ class Worker:
         if "dp" in self.groups:
             hook += self._enter("dp")
             self._audit("dp", "gradient all-reduce")
-            flat = flatten([p.grad for p in self.params])
+            grads = gradients(self.params)
+            flat = flatten(grads)
             self._check("the gradient all-reduce")
             self._wait_work(self.groups["dp"].allreduce([flat]), "the gradient all-reduce")
             flat.div_(len(self.roles.dp_group))
-            unflatten_into(flat, [p.grad for p in self.params])
+            unflatten_into(flat, grads)
         self.opt.step()                  # only now: an abandoned step changed nothing
         self.completed = step + 1
         t1 = time.perf_counter()

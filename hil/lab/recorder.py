@@ -142,12 +142,13 @@ class Recorder:
 
     def start(self) -> dict[str, str]:
         try:
-            if self._link_dir is None:
-                self._link_dir = pathlib.Path(tempfile.mkdtemp(prefix="ptb-record-"))
+            link_dir = self._link_dir
+            if link_dir is None:
+                link_dir = self._link_dir = pathlib.Path(tempfile.mkdtemp(prefix="ptb-record-"))
             self.writer = SessionWriter(self.path, self.devices)
             for name, wire in self.devices.items():
                 if wire.kind == "serial":
-                    self.addresses[name] = self._start_serial(name, wire)
+                    self.addresses[name] = self._start_serial(name, wire, link_dir)
                 else:
                     self.addresses[name] = self._start_tcp(name, wire)
         except BaseException:
@@ -210,10 +211,16 @@ class Recorder:
 
     # ---- set-up --------------------------------------------------------------------------
 
-    def _start_serial(self, name: str, wire: Wire) -> str:
+    def _session(self) -> SessionWriter:
+        """The session file's writer (from `start` on)."""
+        if self.writer is None:
+            raise RecorderError("the recorder is not started: start() it first")
+        return self.writer
+
+    def _start_serial(self, name: str, wire: Wire, link_dir: pathlib.Path) -> str:
         port = open_serial(wire.path)
         self._serials.append(port)
-        master, slave, link = serial_link(self._link_dir, name)
+        master, slave, link = serial_link(link_dir, name)
         self._fds += [master, slave]
         os.set_blocking(master, False)
         relay = _Relay(name, 1, _Side(master, f"the client of {name}"),
@@ -233,7 +240,8 @@ class Recorder:
 
     def _add_relay(self, relay: _Relay) -> None:
         self._relays.append(relay)
-        self.writer.event(relay.device, relay.conn, "open", self.writer.now())
+        writer = self._session()
+        writer.event(relay.device, relay.conn, "open", writer.now())
         self._sel.register(relay.client.fd, selectors.EVENT_READ, ("client", relay))
         self._sel.register(relay.dev.fd, selectors.EVENT_READ, ("device", relay))
 
@@ -277,10 +285,11 @@ class Recorder:
     # ---- the relay -----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        writer = self._session()
         while not self._stop.is_set():
-            if self.writer is not None and self.writer.failed.is_set():
+            if writer.failed.is_set():
                 # nothing said from now on could be written: relay nothing more
-                log.error("session %s: %s: recording stopped", self.path, self.writer.error)
+                log.error("session %s: %s: recording stopped", self.path, writer.error)
                 for stopped in list(self._relays):
                     self._close_relay(stopped, "recorder")
                 return
@@ -310,13 +319,13 @@ class Recorder:
                         if not here.pending:
                             self._sel.modify(here.fd, selectors.EVENT_READ, key.data)
                     if mask & selectors.EVENT_READ:
-                        t = self.writer.now()
+                        t = writer.now()
                         data = here.read()
                         if not data:
                             self._close_relay(relay, what)
                             continue
                         there.send(data)
-                        self.writer.data(relay.device, relay.conn, what, data, t)
+                        writer.data(relay.device, relay.conn, what, data, t)
                         if there.pending:
                             other = "device" if what == "client" else "client"
                             self._sel.modify(there.fd, selectors.EVENT_READ |

@@ -373,13 +373,14 @@ class ScriptedDevices:
                                     if x.device == device and x.conn == c]) for c in conns]
 
     def start(self) -> dict[str, str]:
-        if self._link_dir is None:
-            self._link_dir = pathlib.Path(tempfile.mkdtemp(prefix="ptb-scripted-"))
+        link_dir = self._link_dir
+        if link_dir is None:
+            link_dir = self._link_dir = pathlib.Path(tempfile.mkdtemp(prefix="ptb-scripted-"))
         try:
             for device in self.session.devices:
                 wire = self.session.wire(device)
                 if wire.kind == "serial":
-                    self.addresses[device] = self._start_serial(device)
+                    self.addresses[device] = self._start_serial(device, link_dir)
                 else:
                     self.addresses[device] = self._start_tcp(device)
         except BaseException:
@@ -450,8 +451,8 @@ class ScriptedDevices:
 
     # ---- serving -------------------------------------------------------------------------
 
-    def _start_serial(self, device: str) -> str:
-        master, slave, link = serial_link(self._link_dir, device)
+    def _start_serial(self, device: str, link_dir: pathlib.Path) -> str:
+        master, slave, link = serial_link(link_dir, device)
         self._slaves.append(slave)
 
         def close() -> None:

@@ -286,7 +286,7 @@ def _json_line(raw: str, where: str, n: int) -> dict:
 
 def _event(d: dict, n: int, where: str, devices: dict) -> Event:
     device, conn = d.get("device"), d.get("conn")
-    if device not in devices:
+    if not isinstance(device, str) or device not in devices:
         raise SessionError(f"{where}:{n}: device {device!r} is not one the header names "
                            f"({', '.join(devices)})")
     if isinstance(conn, bool) or not isinstance(conn, int) or conn < 1:

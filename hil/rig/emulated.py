@@ -61,9 +61,13 @@ class RigSpec:
         """The rack of GPUs on this rig's switches: the rail rack of a datacenter rig, the
         built-in rack of a named rig that has one (lumion, opus), else None."""
         if self.servers:
-            return rail_rack(self.name, self.servers, self.rails, self.spare_servers,
-                             self.pod or None, self.description)
+            return self.rail_layout()
         return LAYOUTS[self.name]() if self.name in LAYOUTS else None
+
+    def rail_layout(self) -> RackLayout:
+        """The rail rack of a datacenter rig (one with `servers`)."""
+        return rail_rack(self.name, self.servers, self.rails, self.spare_servers,
+                         self.pod or None, self.description)
 
 
 RIGS = {
@@ -258,7 +262,7 @@ def _rail_switches(spec: RigSpec, endpoints: dict[str, str]) -> dict[str, str]:
     switch's name, as `EmulatedRig` reports them); {} for other rigs."""
     if not spec.servers:
         return {}
-    layout = spec.rack_layout()
+    layout = spec.rail_layout()
     missing = [s for s in layout.switches if s not in endpoints]
     if missing:
         raise RigFileError(f"the emulated rig {spec.name} has no endpoint for its rail "

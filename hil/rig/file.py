@@ -110,7 +110,10 @@ def _check_endpoint(c: _Checker, table: str, key: str, value: str) -> str:
 
 
 def _is_loopback(endpoint: str) -> bool:
-    host = ENDPOINT.match(endpoint).group(1).strip("[]")
+    m = ENDPOINT.match(endpoint)
+    if m is None:                   # (checked before: not an endpoint is not a loopback one)
+        return False
+    host = m.group(1).strip("[]")
     if host == "localhost":
         return True
     try:
