@@ -344,6 +344,8 @@ class RackHost:
 
     def _stop_job(self) -> dict:
         job, fabric = self.job, self.fabric
+        if fabric is not None:
+            fabric.cancel()          # the job's calls give up: an agent gone answers none
         if job is not None:
             job.close()
         self._stop_reporter()

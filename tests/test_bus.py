@@ -436,3 +436,34 @@ def test_a_device_that_dies_after_its_snapshot_before_any_heartbeat_is_seen_lost
         sub.close()
         router.close()
         pub.close()
+
+
+def test_a_call_gives_up_at_once_when_its_client_is_cancelled():
+    """A call waiting on a silent server (its agent killed, say) ends when another thread sets
+    the client's cancel event, not at its timeout: the owner closing does not wait it out."""
+    from photonic_testbed.hil.bus.client import ServiceClient
+    from photonic_testbed.hil.bus.errors import Cancelled
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)          # takes requests, answers none
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    cancel = threading.Event()
+    client = ServiceClient(f"tcp://127.0.0.1:{port}", timeout=60.0, cancel=cancel,
+                           context=ctx)
+    got: list = []
+    caller = threading.Thread(target=lambda: got.append(_raised(client.call, "ping")))
+    caller.start()
+    time.sleep(0.3)
+    cancel.set()
+    caller.join(timeout=30)                    # half its timeout: it ended by the cancel
+    assert not caller.is_alive(), "the call did not end once cancelled"
+    assert isinstance(got[0], Cancelled) and "the client is closing" in str(got[0])
+    client.close()
+    silent.close(linger=0)
+    ctx.term()
+
+
+def _raised(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (re-exported for callers)
     BadRequest,
     BusError,
+    Cancelled,
     DeadlineExceeded,
     RemoteError,
     ServiceUnavailable,
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 FIRST_ATTEMPT_S = 0.25          # how long a server may stay silent before the request is resent
 LAST_ATTEMPT_S = 1.0            # the longest wait between resends
+CANCEL_CHECK_S = 0.05           # a cancellable wait looks at its event this often
 
 
 _ids = itertools.count(1)
@@ -52,9 +55,12 @@ class ServiceClient:
     """Requests to one device service (its ROUTER endpoint)."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0, keys: ClientKeys | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, cancel: threading.Event | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
+        # set from any thread, it ends a wait for an answer within CANCEL_CHECK_S (Cancelled):
+        # the owner of the client is closing and its calls must not hold it up
+        self.cancel = cancel
         self.keys = keys
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -126,7 +132,11 @@ class ServiceClient:
         """Wait until `deadline` (time.monotonic) for the answer to request `rid`."""
         sock = self._open()
         while True:
+            if self.cancel is not None and self.cancel.is_set():
+                raise Cancelled(f"gave up waiting for {self.endpoint}: the client is closing")
             left = deadline - time.monotonic()
+            if self.cancel is not None:
+                left = min(left, CANCEL_CHECK_S)
             # past the deadline, an answer already waiting is still taken (poll(0))
             if not sock.poll(max(1, int(left * 1e3)) if left > 0 else 0):
                 if time.monotonic() >= deadline:
@@ -185,6 +195,8 @@ def call_many(requests: Sequence[tuple[ServiceClient, str, dict] |
         for i in sorted(waiting):
             try:
                 results[i] = requests[i][0].receive(rids[i], until)
+            except Cancelled as e:
+                results[i] = e
             except ServiceUnavailable:
                 continue
             except BusError as e:

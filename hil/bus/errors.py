@@ -29,6 +29,11 @@ class ServiceUnavailable(BusError):
     """No answer from the service within the deadline (down, restarting, or refusing our key)."""
 
 
+class Cancelled(ServiceUnavailable):
+    """The caller gave up waiting (its client is closing): the request may or may not have
+    run, as after a timeout."""
+
+
 class RemoteError(BusError):
     """A request refused or failed by its server. `kind` is the name on the wire (this class's
     name, or the server-side exception's when this module has no class of that name), and

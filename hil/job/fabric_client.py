@@ -63,6 +63,7 @@ class Fabric:
         # A plain subscriber on our own thread: only the `restart` key matters here, so no
         # copy of the agent's state (its events) is made per delta.
         self._stop = threading.Event()
+        self._cancel = threading.Event()          # set: calls in flight give up (Cancelled)
         self._ctx = zmq.Context()
         self._sub = StateSubscriber({"agent": (request, publish)}, keys=keys,
                                     on_state=self._on_state, telemetry=False,
@@ -81,7 +82,7 @@ class Fabric:
         c = getattr(self._local, "client", None)     # one client per thread (bus rule)
         if c is None:
             c = self._local.client = ServiceClient(self._request, keys=self._keys,
-                                                   timeout=self.timeout)
+                                                   timeout=self.timeout, cancel=self._cancel)
             self._clients.append(c)
         return c
 
@@ -198,7 +199,14 @@ class Fabric:
                 self._cond.wait_for(lambda: bool(self._orders), timeout)
             return self._orders.pop(0) if self._orders else None
 
+    def cancel(self) -> None:
+        """From any thread: every call in flight, and every later one, gives up at once
+        (Cancelled; a change may or may not have run, as after a timeout). For the owner that
+        is closing and must not wait out the calls of its threads before it joins them."""
+        self._cancel.set()
+
     def close(self) -> None:
+        self._cancel.set()
         self._background.shutdown(wait=True)
         self._stop.set()
         self._thread.join(timeout=2.0)
