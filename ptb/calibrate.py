@@ -235,20 +235,24 @@ _KEY = {"heater DAC": "dac", "OCS": "ocs", "power meter": "powermeter", "laser":
 # ---- progress ---------------------------------------------------------------------------------
 
 class Progress:
-    """A bar with an ETA on a terminal, plain lines (every 10 %) otherwise."""
+    """A bar with an ETA on a terminal; otherwise (a log, the demo) a plain line when a phase is
+    done, and one every LINE_S while it runs."""
+
+    LINE_S = 5.0
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.phase = None
+        self.phase: str | None = None
         self.t0 = time.monotonic()
-        self.last_tenth = -1
+        self.last_line = self.t0
 
     def __call__(self, phase: str, cell: str, done: int, total: int) -> None:
         if phase != self.phase:
             if self.tty and self.phase is not None:
                 self.stream.write("\n")
-            self.phase, self.t0, self.last_tenth = phase, time.monotonic(), -1
+            self.phase, self.t0 = phase, time.monotonic()
+            self.last_line = self.t0
         elapsed = time.monotonic() - self.t0
         eta = elapsed / done * (total - done) if done else 0.0
         if self.tty:
@@ -260,12 +264,12 @@ class Progress:
                 self.stream.write("\n")
                 self.phase = None
             self.stream.flush()
-        else:
-            tenth = 10 * done // total
-            if tenth != self.last_tenth:
-                self.last_tenth = tenth
-                print(f"{phase}: {done}/{total} cells ({cell}), ETA {eta:.0f} s",
-                      file=self.stream, flush=True)
+        elif done == total:
+            print(f"{phase}: {total} cells in {elapsed:.1f} s", file=self.stream, flush=True)
+        elif time.monotonic() - self.last_line >= self.LINE_S:
+            self.last_line = time.monotonic()
+            print(f"{phase}: {done}/{total} cells ({cell}), ETA {eta:.0f} s",
+                  file=self.stream, flush=True)
 
 
 def _save_json(path: pathlib.Path, data: dict) -> None:

@@ -398,3 +398,21 @@ def test_a_resumed_run_rebuilds_what_the_refinements_changed(tmp_path):
         assert resumed.heaters[ch].offset_rad == pytest.approx(whole.heaters[ch].offset_rad,
                                                                abs=1e-12)
         assert np.allclose(resumed.crosstalk[row], whole.crosstalk[row], rtol=0, atol=1e-15)
+
+
+def test_progress_off_a_terminal_is_a_line_a_phase_and_one_every_few_seconds(monkeypatch):
+    """In a log or the demo's output: the phase's end, and while it runs one line every
+    Progress.LINE_S, not one every tenth (the demo printed 60 lines for a calibration)."""
+    import io
+
+    from photonic_testbed.ptb import calibrate as command
+    now = [100.0]
+    monkeypatch.setattr(command.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    progress = command.Progress(out)
+    for done in range(1, 11):
+        now[0] += 1.0
+        progress("sweep", f"c{done}", done, 10)
+    # the phase began at its first cell (101 s): 5 s later, cell 6; done at 110 s
+    assert out.getvalue().splitlines() == ["sweep: 6/10 cells (c6), ETA 3 s",
+                                           "sweep: 10 cells in 9.0 s"]
