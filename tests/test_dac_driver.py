@@ -8,6 +8,7 @@ import serial
 
 from photonic_testbed.drivers.heater_dac import DACDisconnected, DACError, HeaterDAC, OverVoltage
 from photonic_testbed.emulator.dac_board import IDLE_S, EmulatedDACBoard
+from tests.timeouts import DEVICE_S
 
 
 def wait_until(predicate, timeout=10.0, step=0.01):
@@ -20,7 +21,7 @@ def wait_until(predicate, timeout=10.0, step=0.01):
 
 
 def test_identify_set_and_read_back(dac_board):
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         assert dac.info.channels == 56
         assert [m.index for m in dac.info.modules] == list(range(7))
         assert dac.set_voltages([1.0] * 56) == 1
@@ -32,7 +33,7 @@ def test_identify_set_and_read_back(dac_board):
 
 
 def test_refused_over_voltage_leaves_the_output_alone(dac_board):
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         dac.set_voltage(0, 1.0)
         dac.set_vmax(0, 2.0)
         with pytest.raises(OverVoltage) as e:
@@ -42,7 +43,7 @@ def test_refused_over_voltage_leaves_the_output_alone(dac_board):
 
 
 def test_only_changed_channels_travel(dac_board):
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         dac.set_voltages([0.5] * 56)
         before = dac.bytes_sent
         assert dac.set_voltages([0.5] * 56) == 0
@@ -60,7 +61,7 @@ def test_long_runs_split_below_the_line_limit_and_scattered_lines_go_together(tm
     board = EmulatedDACBoard(tmp_path / "dac", modules=16, seed=3)     # 128 channels
     board.start()
     try:
-        with HeaterDAC(str(board.link)) as dac:
+        with HeaterDAC(str(board.link), timeout=DEVICE_S) as dac:
             assert dac.set_voltages([0.5] * 128) == 3       # 512 hex digits: three lines
             assert board.outputs == pytest.approx(dac.commanded, abs=2e-4)
             values = list(dac.commanded)
@@ -121,7 +122,7 @@ def test_a_different_board_on_the_port_is_refused(tmp_path):
 
 
 def test_watchdog_ramps_outputs_to_zero_when_the_host_goes_silent(dac_board):
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         dac.set_voltages([2.0] * 56)
         dac.set_watchdog(50)
         assert wait_until(lambda: max(dac_board.outputs) == 0.0, timeout=10.0)
@@ -138,7 +139,7 @@ def test_the_board_ticks_on_the_clock_only_with_its_watchdog_armed(dac_board):
     board = dac_board.board
     tick = board.tick
     board.tick = lambda: (ticks.append(None), tick())[1]
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         dac.set_voltage(0, 1.0)
         ticks.clear()
         time.sleep(0.5)                      # silent host, no watchdog: a tick per IDLE_S
@@ -163,7 +164,7 @@ def test_garbage_on_the_line_is_answered_and_the_board_keeps_serving(dac_board):
     assert lines[0] == b"E15:00\n"
     assert lines[1] == b"E14:00\n"
     assert lines[2].startswith(b"Q8iv-")
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         assert dac.ping().startswith("Q8iv-")
 
 
@@ -174,7 +175,7 @@ def test_monitor_photodiodes_read_through_the_board(tmp_path):
                              photocurrent=lambda ch: light.get(ch, 0.0))
     port = board.start()
     try:
-        with HeaterDAC(port) as dac:
+        with HeaterDAC(port, timeout=DEVICE_S) as dac:
             assert dac.photocurrent(3) == pytest.approx(12.5)
             values = dac.photocurrents()
             assert len(values) == 16
@@ -187,7 +188,7 @@ def test_monitor_photodiodes_read_through_the_board(tmp_path):
 
 def test_board_without_photodiodes_says_so(dac_board):
     from photonic_testbed.drivers.heater_dac import Forbidden
-    with HeaterDAC(str(dac_board.link)) as dac:
+    with HeaterDAC(str(dac_board.link), timeout=DEVICE_S) as dac:
         with pytest.raises(Forbidden) as refused:
             dac.photocurrents()
         assert refused.value.code == 13

@@ -13,6 +13,7 @@ from photonic_testbed.drivers.ocs import OpticalCircuitSwitch
 from photonic_testbed.drivers.power_meter import PowerMeter
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from tests.timeouts import DEVICE_S
 
 N = 16
 
@@ -24,11 +25,11 @@ def lumion(request, tmp_path):
         ep = rig.endpoints
         dac = HeaterDAC(ep["dac"], timeout=10.0).__enter__()   # a busy machine: generous
         mesh = Mesh(benes(N), dac)
-        selector = OpticalCircuitSwitch(ep["ocs"])
-        meter = PowerMeter(ep["powermeter"], ports=N)
+        selector = OpticalCircuitSwitch(ep["ocs"], timeout_s=DEVICE_S)
+        meter = PowerMeter(ep["powermeter"], ports=N, timeout_s=DEVICE_S)
         for port in range(1, N + 1):
             meter.set_averaging_time(port, 0.0)     # the emulator honours it as a delay
-        laser = Laser(ep["laser"])
+        laser = Laser(ep["laser"], timeout_s=DEVICE_S)
         laser.set_power_mw(1.0)
         laser.on()
         try:

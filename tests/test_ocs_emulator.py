@@ -21,6 +21,7 @@ from photonic_testbed.emulator.bench_optics import LASER_INGRESS
 from photonic_testbed.emulator.control import ControlError, request
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil.rig import rig_spec
+from tests.timeouts import DEVICE_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +114,8 @@ def test_reboot_loses_circuits_and_reconcile_restores_them(rig, ocs):
 
 
 def test_light_follows_the_circuit_with_port_loss(rig, ocs):
-    with Laser(rig.endpoints["laser"]) as laser, PowerMeter(rig.endpoints["powermeter"]) as pm:
+    with Laser(rig.endpoints["laser"], timeout_s=DEVICE_S) as laser, \
+            PowerMeter(rig.endpoints["powermeter"], timeout_s=DEVICE_S) as pm:
         laser.set_power_mw(1.0)
         laser.on()
         pm.set_averaging_time(1, 0)
@@ -135,8 +137,9 @@ def test_light_follows_the_circuit_with_port_loss(rig, ocs):
 
 
 def test_power_meter_noise_and_averaging_time(rig):
-    with Laser(rig.endpoints["laser"]) as laser, PowerMeter(rig.endpoints["powermeter"]) as pm, \
-            OpticalCircuitSwitch(rig.endpoints["ocs"]) as ocs:
+    with Laser(rig.endpoints["laser"], timeout_s=DEVICE_S) as laser, \
+            PowerMeter(rig.endpoints["powermeter"], timeout_s=DEVICE_S) as pm, \
+            OpticalCircuitSwitch(rig.endpoints["ocs"], timeout_s=DEVICE_S) as ocs:
         laser.set_power_dbm(0)
         laser.on()
         ocs.apply({LASER_INGRESS: 33})
@@ -298,7 +301,7 @@ def test_control_endpoint_refuses_bad_requests(rig):
 
 
 def test_reboot_of_laser_and_meter_resets_their_settings(rig):
-    with Laser(rig.endpoints["laser"]) as laser:
+    with Laser(rig.endpoints["laser"], timeout_s=DEVICE_S) as laser:
         laser.set_power_mw(5)
         laser.on()
         ctl(rig, cmd="reboot", device="laser")
@@ -386,7 +389,7 @@ def test_driver_rides_through_an_instrument_restart_on_the_same_port():
     server = SCPIServer(OCSInstrument(phys), name="ocs")
     server.start()
     port = server.port
-    with OpticalCircuitSwitch(server.resource, reconnect_s=5.0) as drv:
+    with OpticalCircuitSwitch(server.resource, reconnect_s=5.0, timeout_s=DEVICE_S) as drv:
         drv.apply({1: 5})
         server.close()                                  # the instrument goes away...
         again = SCPIServer(OCSInstrument(phys), port=port, name="ocs")

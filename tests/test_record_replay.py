@@ -25,6 +25,7 @@ from photonic_testbed.hil.lab.replayer import ScriptedDevices
 from photonic_testbed.hil.lab.session import Session
 from photonic_testbed.hil.rig import rig_spec
 from photonic_testbed.ptb.replay import _wait_for_power_up, replay_on_emulator, session_fixture
+from tests.timeouts import DEVICE_S
 
 qontrol = pytest.importorskip("qontrol")
 pyvisa = pytest.importorskip("pyvisa")
@@ -58,7 +59,7 @@ def _run(*args, timeout=120) -> tuple[int, str]:
 
 def laser_on(endpoints: dict) -> None:
     """The bench the OCS sessions were recorded on: the laser on ingress 1 at 1 mW."""
-    laser = Laser(endpoints["laser"])
+    laser = Laser(endpoints["laser"], timeout_s=DEVICE_S)
     try:
         laser.set_power_mw(1.0)
         laser.on()

@@ -22,6 +22,7 @@ from photonic_testbed.hil.bus.client import ServiceClient, call_many
 from photonic_testbed.hil.bus.errors import BusError
 from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
 from photonic_testbed.hil.devices.together import serve_together
+from tests.timeouts import DEVICE_S
 
 N = 8
 DRIVER = "photonic_testbed.drivers.ocs:OpticalCircuitSwitch"
@@ -286,7 +287,8 @@ def test_a_change_whose_client_gave_up_while_queued_is_not_run(switches):
 def test_a_waiting_reply_is_taken_off_the_socket_line_by_line(switches):
     """`take_waiting`: two replies pipelined on one session are taken one line each, the
     second left where it was; the library's own reads go on from there."""
-    driver = OpticalCircuitSwitch(switches[0][0].resource)     # a session of its own
+    # a session of its own
+    driver = OpticalCircuitSwitch(switches[0][0].resource, timeout_s=DEVICE_S)
     try:
         driver._res_io_write("*IDN?;:OXC:SWIT:SIZE?")
         driver._res_io_write(":OXC:SWIT:SIZE?")

@@ -31,6 +31,7 @@ from photonic_testbed.emulator.chip import ChipError, EmulatedChip, cell_matrix
 from photonic_testbed.emulator.dac_board import heater_resistances
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
+from tests.timeouts import DEVICE_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 16
@@ -95,11 +96,11 @@ def test_the_twins_truth_is_the_files():
 
 def _calibrate(rig: EmulatedRig) -> Calibration:
     ep = rig.endpoints
-    dac = HeaterDAC(ep["dac"])
+    dac = HeaterDAC(ep["dac"], timeout=DEVICE_S)
     dac.open()
-    selector = OpticalCircuitSwitch(ep["ocs"])
-    meter = PowerMeter(ep["powermeter"], ports=N)
-    laser = Laser(ep["laser"])
+    selector = OpticalCircuitSwitch(ep["ocs"], timeout_s=DEVICE_S)
+    meter = PowerMeter(ep["powermeter"], ports=N, timeout_s=DEVICE_S)
+    laser = Laser(ep["laser"], timeout_s=DEVICE_S)
     try:
         laser.set_power_mw(1.0)
         laser.on()
