@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     where.add_argument("--endpoints", metavar="FILE",
                        help="an emulator's endpoints file (ptb emulate --endpoints)")
     p.add_argument("--device", action="append", default=[], metavar="NAME",
-                   help="ask only this one (repeatable; with --rig: a device, `agent`, `gpus`)")
+                   help="ask only this one (repeatable; with --rig: a device, and where the rig "
+                   "has GPUs `agent` and its GPU monitors)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="ask again until all answer or S seconds pass; the file, too, is "
                    "waited for (default 0: ask once)")
@@ -94,8 +95,8 @@ def _rig_askers(path: str, wanted: list[str]) -> dict[str, Callable[[], Answer]]
     except (RigFileError, KeyFileError) as e:
         raise CommandFailed(str(e)) from None
     endpoints = {name: (d.kind, d.request) for name, d in rig.devices.items()}
-    endpoints["agent"] = ("agent", rig.agent_endpoints()[0])
-    if rig.gpus:
+    if rig.gpus:            # a rig without GPUs runs no agent and no GPU monitor
+        endpoints["agent"] = ("agent", rig.agent_endpoints()[0])
         endpoints.update((name, ("gpus", ends[0])) for name, ends in rig.gpu_monitors().items())
     names = _chosen(list(endpoints), wanted, f"rig {rig.name}")
     return {n: functools.partial(_ping, n, *endpoints[n], keys) for n in names}
