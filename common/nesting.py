@@ -75,7 +75,7 @@ def _at(text: str, where: str, pos: int) -> str:
 
 
 def _too_deep(at: str, limit: int) -> NestingError:
-    return NestingError(f"{at}: nested more than {limit} levels deep (no file of ours nests "
+    return NestingError(f"{at}: nested more than {limit} levels deep (nothing of ours nests "
                         "so deep): refused")
 
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import zmq
 
+from photonic_testbed.common import nesting
+
 # the client side, and the error a handler raises to refuse (re-exported for the emulator's users)
 from photonic_testbed.hil.lab.control_client import ControlError, ControlTimeout, request  # noqa: F401
 
@@ -158,8 +160,10 @@ class ControlServer:
 
     def handle(self, raw: bytes, peer: Peer | None = None) -> dict:
         try:
-            req = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            req = nesting.loads_json(raw, "the request")
+        except nesting.NestingError as e:
+            return {"ok": False, "error": str(e)}
+        except ValueError as e:                  # (a UnicodeDecodeError is one)
             return {"ok": False, "error": f"request is not JSON: {e}"}
         if not isinstance(req, dict) or not isinstance(req.get("cmd"), str):
             return {"ok": False, "error": 'a request is a JSON object with a "cmd" string'}

@@ -110,3 +110,11 @@ def test_files_of_ours_read_as_before():
     assert sessions
     for path in sessions:
         assert Session.load(path).exchanges()
+
+
+def test_a_deeply_nested_control_request_is_answered_with_the_bound():
+    """The emulator's control endpoint reads its requests the same way."""
+    from photonic_testbed.emulator.control import ControlServer
+    got = ControlServer().handle(_deep().encode())
+    assert got == {"ok": False, "error": "the request: nested more than 64 levels deep "
+                                         "(nothing of ours nests so deep): refused"}
