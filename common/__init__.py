@@ -7,4 +7,6 @@ the GUI and the command line all use the same model (and the GUI need not import
                          builders; `describe()` / `Topology.from_dict`; names like "benes16"
     common.calibration   the calibration file: its data model, the phase law it stands for,
                          parsing (checksum, types, ranges) and writing its text
+    common.nesting       the bound on how deep a JSON or TOML file a user hands us may nest,
+                         checked before it is parsed (a RecursionError is no answer)
 """

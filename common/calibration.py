@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from photonic_testbed.common import nesting
+
 NOMINAL_P_PI_MW = 22.5
 NOMINAL_R_OHM = 1000.0
 CALIBRATION_VERSION = 3
@@ -119,9 +121,11 @@ class Calibration:
                                            f"{e.start}: {data[e.start:e.start + 1]!r}): the "
                                            "file is damaged") from None
         try:
-            d = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                           parse_float=_finite)
-        except (ValueError, RecursionError) as e:
+            d = nesting.loads_json(data, f"calibration {where}", object_pairs_hook=_no_duplicates,
+                                   parse_constant=_no_constant, parse_float=_finite)
+        except nesting.NestingError as e:
+            raise CalibrationFileError(str(e)) from None
+        except ValueError as e:
             raise CalibrationFileError(f"calibration {where} is not JSON: {e}") from None
         return cls.from_dict(d, source=where)
 

@@ -21,12 +21,13 @@ sit on the edges of a lattice, light turns at the nodes, and port p enters at a 
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from photonic_testbed.common import nesting
 
 KINDS = ("benes", "clements", "square", "hexagonal")
 # Sizes beyond these are typing mistakes, not chips (and would take minutes to build).
@@ -409,8 +410,10 @@ def topology_named(name: str) -> Topology:
 def topology_from_json(text: str | bytes, where: str = "topology") -> Topology:
     """A topology from the JSON text of its description (what `describe()` gives)."""
     try:
-        data = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as e:
+        data = nesting.loads_json(text, where)
+    except nesting.NestingError as e:
+        raise TopologyError(str(e)) from None
+    except ValueError as e:             # (a UnicodeDecodeError is one)
         raise TopologyError(f"{where} is not a JSON topology: {e}") from None
     try:
         return Topology.from_dict(data)

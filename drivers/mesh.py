@@ -10,18 +10,30 @@ circuits (re-deriving their heater settings).
 The topology and the calibration are the chip's shared model (`common.topology`,
 `common.calibration`, re-exported here); this module adds what touches files and devices:
 `read_topology` (a name or a JSON file), `read_calibration` and `write_calibration` (atomic).
+
+What the chip was asked for is not in its heaters: a chip routes every input somewhere (the
+inputs a request leaves out go to the outputs left over), so the circuits traced back from the
+heater voltages are a full permutation, the asked circuits among them. `circuits()` reports
+those asked; a mesh given a `memory` file keeps them there, so that a driver opened again (a
+chip service killed and restarted) reports the same circuits and not every path the heaters
+make. The memory is believed only while the heaters still make every circuit it names.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
 import pathlib
+import stat
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from photonic_testbed.common import nesting
 from photonic_testbed.common.calibration import (  # noqa: F401
     MAX_FILE_BYTES,
     Calibration,
@@ -61,6 +73,7 @@ STATE_TOLERANCE_RAD = 0.05       # a cell read back within this of pi / 0 is bar
 # Circuit sets (and heater vectors) whose worked-out heater voltages (cell states) are kept,
 # for the calibration in use: a job's phases come back round after round.
 KEPT = 64
+MAX_MEMORY_BYTES = 1 << 20       # a memory file bigger than this is not one of ours
 
 
 def read_topology(spec: str | os.PathLike) -> Topology:
@@ -119,7 +132,7 @@ class Mesh(CircuitSwitch):
 
     def __init__(self, topology: Topology | str, dac, calibration: Calibration | str |
                  os.PathLike | None = None, *, name: str | None = None, own_dac: bool = True,
-                 chip_id: str = ""):
+                 chip_id: str = "", memory: str | os.PathLike | None = None):
         if not isinstance(topology, Topology):
             topology = read_topology(topology)       # "benes16", or a JSON file
         if topology.recirculating and not topology.joins:
@@ -137,10 +150,13 @@ class Mesh(CircuitSwitch):
         if dac.channels < topology.channels:
             raise SwitchError(f"{topology.name} needs {topology.channels} heater channels; "
                               f"the DAC has {dac.channels}")
-        self._active: Circuits | None = None
         self.lines_sent = 0
         self._kept_for: Calibration | None = None
         self._kept: dict[str, dict] = {}
+        # the circuits asked for (None: none since the driver opened, and no memory of any)
+        self.memory = pathlib.Path(memory) if memory is not None else None
+        self._memory_fd: int | None = None      # open from the first apply on
+        self._active: Circuits | None = self._recall()
 
     def _fitting(self, calibration: Calibration | str | os.PathLike) -> Calibration:
         """The calibration (read from its file when a path), checked against this chip."""
@@ -240,6 +256,8 @@ class Mesh(CircuitSwitch):
             self.lines_sent += self.dac.set_voltages(changed)
         before = self._active or {}
         self._active = dict(circuits)
+        if self._active != before or not before:
+            self._remember(self._active)
         added = {i: o for i, o in circuits.items() if before.get(i) != o}
         removed = {i: o for i, o in before.items() if circuits.get(i) != o}
         log.info("%s: %d circuits, %d heaters changed", self.name, len(circuits), len(changed))
@@ -267,8 +285,17 @@ class Mesh(CircuitSwitch):
 
     def circuits(self) -> Circuits:
         """Circuits the chip makes now, from the heater voltages read back from the board. Once
-        `apply` has run, only the inputs it was asked about are reported (every input of a
-        chip goes somewhere); a circuit that is no longer made is missing."""
+        `apply` has run (in this driver, or in one before it with the same memory), only the
+        circuits it was asked for are reported (every input of a chip goes somewhere); a
+        circuit that is no longer made is missing."""
+        made = self._made()
+        if self._active is None:
+            return made
+        return {i: o for i, o in made.items() if i in self._active and self._active[i] == o}
+
+    def _made(self) -> Circuits:
+        """Every path the heaters make now, input to output (a full permutation on a
+        feed-forward chip)."""
         states = self.cell_states()
         n = self.ports
         if self.topology.recirculating:
@@ -284,9 +311,71 @@ class Mesh(CircuitSwitch):
             power = np.abs(u) ** 2
             made = {i + 1: n + 1 + int(np.argmax(power[:, i])) for i in range(n)
                     if power[:, i].max() > 0.99}
-        if self._active is None:
-            return made
-        return {i: o for i, o in made.items() if i in self._active and self._active[i] == o}
+        return made
+
+    # ---- what was asked, kept beyond this driver -------------------------------------------
+
+    def _remember(self, circuits: Circuits) -> None:
+        """Write the asked circuits to the memory file: one line, written over the one before
+        in place, then the file cut to it (a reader takes the first line, so a process killed
+        between the two leaves a whole line). In place, not a new file renamed over the old:
+        ext4 writes a replaced file's blocks to the disk before the rename, a disk write on
+        every apply; nor flushed, as the heaters do not outlive a power cut either. A memory
+        that cannot be written is said, and the chip still switches."""
+        if self.memory is None:
+            return
+        line = json.dumps({"chip": self.topology.name, "dac": self._dac_address(),
+                           "circuits": sorted(circuits.items())}).encode() + b"\n"
+        try:
+            if self._memory_fd is None:
+                self._memory_fd = os.open(self.memory, os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(self._memory_fd, line, 0)
+            os.ftruncate(self._memory_fd, len(line))
+        except OSError as e:
+            log.warning("%s: the circuits asked for are not kept in %s (%s): a driver opened "
+                        "after this one reports every path the heaters make", self.name,
+                        self.memory, e.strerror or e)
+
+    def _dac_address(self) -> str:
+        """The heater board's address, as the memory names it (its board gone, a memory is
+        forgotten: `forget_gone_boards`)."""
+        port = getattr(self.dac, "port", "")
+        return os.path.abspath(port) if isinstance(port, str) and port else ""
+
+    def _recall(self) -> Circuits | None:
+        """The circuits asked of this chip before this driver opened (the memory file), if the
+        heaters still make every one of them; None otherwise (said why)."""
+        path = self.memory
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_MEMORY_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("%s: cannot read the memory %s: %s", self.name, path, e.strerror or e)
+            return None
+        try:
+            if len(data) > MAX_MEMORY_BYTES:
+                raise ValueError(f"more than {MAX_MEMORY_BYTES} bytes")
+            d = nesting.loads_json(data.split(b"\n", 1)[0], str(path))
+            if not isinstance(d, dict) or d.get("chip") != self.topology.name:
+                raise ValueError(f"not the memory of a {self.topology.name} chip")
+            asked = self.check(d.get("circuits") or {})
+        except (ValueError, TypeError, SwitchError) as e:
+            log.warning("%s: the memory %s is not used: %s", self.name, path, e)
+            return None
+        made = self._made()
+        lost = {i: o for i, o in asked.items() if made.get(i) != o}
+        if lost:
+            log.info("%s: the heaters no longer make %d of the %d circuits last asked for "
+                     "(they were set since): every path they make is reported", self.name,
+                     len(lost), len(asked))
+            return None
+        log.info("%s: %d circuits asked for before this driver opened, still made",
+                 self.name, len(asked))
+        return asked
 
     def transfer_matrix(self, states: Mapping[str, dict] | None = None) -> np.ndarray:
         """The ideal field transfer matrix the cell phases make (Clements chips)."""
@@ -306,19 +395,71 @@ class Mesh(CircuitSwitch):
                 "topology": self.topology.describe(), "calibration": self.calibration.source}
 
     def close(self) -> None:
+        if self._memory_fd is not None:
+            os.close(self._memory_fd)
+            self._memory_fd = None
         if self._own_dac:
             self.dac.close()
 
 
-def open_chip(address: str, *, topology: str, calibration: str = "", **dac_options) -> Mesh:
+def memory_folder() -> pathlib.Path | None:
+    """This user's folder for what chips were asked ($XDG_RUNTIME_DIR/photonic-testbed, else
+    ptb-UID in the temp folder), made mode 0700; None (said) where it is not this user's alone:
+    another user could then make a chip report circuits it does not hold."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = (pathlib.Path(runtime) / "photonic-testbed" if runtime
+              else pathlib.Path(tempfile.gettempdir()) / f"ptb-{os.getuid()}")
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+    except OSError as e:
+        log.warning("no folder for the chips' memories (%s): %s", folder, e.strerror or e)
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        log.warning("%s is not a folder of this user's alone: the chips' memories are not "
+                    "kept there", folder)
+        return None
+    return folder
+
+
+def memory_path(address: str, topology: str) -> pathlib.Path | None:
+    """The memory file of the chip whose heaters are on the board at `address`: one a board
+    and topology, in `memory_folder()` (None where there is none). The memories of boards whose
+    address is gone (an emulator's pty link, a board unplugged) are forgotten on the way."""
+    folder = memory_folder()
+    if folder is None:
+        return None
+    forget_gone_boards(folder)
+    key = hashlib.sha256(f"{os.path.abspath(address)}\0{topology}".encode()).hexdigest()[:16]
+    return folder / f"chip-{key}.json"
+
+
+def forget_gone_boards(folder: pathlib.Path) -> None:
+    """Remove the chips' memories in `folder` whose heater board's address no longer exists:
+    nothing left to recall them for (a board plugged in again is driven afresh)."""
+    for path in folder.glob("chip-*.json"):
+        try:
+            with open(path, "rb") as f:
+                dac = nesting.loads_json(f.readline(MAX_MEMORY_BYTES), str(path)).get("dac")
+        except (OSError, ValueError, AttributeError):
+            continue                  # being written, or not ours to judge: left
+        if isinstance(dac, str) and dac and not os.path.lexists(dac):
+            path.unlink(missing_ok=True)
+
+
+def open_chip(address: str, *, topology: str, calibration: str = "", memory: str = "",
+              **dac_options) -> Mesh:
     """The chip as one device: a Mesh that owns the heater DAC at `address` (the bus's `chip`
-    kind constructs it from the rig file's [chip] section)."""
+    kind constructs it from the rig file's [chip] section). It keeps the circuits it is asked
+    for in `memory` (default: `memory_path(address, topology)`), so that the chip service
+    restarted reports what it reported before."""
     from photonic_testbed.drivers.heater_dac import HeaterDAC
     topo = read_topology(topology)
     dac = HeaterDAC(address, **dac_options)
     dac.open()
     try:
-        return Mesh(topo, dac, calibration or None, own_dac=True)
+        return Mesh(topo, dac, calibration or None, own_dac=True,
+                    memory=memory or memory_path(address, topo.name))
     except Exception:
         dac.close()
         raise

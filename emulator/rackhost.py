@@ -24,6 +24,7 @@ import pathlib
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -31,7 +32,7 @@ import zmq
 from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.clock import WallClock
-from photonic_testbed.emulator.control import ControlError, ControlServer
+from photonic_testbed.emulator.control import ControlError, ControlServer, Peer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.hil.bus import schema
@@ -50,22 +51,28 @@ STATUS_STEPS = 500            # steps job_status returns (at most ~50 steps/s: ~
 
 def _process_start(pid: int) -> str | None:
     """The process's start time (field 22 of /proc/PID/stat): with the pid, its identity (a
-    pid may be reused); "" where /proc is not there; None if no such process."""
+    pid may be reused); None if no such process (or no /proc to tell)."""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None if pathlib.Path("/proc/self").exists() else ""
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _owner_and_parent(pid: int) -> tuple[int, int] | None:
-    """(real uid, parent pid) of a process from /proc/PID/status; None where unknown."""
+@dataclass(frozen=True)
+class _Status:
+    """What /proc/PID/status says of a process (or a thread: its Tgid is then another)."""
+    tgid: int
+    uid: int        # real
+    ppid: int
+
+
+def _status(pid: int) -> _Status | None:
+    """/proc/PID/status's Tgid, Uid and PPid; None where there is no such process or thread."""
     try:
         fields = dict(line.split(":", 1) for line in
                       pathlib.Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-        return int(fields["Uid"].split()[0]), int(fields["PPid"])
+        return _Status(int(fields["Tgid"]), int(fields["Uid"].split()[0]), int(fields["PPid"]))
     except (OSError, KeyError, ValueError, IndexError):
         return None
 
@@ -77,11 +84,28 @@ def _ancestors() -> set[int]:
     pid = os.getppid()
     while pid > 1 and pid not in out:
         out.add(pid)
-        got = _owner_and_parent(pid)
+        got = _status(pid)
         if got is None:
             break
-        pid = got[1]
+        pid = got.ppid
     return out
+
+
+def _why_not_killable(pid: int) -> str | None:
+    """Why `fail_gpu` must never SIGKILL `pid` (None: it may): this emulator, a thread rather
+    than a process, another user's process, or one this emulator runs under."""
+    if pid == os.getpid():
+        return f"process {pid} is this emulator"
+    got = _status(pid)
+    if got is None:
+        return f"no process {pid}"
+    if got.tgid != pid:
+        return f"{pid} is a thread of process {got.tgid}, not a process"
+    if got.uid != os.getuid():
+        return f"process {pid} belongs to another user (uid {got.uid})"
+    if pid in _ancestors():
+        return f"process {pid} runs this emulator (its parent or an ancestor), not a job on a GPU"
+    return None
 
 
 def plan_named(name: str, world: int) -> JobPlan:
@@ -196,8 +220,10 @@ class RackHost:
     # --- processes on the GPUs (a GPU that falls off the bus takes its process down) -------
     def _register_processes(self, control: ControlServer) -> None:
         """`register_process` {gpu, pid}: that process runs on that GPU; `fail_gpu` then
-        SIGKILLs it, as a GPU falling off the bus ends the process using it."""
-        self._processes: dict[str, list[tuple[int, str | None]]] = {}
+        SIGKILLs it, as a GPU falling off the bus ends the process using it. A process registers
+        itself, nothing else: the request must come from that pid (the kernel names the sender
+        on the endpoint's Unix socket), so no process can aim `fail_gpu` at another."""
+        self._processes: dict[str, list[tuple[int, str]]] = {}
         self._processes_lock = threading.Lock()
         fail = control.handlers["fail_gpu"]
 
@@ -206,25 +232,29 @@ class RackHost:
             killed = self._kill_processes(str(req.get("gpu")))
             return {**got, "killed": killed} if isinstance(got, dict) else got
         control.register("fail_gpu", fail_and_kill)
-        control.register("register_process", self._register_process)
+        control.register_with_peer("register_process", self._register_process)
 
-    def _register_process(self, req: dict) -> dict:
+    def _register_process(self, req: dict, peer: Peer | None) -> dict:
         gpu, pid = req.get("gpu"), req.get("pid")
         if gpu not in self.layout.gpus:
             raise ControlError(f"no GPU {gpu!r} in rack {self.layout.name!r}")
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
             raise ControlError(f"pid must be another process's id, not {pid!r}")
+        why = _why_not_killable(pid)
+        if why is not None:
+            raise ControlError(why)
+        if peer is None:
+            raise ControlError("register_process is taken from the process itself over the "
+                               "control endpoint's ipc:// socket, which names the sender; this "
+                               "request's sender is not known")
+        if peer.pid != pid:
+            raise ControlError(f"process {peer.pid} asked to register process {pid}: a process "
+                               "registers itself only")
+        if peer.uid != os.getuid():
+            raise ControlError(f"process {pid} runs as another user (uid {peer.uid})")
         started = _process_start(pid)
         if started is None:
             raise ControlError(f"no process {pid}")
-        # fail_gpu SIGKILLs what is registered here: never a process of another user, nor one
-        # this emulator runs under
-        owner = _owner_and_parent(pid)
-        if owner is not None and owner[0] != os.getuid():
-            raise ControlError(f"process {pid} belongs to another user (uid {owner[0]})")
-        if pid in _ancestors():
-            raise ControlError(f"process {pid} runs this emulator (its parent or an ancestor), "
-                               "not a job on a GPU")
         with self._processes_lock:
             live = [(p, s) for p, s in self._processes.get(gpu, ()) if _process_start(p) == s]
             self._processes[gpu] = live + [(pid, started)]
@@ -232,12 +262,16 @@ class RackHost:
 
     def _kill_processes(self, gpu: str) -> list[int]:
         """SIGKILL the processes registered on `gpu` that are still the ones registered (a
-        reused pid is left alone)."""
+        reused pid is left alone) and still may be killed (looked at again now)."""
         with self._processes_lock:
             procs = self._processes.pop(gpu, [])
         killed = []
         for pid, started in procs:
             if _process_start(pid) != started:
+                continue
+            why = _why_not_killable(pid)
+            if why is not None:
+                log.warning("GPU %s failed: its process %d is not killed: %s", gpu, pid, why)
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -45,8 +45,9 @@ class EmulatedRig:
                  chip_monitors: bool = True, chip_calibration=None):
         self.spec = spec
         self.seed = seed
-        # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2,
-        # control = base+3; ephemeral otherwise.
+        # Fixed TCP ports when given: ocs = base, powermeter = base+1, laser = base+2 (a
+        # datacenter rig's rail OCSes base+4 on); ephemeral otherwise. The control endpoint is
+        # never on TCP: an ipc:// socket in a folder only this user can enter (emulator.control).
         self.port_base = port_base
         self.switching_s = switching_s
         self.optics: OpticalBench | None = None
@@ -99,8 +100,7 @@ class EmulatedRig:
                                            switching_s=self.switching_s, ports=fixed,
                                            chip=self.chip)
                 self.endpoints.update(self.optics.start())
-                self.control = ControlServer(
-                    bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
+                self.control = ControlServer()
                 self.optics.register(self.control)
                 self.endpoints["control"] = self.control.start()
         except BaseException:
@@ -110,8 +110,7 @@ class EmulatedRig:
 
     def _start_rails(self) -> None:
         """A datacenter rig's rail OCSes, each its own SCPI endpoint (keyed by the switch's
-        name in `endpoints`), and the control endpoint (control = port_base + 3, the OCSes
-        port_base + 4 on, with fixed ports)."""
+        name in `endpoints`; port_base + 4 on, with fixed ports), and the control endpoint."""
         from photonic_testbed.emulator.rack import RackError
         from photonic_testbed.emulator.rails import RailSwitches
         base = self.port_base
@@ -122,7 +121,7 @@ class EmulatedRig:
                                           switching_s=self.switching_s,
                                           port_base=None if base is None else base + 4)
         self.endpoints.update(rails.start())
-        self.control = ControlServer(bind=f"tcp://127.0.0.1:{0 if base is None else base + 3}")
+        self.control = ControlServer()
         rails.register(self.control)
         self.endpoints["control"] = self.control.start()
 

@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden physical truth")
     p.add_argument("--endpoints", metavar="FILE", help="also write the endpoints as JSON here")
     p.add_argument("--port-base", type=int, metavar="PORT",
-                   help="fixed TCP ports: OCS PORT, power meter PORT+1, laser PORT+2, "
-                   "control PORT+3 (default: ephemeral)")
+                   help="fixed TCP ports: OCS PORT, power meter PORT+1, laser PORT+2 "
+                   "(default: ephemeral); the control endpoint is an ipc:// socket in a "
+                   "folder only this user can enter, removed on exit")
     p.add_argument("--switching-ms", type=float, default=25.0,
                    help="OCS switching time in ms (default 25)")
     p.add_argument("--ideal-chip", action="store_true",
@@ -70,7 +71,7 @@ def _start(spec, args) -> EmulatedRig:
     try:
         rig.start()
     except (OSError, zmq.ZMQError, ChipError) as e:
-        hint = (f" (is a port in {args.port_base}..{args.port_base + 3} already in use?)"
+        hint = (f" (is a port in {args.port_base}..{args.port_base + 2} already in use?)"
                 if args.port_base is not None else "")
         raise CommandFailed(f"cannot start the {spec.name} rig: {e}{hint}") from None
     return rig

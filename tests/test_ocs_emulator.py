@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -340,10 +342,15 @@ def test_ptb_emulate_opus_prints_and_writes_endpoints_then_frees_ports(tmp_path)
             assert s.query("*IDN?")
             s.close()
         assert request(endpoints["control"], {"cmd": "ping"}) == "pong"
+        # the control endpoint: a socket in a folder only this user can enter
+        assert endpoints["control"].startswith("ipc://")
+        folder = pathlib.Path(endpoints["control"][len("ipc://"):]).parent
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
+    assert not folder.exists()                            # removed on exit
     for key in ("ocs", "powermeter", "laser"):
         assert endpoints[key] in out
         assert _free(int(endpoints[key].split("::")[2]))
@@ -363,7 +370,7 @@ def test_fixed_port_base(tmp_path):
     try:
         assert r.endpoints["ocs"] == f"TCPIP::127.0.0.1::{base}::SOCKET"
         assert r.endpoints["laser"] == f"TCPIP::127.0.0.1::{base + 2}::SOCKET"
-        assert r.endpoints["control"] == f"tcp://127.0.0.1:{base + 3}"
+        assert r.endpoints["control"].startswith("ipc://")      # never on TCP
     finally:
         r.close()
     assert _free(base)

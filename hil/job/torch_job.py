@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from photonic_testbed.common import nesting
 from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
 from photonic_testbed.hil.lab import control_client
 from photonic_testbed.hil.lab.control_client import ControlError, ControlTimeout
@@ -114,9 +115,9 @@ class JobSpec:
     @classmethod
     def load(cls, path: str | os.PathLike) -> JobSpec:
         try:
-            d = json.loads(pathlib.Path(path).read_text())
+            d = nesting.loads_json(pathlib.Path(path).read_text(encoding="utf-8"), str(path))
             return cls(**d)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError) as e:       # (a NestingError is a ValueError)
             raise JobSpecError(f"cannot read the job spec {path}: {e}") from None
 
 

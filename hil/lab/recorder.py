@@ -25,7 +25,12 @@ import tempfile
 import threading
 import time
 
-from photonic_testbed.hil.lab.client_side import ListenError, listen_tcp, serial_link
+from photonic_testbed.hil.lab.client_side import (
+    ListenError,
+    SerialLink,
+    listen_tcp,
+    serial_link,
+)
 from photonic_testbed.hil.lab.session import SERIAL_BAUD, SessionWriter, Wire
 
 log = logging.getLogger(__name__)
@@ -131,6 +136,7 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._serials: list = []             # pyserial ports held
         self._fds: list[int] = []            # pty fds held
+        self._links: list[SerialLink] = []   # the pty links made
         self._listeners: dict[str, socket.socket] = {}
         self._relays: list[_Relay] = []
         self._conns: dict[str, int] = {}
@@ -195,12 +201,11 @@ class Recorder:
             if self.writer is not None:
                 self.writer.close()          # raises SessionError after a write error
         finally:
-            if self._link_dir is not None:
-                for name, wire in self.devices.items():
-                    if wire.kind == "serial":
-                        (self._link_dir / name).unlink(missing_ok=True)
-                if self._own_dir:
-                    shutil.rmtree(self._link_dir, ignore_errors=True)
+            for link in self._links:
+                link.remove()                # ours only: never what was there before
+            self._links.clear()
+            if self._link_dir is not None and self._own_dir:
+                shutil.rmtree(self._link_dir, ignore_errors=True)
 
     def __enter__(self) -> Recorder:
         self.start()
@@ -220,7 +225,11 @@ class Recorder:
     def _start_serial(self, name: str, wire: Wire, link_dir: pathlib.Path) -> str:
         port = open_serial(wire.path)
         self._serials.append(port)
-        master, slave, link = serial_link(link_dir, name)
+        try:
+            master, slave, link = serial_link(link_dir, name)
+        except ListenError as e:
+            raise RecorderError(str(e)) from None
+        self._links.append(link)
         self._fds += [master, slave]
         os.set_blocking(master, False)
         relay = _Relay(name, 1, _Side(master, f"the client of {name}"),

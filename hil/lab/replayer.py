@@ -452,7 +452,10 @@ class ScriptedDevices:
     # ---- serving -------------------------------------------------------------------------
 
     def _start_serial(self, device: str, link_dir: pathlib.Path) -> str:
-        master, slave, link = serial_link(link_dir, device)
+        try:
+            master, slave, link = serial_link(link_dir, device)
+        except ListenError as e:
+            raise ReplayError(str(e)) from None
         self._slaves.append(slave)
 
         def close() -> None:
@@ -463,7 +466,7 @@ class ScriptedDevices:
                     os.close(fd)
                 except OSError:
                     pass
-            link.unlink(missing_ok=True)
+            link.remove()
         scripts = self._scripts[device]
         t = threading.Thread(target=self._serve_fd, args=(scripts[0] if scripts else None,
                                                           master, None),

@@ -39,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from photonic_testbed.common import nesting
 from photonic_testbed.hil import files
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,9 @@ class Session:
                 raise SessionError(f"{where}:{n}: a line after the session's end line")
             if n == len(lines) and not text.endswith("\n"):
                 try:
-                    d = json.loads(raw)
+                    nesting.loads_json(raw, f"{where}:{n}")
+                except nesting.NestingError as e:
+                    raise SessionError(str(e)) from None
                 except ValueError:
                     cut = n
                     break
@@ -276,7 +279,9 @@ class Session:
 
 def _json_line(raw: str, where: str, n: int) -> dict:
     try:
-        d = json.loads(raw)
+        d = nesting.loads_json(raw, f"{where}:{n}")
+    except nesting.NestingError as e:
+        raise SessionError(str(e)) from None
     except ValueError as e:
         raise SessionError(f"{where}:{n}: not JSON: {e}") from None
     if not isinstance(d, dict):
@@ -526,11 +531,13 @@ def read_endpoints(path: str | os.PathLike, wait_s: float = 0.0) -> dict:
     that long for it to be written (hil.files)."""
     try:
         path = files.wait_for(path, wait_s, "endpoints file")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = nesting.loads_json(path.read_text(encoding="utf-8"), str(path))
     except files.FileNotWritten as e:
         raise SessionError(str(e)) from None
     except OSError as e:
         raise SessionError(f"cannot read the endpoints file {path}: {e.strerror or e}") from None
+    except nesting.NestingError as e:
+        raise SessionError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SessionError(f"{path}: not a JSON endpoints file: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):

@@ -17,6 +17,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
+from photonic_testbed.common import nesting
 from photonic_testbed.common.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
 from photonic_testbed.common.topology import TopologyError, build
 from photonic_testbed.hil.rig.model import (
@@ -108,7 +109,9 @@ _SPEC_FIELDS: dict[str, type] = {f.name: {"str": str, "int": int, "bool": bool}[
 
 def _read_toml(path: pathlib.Path) -> dict:
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return nesting.loads_toml(path.read_text(encoding="utf-8"), str(path))
+    except nesting.NestingError as e:
+        raise RigFileError(str(e)) from None
     except OSError as e:
         raise RigFileError(f"cannot read the rig file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:

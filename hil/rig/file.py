@@ -18,6 +18,7 @@ import re
 import tomllib
 from typing import Any
 
+from photonic_testbed.common import nesting
 from photonic_testbed.common.topology import TopologyError, topology_named
 from photonic_testbed.hil import files
 from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, expected
@@ -125,7 +126,9 @@ def _is_loopback(endpoint: str) -> bool:
 def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> Rig:
     """Parse and check rig TOML text; relative file paths are taken from `base`."""
     try:
-        data = tomllib.loads(text)
+        data = nesting.loads_toml(text, where)
+    except nesting.NestingError as e:
+        raise RigFileError(str(e)) from None
     except tomllib.TOMLDecodeError as e:
         raise RigFileError(f"{where}: not valid TOML: {e}") from None
     c = _Checker(text, where)
