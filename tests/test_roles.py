@@ -18,7 +18,8 @@ from photonic_testbed.common.jobplan import dp_ring
 from photonic_testbed.common.rack_layout import layout
 from photonic_testbed.emulator.rig import EmulatedRig
 from photonic_testbed.hil import rig as rigfile
-from photonic_testbed.hil.agent.bus import MANUAL, AgentProcess, job_owners, next_term
+from photonic_testbed.hil.agent.authority import MANUAL, job_owners, next_term
+from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.entries import Admit, Manual, Start
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema

@@ -18,15 +18,10 @@
   `manual_circuits`, `manual_heaters`, `manual_laser`, each journaled (a `Manual` decision)
   before the agent makes it; a switch's manual circuits are the operator's part of it, beside
   the jobs' parts, kept across the agent's reconciliation and restarts.
-- Who asks: with CURVE a job's requests come from a tenant's key or an operator's (the server
-  refuses other roles, `schema.OPERATIONS`); a job's name belongs to the key that admitted it
-  (journaled in its `Admit`): a tenant acting on another key's job, or on a name its key does
-  not list, is refused (`Unauthorized`) before anything moves. A job journaled without an owner
-  (admitted on a bus without CURVE, or by an agent before owners) is no tenant's: only an
-  operator acts on it (docs/agent-bus.md "Who may do what").
-- Its term: one more than the highest of its journal's start entries, journaled in its own
-  and carried by every request to a device: a device that has taken a higher term refuses
-  this agent's changes (`StaleTerm`, an alarm here).
+- Who asks (`hil.agent.authority`): with CURVE a job's requests come from a tenant's key or an
+  operator's (the server refuses other roles, `schema.OPERATIONS`); a job's name belongs to the
+  key that admitted it, and a tenant acting on another key's job is refused before anything
+  moves. The agent's term (one above its journal's last) goes with every request to a device.
 """
 from __future__ import annotations
 
@@ -35,7 +30,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -46,21 +40,22 @@ from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.drivers.circuit_switch import (
-    CircuitConflict,
-    Circuits,
     SwitchError,
-    check_circuits,
 )
 from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.agent.authority import (
+    JobOwners,
+    ManualChanges,
+    job_owners,
+    next_term,
+)
 from photonic_testbed.hil.agent.bus_switch import BusSwitch
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.entries import (
     Admit,
     Alarm,
-    Manual,
     Note,
     RestartOrder,
-    Start,
     Unread,
     builtins,
 )
@@ -72,11 +67,9 @@ from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
     BusError,
     ServiceClient,
-    Unauthorized,
     call_many,
 )
 from photonic_testbed.hil.bus.mirror import StateSubscriber
-from photonic_testbed.hil.bus.security import Identity
 from photonic_testbed.hil.bus.server import Answer, Server
 from photonic_testbed.hil.bus.state import Delete, Set, StateOp
 from photonic_testbed.hil.rig import Rig, RigFileError
@@ -88,8 +81,6 @@ EVENT_DETAILS_BYTES = 2048   # an event's details as published, at most (the jou
 EVENT_ITEMS_SHOWN = 8        # a longer list or table in a bulky event is published as its size
 DARK_DBM = -99.0
 PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
-MANUAL = "(operator)"       # the operator's part of a switch, beside the jobs' (no job's name)
-HEATER_KINDS = ("chip", "heater_dac")
 
 
 def _job_changes(was: dict, now: dict) -> list[StateOp]:
@@ -172,27 +163,6 @@ def restart_orders(journal: Journal) -> dict[str, dict]:
     return orders
 
 
-def next_term(journal: Journal) -> int:
-    """The term of an agent starting on this journal: one more than the highest its start
-    entries hold (1 for a journal without one)."""
-    return 1 + max((e.details.term or 0 for e in journal.entries(kinds=("start",))
-                    if isinstance(e.details, Start)), default=0)
-
-
-def job_owners(journal: Journal) -> dict[str, str | None]:
-    """Each job's owner as its last admission journaled it: the key that admitted it (None:
-    no one's)."""
-    return {e.details.name(): e.details.owner for e in journal.entries(kinds=("decision",))
-            if isinstance(e.details, Admit)}
-
-
-def manual_parts(journal: Journal) -> dict[str, Circuits]:
-    """The operator's part of each switch, as the last manual change of it journaled it."""
-    return {e.details.device: dict(e.details.circuits)
-            for e in journal.entries(kinds=("decision",))
-            if isinstance(e.details, Manual) and e.details.circuits is not None}
-
-
 def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
     """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p;
     GPUs naming a `server` share that server's scale-up fabric."""
@@ -242,12 +212,9 @@ class AgentProcess(NoEvents):
         self._rx: dict[str, tuple[str | None, dict]] = {}
         self._published = 0.0
         self.term = 0                       # this agent's (from its journal, at `start`)
-        self._owners: dict[str, str | None] = {}      # job -> the key that admitted it
-        self._manual: dict[str, Circuits] = {}        # switch -> the operator's part of it
-        # manual heater and laser changes are sent from a thread of their own (each device's
-        # client used there only), so that the loop does not wait for a device
-        self._relay: ThreadPoolExecutor | None = None
-        self._relay_clients: dict[str, ServiceClient] = {}
+        # whose each job is, and the operator's manual changes (made by `start`)
+        self._owners: JobOwners | None = None
+        self._manual: ManualChanges | None = None
 
     @property
     def agent(self) -> Agent:
@@ -262,6 +229,20 @@ class AgentProcess(NoEvents):
         if self._server is None:
             raise self._not_started()
         return self._server
+
+    @property
+    def owners(self) -> JobOwners:
+        """Whose each job is (once started)."""
+        if self._owners is None:
+            raise self._not_started()
+        return self._owners
+
+    @property
+    def manual(self) -> ManualChanges:
+        """The operator's manual changes (once started)."""
+        if self._manual is None:
+            raise self._not_started()
+        return self._manual
 
     @property
     def sub(self) -> StateSubscriber:
@@ -283,7 +264,6 @@ class AgentProcess(NoEvents):
     def start(self) -> tuple[str, str]:
         # every change this agent sends a device carries its term (journaled with its start)
         self.term = next_term(self.journal)
-        self._owners = job_owners(self.journal)
         endpoints = self.rig.endpoints()
         names = sorted({g.switch for g in self.rig.gpus})
         missing = [n for n in names if n not in endpoints]
@@ -303,6 +283,9 @@ class AgentProcess(NoEvents):
                     self.rig.monitor_of(g), set()).add(a.rx)
         agent = self._agent = Agent(layout, self.switches, self.journal, self._read_power,
                                     config=self.config, events=self)
+        self._owners = JobOwners(agent, job_owners(self.journal))
+        manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
+                                              self.term)
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
@@ -316,19 +299,15 @@ class AgentProcess(NoEvents):
                       "rejoin": self._rejoin, "release": self._release,
                       "phase_done": self._phase_done,
                       "job_report": self._job_report, "relay_ping": self._relay_ping,
-                      "manual_circuits": self._manual_circuits,
-                      "manual_heaters": self._manual_heaters,
-                      "manual_laser": self._manual_laser},
+                      "manual_circuits": lambda a: manual.circuits(self.server.caller, a),
+                      "manual_heaters": lambda a: manual.heaters(self.server.caller, a),
+                      "manual_laser": lambda a: manual.laser(self.server.caller, a)},
             settle=self._publish)
         bound = server.bind()
         self._sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                     telemetry=False)
         agent.start(self.term)          # reconcile; finish a swap a killed agent left
-        # the operator's parts, as journaled (the switches hold them: reconciled above)
-        self._manual = {s: c for s, c in manual_parts(self.journal).items()
-                        if s in self.switches}
-        for switch, part in self._manual.items():
-            agent.writer.hold(MANUAL, {switch: part})
+        manual.restore(self.journal)    # the operator's parts, as journaled
         self._publish()
         if self._settle_heap:
             heap.settle("start-up")
@@ -336,10 +315,8 @@ class AgentProcess(NoEvents):
         return bound
 
     def close(self) -> None:
-        if self._relay is not None:
-            self._relay.submit(self._close_relay_clients)
-            self._relay.shutdown(wait=True)
-            self._relay = None
+        if self._manual is not None:
+            self._manual.close()
         if self._agent is not None:
             self._agent.close()
         if self._sub is not None:
@@ -421,54 +398,6 @@ class AgentProcess(NoEvents):
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
 
-    # --- who may act on a job ---------------------------------------------------------------
-    def _job_of_caller(self, job: str | None, what: str) -> str | None:
-        """The job a request acts on, once the caller may act on it: a tenant on a job its
-        key names and that its key admitted (Unauthorized otherwise, before anything moves);
-        an operator (or a trusted local process) on any. None: not worked out (an operator's
-        request that leaves it to the agent)."""
-        who = self.server.caller
-        if who.role != schema.TENANT:
-            return job
-        if job is not None:
-            self._tenant_names(who, job, what)
-        name = self.agent.job(job).name      # (the only job when left out)
-        self._tenant_names(who, name, what)
-        self._owned(who, name, what)
-        return name
-
-    @staticmethod
-    def _tenant_names(who: Identity, job: str, what: str) -> None:
-        if job not in who.jobs:
-            raise Unauthorized(f"{who} may not {what} job {job!r}: its key names "
-                               f"{', '.join(sorted(who.jobs)) or 'no job'}")
-
-    def _owned(self, who: Identity, job: str, what: str) -> None:
-        """A tenant acts on an admitted job only if its key admitted it."""
-        if job not in self.agent.jobs:
-            return
-        owner = self._owners.get(job)
-        if owner == who.name:
-            return
-        whose = (f"the job of key {owner!r}" if owner is not None else
-                 "no key's job on record (admitted without CURVE, or before owners were "
-                 "journaled): an operator may act on it, or release it for its tenant to "
-                 "admit again")
-        raise Unauthorized(f"{who} may not {what} job {job!r}: it is {whose}")
-
-    def _new_owner(self, job: str, what: str) -> str | None:
-        """Whose job `job` is once admitted by the caller (None: no one's, a trusted local
-        process's); Unauthorized for a tenant taking a name its key does not list, or another
-        key's job, or a name the agent keeps for itself."""
-        who = self.server.caller
-        if job == MANUAL:
-            raise AgentError(f"{job!r} names the operator's manual circuits: choose another "
-                             "job name")
-        if who.role == schema.TENANT:
-            self._tenant_names(who, job, what)
-            self._owned(who, job, what)
-        return who.name if who.role is not None else None
-
     def _admit(self, args: schema.Admit) -> dict:
         try:
             plan = JobPlan.from_dict(args.plan, max_world=len(self.agent.layout.gpus))
@@ -476,11 +405,11 @@ class AgentProcess(NoEvents):
             raise AgentError(f"admit needs a job plan: {e}") from None
         rank_map = args.rank_map
         name = args.job or plan.name
-        owner = self._new_owner(name, "admit")
+        owner = self.owners.claim(self.server.caller, name, "admit")
         got = self.agent.admit(plan, None if rank_map is None
                                else {int(r): g for r, g in rank_map.items()}, job=name,
                                owner=owner)
-        self._owners[name] = owner
+        self.owners.set(name, owner)
         self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
         self._admitted = True
         return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
@@ -499,7 +428,7 @@ class AgentProcess(NoEvents):
         except PlanError as e:
             raise AgentError(f"rejoin needs the job's plan: {e}") from None
         name = args.job or plan.name
-        owner = self._new_owner(name, "rejoin")
+        owner = self.owners.claim(self.server.caller, name, "rejoin")
         order = self._order(name)
         rank_map = {int(r): g for r, g in args.rank_map.items()}
         if args.restart_seq < order["seq"]:
@@ -514,9 +443,9 @@ class AgentProcess(NoEvents):
                                  f"job {name} rejoined on a rank map the journal does not "
                                  "hold: taken on as it runs")
             if known is not None:
-                owner = self._owners.get(name)     # (its owner's rejoin: checked above)
+                owner = self.owners.get(name)      # (its owner's rejoin: checked above)
             agent.admit(plan, rank_map, job=name, owner=owner)
-            self._owners[name] = owner
+            self.owners.set(name, owner)
         else:
             agent.journal.record(Note(job=name, state=args.state), f"job {name} rejoined")
         if args.state == "failed":
@@ -529,7 +458,7 @@ class AgentProcess(NoEvents):
         """The reply is the grant; what follows the grant in the agent (its journal entry,
         prestaging) is done once the reply has gone (`Agent.after_grant`)."""
         phase, rnd = args.phase, args.round        # checked: a name, a round number
-        job = self._job_of_caller(args.job, "switch the phase of")
+        job = self.owners.job_of(self.server.caller, args.job, "switch the phase of")
         granted: list[Callable[[], None]] = []
         before, self.agent.after_grant = self.agent.after_grant, granted.append
         try:
@@ -552,27 +481,27 @@ class AgentProcess(NoEvents):
         return sw.client.call("ping_device")
 
     def _phase_done(self, args: schema.PhaseArgs) -> dict:
-        job = self._job_of_caller(args.job, "end the phase of")
+        job = self.owners.job_of(self.server.caller, args.job, "end the phase of")
         nxt = self.agent.on_phase_done(args.phase, args.round, job=job)
         if nxt is not None:
             self._publish()          # the job looks for `ready` before it asks
         return {"ready": list(nxt) if nxt else None}
 
     def _job_failure(self, args: schema.JobFailure) -> dict:
-        job = self._job_of_caller(args.job, "report a failure of")
+        job = self.owners.job_of(self.server.caller, args.job, "report a failure of")
         out = self.agent.on_job_failure(args.reason, args.gpus,
                                         [tuple(x) for x in args.links], job=job)
         return {"swapped": dict(out.swaps) if out is not None else {}}
 
     def _release(self, args: schema.JobArgs) -> dict:
-        job = self.agent.job(self._job_of_caller(args.job, "release"))
+        job = self.agent.job(self.owners.job_of(self.server.caller, args.job, "release"))
         freed = self.agent.release(job.name)
         self._reports.pop(job.name, None)
-        self._owners.pop(job.name, None)
+        self.owners.drop(job.name)
         return {"job": job.name, "released": sorted(freed.values())}
 
     def _job_report(self, args: schema.JobReport) -> dict:
-        job = self.agent.job(self._job_of_caller(args.job, "report on"))
+        job = self.agent.job(self.owners.job_of(self.server.caller, args.job, "report on"))
         self._reports[job.name] = {"state": args.state, "step": args.step,
                                    "throughput": args.throughput, "loss": args.loss,
                                    "detail": args.detail, "t": time.time()}
@@ -586,108 +515,10 @@ class AgentProcess(NoEvents):
                                                        out.rank_map.items()},
                 "latency_s": out.latency_s}
 
-    # --- an operator's manual changes -------------------------------------------------------
-    def _manual_circuits(self, args: schema.ManualCircuits) -> dict:
-        """The operator's part of a switch changed (`connect`, `disconnect`), journaled, then
-        written with the jobs' parts; refused before anything moves when it touches a port a
-        job's circuit uses or a GPU a job holds (a swap or a release does that), or when it
-        cannot be made (a port the switch does not have, an output named twice)."""
-        name = args.switch
-        sw = self.switches.get(name)
-        if sw is None:
-            raise AgentError(f"no switch {name!r}; the agent drives "
-                             f"{', '.join(self.switches)}")
-        old = self._manual.get(name, {})
-        part = dict(old)
-        for a in args.disconnect:
-            part.pop(a, None)
-        part.update((a, b) for a, b in args.connect)
-        try:
-            part = check_circuits(part, sw.ports)
-        except CircuitConflict as e:
-            raise AgentError(f"manual circuits on {name}: {e}") from None
-        self._refuse_jobs_ports(name, part, old, args)
-        who = self.server.caller
-        cause = f"manual circuits on {name} ({who})"
-        self.agent.journal.record(Manual(device=name, by=who.name or None,
-                                         circuits=sorted(part.items())), cause)
-        self.agent.writer.apply(MANUAL, {name: part}, cause)
-        self._manual[name] = part
-        return {"switch": name, "circuits": schema.circuits_to_wire(part)}
-
-    def _refuse_jobs_ports(self, switch: str, part: Circuits, old: Circuits,
-                           args: schema.ManualCircuits) -> None:
-        """AgentError naming the job when a manual circuit (or a disconnected input) is a port
-        of a GPU a job holds, or one a circuit outside the operator's part uses."""
-        a = self.agent
-        held: dict[int, str] = {}
-        for job in a.jobs.values():
-            for gpu in job.rank_map.values():
-                for att in a.layout.gpus.get(gpu, ()):
-                    if att.switch == switch:
-                        held[att.tx] = held[att.rx] = f"{gpu}'s, which job {job.name} holds"
-        for i, o in a.writer.current(switch).items():
-            if old.get(i) != o:
-                held.setdefault(i, f"in circuit {i} -> {o}, not the operator's")
-                held.setdefault(o, f"in circuit {i} -> {o}, not the operator's")
-        # (a disconnected input of the operator's own circuit is always let go)
-        asked = [p for i, o in args.connect for p in (i, o)] + \
-            [i for i in args.disconnect if i not in old]
-        for port in asked:
-            if port in held:
-                raise AgentError(f"manual circuits on {switch}: port {port} is {held[port]}; "
-                                 "swap or release the job first")
-
-    def _manual_heaters(self, args: schema.ManualHeaters) -> Future:
-        device = self._manual_device(args.device, HEATER_KINDS, "heaters")
-        who = self.server.caller
-        self.agent.journal.record(Manual(device=device, by=who.name or None, first=args.first,
-                                         volts=list(args.volts)),
-                                  f"manual heaters on {device} ({who})")
-        return self._relay_call(device, "set_heaters", {"volts": list(args.volts),
-                                                        "first": args.first}, args.version)
-
-    def _manual_laser(self, args: schema.ManualLaser) -> Future:
-        device = self._manual_device(args.device, ("laser",), "a laser")
-        who = self.server.caller
-        settings = {k: v for k, v in (("on", args.on), ("power_mw", args.power_mw),
-                                      ("wavelength_nm", args.wavelength_nm)) if v is not None}
-        self.agent.journal.record(Manual(device=device, by=who.name or None, laser=settings),
-                                  f"manual laser settings of {device} ({who})")
-        return self._relay_call(device, "set_laser", settings, None)
-
-    def _manual_device(self, name: str, kinds: tuple[str, ...], what: str) -> str:
-        d = self.rig.devices.get(name)
-        if d is None or d.kind not in kinds:
-            has = [n for n, x in self.rig.devices.items() if x.kind in kinds]
-            raise AgentError(f"{name!r} is not a device with {what} in rig {self.rig.name} "
-                             f"({', '.join(has) or 'none has'})")
-        return name
-
-    def _relay_call(self, device: str, op: str, args: dict, expect: str | None) -> Future:
-        """`op` sent to the device's service with this agent's term, from the relay thread;
-        the Future of its result (the device's own error comes back as it is)."""
-        if self._relay is None:
-            self._relay = ThreadPoolExecutor(1, thread_name_prefix="agent-manual")
-
-        def call() -> Any:
-            client = self._relay_clients.get(device)
-            if client is None:
-                client = self._relay_clients[device] = ServiceClient(
-                    self.rig.endpoints()[device][0], keys=self.keys, timeout=self.timeout,
-                    term=self.term)
-            return client.call(op, expect=expect, **args)
-        return self._relay.submit(call)
-
-    def _close_relay_clients(self) -> None:
-        for client in self._relay_clients.values():
-            client.close()
-        self._relay_clients.clear()
-
     def _describe(self, args: schema.Args) -> dict:
         a = self.agent
         return {"kind": "agent", "rig": self.rig.name, "term": self.term,
-                "manual": {s: schema.circuits_to_wire(c) for s, c in self._manual.items()},
+                "manual": {s: schema.circuits_to_wire(c) for s, c in self.manual.parts.items()},
                 "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
                 "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
