@@ -493,3 +493,51 @@ def test_without_curve_every_local_process_is_trusted(tmp_path):
         stop.set()
         thread.join(5)
         server.close()
+
+
+def test_the_demo_runs_with_curve_and_roles(tmp_path):
+    """`ptb demo --secure`: each process with its own key; the wrong role's changes refused;
+    the job recovers as without."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "photonic_testbed.ptb", "demo", "--secure",
+                           "--headless", "--ideal-chip", "--seconds", "0.5", "--workdir",
+                           str(tmp_path)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    for line in ("CURVE on, with roles",
+                 "apply_circuits asked of chip with the observer's key: refused",
+                 "swap asked of agent with the tenant's key: refused",
+                 "phase asked of agent with the tenant's key: refused", "demo succeeded"):
+        assert line in out, out
+    rig = rigfile.load(tmp_path / "rig.toml")
+    assert rig.bus.curve and rig.bus.client_key.endswith("agent.key_secret")
+    assert read_metadata(tmp_path / "keys" / "authorized" / "tenant.key") == {
+        "role": "tenant", "jobs": "dp"}
+    assert json.loads((tmp_path / "rig-state" / "chip.term").read_text())["term"] == 1
+
+
+def test_ptb_keys_makes_keys_for_a_role(capsys, tmp_path):
+    from photonic_testbed.ptb.cli import main
+    folder = tmp_path / "keys"
+    assert main(["keys", "--dir", str(folder), "--role", "tenant", "--job", "train-a",
+                 "--job", "train-b", "--authorize", "ta"]) == 0
+    assert "ta (tenant of train-a, train-b)" in capsys.readouterr().out
+    assert read_metadata(folder / "authorized" / "ta.key") == {"role": "tenant",
+                                                               "jobs": "train-a,train-b"}
+    assert KeyTable(folder / "authorized").names == ["ta"]
+    for argv, said in ((["--role", "tenant", "t"], "names the jobs it may act on"),
+                       (["--role", "agent", "--job", "x", "t"], "jobs are a tenant's"),
+                       (["--job", "x", "t"], "jobs are a tenant's"),
+                       (["--role", "tenant", "--job", "a,b", "t"], "no commas")):
+        assert main(["keys", "--dir", str(folder), *argv]) == 1
+        assert said in capsys.readouterr().err
+    assert not (folder / "t.key").exists()
+    assert main(["keys", "--dir", str(folder), "--authorize", "plain"]) == 0
+    assert "as an observer's key (no --role)" in capsys.readouterr().out
+    assert main(["demo", "--secure", "--job", "torch"]) == 1
+    assert "--secure runs the emulated job" in capsys.readouterr().err

@@ -34,7 +34,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from photonic_testbed.hil.bus.schema import OBSERVER, ROLES, TENANT
+from photonic_testbed.hil.bus.schema import MAX_NAME, OBSERVER, ROLES, TENANT
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,11 @@ def role_metadata(role: str | None, jobs: tuple[str, ...] | list[str] = ()) -> d
         raise ValueError(f"jobs are a tenant's; a key of role {role} acts on none or all")
     if role == TENANT and not jobs:
         raise ValueError("a tenant's key names the jobs it may act on")
-    bad = [j for j in jobs if not j or any(c in j for c in ',"\n\r') or j != j.strip()]
+    bad = [j for j in jobs if not j or len(j) > MAX_NAME or any(c in j for c in ',"\n\r')
+           or j != j.strip()]
     if bad:
-        raise ValueError(f"job name(s) {bad!r}: no commas, quotes, line breaks or blanks "
-                         "around them")
+        raise ValueError(f"job name(s) {bad!r}: 1 to {MAX_NAME} characters, no commas, quotes, "
+                         "line breaks or blanks around them")
     out = {"role": role}
     if jobs:
         out["jobs"] = ",".join(jobs)
