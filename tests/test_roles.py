@@ -541,3 +541,40 @@ def test_ptb_keys_makes_keys_for_a_role(capsys, tmp_path):
     assert "as an observer's key (no --role)" in capsys.readouterr().out
     assert main(["demo", "--secure", "--job", "torch"]) == 1
     assert "--secure runs the emulated job" in capsys.readouterr().err
+
+
+def test_services_of_one_process_share_its_key_checks(tmp_path):
+    """`ptb serve --one-process` with CURVE: the services of one ZeroMQ context share its one
+    ZAP handler (ZeroMQ asks one per context), which outlives all but the last to close."""
+    from photonic_testbed.hil.devices.service import ServiceSpec
+    from photonic_testbed.hil.devices.together import serve_together
+    keys = make_keys(tmp_path / "keys")
+    context = zmq.Context()
+    services = [DeviceService(ServiceSpec(
+        f"s{i}", "switch", "mem", driver="tests.bus_doubles:MemorySwitch", options={"ports": 8},
+        curve_secret=str(keys / "server.key_secret"),
+        curve_authorized=str(keys / "authorized")), context=context) for i in range(3)]
+    stop = threading.Event()
+    thread = None
+    try:
+        endpoints = [s.bind() for s in services]
+        thread = threading.Thread(target=serve_together, args=(services, stop), daemon=True)
+        thread.start()
+        with ServiceClient(endpoints[0][0], keys=keys_of(keys, "agent"), timeout=TIMEOUT_S,
+                           term=1) as c:
+            got = c.call("apply_circuits_together", changes=[
+                {"switch": f"s{i}", "circuits": [[1, 9 + i]]} for i in range(3)])
+            assert [p["result"]["added"] for p in got["changes"]] == [[[1, 9]], [[1, 10]],
+                                                                      [[1, 11]]]
+        with ServiceClient(endpoints[2][0], keys=keys_of(keys, "observer"),
+                           timeout=TIMEOUT_S) as c:
+            assert c.call("read_circuits") == {"circuits": [[1, 11]]}
+            with pytest.raises(Unauthorized):
+                c.call("apply_circuits", circuits=[])
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(10)
+        for s in services:
+            s.close()
+        context.term()

@@ -342,11 +342,12 @@ class Authenticator:
             raise KeyFileError(f"cannot start the bus's key checks: {self._error}")
 
     def _run(self) -> None:
+        sock = self.ctx.socket(zmq.REP)
         try:
-            sock = self.ctx.socket(zmq.REP)
             sock.linger = 0
             sock.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as e:
+            sock.close(linger=0)          # (left open, it would hold the context's term)
             self._error = e
             self._ready.set()
             return
