@@ -198,12 +198,12 @@ def _show_roles(stack: Stack, keys: pathlib.Path, plan: str, t0: float) -> None:
     if one is not): the observer's on the switch, the tenant's swap and another job's phase."""
     from photonic_testbed.hil.bus.client import ServiceClient, Unauthorized
     switch = stack.rig.gpus[0].switch
-    asks = [("observer", stack.rig.devices[switch].request, switch, "apply_circuits",
-             {"circuits": []}),
-            ("tenant", stack.rig.agent_endpoints()[0], "agent", "swap",
-             {"gpu": stack.rig.gpus[0].name}),
-            ("tenant", stack.rig.agent_endpoints()[0], "agent", "phase",
-             {"phase": "dp", "job": f"not-{plan}"})]
+    agent = stack.rig.agent_endpoints()[0]
+    asks: list[tuple[str, str, str, str, dict[str, Any]]] = [
+        ("observer", stack.rig.devices[switch].request, switch, "apply_circuits",
+         {"circuits": []}),
+        ("tenant", agent, "agent", "swap", {"gpu": stack.rig.gpus[0].name}),
+        ("tenant", agent, "agent", "phase", {"phase": "dp", "job": f"not-{plan}"})]
     for key, endpoint, where, op, args in asks:
         with ServiceClient(endpoint, keys=_client_keys(keys, key),
                            timeout=PEER_TIMEOUT_S) as client:
