@@ -578,3 +578,46 @@ def test_services_of_one_process_share_its_key_checks(tmp_path):
         for s in services:
             s.close()
         context.term()
+
+
+def test_a_publisher_whose_port_is_taken_while_it_rebinds_says_so_and_binds_later(
+        monkeypatch):
+    from photonic_testbed.hil.bus import server as server_module
+    from photonic_testbed.hil.bus.server import Publisher
+    monkeypatch.setattr(server_module, "REBIND_S", 0.05)
+    context = zmq.Context()
+    pub = Publisher(context, "tcp://127.0.0.1:0", None)
+    thief = None
+    try:
+        pub.sock.close(linger=0)
+        thief = _until(lambda: _bound_or_none(context, pub.endpoint), "the port freed",
+                       timeout=TIMEOUT_S)
+        with pytest.raises(zmq.ZMQError):
+            pub.rebind()
+        assert not pub.bound
+        thief.close(linger=0)
+        _until(lambda: _bind_again(pub), "bound again once the port is free",
+               timeout=TIMEOUT_S)
+        assert pub.bound and pub.sock.getsockopt_string(zmq.LAST_ENDPOINT) == pub.endpoint
+    finally:
+        pub.close()
+        context.term()
+
+
+def _bound_or_none(context, endpoint):
+    sock = context.socket(zmq.PUB)
+    sock.linger = 0
+    try:
+        sock.bind(endpoint)
+        return sock
+    except zmq.ZMQError:
+        sock.close()
+        return None
+
+
+def _bind_again(pub) -> bool:
+    try:
+        pub.bind_again()
+        return True
+    except zmq.ZMQError:
+        return False

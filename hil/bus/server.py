@@ -111,37 +111,47 @@ class Publisher:
     def __init__(self, ctx: zmq.Context, endpoint: str, keys: ServerKeys | None,
                  sndhwm: int = 100_000):
         self._ctx, self._keys, self._sndhwm = ctx, keys, sndhwm
-        self.sock = self._bound(endpoint)
+        self.sock = self._socket(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound = True
         self._topics: dict[tuple[str, str], bytes] = {}
 
-    def _bound(self, endpoint: str) -> zmq.Socket:
+    def _socket(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUB)
         sock.linger = 0
         sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
         sock.sndhwm = self._sndhwm
         make_server(sock, self._keys)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
         return sock
 
     def rebind(self) -> None:
         """Close the socket and bind a new one at the same endpoint: every subscriber's
         connection drops, and each must connect (and authenticate) again. The port is freed
-        by ZeroMQ's I/O thread shortly after the close: tried again for up to REBIND_S."""
+        by ZeroMQ's I/O thread shortly after the close: tried for up to REBIND_S; ZMQError
+        when it is still taken (the new socket, unbound, publishes to no one until a later
+        `bind_again`)."""
         self.sock.close(linger=0)
+        self.sock = self._socket(self.endpoint)
+        self.bound = False
         deadline = time.monotonic() + REBIND_S
         while True:
             try:
-                self.sock = self._bound(self.endpoint)
+                self.bind_again()
                 return
             except zmq.ZMQError as e:
                 if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
+
+    def bind_again(self) -> None:
+        """One try at binding the socket a failed `rebind` left unbound."""
+        self.sock.bind(self.endpoint)
+        self.bound = True
 
     def send(self, msg: dict) -> None:
         key = (msg["type"], msg["device"])
@@ -459,14 +469,20 @@ class Server:
         """The authorised keys read again when they changed (at most every CHECK_S); after a
         revocation the PUB socket is bound afresh, so that a revoked subscriber's connection
         goes and it cannot make another (docs/bus.md, "Security")."""
-        table = self._table
-        assert table is not None
+        table, pub = self._table, self._pub
+        assert table is not None and pub is not None
         table.check(now)
-        if table.revocations != self._revocations and self._pub is not None:
-            self._revocations = table.revocations
-            log.info("%s: a key was revoked: its subscribers are made to authenticate again",
-                     self.name)
-            self._pub.rebind()
+        try:
+            if table.revocations != self._revocations:
+                self._revocations = table.revocations
+                log.info("%s: a key was revoked: its subscribers are made to authenticate "
+                         "again", self.name)
+                pub.rebind()
+            elif not pub.bound:
+                pub.bind_again()
+        except zmq.ZMQError as e:        # (tried again at the next look at the keys)
+            log.error("%s: cannot bind the publishing socket %s again: %s", self.name,
+                      pub.endpoint, e)
 
     def _drain(self) -> None:
         """Take waiting requests off the socket, stamped with the last moment the socket was
