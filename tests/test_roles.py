@@ -621,3 +621,44 @@ def _bind_again(pub) -> bool:
         return True
     except zmq.ZMQError:
         return False
+
+
+def test_a_key_whose_role_changed_is_held_to_the_new_one_on_the_same_connection(tmp_path):
+    from photonic_testbed.hil.bus.security import server_keys
+    keys = make_keys(tmp_path / "keys")
+    changed: list = []
+    server = Server("ocs", {}, keys=server_keys(keys / "server.key_secret",
+                                               keys / "authorized"),
+                    handlers={"apply_circuits": lambda args: changed.append(args) or {}})
+    request, _ = server.bind()
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            server.poll(0.02)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with ServiceClient(request, keys=keys_of(keys, "observer"), timeout=TIMEOUT_S) as c:
+            with pytest.raises(Unauthorized, match=r"key 'observer' \(observer\) may not"):
+                c.call("apply_circuits", circuits=[[1, 2]])
+            listed = keys / "authorized" / "observer.key"
+            listed.write_text(listed.read_text().replace('"observer"', '"agent"'))
+
+            def allowed() -> bool:
+                try:
+                    c.call("apply_circuits", circuits=[[1, 2]], timeout=1.0)
+                    return True
+                except Unauthorized:
+                    return False
+            _until(allowed, "the key's new role taken on its connection")
+            listed.write_text(listed.read_text().replace('"agent"', '"observer"'))
+            _until(lambda: not allowed(), "the key's role taken back")
+            ran = len(changed)
+            with pytest.raises(Unauthorized):
+                c.call("apply_circuits", circuits=[[1, 2]])
+        assert ran >= 1 and len(changed) == ran
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -13,8 +13,9 @@ Each process serving the bus runs one ZAP handler per ZeroMQ context (`start_aut
 it accepts a connection only from a key listed there and gives the connection the key's name
 and public key as its ZAP User-Id, which every frame received on it carries. The server looks
 the User-Id up in the `KeyTable`, read again when the folder changes (looked at every
-`KeyTable.CHECK_S`): a key taken out of the folder, or whose role or jobs changed, no longer
-matches, so its next request is refused, without a restart. A certificate without a role is
+`KeyTable.CHECK_S`): a key taken out of the folder (or listed again with another public key)
+no longer matches, so its next request is refused, and a key whose role or jobs changed is
+held to the new ones from its next request, without a restart. A certificate without a role is
 taken as an observer's (the keys of before roles).
 
 Without CURVE (loopback runs that turn it off explicitly) nothing here is used, and every local

@@ -647,8 +647,8 @@ class Server:
         who = self._table.identity(user)
         if who is None:
             raise Unauthorized(f"key {user_name(user)!r} is no longer authorised on "
-                               f"{self.name} (taken out of {self._table.folder}, or its role "
-                               f"changed): {op.name} refused; connect again")
+                               f"{self.name} (taken out of {self._table.folder}, or listed "
+                               f"there with another public key): {op.name} refused")
         if not who.may(op.roles):
             raise Unauthorized(f"{who} may not call {op.name} on {self.name}: it is for "
                                f"{' and '.join(sorted(op.roles))} keys")
