@@ -198,6 +198,13 @@ def test_a_key_names_its_role_in_its_certificate_and_the_folder_is_read_as_it_ch
     table.refresh()
     assert table.identity(user).role == "observer"
     assert "operator" not in table.names
+    # a folder that cannot be read accepts no key (said once), and again once it can
+    (keys / "authorized").rename(keys / "away")
+    assert table.refresh() and table.names == []
+    assert not table.refresh()
+    (keys / "away").rename(keys / "authorized")
+    table.refresh()
+    assert "agent" in table.names
     with pytest.raises(ValueError, match="a tenant's key names the jobs"):
         generate(keys, "t", "tenant")
     with pytest.raises(ValueError, match="jobs are a tenant's"):

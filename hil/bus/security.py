@@ -223,6 +223,7 @@ class KeyTable:
         self._lock = threading.Lock()
         self._listing = _Listing()
         self._next_check = 0.0
+        self._unreadable: str | None = None          # why the folder cannot be read, if so
         self.revocations = 0
         self.refresh()
 
@@ -251,15 +252,21 @@ class KeyTable:
             return bool(taken)
 
     def _files(self) -> tuple:
+        """Each certificate file's (name, size, mtime, inode); none when the folder cannot be
+        read (said once, until it can again)."""
         try:
             with os.scandir(self.folder) as it:
-                return tuple(sorted((e.name, s.st_size, s.st_mtime_ns, s.st_ino)
-                                    for e in it if e.name.endswith(".key")
-                                    for s in (e.stat(),)))
+                files = tuple(sorted((e.name, s.st_size, s.st_mtime_ns, s.st_ino)
+                                     for e in it if e.name.endswith(".key")
+                                     for s in (e.stat(),)))
         except OSError as e:
-            log.error("cannot read the authorised keys folder %s: %s; no key is accepted",
-                      self.folder, e)
+            if self._unreadable is None:
+                log.error("cannot read the authorised keys folder %s: %s; no key is accepted",
+                          self.folder, e.strerror or e)
+            self._unreadable = str(e)
             return ()
+        self._unreadable = None
+        return files
 
     def _read(self, files: tuple) -> _Listing:
         by_user: dict[str, Identity] = {}
@@ -370,9 +377,9 @@ class Authenticator:
         self.table.check()
         public = z85.encode(credentials[0])
         user = self.table.user_id(public)
-        if user is None:
-            log.info("connection from %s with key %s... refused: not in %s",
-                     address.decode(errors="replace"), public[:8].decode(), self.table.folder)
+        if user is None:          # (debug: a refused client tries again ten times a second)
+            log.debug("connection from %s with key %s... refused: not in %s",
+                      address.decode(errors="replace"), public[:8].decode(), self.table.folder)
             return [version, request_id, b"400", b"key not authorised", b"", b""]
         return [version, request_id, b"200", b"OK", user.encode(), b""]
 
