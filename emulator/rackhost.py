@@ -37,6 +37,7 @@ from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError
+from photonic_testbed.hil.bus.security import ClientKeys, ServerKeys
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.bus.state import Set
 from photonic_testbed.hil.job.fabric_client import Fabric
@@ -123,17 +124,19 @@ class RackHost:
 
     def __init__(self, layout: RackLayout, physics: dict[str, Any], *,
                  gpus_endpoints: tuple[str, str], agent_endpoints: tuple[str, str] | None = None,
-                 heartbeat: float = 0.5):
+                 heartbeat: float = 0.5, keys: ServerKeys | None = None,
+                 job_keys: ClientKeys | None = None):
         self.layout = layout
         self.clock = WallClock()
         self.rack = EmulatedRack(layout, physics, self.clock)
         self.agent_endpoints = agent_endpoints
+        self.job_keys = job_keys              # the job's key on a bus with CURVE (a tenant's)
         self._offset = time.time() - time.monotonic()     # monotonic -> Unix time
         self.server = Server("gpus", {"gpus": {h.gpu: h.to_dict()
                                                     for h in self.rack.health()}},
                                   request=gpus_endpoints[0], publish=gpus_endpoints[1],
                                   heartbeat=heartbeat, handlers={"rx_power": self._rx_power},
-                                  kind="gpu_monitor")
+                                  kind="gpu_monitor", keys=keys)
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
@@ -316,7 +319,7 @@ class RackHost:
                             else plan_named(str(plan), len(self.layout.workers)))
             except PlanError as e:
                 raise ControlError(str(e)) from None
-            fabric = Fabric(*self.agent_endpoints, timeout=5.0)
+            fabric = Fabric(*self.agent_endpoints, timeout=5.0, keys=self.job_keys)
             try:
                 rank_map = fabric.admit(job_plan)
             except BusError as e:

@@ -173,10 +173,12 @@ class EmulatedRig:
         self._pd_last = -1
 
     def start_rack(self, gpus_endpoints: tuple[str, str],
-                   agent_endpoints: tuple[str, str] | None = None):
+                   agent_endpoints: tuple[str, str] | None = None, *,
+                   keys: Any = None, job_keys: Any = None):
         """The rack of GPUs on this rig's switch (common.rack_layout), its link state from the
         chip's or the OCS's physics; GPU health published at `gpus_endpoints`; faults, truth
-        and the job on the control endpoint. Returns the RackHost."""
+        and the job on the control endpoint. With CURVE: the health monitor's server `keys`
+        and the job's client `job_keys` (a tenant's). Returns the RackHost."""
         from photonic_testbed.emulator.rack import RackError
         from photonic_testbed.emulator.rackhost import RackHost
         physics: dict[str, Any] = {}
@@ -194,7 +196,8 @@ class EmulatedRig:
             raise RackError(f"rig {self.spec.name} has no {', '.join(missing)} for its rack")
         rack = self.rack = RackHost(lay, {s: physics[s] for s in lay.switches},
                                     gpus_endpoints=gpus_endpoints,
-                                    agent_endpoints=agent_endpoints)
+                                    agent_endpoints=agent_endpoints, keys=keys,
+                                    job_keys=job_keys)
         if self.rails is not None:
             self.rails.light_from(rack.rack.launch_mw)
         rack.start()

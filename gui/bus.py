@@ -22,9 +22,14 @@ deltas, gap recovery), so a service that restarts, or comes up after the GUI, is
 without the operator doing anything.
 
 As `Commands`, it sends the operator's commands from one worker thread, each through a
-`ServiceClient` (one per service, used only on that thread): a change carries the state version
-the GUI shows (`expect`, compare-and-set), so a command computed from a stale picture is
-refused (`StaleState`) rather than applied; every refusal comes back with the service's reason.
+`ServiceClient` (one per service, used only on that thread). On a rig with an agent (one that
+lists GPUs) every command goes to the agent: a swap, and the manual changes (`manual_circuits`,
+`manual_heaters`), which the agent journals and makes itself, the circuits as the operator's
+part of the switch beside the jobs' (devices take changes from the agent alone). On a rig
+without one, a change goes to the device's service. A heater change carries the state version
+the GUI shows (`expect`, compare-and-set), and so does a circuit change sent to a device, so a
+command computed from a stale picture is refused (`StaleState`) rather than applied; every
+refusal comes back with its reason (`Unauthorized` for a key whose role may not ask it).
 """
 from __future__ import annotations
 
@@ -307,6 +312,11 @@ class BusFabric(Commands):
         except RuntimeError:                # closed
             done(CommandResult(command, False, "the GUI's bus connection is closed"))
 
+    @property
+    def has_agent(self) -> bool:
+        """Whether the rig has an agent (it lists GPUs): the one that changes its devices."""
+        return AGENT in self.endpoints
+
     def _client(self, device: str) -> ServiceClient:
         client = self._clients.get(device)
         if client is None:
@@ -350,8 +360,12 @@ class BusFabric(Commands):
             if self.kinds[device] != "chip":
                 return False, f"{device} has no heaters (it is not a chip)", {}
             ch, volts = int(p["channel"]), float(p["volts"])
-            result = self._client(device).call("set_heaters", volts=[volts], first=ch,
-                                               expect=version)
+            if self.has_agent:
+                result = self._client(AGENT).call("manual_heaters", device=device,
+                                                  volts=[volts], first=ch, version=version)
+            else:
+                result = self._client(device).call("set_heaters", volts=[volts], first=ch,
+                                                   expect=version)
             return True, f"{device}: heater {ch} set to {volts:.3f} V", result
         circuits = _circuits(state.get("circuits"))
         a = int(p["input"])
@@ -360,10 +374,15 @@ class BusFabric(Commands):
                 return False, f"{device}: input {a} has no circuit to disconnect", {}
             b = circuits.pop(a)
             what = f"{device}: input {a} disconnected from output {b}"
+            change: dict[str, Any] = {"disconnect": [a]}
         else:
             b = int(p["output"])
             circuits[a] = b
             what = f"{device}: input {a} connected to output {b}"
+            change = {"connect": [[a, b]]}
+        if self.has_agent:          # the operator's part of the switch, kept by the agent
+            result = self._client(AGENT).call("manual_circuits", switch=device, **change)
+            return True, f"{what} (by the agent, journaled)", result
         result = self._client(device).call(
             "apply_circuits", circuits=[[x, y] for x, y in sorted(circuits.items())],
             expect=version)

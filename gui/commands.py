@@ -3,6 +3,11 @@
 `Commands` is the interface the bus adapter implements: `submit` sends a request and returns
 at once; the answer comes later, from any thread, through the `done` callback. The GUI wraps
 it in a `CommandRunner`, which turns answers into a Qt signal on the main thread.
+
+On a rig with an agent, every command is a request to the agent (gui/bus.py): a swap, or a
+manual change that the agent journals and makes itself (`manual_circuits`, `manual_heaters`),
+since the device services take changes from the agent alone; the key the GUI runs with must be
+an operator's (docs/bus.md, "Security").
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ class CommandResult:
 
 
 class Commands(abc.ABC):
-    """Sends operator commands to the agent / device services."""
+    """Sends operator commands to the agent (or, on a rig without one, the device services)."""
 
     @abc.abstractmethod
     def submit(self, command: Command, done: Callable[[CommandResult], None]) -> None:

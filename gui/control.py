@@ -2,7 +2,9 @@
 
 Each command is shown in a confirmation dialog that says what will change (read from the
 model: which circuit goes, which rank moves) before it is sent; answers, refusals with their
-reason included, are listed under the forms and in the status bar.
+reason included, are listed under the forms and in the status bar. On a rig with an agent the
+commands go to the agent, which journals each manual change and keeps a switch's manual
+circuits beside the jobs' (a port a job uses is refused: swap or release it first).
 """
 from __future__ import annotations
 

@@ -8,15 +8,21 @@ job through the emulator's control endpoint, lets it run, fails one GPU the way 
 failure injected, detected by the agent, circuits applied, verified by light, restart ordered,
 job resumed, with each interval, and the job's throughput before, during and after. Every
 process is stopped at the end; the exit code is 0 when the job resumed on a healthy spare.
+
+With `--secure` the bus runs CurveZMQ with roles: `ptb keys` makes the demo's keys (the
+agent's, the job's tenant's, the GUI's operator's and an observer's, in WORKDIR/keys), every
+process runs with its own, and the demo shows a change asked with the wrong role refused.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
@@ -31,6 +37,9 @@ WINDOW_S = 2.0          # throughput windows before and after the failure
 CACHE_FOLDER = "photonic-testbed"     # under the user's cache folder: each run's own folder
 PEER_TIMEOUT_S = 10.0   # a generous wait for a reply: a busy machine must not fail the demo
 RESUME_TIMEOUT_S = 120.0  # for the job to resume after the failure (about 0.3 s when idle)
+# --secure: each process's key and its role (`ptb keys --role`); the tenant's job is the plan's
+ROLE_KEYS = (("agent", "agent"), ("tenant", "tenant"), ("operator", "operator"),
+             ("observer", "observer"))
 
 
 def add_parser(sub) -> None:
@@ -61,6 +70,10 @@ def add_parser(sub) -> None:
                    help="the training job: our emulated step loop (default), or a real "
                    "PyTorch job whose failed rank a spare replaces in place (needs torch; "
                    "ptb/demo_torch.py)")
+    p.add_argument("--secure", action="store_true",
+                   help="CurveZMQ on the bus with roles: keys for the agent, the job's tenant, "
+                   "the GUI's operator and an observer (WORKDIR/keys, made anew), each process "
+                   "with its own; a change asked with the wrong role is shown refused")
     p.set_defaults(func=run)
 
 
@@ -118,6 +131,9 @@ def run(args) -> int:
         raise CommandFailed("--keep-open keeps the GUI open: it cannot go with --headless")
     if args.seed < 0:
         raise CommandFailed(f"--seed must be >= 0, not {args.seed}")
+    if args.secure and args.job == "torch":
+        raise CommandFailed("--secure runs the emulated job, whose tenant key the emulator "
+                            "holds; --job torch runs without it")
     plan = RIG_JOBS[args.rig][0]
     gpu = _gpu_to_fail(args.rig, args.gpu)
     if args.job == "torch":
@@ -126,33 +142,97 @@ def run(args) -> int:
     workdir = demo_folder(args.workdir)
     t0 = time.monotonic()
     say(t0, f"this run's files (rig file, calibration, journal, logs) are kept in {workdir}")
+    keys = _make_keys(workdir / "keys", plan) if args.secure else None
+    if keys is not None:
+        say(t0, f"CURVE on, with roles: the agent's, the job's tenant's (job {plan}), the "
+            f"GUI's operator's and an observer's keys in {keys}")
     try:
         with Stack(workdir, say=lambda text: say(t0, text)) as stack:
             stack.emulate(args.rig, "--seed", str(args.seed),
-                          *(["--ideal-chip"] if args.ideal_chip else []))
+                          *(["--ideal-chip"] if args.ideal_chip else []),
+                          *(["--keys", str(keys)] if keys is not None else []))
             if stack.rig.chip is not None and not args.ideal_chip:
                 stack.calibrate()
             stack.serve()
             stack.agent()
             if args.job == "torch":
                 return demo_torch.demo(args, gpu, stack, t0)
-            return _demo(args, plan, gpu, stack, t0)
+            return _demo(args, plan, gpu, stack, t0, keys)
     finally:
         say(t0, f"every process of the demo stopped; its files are in {workdir}")
 
 
-def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
+def _make_keys(folder: pathlib.Path, job: str) -> pathlib.Path:
+    """The demo's keys (ROLE_KEYS, the tenant's for `job`), each client's listed with its role
+    in FOLDER/authorized, made anew (`ptb keys --role ... --authorize`)."""
+    from photonic_testbed.hil.bus.security import KeyFileError, authorize, generate
+    try:
+        if folder.exists():
+            shutil.rmtree(folder)            # (the demo's own, from an earlier run)
+        generate(folder, "server")
+        for name, role in ROLE_KEYS:
+            public, _ = generate(folder, name, role, [job] if role == "tenant" else [])
+            authorize(public, folder / "authorized")
+    except (KeyFileError, OSError) as e:
+        raise CommandFailed(f"cannot make the demo's keys in {folder}: {e}") from None
+    return folder
+
+
+def _role_rig(stack: Stack, keys: pathlib.Path, name: str) -> pathlib.Path:
+    """The rig file as the process of key `name` reads it: the same rig, its own client key."""
+    from photonic_testbed.hil import rig as rigfile
+    rig = stack.rig
+    path = stack.workdir / f"rig-{name}.toml"
+    rigfile.write(path, dataclasses.replace(rig, bus=dataclasses.replace(
+        rig.bus, client_key=str(keys / f"{name}.key_secret"))))
+    return path
+
+
+def _client_keys(keys: pathlib.Path, name: str) -> Any:
+    from photonic_testbed.hil.bus.security import client_keys
+    return client_keys(keys / f"{name}.key_secret", keys / "server.key")
+
+
+def _show_roles(stack: Stack, keys: pathlib.Path, plan: str, t0: float) -> None:
+    """Changes asked with the wrong role, each refused before anything moves (the demo fails
+    if one is not): the observer's on the switch, the tenant's swap and another job's phase."""
+    from photonic_testbed.hil.bus.client import ServiceClient, Unauthorized
+    switch = stack.rig.gpus[0].switch
+    agent = stack.rig.agent_endpoints()[0]
+    asks: list[tuple[str, str, str, str, dict[str, Any]]] = [
+        ("observer", stack.rig.devices[switch].request, switch, "apply_circuits",
+         {"circuits": []}),
+        ("tenant", agent, "agent", "swap", {"gpu": stack.rig.gpus[0].name}),
+        ("tenant", agent, "agent", "phase", {"phase": "dp", "job": f"not-{plan}"})]
+    for key, endpoint, where, op, args in asks:
+        with ServiceClient(endpoint, keys=_client_keys(keys, key),
+                           timeout=PEER_TIMEOUT_S) as client:
+            try:
+                client.call(op, **args)
+            except Unauthorized as e:
+                say(t0, f"roles: {op} asked of {where} with the {key}'s key: refused "
+                    f"({e.remote_message})")
+                continue
+        raise CommandFailed(f"--secure: {op} asked of {where} with the {key}'s key was "
+                            "not refused")
+
+
+def _demo(args, plan: str, gpu: str, stack: Stack, t0: float,
+          keys: pathlib.Path | None = None) -> int:
     from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
     from photonic_testbed.hil.bus.client import ServiceClient
     from photonic_testbed.hil.lab.control_client import ControlError, request
 
     control, journal = stack.control, stack.journal
-    agent = ServiceClient(stack.rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S)
+    # (with --secure the demo reads the agent's state with the observer's key)
+    agent = ServiceClient(stack.rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S,
+                          keys=None if keys is None else _client_keys(keys, "observer"))
     try:
         gui = None
         if args.gui or (not args.headless and has_display()):
             from photonic_testbed.ptb.gui import DemoGui
-            gui = DemoGui(stack, stack.rig_path, lambda text: say(t0, text))
+            gui = DemoGui(stack, stack.rig_path if keys is None else
+                          _role_rig(stack, keys, "operator"), lambda text: say(t0, text))
         try:
             got = request(control, {"cmd": "job_start", "plan": plan, "steps": 1_000_000})
         except ControlError as e:
@@ -169,6 +249,8 @@ def _demo(args, plan: str, gpu: str, stack: Stack, t0: float) -> int:
             raise CommandFailed(f"the job made no step in {args.seconds:g} s "
                                 f"({before['state']}); agent log:\n{stack.tail('agent')}")
         say(t0, f"job running: {before['step']} steps done")
+        if keys is not None:
+            _show_roles(stack, keys, plan, t0)
         with SqliteJournal(journal, read_only=True) as j:    # where the agent's entries start
             seq = max((e.seq for e in j.entries()), default=0)
         t_fail = time.time()

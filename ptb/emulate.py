@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pathlib
 import signal
 import threading
 
@@ -47,6 +48,11 @@ def add_parser(sub) -> None:
                    "answers; otherwise the control endpoint's job_start starts it")
     p.add_argument("--write-rig", metavar="FILE",
                    help="also write a rig file (TOML) pointing at the emulated instruments")
+    p.add_argument("--keys", metavar="DIR",
+                   help="CURVE on the bus, with the keys `ptb keys` wrote in DIR: the rack's "
+                   "GPU monitor serves with server.key_secret (clients from DIR/authorized), "
+                   "the emulated job asks the agent with tenant.key_secret, and the rig file "
+                   "written names them, agent.key_secret as its client key")
     p.set_defaults(func=run)
 
 
@@ -90,6 +96,23 @@ def _start_job(rack, plan: str, stop: threading.Event) -> None:
             stop.wait(0.5)
 
 
+def _secure(bus_rig, folder: str):
+    """The rig with CURVE on, with the keys in `folder` (`--keys`): the rig itself, and the
+    rack's monitor's server keys and the job's client keys."""
+    from photonic_testbed.hil.bus.security import KeyFileError, client_keys
+    keys = pathlib.Path(folder).resolve()
+    bus = dataclasses.replace(
+        bus_rig.bus, curve=True, server_key=str(keys / "server.key_secret"),
+        server_public_key=str(keys / "server.key"), authorized_keys=str(keys / "authorized"),
+        client_key=str(keys / "agent.key_secret"))
+    rig = dataclasses.replace(bus_rig, bus=bus)
+    try:
+        return rig, rig.server_keys(), client_keys(keys / "tenant.key_secret",
+                                                   keys / "server.key")
+    except KeyFileError as e:
+        raise CommandFailed(f"--keys {folder}: {e}") from None
+
+
 def run(args) -> int:
     try:
         spec = rig_spec(args.rig)
@@ -115,13 +138,19 @@ def run(args) -> int:
                                            server=lay.servers.get(g, ""))
                          for g, atts in lay.gpus.items())
         bus_rig = rigfile.for_emulator(spec, rig.endpoints, gpus=gpus)
+        keys = job_keys = None
+        if args.keys:
+            bus_rig, keys, job_keys = _secure(bus_rig, args.keys)
         if gpus:
             try:
-                rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints())
+                rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints(), keys=keys,
+                               job_keys=job_keys)
                 rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
             except RackError as e:
                 log.warning("no rack of GPUs: %s", e)
                 bus_rig = rigfile.for_emulator(spec, rig.endpoints)
+                if args.keys:
+                    bus_rig = _secure(bus_rig, args.keys)[0]
         if rig.chip_calibration is not None and bus_rig.chip is not None:
             bus_rig = dataclasses.replace(bus_rig, chip=dataclasses.replace(
                 bus_rig.chip, calibration=os.path.abspath(args.chip_from)))

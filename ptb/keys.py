@@ -1,11 +1,14 @@
-"""`ptb keys`: CurveZMQ key pairs for the bus (a server's, each client's)."""
+"""`ptb keys`: CurveZMQ key pairs for the bus (a server's, each client's), a client's bound to
+its role: `--role observer|tenant|operator|agent` (and a tenant's `--job NAME`s) are written in
+the public certificate's metadata, which `--authorize` lists in DIR/authorized, the folder
+servers accept clients from and look their roles up in (hil.bus.security)."""
 from __future__ import annotations
 
 import pathlib
 import re
-import shutil
 
-from photonic_testbed.hil.bus.security import KeyFileError, generate
+from photonic_testbed.hil.bus.schema import ROLES, TENANT
+from photonic_testbed.hil.bus.security import KeyFileError, authorize, generate, role_metadata
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
@@ -14,10 +17,19 @@ NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 def add_parser(sub) -> None:
     p = sub.add_parser("keys", help="make CurveZMQ key pairs for the bus",
                        description="Write NAME.key (public) and NAME.key_secret (secret) for "
-                       "each NAME into DIR. With --authorize, also copy each public key into "
-                       "DIR/authorized, the folder servers accept clients from.")
+                       "each NAME into DIR, a client's public key naming its --role. With "
+                       "--authorize, also copy each public key into DIR/authorized, the folder "
+                       "servers accept clients from (and take their roles from).")
     p.add_argument("names", nargs="+", metavar="NAME", help="e.g. server operator agent")
     p.add_argument("--dir", default="keys", help="where to write them (default %(default)s)")
+    p.add_argument("--role", choices=ROLES,
+                   help="what a client with this key may do: observer (read, subscribe), "
+                   "tenant (its --job's requests), operator (every job's, swaps, manual "
+                   "changes), agent (the device services' changes); none: a server's key (a "
+                   "client key listed without one is an observer's)")
+    p.add_argument("--job", action="append", default=[], metavar="NAME",
+                   help="a job a tenant's key may admit and act on (repeatable; a tenant "
+                   "names at least one)")
     p.add_argument("--authorize", action="store_true",
                    help="list the new public keys in DIR/authorized (for clients)")
     p.set_defaults(func=run)
@@ -40,6 +52,11 @@ def _os_error(what: str, e: OSError) -> CommandFailed:
 
 def run(args) -> int:
     _check_names(args.names)
+    try:
+        role_metadata(args.role, args.job)
+    except ValueError as e:
+        hint = " (--role tenant --job NAME)" if args.job or args.role == TENANT else ""
+        raise CommandFailed(f"{e}{hint}") from None
     check_output(args.dir, "--dir", folder=True)
     folder = pathlib.Path(args.dir)
     try:
@@ -55,20 +72,22 @@ def run(args) -> int:
                                     f"overwrite it")
     for name in args.names:
         try:
-            public, secret = generate(folder, name)
+            public, secret = generate(folder, name, args.role, args.job)
         except KeyFileError as e:
             raise CommandFailed(str(e)) from None
         except OSError as e:
             raise _os_error(f"write {name}'s keys in {folder}", e) from None
-        print(f"{name}: public {public}, secret {secret}")
+        role = "" if args.role is None else f" ({args.role}" + (
+            f" of {', '.join(args.job)})" if args.job else ")")
+        print(f"{name}{role}: public {public}, secret {secret}")
         if args.authorize:
             try:
-                (folder / "authorized").mkdir(exist_ok=True)
-                shutil.copy(public, folder / "authorized" / public.name)
+                authorize(public, folder / "authorized")
             except FileExistsError:
                 raise CommandFailed(f"{folder / 'authorized'} exists and is not a folder") \
                     from None
             except OSError as e:
                 raise _os_error(f"list {name} in {folder / 'authorized'}", e) from None
-            print(f"  listed in {folder / 'authorized'}")
+            print(f"  listed in {folder / 'authorized'}"
+                  + ("" if args.role else " as an observer's key (no --role)"))
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import signal
 import threading
 
@@ -34,6 +35,9 @@ def add_parser(sub) -> None:
                    "all, each device's calls in turn (no restarts)")
     p.add_argument("--endpoints", metavar="FILE",
                    help="write {device: [request, publish]} as JSON once every service is up")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where each device keeps the highest agent term it has taken, across "
+                   "restarts (default: NAME-state/ beside the rig file NAME.toml)")
     p.set_defaults(func=run)
 
 
@@ -43,12 +47,20 @@ def _write_endpoints(path: str, endpoints: dict) -> None:
 
 def run(args) -> int:
     check_output(args.endpoints, "--endpoints")
+    check_output(args.state_dir, "--state-dir", folder=True)
     try:
         rig = load(args.rig, wait_s=WAIT_S)
-        specs = rig.service_specs(args.device)
+        state_dir = args.state_dir or rig.state_dir()
+        specs = rig.service_specs(args.device, state_dir)
         keys = rig.client_keys()
     except (RigFileError, KeyFileError) as e:
         raise CommandFailed(str(e)) from None
+    if state_dir is not None:
+        try:
+            pathlib.Path(state_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CommandFailed(f"cannot make the state folder {state_dir}: "
+                                f"{e.strerror or e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

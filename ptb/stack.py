@@ -164,7 +164,8 @@ class Stack:
         """`ptb agent` with its journal in the stack's folder; ready once it answers a ping."""
         from photonic_testbed.hil.bus.client import BusError, ServiceClient
         rig = self._need_rig("agent")
-        with ServiceClient(rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S) as agent:
+        with ServiceClient(rig.agent_endpoints()[0], timeout=PEER_TIMEOUT_S,
+                           keys=rig.client_keys()) as agent:
             def answers() -> Any:
                 try:
                     return agent.call("ping", timeout=PEER_TIMEOUT_S / 2)

@@ -21,7 +21,7 @@ from photonic_testbed.hil.bus.client import (
     UnknownOperation,
 )
 from photonic_testbed.hil.bus.mirror import StateSubscriber, SubscriberThread
-from photonic_testbed.hil.bus.security import client_keys, generate
+from photonic_testbed.hil.bus.security import authorize, client_keys, generate
 from photonic_testbed.hil.devices.service import ServiceSpec
 from photonic_testbed.hil.devices.supervisor import Manager
 from photonic_testbed.hil.rig import rig_spec
@@ -252,10 +252,9 @@ def test_two_clients_racing_to_change_a_switch_exactly_one_wins(switches):
 def test_curve_listed_client_works_and_unlisted_cannot_change_anything(tmp_path):
     keys = tmp_path / "keys"
     generate(keys, "server")
-    generate(keys, "operator")
-    generate(keys, "intruder")
-    (keys / "authorized").mkdir()
-    (keys / "authorized" / "operator.key").write_bytes((keys / "operator.key").read_bytes())
+    generate(keys, "operator", role="agent")       # (a device takes changes from the agent role)
+    generate(keys, "intruder", role="agent")
+    authorize(keys / "operator.key", keys / "authorized")
     spec = ServiceSpec("ocs", "switch", "mem://ocs", driver=SWITCH, heartbeat=0.1,
                        options={"ports": 8}, curve_secret=str(keys / "server.key_secret"),
                        curve_authorized=str(keys / "authorized"))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from photonic_testbed.hil.bus.security import generate
+from photonic_testbed.hil.bus.security import authorize, generate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -87,10 +87,10 @@ CLIENT = textwrap.dedent("""\
 def test_service_and_client_in_separate_namespaces_with_curve(namespaces, tmp_path):
     server_ns, client_ns, address = namespaces
     keys = tmp_path / "keys"
-    for name in ("server", "operator", "intruder"):
-        generate(keys, name)
-    (keys / "authorized").mkdir()
-    shutil.copy(keys / "operator.key", keys / "authorized")
+    generate(keys, "server")
+    for name in ("agent", "intruder"):
+        generate(keys, name, role="agent")      # (devices take changes from the agent role)
+    authorize(keys / "agent.key", keys / "authorized")
     rig = tmp_path / "rig.toml"
     rig.write_text(textwrap.dedent(f"""\
         [rig]
@@ -102,7 +102,7 @@ def test_service_and_client_in_separate_namespaces_with_curve(namespaces, tmp_pa
         server_key = "keys/server.key_secret"
         server_public_key = "keys/server.key"
         authorized_keys = "keys/authorized"
-        client_key = "keys/operator.key_secret"
+        client_key = "keys/agent.key_secret"
         [devices.ocs]
         kind = "switch"
         driver = "tests.bus_doubles:MemorySwitch"

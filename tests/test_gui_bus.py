@@ -5,6 +5,7 @@ bus client show in the port map; the operator's commands reach the hardware as t
 request from a client would; refusals come back with their reason."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -21,6 +22,8 @@ from photonic_testbed.gui.app import rig_window  # noqa: E402
 from photonic_testbed.gui.commands import Command  # noqa: E402
 from photonic_testbed.gui.portmap import EMPTY, NO_POWER, circuit_colour, power_colour  # noqa: E402
 from photonic_testbed.hil import rig as rigfile  # noqa: E402
+from photonic_testbed.hil.agent.entries import Manual  # noqa: E402
+from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal  # noqa: E402
 from photonic_testbed.hil.bus import schema  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.bus.server import Server  # noqa: E402
@@ -108,15 +111,29 @@ def lumion(tmp_path_factory):
             yield rig
 
 
-@pytest.fixture
-def window(qtbot, lumion, tmp_path):
+def _window(qtbot, rig, tmp_path):
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
-    win, fabric = rig_window(lumion, settings, down_after_s=0.5)
+    win, fabric = rig_window(rig, settings, down_after_s=0.5)
     qtbot.addWidget(win)
     win.resize(1500, 950)
     fabric.start()
     win.show()
     qtbot.waitExposed(win)
+    return win, fabric
+
+
+@pytest.fixture
+def window(qtbot, lumion, tmp_path):
+    win, fabric = _window(qtbot, lumion, tmp_path)
+    yield win
+    win.close()
+    fabric.close()
+
+
+@pytest.fixture
+def bare_window(qtbot, lumion, tmp_path):
+    """The window of the rig without its GPUs: no agent, so commands go to the devices."""
+    win, fabric = _window(qtbot, dataclasses.replace(lumion, gpus=()), tmp_path)
     yield win
     win.close()
     fabric.close()
@@ -184,8 +201,9 @@ def test_port_map_follows_circuits_set_by_a_bus_client(qtbot, window, lumion, tm
 
 
 def test_manual_control_through_the_gui_equals_the_same_request_from_a_client(
-        qtbot, window, lumion):
-    win = window
+        qtbot, bare_window, lumion):
+    """On a rig without an agent, a command goes to the device's service."""
+    win = bare_window
     ocs = client(lumion, "ocs")
     try:
         ocs.call("apply_circuits", circuits=[[1, 18]])
@@ -324,6 +342,24 @@ def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bu
         with ServiceClient(rig.devices["chip"].request, timeout=5) as chip:
             qtbot.waitUntil(lambda: win.model.switches["chip"].circuits == {
                 a: b for a, b in chip.call("read_circuits")["circuits"]}, timeout=WAIT_MS)
+
+            # A manual circuit goes to the agent, which journals it and keeps it beside the
+            # job's; one on a port of the job's GPUs is refused, the reason shown.
+            panel.switch.setCurrentText("chip")
+            panel.input.setValue(12)
+            panel.output.setValue(29)
+            result, _ = confirm_and_wait(qtbot, win, panel.ask_connect)
+            assert result.ok and "by the agent" in result.reason, result.reason
+            assert [12, 29] in chip.call("read_circuits")["circuits"]
+            panel.input.setValue(spare_port["gpu0"])
+            panel.output.setValue(30)
+            result, _ = confirm_and_wait(qtbot, win, panel.ask_connect)
+            assert not result.ok and "which job dp holds" in result.reason, result.reason
+            assert [12, 29] in chip.call("read_circuits")["circuits"]
+        with SqliteJournal(tmp_path / "journal.db", read_only=True) as j:
+            manual = [e.details for e in j.entries(kinds=("decision",))
+                      if isinstance(e.details, Manual)]
+        assert [(m.device, m.circuits) for m in manual] == [("chip", [(12, 29)])]
     finally:
         if win is not None:
             win.close()

@@ -179,20 +179,22 @@ class Agent:
             return self.writer.reconcile(cause)
 
     # --- recovery ---------------------------------------------------------------------------
-    def start(self) -> SwapOutcome | None:
+    def start(self, term: int | None = None) -> SwapOutcome | None:
         """Reconcile the switches with the journal and take up where a previous agent left:
         its jobs, their rank maps and phases; a swap it decided but never announced is
-        finished. Returns the outcome of the (last) swap finished."""
+        finished. Returns the outcome of the (last) swap finished. `term`: the one the
+        switches' changes carry (journaled in the start entry)."""
         with self._lock:
             return recover(self.journal, self.layout, self.jobs, self.pool, self.writer,
-                           self.failover, self.matchings)
+                           self.failover, self.matchings, term)
 
     # --- job admission and phases ----------------------------------------------------------
     def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None,
-              job: str | None = None) -> RankMap:
+              job: str | None = None, owner: str | None = None) -> RankMap:
         """Take on a job (named `job`, its plan's name by default): GPUs for its ranks
         (given, or allocated), every phase's circuits, and its first phase set up. Admitting
-        a job of a name already admitted takes it on afresh."""
+        a job of a name already admitted takes it on afresh. `owner`: the key whose job it
+        is (journaled with the admission)."""
         with self._lock:
             name = job or plan.name
             old = self.jobs.get(name)
@@ -211,8 +213,8 @@ class Agent:
             new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(rank_map))
             self.jobs[name] = new
             self.pool.take(name, list(rank_map.values()))
-            self.journal.record(Admit(job=name, plan=plan.to_dict(), rank_map=rank_map),
-                                f"admit job {name}")
+            self.journal.record(Admit(job=name, plan=plan.to_dict(), rank_map=rank_map,
+                                      owner=owner), f"admit job {name}")
             self.writer.apply(new.name, circuits.targets[new.phase], f"job {name} admitted")
             self._announce(new, f"job {name} admitted", restart=False)
             return dict(rank_map)

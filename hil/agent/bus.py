@@ -14,7 +14,14 @@
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
   rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`
-  (the job's restart orders). Operator op: `swap` `{"gpu": name}`.
+  (the job's restart orders). Operator ops: `swap` `{"gpu": name}`, and the manual changes
+  `manual_circuits`, `manual_heaters`, `manual_laser`, each journaled (a `Manual` decision)
+  before the agent makes it; a switch's manual circuits are the operator's part of it, beside
+  the jobs' parts, kept across the agent's reconciliation and restarts.
+- Who asks (`hil.agent.authority`): with CURVE a job's requests come from a tenant's key or an
+  operator's (the server refuses other roles, `schema.OPERATIONS`); a job's name belongs to the
+  key that admitted it, and a tenant acting on another key's job is refused before anything
+  moves. The agent's term (one above its journal's last) goes with every request to a device.
 """
 from __future__ import annotations
 
@@ -36,9 +43,22 @@ from photonic_testbed.drivers.circuit_switch import (
     SwitchError,
 )
 from photonic_testbed.hil.agent.agent import Agent, AgentError
+from photonic_testbed.hil.agent.authority import (
+    JobOwners,
+    ManualChanges,
+    job_owners,
+    next_term,
+)
 from photonic_testbed.hil.agent.bus_switch import BusSwitch
 from photonic_testbed.hil.agent.config import AgentConfig
-from photonic_testbed.hil.agent.entries import Admit, Alarm, Note, RestartOrder, Unread, builtins
+from photonic_testbed.hil.agent.entries import (
+    Admit,
+    Alarm,
+    Note,
+    RestartOrder,
+    Unread,
+    builtins,
+)
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.hil.agent.policies import RankMap
@@ -191,6 +211,10 @@ class AgentProcess(NoEvents):
         self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
         self._rx: dict[str, tuple[str | None, dict]] = {}
         self._published = 0.0
+        self.term = 0                       # this agent's (from its journal, at `start`)
+        # whose each job is, and the operator's manual changes (made by `start`)
+        self._owners: JobOwners | None = None
+        self._manual: ManualChanges | None = None
 
     @property
     def agent(self) -> Agent:
@@ -207,6 +231,20 @@ class AgentProcess(NoEvents):
         return self._server
 
     @property
+    def owners(self) -> JobOwners:
+        """Whose each job is (once started)."""
+        if self._owners is None:
+            raise self._not_started()
+        return self._owners
+
+    @property
+    def manual(self) -> ManualChanges:
+        """The operator's manual changes (once started)."""
+        if self._manual is None:
+            raise self._not_started()
+        return self._manual
+
+    @property
     def sub(self) -> StateSubscriber:
         """The subscriber to the GPU monitors' health (from `start` to `close`)."""
         if self._sub is None:
@@ -219,11 +257,13 @@ class AgentProcess(NoEvents):
 
     # --- set-up -----------------------------------------------------------------------------
     def _client(self, endpoint: str) -> ServiceClient:
-        c = ServiceClient(endpoint, keys=self.keys, timeout=self.timeout)
+        c = ServiceClient(endpoint, keys=self.keys, timeout=self.timeout, term=self.term)
         self.clients.append(c)
         return c
 
     def start(self) -> tuple[str, str]:
+        # every change this agent sends a device carries its term (journaled with its start)
+        self.term = next_term(self.journal)
         endpoints = self.rig.endpoints()
         names = sorted({g.switch for g in self.rig.gpus})
         missing = [n for n in names if n not in endpoints]
@@ -243,6 +283,9 @@ class AgentProcess(NoEvents):
                     self.rig.monitor_of(g), set()).add(a.rx)
         agent = self._agent = Agent(layout, self.switches, self.journal, self._read_power,
                                     config=self.config, events=self)
+        self._owners = JobOwners(agent, job_owners(self.journal))
+        manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
+                                              self.term)
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
@@ -255,12 +298,16 @@ class AgentProcess(NoEvents):
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
                       "phase_done": self._phase_done,
-                      "job_report": self._job_report, "relay_ping": self._relay_ping},
+                      "job_report": self._job_report, "relay_ping": self._relay_ping,
+                      "manual_circuits": lambda a: manual.circuits(self.server.caller, a),
+                      "manual_heaters": lambda a: manual.heaters(self.server.caller, a),
+                      "manual_laser": lambda a: manual.laser(self.server.caller, a)},
             settle=self._publish)
         bound = server.bind()
         self._sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
                                     telemetry=False)
-        agent.start()                   # reconcile; finish a swap a killed agent left
+        agent.start(self.term)          # reconcile; finish a swap a killed agent left
+        manual.restore(self.journal)    # the operator's parts, as journaled
         self._publish()
         if self._settle_heap:
             heap.settle("start-up")
@@ -268,6 +315,8 @@ class AgentProcess(NoEvents):
         return bound
 
     def close(self) -> None:
+        if self._manual is not None:
+            self._manual.close()
         if self._agent is not None:
             self._agent.close()
         if self._sub is not None:
@@ -356,8 +405,11 @@ class AgentProcess(NoEvents):
             raise AgentError(f"admit needs a job plan: {e}") from None
         rank_map = args.rank_map
         name = args.job or plan.name
+        owner = self.owners.claim(self.server.caller, name, "admit")
         got = self.agent.admit(plan, None if rank_map is None
-                               else {int(r): g for r, g in rank_map.items()}, job=name)
+                               else {int(r): g for r, g in rank_map.items()}, job=name,
+                               owner=owner)
+        self.owners.set(name, owner)
         self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
         self._admitted = True
         return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
@@ -376,6 +428,7 @@ class AgentProcess(NoEvents):
         except PlanError as e:
             raise AgentError(f"rejoin needs the job's plan: {e}") from None
         name = args.job or plan.name
+        owner = self.owners.claim(self.server.caller, name, "rejoin")
         order = self._order(name)
         rank_map = {int(r): g for r, g in args.rank_map.items()}
         if args.restart_seq < order["seq"]:
@@ -389,7 +442,10 @@ class AgentProcess(NoEvents):
             agent.journal.record(Note(job=name, rejoin=msgspec.to_builtins(args)),
                                  f"job {name} rejoined on a rank map the journal does not "
                                  "hold: taken on as it runs")
-            agent.admit(plan, rank_map, job=name)
+            if known is not None:
+                owner = self.owners.get(name)      # (its owner's rejoin: checked above)
+            agent.admit(plan, rank_map, job=name, owner=owner)
+            self.owners.set(name, owner)
         else:
             agent.journal.record(Note(job=name, state=args.state), f"job {name} rejoined")
         if args.state == "failed":
@@ -402,10 +458,11 @@ class AgentProcess(NoEvents):
         """The reply is the grant; what follows the grant in the agent (its journal entry,
         prestaging) is done once the reply has gone (`Agent.after_grant`)."""
         phase, rnd = args.phase, args.round        # checked: a name, a round number
+        job = self.owners.job_of(self.server.caller, args.job, "switch the phase of")
         granted: list[Callable[[], None]] = []
         before, self.agent.after_grant = self.agent.after_grant, granted.append
         try:
-            self.agent.on_phase(phase, rnd, job=args.job)
+            self.agent.on_phase(phase, rnd, job=job)
         finally:
             self.agent.after_grant = before
 
@@ -424,24 +481,27 @@ class AgentProcess(NoEvents):
         return sw.client.call("ping_device")
 
     def _phase_done(self, args: schema.PhaseArgs) -> dict:
-        nxt = self.agent.on_phase_done(args.phase, args.round, job=args.job)
+        job = self.owners.job_of(self.server.caller, args.job, "end the phase of")
+        nxt = self.agent.on_phase_done(args.phase, args.round, job=job)
         if nxt is not None:
             self._publish()          # the job looks for `ready` before it asks
         return {"ready": list(nxt) if nxt else None}
 
     def _job_failure(self, args: schema.JobFailure) -> dict:
+        job = self.owners.job_of(self.server.caller, args.job, "report a failure of")
         out = self.agent.on_job_failure(args.reason, args.gpus,
-                                        [tuple(x) for x in args.links], job=args.job)
+                                        [tuple(x) for x in args.links], job=job)
         return {"swapped": dict(out.swaps) if out is not None else {}}
 
     def _release(self, args: schema.JobArgs) -> dict:
-        job = self.agent.job(args.job)
+        job = self.agent.job(self.owners.job_of(self.server.caller, args.job, "release"))
         freed = self.agent.release(job.name)
         self._reports.pop(job.name, None)
+        self.owners.drop(job.name)
         return {"job": job.name, "released": sorted(freed.values())}
 
     def _job_report(self, args: schema.JobReport) -> dict:
-        job = self.agent.job(args.job)
+        job = self.agent.job(self.owners.job_of(self.server.caller, args.job, "report on"))
         self._reports[job.name] = {"state": args.state, "step": args.step,
                                    "throughput": args.throughput, "loss": args.loss,
                                    "detail": args.detail, "t": time.time()}
@@ -457,7 +517,9 @@ class AgentProcess(NoEvents):
 
     def _describe(self, args: schema.Args) -> dict:
         a = self.agent
-        return {"kind": "agent", "rig": self.rig.name, "layout": a.layout.to_dict(),
+        return {"kind": "agent", "rig": self.rig.name, "term": self.term,
+                "manual": {s: schema.circuits_to_wire(c) for s, c in self.manual.parts.items()},
+                "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
                 "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,
                 "verify_dbm": a.config.verify_dbm, "quarantine_s": a.config.quarantine_s}

@@ -29,8 +29,11 @@ class Details(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Start(Details):
-    """An agent started (its switches are reconciled next)."""
+    """An agent started (its switches are reconciled next), with its term: every change it
+    sends a device carries it, and a device refuses one below the highest it has taken (None:
+    an agent before terms, or one that sends no device changes over the bus)."""
     kind: ClassVar[str] = "start"
+    term: int | None = None
 
 
 class JobFailure(Details):
@@ -56,10 +59,13 @@ class Decision(Details, tag_field="action"):
 
 
 class Admit(Decision, tag="admit"):
-    """A job taken on: its plan (`JobPlan.to_dict()`) and the GPU of each rank."""
+    """A job taken on: its plan (`JobPlan.to_dict()`), the GPU of each rank, and the key that
+    admitted it, whose job it is (None: no one's: admitted on a bus without CURVE, or by an
+    agent before owners; then only an operator may act on it)."""
     job: str | None = None          # (None: a journal before jobs had names: the plan's)
     plan: dict[str, Any] = {}
     rank_map: dict[int, str] = {}
+    owner: str | None = None
 
     def name(self) -> str:
         return self.job or str(self.plan.get("name", ""))
@@ -78,6 +84,18 @@ class Swap(Decision, tag="swap"):
 class Release(Decision, tag="release"):
     """A job is done: its GPUs and circuits are freed."""
     job: str | None = None
+
+
+class Manual(Decision, tag="manual"):
+    """An operator's manual change, journaled before the agent makes it: a switch's circuits
+    of the operator's own part (`circuits`: the whole part after the change), a device's heater
+    volts from channel `first`, or its laser settings; `by`, the key that asked."""
+    device: str = ""
+    by: str | None = None
+    circuits: Pairs | None = None
+    first: int | None = None
+    volts: list[float] | None = None
+    laser: dict[str, Any] | None = None
 
 
 class Intent(Details):
@@ -200,7 +218,7 @@ class Unread(Details):
     fields: dict[str, Any] = {}
 
 
-AnyDecision = Admit | Swap | Release
+AnyDecision = Admit | Swap | Release | Manual
 _TYPES: dict[str, type[Details]] = {t.kind: t for t in (
     Start, JobFailure, Detected, Decision, Applied, Verified, VerifyFailed, RankMapAnnounced,
     RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback)}

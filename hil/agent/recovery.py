@@ -101,12 +101,13 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
 
 
 def recover(journal: Journal, layout: RackLayout, jobs: dict[str, Job], pool: GpuPool,
-            writer: SwitchWriter, failover: Failover, matchings: Matchings
-            ) -> SwapOutcome | None:
-    """What `Agent.start` does: journal the start, reconcile the switches, rebuild `jobs` (and
-    the GPUs and switch parts they hold) from the journal, and finish each swap decided but
-    not announced. Returns the outcome of the (last) swap finished."""
-    journal.record(Start(), "agent started")
+            writer: SwitchWriter, failover: Failover, matchings: Matchings,
+            term: int | None = None) -> SwapOutcome | None:
+    """What `Agent.start` does: journal the start (with the agent's `term`), reconcile the
+    switches, rebuild `jobs` (and the GPUs and switch parts they hold) from the journal, and
+    finish each swap decided but not announced. Returns the outcome of the (last) swap
+    finished."""
+    journal.record(Start(term=term), "agent started")
     writer.reconcile("agent start")
     jobs.clear()                          # what the journal says, from scratch
     pool.release_all()

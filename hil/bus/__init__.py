@@ -1,2 +1,3 @@
 """The ZeroMQ bus: message schema, state mirroring, device services, clients, supervision and
-CurveZMQ security. docs/bus.md describes every socket, topic and message."""
+CurveZMQ security with keys bound to roles. docs/bus.md describes every socket, topic and
+message."""

@@ -12,7 +12,8 @@ an attempt (0.25 s, doubling to 1 s) gets the request again on a fresh socket (n
 for a dead peer is delivered later to its successor), until the deadline: a client rides
 through a service restart by itself. Every retry carries the request's first id, so a changing
 operation still runs at most once: the server answers a retry of a change it already ran with
-its first answer (hil.bus.server).
+its first answer (hil.bus.server). A client of an agent carries its `term` in every request (a
+change of a lower term than a server has seen is refused: `StaleTerm`).
 
 Not thread-safe (ZeroMQ sockets are not): one client per thread.
 """
@@ -36,6 +37,8 @@ from photonic_testbed.hil.bus.errors import (  # noqa: F401  (re-exported for ca
     RemoteError,
     ServiceUnavailable,
     StaleState,
+    StaleTerm,
+    Unauthorized,
     UnknownOperation,
     from_wire,
 )
@@ -55,9 +58,12 @@ class ServiceClient:
     """Requests to one device service (its ROUTER endpoint)."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0, keys: ClientKeys | None = None,
-                 context: zmq.Context | None = None, cancel: threading.Event | None = None):
+                 context: zmq.Context | None = None, cancel: threading.Event | None = None,
+                 term: int | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
+        # the agent's term, sent with every request (None: not an agent's client)
+        self.term = term
         # set from any thread, it ends a wait for an answer within CANCEL_CHECK_S (Cancelled):
         # the owner of the client is closing and its calls must not hold it up
         self.cancel = cancel
@@ -114,7 +120,7 @@ class ServiceClient:
         rid = rid or self._prefix + str(next(_ids))
         ttl = self.timeout if ttl is None else ttl
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,
-                          expect=expect)
+                          expect=expect, term=self.term)
         frame = schema.encode(msg)
         try:
             sock.send(frame, zmq.NOBLOCK)

@@ -14,7 +14,9 @@ class on both ends. A name this module does not know (a driver's error) comes ba
           |         +-- FrameTooLarge, BadFrame, UnknownVersion, UnknownType,
           |             MissingField, WrongType
           +-- UnknownOperation    the server does not offer this operation
+          +-- Unauthorized        the caller's key may not do this (its role, its jobs)
           +-- StaleState          compare-and-set refused: the state moved on
+          +-- StaleTerm           a change from an agent whose term is below the highest seen
           +-- DeadlineExceeded    the request waited past its deadline and was not run
           +-- UnencodableResult   the result cannot travel as JSON (NaN, bytes)
 """
@@ -84,8 +86,18 @@ class UnknownOperation(RemoteError):
     """The server does not offer this operation."""
 
 
+class Unauthorized(RemoteError):
+    """The caller's key may not do this: its role may not call the operation, or it acts on
+    a job that is not its own; or the key is no longer authorised."""
+
+
 class StaleState(RemoteError):
     """Compare-and-set refused: the state version is not the one the request named."""
+
+
+class StaleTerm(RemoteError):
+    """A change from an agent whose term is lower than the highest the server has seen: an
+    agent that no longer leads (a fence)."""
 
 
 class DeadlineExceeded(RemoteError):
@@ -99,8 +111,8 @@ class UnencodableResult(RemoteError):
 BY_NAME: dict[str, type[RemoteError]] = {
     cls.__name__: cls for cls in (
         RemoteError, BadRequest, SchemaError, FrameTooLarge, BadFrame, UnknownVersion,
-        UnknownType, MissingField, WrongType, UnknownOperation, StaleState, DeadlineExceeded,
-        UnencodableResult)}
+        UnknownType, MissingField, WrongType, UnknownOperation, Unauthorized, StaleState,
+        StaleTerm, DeadlineExceeded, UnencodableResult)}
 
 
 def from_wire(kind: str, message: str, version: str | None = None) -> RemoteError:

@@ -8,10 +8,12 @@ directions (floats are written as the shortest text that reads back to the same 
 infinity are refused rather than sent (see `encode`).
 
 Every operation any server offers (device services, the agent, the GPU monitors) is an
-`Operation` in `OPERATIONS`: its arguments (a Struct: types, ranges, sizes, defaults) and whether
-it only reads. A server refuses an operation it does not offer, and arguments that do not fit,
-before anything reaches a device. What is not read-only is a change, and runs at most once per
-request id (hil.bus.server).
+`Operation` in `OPERATIONS`: its arguments (a Struct: types, ranges, sizes, defaults), whether
+it only reads, and the roles whose keys may call it (`ROLES`: a key's role is in its
+certificate in the rig's authorised keys folder, hil.bus.security). A server refuses an
+operation it does not offer, a caller whose role may not call it, and arguments that do not
+fit, before anything reaches a device. What is not read-only is a change, and runs at most once
+per request id (hil.bus.server).
 
 docs/bus.md lists every socket, topic, message and operation with an example.
 """
@@ -54,6 +56,14 @@ MAX_NAME = 64                # a device, GPU, phase or request name
 MAX_TEXT = 4096              # free text (a failure's reason)
 MAX_RANKS = 65536
 
+# Who may call what: a client key's role (hil.bus.security reads it from the key's certificate).
+# observer: reads and subscribes; tenant: a job's own requests, for the jobs its key names;
+# operator: every job's, and the manual changes the agent makes for a person; agent: the one
+# role device services take changes from.
+OBSERVER, TENANT, OPERATOR, AGENT = "observer", "tenant", "operator", "agent"
+ROLES = (OBSERVER, TENANT, OPERATOR, AGENT)
+EVERYONE = frozenset(ROLES)
+
 
 def _meta(**kw) -> msgspec.Meta:
     return msgspec.Meta(**kw)
@@ -74,12 +84,14 @@ class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit
 
 class Request(Message, tag="request"):
     """client -> server (DEALER -> ROUTER). `ttl_ms`: how long it may wait in the queue;
-    `expect`: compare-and-set, the state version the change was computed from."""
+    `expect`: compare-and-set, the state version the change was computed from; `term`: the
+    sending agent's term, a change refused below the highest its server has seen (a fence)."""
     id: Annotated[str, _meta(min_length=1, max_length=200)]
     op: Annotated[str, _meta(min_length=1, max_length=MAX_NAME)]
     args: dict[str, Any] = {}
     ttl_ms: Annotated[float, _meta(ge=0)] | None = None
     expect: Annotated[str, _meta(max_length=200)] | None = None
+    term: Annotated[int, _meta(ge=0, le=2 ** 62)] | None = None
 
 
 class Reply(Message, tag="reply"):
@@ -222,6 +234,31 @@ class GpuArgs(Args):
     gpu: Name
 
 
+class ManualCircuits(Args):
+    """An operator's circuits on one switch, the agent's part of its own beside the jobs':
+    `connect` adds (or moves) circuits, `disconnect` takes the circuits of these inputs down."""
+    switch: Name
+    connect: Annotated[list[Circuit], _meta(max_length=MAX_CIRCUITS)] = []
+    disconnect: Annotated[list[Port], _meta(max_length=MAX_CIRCUITS)] = []
+
+
+class ManualHeaters(Args):
+    """An operator's heater volts on a chip or heater DAC (`set_heaters`, sent by the agent);
+    `version`: the device's state version the operator saw (sent as its `expect`)."""
+    device: Name
+    volts: Annotated[list[Volts], _meta(max_length=MAX_CHANNELS)]
+    first: Annotated[int, _meta(ge=0, lt=MAX_CHANNELS)] = 0
+    version: Annotated[str, _meta(max_length=200)] | None = None
+
+
+class ManualLaser(Args):
+    """An operator's laser settings (`set_laser`, sent by the agent)."""
+    device: Name
+    on: bool | None = None
+    power_mw: Annotated[float, _meta(ge=0.0, le=1000.0)] | None = None
+    wavelength_nm: Annotated[float, _meta(ge=1000.0, le=2000.0)] | None = None
+
+
 class DeviceArgs(Args):
     device: Name
 
@@ -233,8 +270,10 @@ class RxPower(Args):
 
 @dataclass(frozen=True)
 class Operation:
-    """One operation: its arguments and whether it only reads. Not read-only means a change:
-    it runs at most once per request id, and with `expect` only at that state version."""
+    """One operation: its arguments, whether it only reads, and the roles whose keys may call
+    it (every role for a read, the operator alone for a change unless it says). Not read-only
+    means a change: it runs at most once per request id, with `expect` only at that state
+    version, and with `term` only from an agent whose term is not below the highest seen."""
     name: str
     args: type[Args]
     read_only: bool
@@ -242,6 +281,23 @@ class Operation:
     # a change that moves this server's version; False: it asks for changes of devices served
     # with it, each counted by that device's server (`Server.claim_change`)
     counted: bool = True
+    roles: frozenset[str] = frozenset()     # none named: EVERYONE for a read, else OPERATOR
+
+    def __post_init__(self) -> None:
+        roles = self.roles
+        if not roles:
+            roles = EVERYONE if self.read_only else frozenset({OPERATOR})
+        unknown = sorted(roles - EVERYONE)
+        if unknown:
+            raise ValueError(f"operation {self.name}: roles are some of {', '.join(ROLES)}, "
+                             f"not {sorted(roles)}")
+        if not self.read_only and OBSERVER in roles:
+            raise ValueError(f"operation {self.name} changes something: not for observers")
+        object.__setattr__(self, "roles", frozenset(roles))
+
+
+DEVICE_WRITER = frozenset({AGENT})            # the one role device services take changes from
+JOB_OWNER = frozenset({TENANT, OPERATOR})     # the job's own tenant (hil.agent.bus checks whose)
 
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in (
@@ -253,31 +309,46 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
               "DAC's `id?`): the bare cost of reaching it"),
     # switches (an OCS, a chip's mesh)
     Operation("read_circuits", Args, True, "the circuits, read from the device"),
-    Operation("apply_circuits", ApplyCircuits, False, "make the circuits exactly these"),
+    Operation("apply_circuits", ApplyCircuits, False, "make the circuits exactly these",
+              roles=DEVICE_WRITER),
     Operation("apply_circuits_together", ApplyTogether, False,
               "apply_circuits on several switches served together with this one, each with "
-              "its own expect; one answer per switch", counted=False),
+              "its own expect; one answer per switch", counted=False, roles=DEVICE_WRITER),
     # heater DACs and chips
     Operation("read_heaters", Args, True, "heater volts read back from the board"),
-    Operation("set_heaters", SetHeaters, False, "set heater volts from channel `first` on"),
+    Operation("set_heaters", SetHeaters, False, "set heater volts from channel `first` on",
+              roles=DEVICE_WRITER),
     Operation("load_calibration", LoadCalibration, False,
-              "a chip: use this calibration file from now on (circuits re-set with it)"),
+              "a chip: use this calibration file from now on (circuits re-set with it)",
+              roles=DEVICE_WRITER),
     # instruments
     Operation("read_power", ReadPower, True, "power meter readings, mW"),
-    Operation("set_laser", SetLaser, False, "laser output, power, wavelength"),
+    Operation("set_laser", SetLaser, False, "laser output, power, wavelength",
+              roles=DEVICE_WRITER),
     Operation("read_laser", Args, True, "the laser's state, read from it"),
     # the agent
-    Operation("admit", Admit, False, "a job announces its plan; the answer is its rank map"),
+    Operation("admit", Admit, False, "a job announces its plan; the answer is its rank map",
+              roles=JOB_OWNER),
     Operation("phase", PhaseArgs, False, "a job's phase boundary; answered once the circuits "
-              "are up and verified"),
-    Operation("job_failure", JobFailure, False, "a job reports a failure it saw"),
+              "are up and verified", roles=JOB_OWNER),
+    Operation("job_failure", JobFailure, False, "a job reports a failure it saw",
+              roles=JOB_OWNER),
     Operation("phase_done", PhaseArgs, False, "a job is done with a phase's links and "
-              "computes: the next phase's circuits are set up meanwhile"),
+              "computes: the next phase's circuits are set up meanwhile", roles=JOB_OWNER),
     Operation("swap", GpuArgs, False, "an operator swaps a GPU for a spare"),
     Operation("rejoin", Rejoin, False, "a running job tells a (re)started agent where it "
-              "stands: plan, rank map, last restart order taken, waiting or not"),
-    Operation("release", JobArgs, False, "a job is done: its GPUs and circuits are freed"),
-    Operation("job_report", JobReport, False, "a job's own state, step, throughput, loss"),
+              "stands: plan, rank map, last restart order taken, waiting or not",
+              roles=JOB_OWNER),
+    Operation("release", JobArgs, False, "a job is done: its GPUs and circuits are freed",
+              roles=JOB_OWNER),
+    Operation("job_report", JobReport, False, "a job's own state, step, throughput, loss",
+              roles=JOB_OWNER),
+    Operation("manual_circuits", ManualCircuits, False, "an operator's circuits on a switch, "
+              "journaled and kept by the agent beside the jobs' (ports no job holds)"),
+    Operation("manual_heaters", ManualHeaters, False, "an operator's heater volts, journaled "
+              "and sent by the agent (`set_heaters`)"),
+    Operation("manual_laser", ManualLaser, False, "an operator's laser settings, journaled "
+              "and sent by the agent (`set_laser`)"),
     Operation("relay_ping", DeviceArgs, True, "the agent asks a switch's service to "
               "`ping_device`: the bare hops a phase switch crosses, to compare it with"),
     # GPU monitors

@@ -10,20 +10,30 @@ service, the agent, a GPU monitor) is a `Server` with its operations and its pub
 
 The contract (docs/bus.md "Requests"):
 
-- Every operation is declared once in `schema.OPERATIONS` (its arguments and whether it only
-  reads); a server offers `ping`, `describe`, `snapshot` and the operations it has handlers for.
-  Anything else is refused with `UnknownOperation`; arguments that do not fit their declaration
-  are refused with `BadRequest` before the handler runs.
+- Every operation is declared once in `schema.OPERATIONS` (its arguments, whether it only
+  reads, and the roles that may call it); a server offers `ping`, `describe`, `snapshot` and the
+  operations it has handlers for. Anything else is refused with `UnknownOperation`; a caller
+  whose key's role may not call the operation (or whose key is no longer authorised) with
+  `Unauthorized`, naming the key and the operation; arguments that do not fit their
+  declaration with `BadRequest`; all before the handler runs. With CURVE the caller is the key
+  its connection authenticated with (hil.bus.security: the ZAP User-Id of the request's frame,
+  looked up in the authorised keys as they are now); without, every caller is trusted with
+  every role. A handler that needs to know who asks (the agent: whose job) reads `caller`.
 - A changing operation (not read-only) runs at most once per request id: the server keeps the
   answers of recent changing requests, so a client's retry with the same id (after a timeout,
   on a fresh socket) gets the first answer and the handler never runs twice. A retry that comes
   while the first is still being answered (a handler that returned a Future) is answered with it.
-- A changing request that names a state version (`expect`) runs only at that version
-  (compare-and-set, `StaleState` otherwise). The version is `INCARNATION:N`, N counting the
-  changing requests this process ran.
+- A changing request that carries an agent's term (`term`) runs only if no higher term was
+  seen (a fence: `StaleTerm`); a higher one is kept as the highest (`on_term` first, which a
+  device service writes to a file). One that names a state version (`expect`) runs only at that
+  version (compare-and-set, `StaleState` otherwise). The version is `INCARNATION:N`, N counting
+  the changing requests this process ran.
 - A changing operation that changes the devices served with this one (`apply_circuits_together`,
   declared not `counted`) moves each such device's version, not this server's; each device's
-  part names its own expected version (`claim_change`).
+  part names its own expected version and is fenced by that device's term (`claim_change`).
+- When a key is taken out of the authorised folder (or its role changes), the PUB socket is
+  bound afresh, so that every subscriber reconnects and authenticates again: the revoked one
+  cannot; the others miss what was published meanwhile, see the gap and fetch a snapshot.
 - A request that waited in the queue longer than its `ttl_ms` is not run (`DeadlineExceeded`).
 - One request at a time, in arrival order: a device's one writer.
 
@@ -57,13 +67,24 @@ from photonic_testbed.hil.bus.errors import (
     DeadlineExceeded,
     RemoteError,
     StaleState,
+    StaleTerm,
+    Unauthorized,
     UnencodableResult,
     UnknownOperation,
     UnknownType,
     to_wire,
 )
 from photonic_testbed.hil.bus.mirror import StatePublisher
-from photonic_testbed.hil.bus.security import ServerKeys, make_server, start_authenticator
+from photonic_testbed.hil.bus.security import (
+    TRUSTED,
+    Authenticator,
+    Identity,
+    KeyTable,
+    ServerKeys,
+    make_server,
+    start_authenticator,
+    user_name,
+)
 from photonic_testbed.hil.bus.state import StateOp
 
 log = logging.getLogger(__name__)
@@ -77,6 +98,7 @@ DONE_GRACE_S = 5.0              # ...or this long past the request's ttl_ms, whe
 READ_KEPT_S = 30.0              # a read's answer serves its own retries for this long
 READ_BYTES = 4 << 20            # ...within this many bytes of reads' answers
 RETRY_GRACE_S = 0.1             # well inside the client's first wait (hil.bus.client)
+REBIND_S = 2.0                  # for the PUB socket's port to be free again after its close
 
 # (the operation's checked arguments, a `schema.Args` Struct of its own type) -> its result
 Handler = Callable[[Any], Any]
@@ -88,14 +110,48 @@ class Publisher:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, keys: ServerKeys | None,
                  sndhwm: int = 100_000):
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.linger = 0
-        self.sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
-        self.sock.sndhwm = sndhwm
-        make_server(self.sock, keys)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.last_endpoint.decode()
+        self._ctx, self._keys, self._sndhwm = ctx, keys, sndhwm
+        self.sock = self._socket(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound = True
         self._topics: dict[tuple[str, str], bytes] = {}
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUB)
+        sock.linger = 0
+        sock.ipv6 = "[" in endpoint      # an IPv6 literal, tcp://[::1]:port
+        sock.sndhwm = self._sndhwm
+        make_server(sock, self._keys)
+        return sock
+
+    def rebind(self) -> None:
+        """Close the socket and bind a new one at the same endpoint: every subscriber's
+        connection drops, and each must connect (and authenticate) again. The port is freed
+        by ZeroMQ's I/O thread shortly after the close: tried for up to REBIND_S; ZMQError
+        when it is still taken (the new socket, unbound, publishes to no one until a later
+        `bind_again`)."""
+        self.sock.close(linger=0)
+        self.sock = self._socket(self.endpoint)
+        self.bound = False
+        deadline = time.monotonic() + REBIND_S
+        while True:
+            try:
+                self.bind_again()
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+
+    def bind_again(self) -> None:
+        """One try at binding the socket a failed `rebind` left unbound."""
+        self.sock.bind(self.endpoint)
+        self.bound = True
 
     def send(self, msg: dict) -> None:
         key = (msg["type"], msg["device"])
@@ -167,7 +223,19 @@ class Server:
             self.register(declared[op_name] if op_name in declared else op_name, fn)
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
-        self.auth: Any = None
+        self.auth: Authenticator | None = None
+        # with CURVE: the authorised keys as they are now (shared with the context's ZAP
+        # handler), and its revocations already acted on (the PUB socket bound afresh)
+        self._table: KeyTable | None = None
+        self._revocations = 0
+        # the caller of the request being run (its key's name and role; TRUSTED without CURVE)
+        self.caller: Identity = TRUSTED
+        # the highest agent term a change came with (a change of a lower one is refused), and
+        # what to do before a higher one is kept (a device service writes it to a file)
+        self.term = 0
+        self.on_term: Callable[[int], None] | None = None
+        # the request being run's term (`apply_circuits_together` fences each device with it)
+        self.request_term: int | None = None
         # bound by `bind` (None before it and after `close`): reached through `router`, `pub`
         # and `state`, which say so when they are not there
         self._router: zmq.Socket | None = None
@@ -245,7 +313,7 @@ class Server:
     def _ping(self, args: schema.Args) -> dict:
         return {"device": self.name, "kind": self.kind, "online": self.online,
                 "incarnation": self.incarnation, "seq": self.state.seq,
-                "version": self.version}
+                "version": self.version, "term": self.term}
 
     def _describe_op(self, args: schema.Args) -> dict:
         out = {"name": self.name, "kind": self.kind, "operations": self.operations,
@@ -261,6 +329,8 @@ class Server:
         try:
             if self.keys is not None:
                 self.auth = start_authenticator(self.ctx, self.keys)
+                self._table = self.auth.table
+                self._revocations = self._table.revocations
             router = self._router = self.ctx.socket(zmq.ROUTER)
             request, publish = self._endpoints
             router.linger = 0
@@ -286,7 +356,7 @@ class Server:
             self._pub.close()
         if self.auth is not None:
             self.auth.stop()
-        self._router = self._pub = self.auth = None
+        self._router = self._pub = self.auth = self._table = None
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
 
@@ -368,6 +438,8 @@ class Server:
         """Answer waiting requests (waiting at most `timeout` for the first) and send a
         heartbeat when one is due; returns the number of requests answered."""
         now = time.monotonic()
+        if self._table is not None:
+            self._check_keys(now)
         if now >= self._next_beat:
             self.send_heartbeat()
         answered = self._send_later()
@@ -385,23 +457,50 @@ class Server:
         # one at a time, each reply followed by its state delta; a heartbeat that falls due
         # ends the round (the rest wait in the queue for the next poll)
         while self._queue:
-            envelope, frame, arrived = self._queue.popleft()
-            if self._answer(envelope, frame, arrived):
+            envelope, frame, arrived, user = self._queue.popleft()
+            if self._answer(envelope, frame, arrived, user=user):
                 answered += 1
             self.publish_deferred()
             if time.monotonic() >= self._next_beat:
                 break
         return answered
 
+    def _check_keys(self, now: float) -> None:
+        """The authorised keys read again when they changed (at most every CHECK_S); after a
+        revocation the PUB socket is bound afresh, so that a revoked subscriber's connection
+        goes and it cannot make another (docs/bus.md, "Security")."""
+        table, pub = self._table, self._pub
+        assert table is not None and pub is not None
+        table.check(now)
+        try:
+            if table.revocations != self._revocations:
+                self._revocations = table.revocations
+                log.info("%s: a key was revoked: its subscribers are made to authenticate "
+                         "again", self.name)
+                pub.rebind()
+            elif not pub.bound:
+                pub.bind_again()
+        except zmq.ZMQError as e:        # (tried again at the next look at the keys)
+            log.error("%s: cannot bind the publishing socket %s again: %s", self.name,
+                      pub.endpoint, e)
+
     def _drain(self) -> None:
         """Take waiting requests off the socket, stamped with the last moment the socket was
         seen empty: no later than their arrival, so a deadline counts (at least) the time a
-        request waited behind a slow call, without a second thread on the fast path."""
+        request waited behind a slow call, without a second thread on the fast path. With
+        CURVE, each with its connection's User-Id (the key it authenticated with)."""
         router, more = self.router, zmq.RCVMORE
         arrived = self._seen_empty
+        curve = self._table is not None
+        user: str | None = None
         while len(self._queue) < QUEUE_LIMIT:
             try:
-                frames = [router.recv(zmq.NOBLOCK)]     # cheaper than recv_multipart
+                if curve:       # the envelope's frame as a Frame: it carries the User-Id
+                    first = router.recv(zmq.NOBLOCK, copy=False)
+                    user = _user_id(first)
+                    frames = [first.bytes]
+                else:
+                    frames = [router.recv(zmq.NOBLOCK)]     # cheaper than recv_multipart
             except zmq.Again:
                 self._seen_empty = time.monotonic()
                 return
@@ -411,7 +510,7 @@ class Server:
                 self._send(frames[:1], self._error_frame(None, BadFrame(
                     f"a request is one frame after the envelope, not {len(frames) - 1}")))
                 continue
-            self._queue.append((frames[:-1], frames[-1], arrived))
+            self._queue.append((frames[:-1], frames[-1], arrived, user))
 
     def handle(self, frame: bytes, arrived: float | None = None) -> dict:
         """One request frame -> the answer message (for tests and in-process use; a Future's
@@ -425,9 +524,11 @@ class Server:
         self.publish_deferred()
         return schema.decode(sent[-1])
 
-    def _answer(self, envelope, frame: bytes, arrived: float | None, send=None) -> bool:
+    def _answer(self, envelope, frame: bytes, arrived: float | None, send=None,
+                user: str | None = None) -> bool:
         """Run one request and send its answer (or keep it for when its Future is done).
-        Returns whether an answer went out."""
+        Returns whether an answer went out. `user`: the User-Id of the request's connection
+        (None: a trusted caller, in this process or on a bus without CURVE)."""
         send = send or (lambda f: self._send(envelope, f))
         self.requests += 1
         rid = None
@@ -441,6 +542,7 @@ class Server:
                 raise UnknownOperation(f"{self.name} ({self.kind}) does not offer {req.op!r}; "
                                        f"it offers: {', '.join(self.operations)}")
             op, handler = entry
+            self.caller = self._authorise(op, user)
             # A retry (the same id, on the client's new socket) gets the first answer: a change
             # is never run twice, and a slow read is not run again for each retry its client
             # sent while it ran (which would answer, each time, a socket already given up).
@@ -456,6 +558,7 @@ class Server:
                 pending.envelopes.append(envelope)
                 return False
             self.request_deadline = None
+            self.request_term = req.term
             if req.ttl_ms is not None and arrived is not None:
                 self.request_deadline = arrived + req.ttl_ms / 1e3
                 if time.monotonic() > self.request_deadline:
@@ -474,6 +577,8 @@ class Server:
                     raise BadRequest(f"{op.name} changes other devices, each with its own "
                                      "expected version in its arguments; the request's "
                                      "`expect` is not for it")
+                if op.counted:
+                    self.check_term(req.term)     # (not counted: each device checks its own)
                 self._check_expect(req.expect)
                 try:
                     result = self._run_change(op, handler, args)
@@ -508,13 +613,46 @@ class Server:
             self._after.append(answer.after)
         return answer.result
 
-    def claim_change(self, expect: str | None) -> None:
+    def claim_change(self, expect: str | None, term: int | None = None) -> None:
         """A change of this server's device asked for in its own process (another server's
-        request that changes several devices served together): refused with StaleState
-        unless the state is at `expect` (when given); counted in the version, as a changing
-        request is. The caller publishes the new version with the change's state."""
+        request that changes several devices served together): refused with StaleTerm below
+        the highest term this server has seen, and with StaleState unless the state is at
+        `expect` (when given); counted in the version, as a changing request is. The caller
+        publishes the new version with the change's state."""
+        self.check_term(term)
         self._check_expect(expect)
         self.changes += 1
+
+    def check_term(self, term: int | None) -> None:
+        """A change that comes with an agent's term: refused (StaleTerm) below the highest
+        term seen; a higher one becomes the highest (`on_term` first: a term is kept before
+        anything of it runs). A change without a term is not fenced (a script that owns the
+        rig; with CURVE only the agent's role changes a device)."""
+        if term is None or term == self.term:
+            return
+        if term < self.term:
+            raise StaleTerm(f"{self.name} has taken changes of agent term {self.term}; this one "
+                            f"comes with term {term}, from an agent that no longer leads: "
+                            "refused, nothing changed")
+        if self.on_term is not None:
+            self.on_term(term)
+        log.info("%s: agent term %d (was %d)", self.name, term, self.term)
+        self.term = term
+
+    def _authorise(self, op: schema.Operation, user: str | None) -> Identity:
+        """Who sends the request, refused (Unauthorized, naming the key and the operation)
+        when its key may not call `op`, or is no longer authorised."""
+        if user is None or self._table is None:
+            return TRUSTED
+        who = self._table.identity(user)
+        if who is None:
+            raise Unauthorized(f"key {user_name(user)!r} is no longer authorised on "
+                               f"{self.name} (taken out of {self._table.folder}, or listed "
+                               f"there with another public key): {op.name} refused")
+        if not who.may(op.roles):
+            raise Unauthorized(f"{who} may not call {op.name} on {self.name}: it is for "
+                               f"{' and '.join(sorted(op.roles))} keys")
+        return who
 
     def _check_expect(self, expect: str | None) -> None:
         if expect is not None and expect != self.version:
@@ -618,3 +756,12 @@ class Server:
             router.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:     # the client went away; its loss
             log.debug("%s: answer not delivered: %s", self.name, e)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The User-Id ZAP gave the frame's connection (None: none given)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user if isinstance(user, str) else None

@@ -12,12 +12,21 @@ at most once per request id (a retry gets the first answer).
 What a service offers depends on its device kind (hil.devices.kinds): the driver class to
 open, the operations, the state it starts from, and optional telemetry. Every service also
 answers `ping`, `describe` and `snapshot`.
+
+Changes come from the agent (with CURVE, only a key of the agent role may call them: declared in
+`schema.OPERATIONS`), each stamped with the agent's term: a change of a term lower than the
+highest the device has taken is refused (`StaleTerm`), so that an agent that no longer leads
+cannot move it. The highest term is kept in a small file per device in the state folder
+(`ServiceSpec.state_dir`, `ptb serve --state-dir`), written whole before a change of a new term
+runs, and read when the service starts: the fence holds across the service's restarts.
 """
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -35,6 +44,7 @@ from photonic_testbed.hil.bus.server import Answer, Handler, Server
 from photonic_testbed.hil.devices.calls import DeviceCalls
 from photonic_testbed.hil.devices.kinds import KINDS, Op, ServiceError, open_driver
 from photonic_testbed.hil.devices.together import Batch, Loop, serve_together
+from photonic_testbed.hil.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +72,9 @@ class ServiceSpec:
     stuck_s: float = 15.0
     curve_secret: str | None = None           # server certificate (.key_secret)
     curve_authorized: str | None = None       # folder of authorised client .key files
+    # where the device's highest agent term is kept across restarts (NAME.term); None: in
+    # memory only (a service in a test, or run in-process)
+    state_dir: str | None = None
 
 
 class DeviceService:
@@ -103,6 +116,8 @@ class DeviceService:
         try:
             keys = (server_keys(spec.curve_secret, spec.curve_authorized or "")
                     if spec.curve_secret else None)
+            # (read before the device is opened: a damaged file stops the service first)
+            term = read_term(self.term_file) if self.term_file is not None else 0
             if self.driver is None:
                 self.driver = open_driver(self.kind, spec.driver, spec.address, spec.options)
             self._facts = self.kind.facts(self.driver)
@@ -115,6 +130,8 @@ class DeviceService:
                 kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
                 heartbeat=spec.heartbeat, handlers=handlers, describe=self._describe,
                 publish_version=True, context=self._context)
+            self._server.term = term
+            self._server.on_term = self._keep_term
             request, publish = self._server.bind()
         except Exception:
             self.close()
@@ -122,6 +139,27 @@ class DeviceService:
         log.info("service %s (%s) on %s, publishing on %s", self.name, spec.kind, request,
                  publish)
         return request, publish
+
+    @property
+    def term_file(self) -> pathlib.Path | None:
+        """The file that keeps the highest agent term this device has taken (None: kept in
+        memory only)."""
+        if not self.spec.state_dir:
+            return None
+        return pathlib.Path(self.spec.state_dir) / f"{self.name}.term"
+
+    def _keep_term(self, term: int) -> None:
+        """A higher agent term, written whole before anything of it runs (a service that
+        cannot keep it refuses the change: ServiceError)."""
+        path = self.term_file
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"device": self.name, "term": term}) + "\n")
+        except OSError as e:
+            raise ServiceError(f"{self.name}: cannot keep agent term {term} in {path}: "
+                               f"{e.strerror or e}; the change is refused") from None
 
     @property
     def server(self) -> Server:
@@ -188,12 +226,12 @@ class DeviceService:
             raise BadRequest(
                 f"{', '.join(strangers)} not served together with {self.name} (here: "
                 f"{', '.join(sorted(peers))}): send each its own apply_circuits")
-        deadline = self.server.request_deadline
+        deadline, term = self.server.request_deadline, self.server.request_term
         parts: list[tuple[DeviceService, Any]] = []
         for change in changes:
             peer = peers[change.switch]
             try:
-                peer.server.claim_change(change.expect)
+                peer.server.claim_change(change.expect, term)
                 got: Any = peer.submit("apply_circuits",
                                        schema.ApplyCircuits(circuits=change.circuits), deadline)
             except Exception as e:
@@ -366,6 +404,27 @@ class DeviceService:
         self._telemetry_seq += 1
         self.server.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(),
                                               values))
+
+
+def read_term(path: pathlib.Path) -> int:
+    """The highest agent term kept in `path` (0 when there is no file yet); ServiceError for a
+    file that does not say one: the fence is not guessed."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise ServiceError(f"cannot read the agent term file {path}: {e.strerror or e}") \
+            from None
+    try:
+        term = json.loads(text)["term"]
+        if type(term) is not int or term < 0:
+            raise ValueError(f"term {term!r} is not a whole number >= 0")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ServiceError(f"the agent term file {path} is damaged ({e}): it holds the highest "
+                           "term this device has taken; remove it only when no agent of an "
+                           "older term can run") from None
+    return term
 
 
 def _worked_out(result: Any, changes: dict) -> Answer:

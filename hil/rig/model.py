@@ -141,7 +141,18 @@ class Rig:
         port = endpoint.rsplit(":", 1)[1]
         return f"tcp://{self.bus.bind}:{port}"
 
-    def service_specs(self, names: list[str] | None = None) -> list[ServiceSpec]:
+    def state_dir(self) -> pathlib.Path | None:
+        """Where the device services keep what must outlive them (each device's highest agent
+        term) by default: `NAME-state/` beside the rig file `NAME.toml`; None for a rig
+        without a file."""
+        if self.path is None:
+            return None
+        return self.path.with_name(self.path.stem + "-state")
+
+    def service_specs(self, names: list[str] | None = None,
+                      state_dir: str | pathlib.Path | None = None) -> list[ServiceSpec]:
+        """The device services of `names` (every device by default), keeping their state in
+        `state_dir` (none: in memory only)."""
         names = list(self.devices) if not names else names
         unknown = [n for n in names if n not in self.devices]
         if unknown:
@@ -164,7 +175,8 @@ class Rig:
                 options=options, heartbeat=self.bus.heartbeat_s,
                 telemetry_hz=d.telemetry_hz,
                 curve_secret=self.bus.server_key if self.bus.curve else None,
-                curve_authorized=self.bus.authorized_keys if self.bus.curve else None))
+                curve_authorized=self.bus.authorized_keys if self.bus.curve else None,
+                state_dir=None if state_dir is None else str(state_dir)))
         return specs
 
     def server_keys(self):
