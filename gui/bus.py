@@ -291,9 +291,9 @@ class BusFabric(Commands):
                 log.info("no received power from %s for %s: %s", monitor, switch, e)
                 continue
             t = time.time()
-            dbm = got.get("dbm", {}) if isinstance(got, dict) else {}
+            dbm = got.get("dbm", {})              # by port (hil.bus.schema.RxPowerByPort)
             for gpu, port in items:
-                v = dbm.get(str(port))
+                v = dbm.get(port)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     samples[f"rx/{gpu}"] = [[t, v]]
         if samples:

@@ -103,7 +103,7 @@ def test_telemetry_and_power_meter(switches):
     request, publish = switches.endpoints["meter"]
     seen = []
     with ServiceClient(request, timeout=5) as c:
-        assert c.call("read_power", channels=[2]) == {"power": {"2": 0.002}}
+        assert c.call("read_power", channels=[2]) == {"power": {2: 0.002}}
         with pytest.raises(RemoteError, match="ValueError: channel 9 does not exist"):
             c.call("read_power", channels=[9])
     with StateSubscriber({"meter": (request, publish)},

@@ -358,3 +358,17 @@ def test_a_server_service_or_client_used_outside_its_life_says_so():
     client.close()
     with pytest.raises(BusError, match=r"^the client of tcp://127.0.0.1:9 is closed$"):
         client.receive("1", time.monotonic())
+
+
+def test_a_map_by_port_is_read_back_with_the_ports_as_integers():
+    """JSON keys a map by strings; a client reads an operation's declared result with the
+    ports as the drivers give them, and a result at odds with its type is a BadResult."""
+    from photonic_testbed.hil.bus.errors import BadResult
+    assert schema.read_result("read_power", {"power": {"3": 0.5, "12": 1e-3}}) == \
+        {"power": {3: 0.5, 12: 1e-3}}
+    assert schema.read_result("rx_power", {"dbm": {"9": -3.4}, "errors": {"10": "dark"}}) == \
+        {"dbm": {9: -3.4}, "errors": {10: "dark"}}
+    assert schema.read_result("ping", {"device": "x"}) == {"device": "x"}   # as it came
+    with pytest.raises(BadResult, match=r"read_power answered a result not of its type "
+                                         r"\(Expected `int`, got `str` - at `key` in `\$.power`"):
+        schema.read_result("read_power", {"power": {"three": 0.5}})

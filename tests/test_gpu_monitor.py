@@ -407,17 +407,17 @@ def test_rx_power_from_the_transceivers(monitor):
     mon, host, broken, (request, _) = monitor
     with ServiceClient(request, timeout=5.0) as client:
         got = client.call("rx_power", switch="ocs", ports=[9, 10, 11])
-        assert got == {"dbm": {"9": -3.4, "10": -6.2, "11": DARK_DBM}}   # spare0's lane 3 dark
+        assert got == {"dbm": {9: -3.4, 10: -6.2, 11: DARK_DBM}}   # spare0's lane 3 dark
         described = client.call("describe")["gpus"]
         assert described["gpu1"] == {"nvml": UUID, "switch": "ocs", "port": 2, "iface": "ens2",
                                      "lane": 2}
         got = client.call("rx_power", switch="ocs", ports=[9, 12])
-        assert got["dbm"] == {"9": -3.4, "12": DARK_DBM}
-        assert "no transceiver of this monitor on output 12" in got["errors"]["12"]
+        assert got["dbm"] == {9: -3.4, 12: DARK_DBM}
+        assert "no transceiver of this monitor on output 12" in got["errors"][12]
         broken.add("ens1f0")
         got = client.call("rx_power", switch="ocs", ports=[9, 10])
-        assert got["dbm"] == {"9": DARK_DBM, "10": -6.2}
-        assert got["errors"] == {"9": "gpu0: `ethtool -m ens1f0` did not finish within 1 s"}
+        assert got["dbm"] == {9: DARK_DBM, 10: -6.2}
+        assert got["errors"] == {9: "gpu0: `ethtool -m ens1f0` did not finish within 1 s"}
         with pytest.raises(RemoteError, match=r"rx_power takes a switch of \['ocs'\]"):
             client.call("rx_power", switch="chip", ports=[9])
         with pytest.raises(RemoteError, match=r"ports \[3\] are not outputs 9..16 of switch ocs"):
@@ -547,8 +547,8 @@ def test_ptb_gpus_no_nvml_serves_ddm_through_ethtool(tmp_path, switch_service):
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=20)[0]
-    assert got["dbm"] == {"9": -3.4, "10": -6.2, "11": DARK_DBM}, out
-    assert "No such device" in got["errors"]["11"]
+    assert got["dbm"] == {9: -3.4, 10: -6.2, 11: DARK_DBM}, out
+    assert "No such device" in got["errors"][11]
     assert proc.returncode == 0, out
     assert "0 GPU(s), 3 transceiver(s)" in out and "stopped" in out
 

@@ -168,7 +168,7 @@ def _light_at_the_far_ends(served: dict) -> list[float]:
             for lit, far in ((a, b), (b, a)):
                 calls["ocs"].call("apply_circuits", circuits=[[1, 16 + lit]])
                 power = calls["powermeter"].call("read_power", channels=list(range(1, 17)))
-                mw = {int(k): v for k, v in power["power"].items()}
+                mw = power["power"]
                 shares.append(round(mw[far] / sum(mw.values()), 4))
         return shares
     finally:

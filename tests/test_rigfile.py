@@ -279,7 +279,7 @@ def test_serve_one_process_with_any_ports_and_ipv6_loopback(tmp_path):
             c.call("apply_circuits", circuits=[[1, 17]])
             assert c.call("read_circuits") == {"circuits": [[1, 17]]}
         with ServiceClient(endpoints["meter"][0], timeout=5) as c:
-            assert c.call("read_power", channels=[1]) == {"power": {"1": 0.001}}
+            assert c.call("read_power", channels=[1]) == {"power": {1: 0.001}}
     finally:
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=15)

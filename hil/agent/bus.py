@@ -362,7 +362,7 @@ class AgentProcess(NoEvents):
         same event (a verification reads several ports)."""
         sw = self.switches.get(switch)
         cached = self._rx.get(switch)
-        if cached is None or sw is None or cached[0] != sw.version or str(port) not in cached[1]:
+        if cached is None or sw is None or cached[0] != sw.version or port not in cached[1]:
             asks = {m: set(ports) for m, ports in self._receivers.get(switch, {}).items()}
             if not any(int(port) in ports for ports in asks.values()):
                 # no GPU's receiver: asked of the first monitor, which answers it dark
@@ -371,17 +371,17 @@ class AgentProcess(NoEvents):
             answers = call_many([(self._monitors[m], "rx_power",
                                   {"switch": switch, "ports": sorted(asks[m])})
                                  for m in monitors], self.timeout)
-            dbm: dict[str, float] = {}
+            dbm: dict[int, float] = {}
             for m, got in zip(monitors, answers, strict=True):
                 if isinstance(got, BusError):
                     # its ports read dark for this event, asked again at the next
                     log.warning("no received power from %s for %s %s: %s", m, switch,
                                 sorted(asks[m]), got)
-                    dbm.update({str(p): DARK_DBM for p in asks[m]})
+                    dbm.update(dict.fromkeys(asks[m], DARK_DBM))
                 else:
                     dbm.update(got["dbm"])
             cached = self._rx[switch] = (sw.version if sw else None, dbm)
-        return float(cached[1].get(str(port), DARK_DBM))
+        return float(cached[1].get(port, DARK_DBM))
 
     def _on_gpus(self, device: str, state: dict, ops: Any) -> None:
         changed = []

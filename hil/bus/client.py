@@ -200,7 +200,8 @@ def call_many(requests: Sequence[tuple[ServiceClient, str, dict] |
                                   wait=max(0.0, until - time.monotonic()), rid=rids.get(i))
         for i in sorted(waiting):
             try:
-                results[i] = requests[i][0].receive(rids[i], until)
+                results[i] = schema.read_result(requests[i][1],
+                                                requests[i][0].receive(rids[i], until))
             except Cancelled as e:
                 results[i] = e
             except ServiceUnavailable:

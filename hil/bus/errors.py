@@ -36,6 +36,11 @@ class Cancelled(ServiceUnavailable):
     run, as after a timeout."""
 
 
+class BadResult(BusError):
+    """A server's answer is not of its operation's result type (a server at odds with the
+    contract)."""
+
+
 class RemoteError(BusError):
     """A request refused or failed by its server. `kind` is the name on the wire (this class's
     name, or the server-side exception's when this module has no class of that name), and

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 import msgspec
 import orjson
@@ -30,6 +30,7 @@ import orjson
 from photonic_testbed.hil.bus.errors import (  # noqa: F401  (the schema's errors, re-exported)
     BadFrame,
     BadRequest,
+    BadResult,
     FrameTooLarge,
     MissingField,
     SchemaError,
@@ -268,16 +269,31 @@ class RxPower(Args):
     ports: Annotated[list[Port], _meta(max_length=2 * MAX_CHANNELS)]
 
 
+class PowerByPort(TypedDict):
+    """A power meter's readings, mW by its port (the driver's `read_power`)."""
+    power: dict[int, float]
+
+
+class RxPowerByPort(TypedDict, total=False):
+    """Received power at transceivers, dBm by the switch's output port, and why a port reads
+    dark where it does."""
+    dbm: dict[int, float]
+    errors: dict[int, str]
+
+
 @dataclass(frozen=True)
 class Operation:
     """One operation: its arguments, whether it only reads, and the roles whose keys may call
     it (every role for a read, the operator alone for a change unless it says). Not read-only
     means a change: it runs at most once per request id, with `expect` only at that state
-    version, and with `term` only from an agent whose term is not below the highest seen."""
+    version, and with `term` only from an agent whose term is not below the highest seen.
+    `result`, where given, is the type a client reads the answer as: JSON keys a map by strings,
+    and a map by port is read back with the ports as integers, as the drivers give them."""
     name: str
     args: type[Args]
     read_only: bool
     doc: str = ""
+    result: Any = None
     # a change that moves this server's version; False: it asks for changes of devices served
     # with it, each counted by that device's server (`Server.claim_change`)
     counted: bool = True
@@ -322,7 +338,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
               "a chip: use this calibration file from now on (circuits re-set with it)",
               roles=DEVICE_WRITER),
     # instruments
-    Operation("read_power", ReadPower, True, "power meter readings, mW"),
+    Operation("read_power", ReadPower, True, "power meter readings, mW by port",
+              result=PowerByPort),
     Operation("set_laser", SetLaser, False, "laser output, power, wavelength",
               roles=DEVICE_WRITER),
     Operation("read_laser", Args, True, "the laser's state, read from it"),
@@ -352,12 +369,26 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("relay_ping", DeviceArgs, True, "the agent asks a switch's service to "
               "`ping_device`: the bare hops a phase switch crosses, to compare it with"),
     # GPU monitors
-    Operation("rx_power", RxPower, True, "received power at transceivers on output ports"),
+    Operation("rx_power", RxPower, True, "received power at transceivers on output ports",
+              result=RxPowerByPort),
     Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),
 )}
 
 
 NO_ARGS = Args()             # what a handler of an operation without arguments receives
+
+
+def read_result(op: str, result: Any) -> Any:
+    """An answer as its operation's `result` type reads it (ports as integers); as it came for
+    an operation without one. A result at odds with its type is a `BadResult` saying what does
+    not fit."""
+    declared = OPERATIONS.get(op)
+    if declared is None or declared.result is None:
+        return result
+    try:
+        return msgspec.convert(result, declared.result, strict=False)
+    except msgspec.ValidationError as e:
+        raise BadResult(f"{op} answered a result not of its type ({e})") from None
 
 
 def check_args(op: Operation, args: Mapping[str, Any]) -> Args:
