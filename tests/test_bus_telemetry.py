@@ -89,7 +89,7 @@ def test_a_request_goes_between_the_ports_of_a_telemetry_pass():
         assert _started(meter, "the request's read") == [3]
         meter.release()
         asking.join(WAIT_S)
-        assert answer == [{"power": {"3": 0.003}}]
+        assert answer == [{"power": {3: 0.003}}]
         for port in (2, 3, 4):
             assert _started(meter, f"port {port} of the pass") == [port]
             meter.release()
