@@ -29,6 +29,18 @@ header, `PRAGMA quick_check`, the journal's tables and schema version. An empty,
 overwritten or unreadable file, or a directory, is refused with `JournalError`, never re-created:
 the journal is the agent's memory of what the switches should hold, and an empty one would make
 it forget silently. Any later SQLite failure is a `JournalError` too.
+
+Rows that cannot lie (schema 3): every row of `events` and `intended` carries a checksum of its
+fields (BLAKE2b, `_seal`), checked whenever it is read; a shared value is checked against its
+digest, which is its key. A row that does not match is a `JournalError` naming it, never a
+different value: a flipped byte reads back exactly as written or is refused. Reads never go
+through an index SQLite keeps beside a table (`quick_check` does not compare the two, so a
+damaged index could hide a row): entries are filtered by kind on the rows themselves. A journal
+of schema 1 or 2 is brought to 3 when a writer opens it, its rows sealed as they are then: they
+were written without a checksum, so they are trusted as far as they were checked before and are
+still (SQLite's `quick_check`, their JSON, their type, shared values against their digests),
+and from then on a change to them is caught. Read only (`ptb journal`), an older journal is read
+as it is, with those checks alone.
 """
 from __future__ import annotations
 
@@ -54,8 +66,9 @@ from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2           # 2: long lists kept once (`shared_values`, `events.shares`); a
-                             # journal of schema 1 is brought to 2 when opened
+SCHEMA_VERSION = 3           # 2: long lists kept once (`shared_values`, `events.shares`);
+                             # 3: a checksum on every row; a journal of schema 1 or 2 is
+                             # brought to 3 when a writer opens it
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -66,13 +79,14 @@ CREATE TABLE IF NOT EXISTS events (
     cause      TEXT    NOT NULL DEFAULT '',
     latency_s  REAL,
     details    TEXT    NOT NULL DEFAULT '{}',
-    shares     INTEGER NOT NULL DEFAULT 0
+    shares     INTEGER NOT NULL DEFAULT 0,
+    checksum   TEXT    NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_kind ON events(kind);
 CREATE TABLE IF NOT EXISTS intended (
     switch     TEXT PRIMARY KEY,
     circuits   TEXT NOT NULL,
-    seq        INTEGER NOT NULL
+    seq        INTEGER NOT NULL,
+    checksum   TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -82,6 +96,17 @@ CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database 
                               # off the writers' path (a checkpoint costs 10-20 ms)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = {"meta", "events", "intended"}     # (and `shared_values` from schema 2)
+# the columns of each table the journal reads, by schema version
+_COLUMNS = {
+    1: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details"),
+        "intended": ("switch", "circuits", "seq")},
+    2: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details", "shares"),
+        "intended": ("switch", "circuits", "seq"),
+        "shared_values": ("digest", "value")},
+    3: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details", "shares", "checksum"),
+        "intended": ("switch", "circuits", "seq", "checksum"),
+        "shared_values": ("digest", "value")},
+}
 SHARE_ABOVE = 2048           # an entry's details longer than this (JSON characters) share lists
 SHARED_ITEMS = 16            # ... of this many items or more
 _SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
@@ -124,6 +149,46 @@ def _digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
+def _seal(*fields: str | int | float | None) -> str:
+    """A row's checksum: BLAKE2b of its fields as MessagePack writes them, each with its type
+    and length, so that no change to a field (its type included: the integer 1 is not the
+    float 1.0, text that is not UTF-8 is not text) leaves it unchanged."""
+    return hashlib.blake2b(msgspec.msgpack.encode(
+        [bytes(f) if isinstance(f, _NotText) else f for f in fields]),
+        digest_size=16).hexdigest()
+
+
+class _NotText(bytes):
+    """A TEXT value SQLite gives back that is not UTF-8 (damage): kept as its bytes, so that
+    the row it is in is refused by name (its checksum, or its reader), not by a traceback."""
+
+
+def _text(raw: bytes) -> str:
+    """SQLite's text as Python's: UTF-8, or the bytes as `_NotText`."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return _NotText(raw)        # type: ignore[return-value]
+
+
+def _event_seal(seq: int, ts: float, kind: str, cause: str, latency_s: float | None,
+                details: str, shares: int) -> str:
+    return _seal("event", seq, ts, kind, cause, latency_s, details, shares)
+
+
+def _intended_seal(switch: str, circuits: str, seq: int) -> str:
+    return _seal("intended", switch, circuits, seq)
+
+
+def _real(x: float | None) -> float | None:
+    """A REAL as SQLite keeps it: a float (an integer given is stored as its float), NaN as
+    NULL (SQLite stores no NaN)."""
+    if x is None:
+        return None
+    x = float(x)
+    return None if x != x else x
+
+
 def _references(value: Any, out: set[str]) -> None:
     """The digests of the shared values `value` (stored details, read) refers to, into `out`."""
     if type(value) is dict:
@@ -158,11 +223,22 @@ def _details(text: str) -> dict:
         return json.loads(text)
 
 
-def _inserted(cur: sqlite3.Cursor) -> int:
-    """The sequence number of the entry the INSERT just run on `cur` wrote."""
-    seq = cur.lastrowid
-    assert seq is not None          # (sqlite3 sets it on every INSERT)
-    return seq
+# SQLite's failures: its errors (OperationalError, IntegrityError...), and a message of damage
+# that quotes bytes that are not UTF-8, which Python cannot decode into the error
+_FAILURES = (sqlite3.DatabaseError, UnicodeDecodeError)
+
+
+def _said(e: Exception) -> str:
+    """What SQLite said of a failure, on one line (it may quote a damaged name)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"damaged (SQLite's message quotes bytes that are not UTF-8: {e})"
+    return _one_line(str(e))
+
+
+def _one_line(text: str) -> str:
+    """SQLite's words on one line: its lines joined, anything else unprintable escaped."""
+    text = "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @contextlib.contextmanager
@@ -170,8 +246,8 @@ def _sqlite_errors(path: str, doing: str):
     """Turn SQLite's failures into a JournalError that names the file."""
     try:
         yield
-    except sqlite3.DatabaseError as e:      # includes OperationalError, IntegrityError
-        raise JournalError(f"{path}: {doing} failed: {e}") from e
+    except _FAILURES as e:
+        raise JournalError(f"{path}: {doing} failed: {_said(e)}") from e
 
 
 def _refuse(path: str, why: str) -> JournalError:
@@ -316,8 +392,8 @@ class SqliteJournal:
                                f"read-only medium or not writable (`ptb journal` reads it)")
         try:
             self._db = self._connect()
-        except sqlite3.DatabaseError as e:
-            raise JournalError(f"{self.path}: cannot open the journal: {e}") from None
+        except _FAILURES as e:
+            raise JournalError(f"{self.path}: cannot open the journal: {_said(e)}") from None
         try:
             self._check_contents()
             if not read_only:
@@ -341,6 +417,11 @@ class SqliteJournal:
             self._checkpointer.start()
 
     def _connect(self) -> sqlite3.Connection:
+        db = self._open()
+        db.text_factory = _text
+        return db
+
+    def _open(self) -> sqlite3.Connection:
         if not self.read_only:
             return sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=5.0)
@@ -388,51 +469,97 @@ class SqliteJournal:
 
     def _check_contents(self) -> None:
         """Integrity (quick_check: every page readable and well formed), then the journal's own
-        tables and schema version."""
+        tables and schema version, and the columns that version has."""
         try:
             problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
             tables = {r[0] for r in self._db.execute(
                 "SELECT name FROM sqlite_master WHERE type='table'")}
-        except sqlite3.DatabaseError as e:
-            raise _refuse(self.path, f"damaged ({e})") from None
+        except _FAILURES as e:
+            raise _refuse(self.path, f"damaged ({_said(e)})") from None
         if problems != ["ok"]:
-            raise _refuse(self.path, "damaged (integrity check: " + "; ".join(problems[:3])
+            raise _refuse(self.path, "damaged (integrity check: "
+                          + "; ".join(_one_line(str(p)) for p in problems[:3])
                           + (f"; {len(problems) - 3} more" if len(problems) > 3 else "") + ")")
         if not _TABLES <= tables:
             raise _refuse(self.path, "an SQLite file without the journal's tables "
                           f"(missing {', '.join(sorted(_TABLES - tables))})")
-        with _sqlite_errors(self.path, "reading the schema version"):
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is None:
-            raise _refuse(self.path, "no schema version recorded")
-        if row[0] == "1" and self.read_only:
-            self._schema = 1                  # read as it is
-        elif row[0] == "1":
+        schema = self._schema_in_file()
+        if schema >= 2 and "shared_values" not in tables:
+            raise _refuse(self.path, f"a journal of schema {schema} without its shared_values "
+                          "table")
+        self._check_columns(schema)
+        self._schema = schema
+        if schema < SCHEMA_VERSION and not self.read_only:
             self._upgrade()
-        elif row[0] != str(SCHEMA_VERSION):
-            raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
-                               f"reads schemas 1 and {SCHEMA_VERSION}")
-        elif "shared_values" not in tables:
-            raise _refuse(self.path, "a journal of schema 2 without its shared_values table")
+
+    def _schema_in_file(self) -> int:
+        """The schema version the journal says it has (one this program reads)."""
+        with _sqlite_errors(self.path, "reading the schema version"):
+            rows = self._db.execute("SELECT value FROM meta WHERE +key='schema'").fetchall()
+        if not rows:
+            raise _refuse(self.path, "no schema version recorded")
+        if len(rows) > 1:
+            raise _refuse(self.path, f"damaged ({len(rows)} schema versions recorded)")
+        value = rows[0][0]
+        if type(value) is not str:
+            raise _refuse(self.path, f"damaged (its schema version is not text: {value!r})")
+        if value not in ("1", "2", str(SCHEMA_VERSION)):
+            raise JournalError(f"{self.path} has journal schema {value!r}, this program "
+                               f"reads schemas 1 to {SCHEMA_VERSION}")
+        return int(value)
+
+    def _check_columns(self, schema: int) -> None:
+        """The tables have the columns of `schema`: a version changed by damage (a schema 3
+        journal read as 2 would go unchecked) or a damaged table definition is refused."""
+        with _sqlite_errors(self.path, "reading the tables' columns"):
+            for table, want in _COLUMNS[schema].items():
+                got = tuple(r[1] for r in self._db.execute(f"PRAGMA table_info({table})"))
+                if got != want:
+                    raise _refuse(self.path, f"damaged (schema {schema}, but table {table} "
+                                  f"has columns {', '.join(map(str, got)) or 'none'})")
 
     def _upgrade(self) -> None:
-        """Schema 1 -> 2 in one transaction (every entry stays as it was: none refers to a
-        shared value); a second process that opened the same journal meanwhile finds it done."""
-        with _sqlite_errors(self.path, "bringing the journal to schema 2"):
+        """Schema 1 or 2 -> 3 in one transaction: the columns of each version added, every row
+        sealed as it is (none refers to a shared value before 2); the index by kind dropped
+        (reads do not use it). A second process that opened the same journal meanwhile finds
+        it done."""
+        with _sqlite_errors(self.path, f"bringing the journal to schema {SCHEMA_VERSION}"):
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                got = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-                if got is not None and got[0] == "1":
+                was = self._schema_in_file()
+                if was == 1:
                     self._db.execute("ALTER TABLE events ADD COLUMN shares INTEGER NOT NULL "
                                      "DEFAULT 0")
                     self._db.execute(_SHARED_TABLE)
+                if was < 3:
+                    self._check_columns(2)
+                    self._db.execute("ALTER TABLE events ADD COLUMN checksum TEXT NOT NULL "
+                                     "DEFAULT ''")
+                    self._db.execute("ALTER TABLE intended ADD COLUMN checksum TEXT NOT NULL "
+                                     "DEFAULT ''")
+                    self._db.execute("DROP INDEX IF EXISTS events_kind")
+                    self._seal_all()
                     self._db.execute("UPDATE meta SET value=? WHERE key='schema'",
                                      (str(SCHEMA_VERSION),))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        log.info("%s: journal brought from schema 1 to %d", self.path, SCHEMA_VERSION)
+        self._schema = SCHEMA_VERSION
+        if was < SCHEMA_VERSION:
+            log.info("%s: journal brought from schema %d to %d", self.path, was,
+                     SCHEMA_VERSION)
+
+    def _seal_all(self) -> None:
+        """Every row's checksum, from the row as it is (the upgrade to schema 3)."""
+        db = self._db
+        rows = db.execute("SELECT seq, ts, kind, cause, latency_s, details, shares "
+                          "FROM events").fetchall()
+        db.executemany("UPDATE events SET checksum=? WHERE seq=?",
+                       [(_event_seal(*row), row[0]) for row in rows])
+        rows = db.execute("SELECT rowid, switch, circuits, seq FROM intended").fetchall()
+        db.executemany("UPDATE intended SET checksum=? WHERE rowid=?",
+                       [(_intended_seal(*row[1:]), row[0]) for row in rows])
 
     def close(self) -> None:
         self._closing.set()
@@ -482,7 +609,7 @@ class SqliteJournal:
         and the deferred entries it held, lost, are named."""
         try:
             yield
-        except sqlite3.DatabaseError as e:
+        except _FAILURES as e:
             lost = ""
             if not self._db.in_transaction:
                 self._storing.clear()
@@ -490,7 +617,7 @@ class SqliteJournal:
                 if gone:
                     lost = (f"; the transaction was rolled back and the {len(gone)} deferred "
                             f"entries before it (seq {gone[0]}..{gone[-1]}) are lost")
-            raise JournalError(f"{self.path}: {doing} failed: {e}{lost}") from e
+            raise JournalError(f"{self.path}: {doing} failed: {_said(e)}{lost}") from e
 
     def record(self, details: Details, cause: str = "", latency_s: float | None = None,
                ts: float | None = None, *, defer: bool = False) -> int:
@@ -526,7 +653,8 @@ class SqliteJournal:
                 stored, values = _shared_form(plain())
             except _Unshareable:
                 pass
-        ts = time.time() if ts is None else ts
+        ts = time.time() if ts is None else float(ts)
+        latency_s = _real(latency_s)
         with self._lock, self._writing(f"recording {kind!r}"):
             self._begin()
             try:
@@ -535,17 +663,29 @@ class SqliteJournal:
                         self._db.execute("INSERT OR IGNORE INTO shared_values VALUES (?,?)",
                                          (digest, body.decode()))
                         self._storing.add(digest)
-                cur = self._db.execute(
-                    "INSERT INTO events (ts, kind, cause, latency_s, details, shares) "
-                    "VALUES (?,?,?,?,?,?)", (ts, kind, cause, latency_s, stored, int(bool(values))))
+                seq = self._insert_event(ts, kind, cause, latency_s, stored, int(bool(values)))
             finally:
                 if not defer:
                     self._commit()
-            seq = _inserted(cur)
             if defer:
                 self._deferred.append(seq)
             self._tell(Entry(seq, ts, kind, cause, latency_s, typed), text)
             return seq
+
+    def _insert_event(self, ts: float, kind: str, cause: str, latency_s: float | None,
+                      details: str, shares: int) -> int:
+        """Insert an event row, sealed, in the transaction under way; its sequence number.
+        The number is the one SQLite would give (AUTOINCREMENT: past every number used),
+        worked out first, since the row's checksum covers it."""
+        seq = self._db.execute(
+            "SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='events'), 0), "
+            "COALESCE((SELECT MAX(seq) FROM events), 0)) + 1").fetchone()[0]
+        self._db.execute(
+            "INSERT INTO events (seq, ts, kind, cause, latency_s, details, shares, checksum) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (seq, ts, kind, cause, latency_s, details, shares,
+             _event_seal(seq, ts, kind, cause, latency_s, details, shares)))
+        return seq
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:
         """Call `fn(entry, its details as JSON)` for every entry written from now on, in order,
@@ -584,17 +724,15 @@ class SqliteJournal:
                     if event:
                         ts = time.time()
                         details = f'{{"circuits": {text}, "switch": {json.dumps(name)}}}'
-                        seq = _inserted(self._db.execute(
-                            "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                            (ts, "decision", cause, details)))
+                        seq = self._insert_event(ts, "decision", cause, None, details, 0)
                         written.append((Entry(seq, ts, "decision", cause, None, Intent(
                             switch=name, circuits=[(int(a), int(b)) for a, b in pairs])),
                             details))
                     elif seq is None:
                         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
                                                ).fetchone()[0]
-                    self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
-                                     (name, text, seq))
+                    self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?,?)",
+                                     (name, text, seq, _intended_seal(name, text, seq)))
                 self._db.execute("RELEASE intended")
             except BaseException:
                 if self._db.in_transaction:        # (else SQLite rolled it all back)
@@ -608,10 +746,42 @@ class SqliteJournal:
             return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
+        """Every switch's intended circuits, as last set; a row that does not match its
+        checksum, names a switch twice or does not hold circuits is a JournalError."""
         with self._lock, _sqlite_errors(self.path, "reading the intended circuits"):
             self.flush()
-            rows = self._db.execute("SELECT switch, circuits FROM intended").fetchall()
-        return {name: [tuple(p) for p in json.loads(text)] for name, text in rows}
+            sealed = self._current_schema() >= 3
+            rows = self._db.execute(
+                f"SELECT rowid, switch, circuits, seq, {'checksum' if sealed else 'NULL'} "
+                "FROM intended").fetchall()
+        out: dict[str, list[tuple[int, int]]] = {}
+        for rowid, name, text, seq, checksum in rows:
+            where = f"the intended circuits of switch {name!r} (row {rowid})"
+            if sealed and checksum != _intended_seal(name, text, seq):
+                raise JournalError(f"{self.path}: damaged: {where} do not match their "
+                                   "checksum")
+            if type(name) is not str or name in out:
+                raise JournalError(f"{self.path}: damaged: {where}: the switch is named "
+                                   + ("twice" if name in out else "by no text"))
+            try:
+                pairs = msgspec.json.decode(text, type=list[tuple[int, int]])
+            except (msgspec.DecodeError, TypeError) as e:
+                raise JournalError(f"{self.path}: damaged: {where} are not a list of "
+                                   f"circuits ({e})") from None
+            if len({i for i, _ in pairs}) != len(pairs):
+                raise JournalError(f"{self.path}: damaged: {where} name an input twice")
+            out[name] = pairs
+        return out
+
+    def _current_schema(self) -> int:
+        """The schema to read with: a writer may have brought the journal to schema 3 since
+        it was opened to be read."""
+        if self._schema < SCHEMA_VERSION:
+            now = self._schema_in_file()
+            if now != self._schema:
+                self._check_columns(now)
+                self._schema = now
+        return self._schema
 
     def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
                 limit: int | None = None) -> list[Entry]:
@@ -639,11 +809,15 @@ class SqliteJournal:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
         if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
             raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
-        query = ("SELECT seq, ts, kind, cause, latency_s, details, {shares} FROM events "
-                 "WHERE seq > ?")
-        args: list[Any] = [since]
+        # every row from the start (`since` 0): not `seq > 0`, which would pass over a first
+        # row whose number damage made 0 or less (still in order, quick_check sees nothing)
+        query = ("SELECT seq, ts, kind, cause, latency_s, details, {shares}, {checksum} "
+                 "FROM events WHERE " + ("seq > ?" if since else "1"))
+        args: list[Any] = [since] if since else []
         if kinds:
-            query += f" AND kind IN ({','.join('?' * len(kinds))})"
+            # `+kind`: filtered on the rows themselves, not through an index (none is kept from
+            # schema 3; an older journal's could be damaged without quick_check seeing it)
+            query += f" AND +kind IN ({','.join('?' * len(kinds))})"
             args += list(kinds)
         query += " ORDER BY seq"
         if limit is not None:
@@ -651,14 +825,18 @@ class SqliteJournal:
             args.append(int(limit))
         with self._lock, _sqlite_errors(self.path, "reading the entries"):
             self.flush()
-            if self._schema < SCHEMA_VERSION and self._db.execute(
-                    "SELECT value FROM meta WHERE key='schema'").fetchone() == ("2",):
-                self._schema = 2          # brought to schema 2 by a writer since we opened it
-            query = query.format(shares="shares" if self._schema >= 2 else "0")
+            schema = self._current_schema()
+            query = query.format(shares="shares" if schema >= 2 else "0",
+                                 checksum="checksum" if schema >= 3 else "NULL")
             rows = self._db.execute(query, args).fetchall()
             details = []
             for row in rows:
+                if schema >= 3 and row[7] != _event_seal(*row[:7]):
+                    raise JournalError(f"{self.path}: damaged: entry {row[0]} does not match "
+                                       "its checksum")
                 try:
+                    if not isinstance(row[5], str):
+                        raise ValueError(f"{type(row[5]).__name__}, not text")
                     details.append(_details(row[5]))
                 except ValueError as e:            # (JSONDecodeError, either library's)
                     raise JournalError(f"{self.path}: damaged: the details of entry {row[0]} "
@@ -667,7 +845,7 @@ class SqliteJournal:
             if sharing:
                 self._resolve(rows, details, sharing)
         return [(seq, ts, kind, cause, lat, d)
-                for (seq, ts, kind, cause, lat, _, _), d in zip(rows, details, strict=True)]
+                for (seq, ts, kind, cause, lat, *_), d in zip(rows, details, strict=True)]
 
     def _resolve(self, rows: list, details: list[dict], sharing: list[int]) -> None:
         """Put in place the shared values that the details of rows `sharing` refer to (read
@@ -682,7 +860,8 @@ class SqliteJournal:
             texts.update(self._db.execute(
                 f"SELECT digest, value FROM shared_values WHERE digest IN "
                 f"({','.join('?' * len(part))})", part).fetchall())
-        bad = {d for d, text in texts.items() if _digest(text.encode()) != d}
+        bad = {d for d, text in texts.items()
+               if type(text) is not str or _digest(text.encode()) != d}
         for i in sharing:
             missing = refs[i] - texts.keys()
             if refs[i] & bad:
