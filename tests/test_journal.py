@@ -12,7 +12,6 @@ import time
 import orjson
 import pytest
 
-import photonic_testbed.hil.agent.sqlite_journal as journal_module
 from photonic_testbed.hil.agent.entries import (
     Alarm,
     Applied,
@@ -27,6 +26,7 @@ from photonic_testbed.hil.agent.entries import (
     builtins,
 )
 from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.agent.sqlite_file import event_seal
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 WRITER = """
@@ -618,7 +618,7 @@ def test_an_entry_whose_details_are_not_json_is_named(tmp_path):
     row = db.execute("SELECT seq, ts, kind, cause, latency_s, '{\"k\": ', shares FROM events "
                      "WHERE seq=?", (seq,)).fetchone()
     db.execute("UPDATE events SET details=?, checksum=? WHERE seq=?",
-               (row[5], journal_module._event_seal(*row), seq))
+               (row[5], event_seal(*row), seq))
     db.close()
     with SqliteJournal(path, read_only=True) as j:
         with pytest.raises(JournalError, match=f"damaged: the details of entry {seq} are not "

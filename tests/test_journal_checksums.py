@@ -14,12 +14,12 @@ import sqlite3
 import pytest
 from test_agent import connect, make_world
 
-import photonic_testbed.hil.agent.sqlite_journal as journal_module
 from photonic_testbed.common.jobplan import dp_tp, round_robin_matchings
 from photonic_testbed.common.rack_layout import lumion
 from photonic_testbed.hil.agent.entries import Note
 from photonic_testbed.hil.agent.journal import JournalError
 from photonic_testbed.hil.agent.recovery import read_jobs
+from photonic_testbed.hil.agent.sqlite_file import seal
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 JOURNAL_0_2 = pathlib.Path(__file__).parent / "data" / "journal-0.2.db"
@@ -191,7 +191,6 @@ def test_a_schema_3_journal_whose_version_reads_2_is_refused(tmp_path):
 
 
 def test_the_checksum_tells_types_apart():
-    seal = journal_module._seal
     assert seal(1, 1.0, "1", None) == seal(1, 1.0, "1", None)
     assert len({seal(1), seal(1.0), seal("1"), seal(None), seal(b"1"), seal("", "1"),
                 seal("1", "")}) == 7

@@ -31,16 +31,16 @@ the journal is the agent's memory of what the switches should hold, and an empty
 it forget silently. Any later SQLite failure is a `JournalError` too.
 
 Rows that cannot lie (schema 3): every row of `events` and `intended` carries a checksum of its
-fields (BLAKE2b, `_seal`), checked whenever it is read; a shared value is checked against its
-digest, which is its key. A row that does not match is a `JournalError` naming it, never a
-different value: a flipped byte reads back exactly as written or is refused. Reads never go
-through an index SQLite keeps beside a table (`quick_check` does not compare the two, so a
-damaged index could hide a row): entries are filtered by kind on the rows themselves. A journal
-of schema 1 or 2 is brought to 3 when a writer opens it, its rows sealed as they are then: they
-were written without a checksum, so they are trusted as far as they were checked before and are
-still (SQLite's `quick_check`, their JSON, their type, shared values against their digests),
-and from then on a change to them is caught. Read only (`ptb journal`), an older journal is read
-as it is, with those checks alone.
+fields (`hil.agent.sqlite_file`, which also makes, checks and upgrades the file), checked
+whenever it is read; a shared value is checked against its digest, which is its key. A row that
+does not match is a `JournalError` naming it, never a different value: a flipped byte reads back
+exactly as written or is refused. Reads never go through an index SQLite keeps beside a table
+(`quick_check` does not compare the two, so a damaged index could hide a row): entries are
+filtered by kind on the rows themselves. A journal of schema 1 or 2 is brought to 3 when a
+writer opens it, its rows sealed as they are then: they were written without a checksum, so
+they are trusted as far as they were checked before and are still (SQLite's `quick_check`,
+their JSON, their type, shared values against their digests), and from then on a change to them
+is caught. Read only (`ptb journal`), an older journal is read as it is, with those checks alone.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 import urllib.parse
@@ -63,50 +62,29 @@ import orjson
 
 from photonic_testbed.hil.agent.entries import KINDS, Details, Intent, Unread, decode
 from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
+from photonic_testbed.hil.agent.sqlite_file import (
+    FAILURES,
+    SCHEMA_VERSION,
+    check_columns,
+    check_contents,
+    check_file,
+    create_file,
+    event_seal,
+    exists,
+    intended_seal,
+    read_only_medium,
+    said,
+    schema_in_file,
+    sqlite_errors,
+    text_from_sqlite,
+    upgrade,
+    writable_folder,
+)
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3           # 2: long lists kept once (`shared_values`, `events.shares`);
-                             # 3: a checksum on every row; a journal of schema 1 or 2 is
-                             # brought to 3 when a writer opens it
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS events (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-    ts         REAL    NOT NULL,
-    kind       TEXT    NOT NULL,
-    cause      TEXT    NOT NULL DEFAULT '',
-    latency_s  REAL,
-    details    TEXT    NOT NULL DEFAULT '{}',
-    shares     INTEGER NOT NULL DEFAULT 0,
-    checksum   TEXT    NOT NULL
-);
-CREATE TABLE IF NOT EXISTS intended (
-    switch     TEXT PRIMARY KEY,
-    circuits   TEXT NOT NULL,
-    seq        INTEGER NOT NULL,
-    checksum   TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-_SHARED_TABLE = "CREATE TABLE shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL)"
-
 CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database this often,
                               # off the writers' path (a checkpoint costs 10-20 ms)
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_TABLES = {"meta", "events", "intended"}     # (and `shared_values` from schema 2)
-# the columns of each table the journal reads, by schema version
-_COLUMNS = {
-    1: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details"),
-        "intended": ("switch", "circuits", "seq")},
-    2: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details", "shares"),
-        "intended": ("switch", "circuits", "seq"),
-        "shared_values": ("digest", "value")},
-    3: {"events": ("seq", "ts", "kind", "cause", "latency_s", "details", "shares", "checksum"),
-        "intended": ("switch", "circuits", "seq", "checksum"),
-        "shared_values": ("digest", "value")},
-}
 SHARE_ABOVE = 2048           # an entry's details longer than this (JSON characters) share lists
 SHARED_ITEMS = 16            # ... of this many items or more
 _SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
@@ -147,37 +125,6 @@ _NESTED = (dict, list)
 
 def _digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
-
-
-def _seal(*fields: str | int | float | None) -> str:
-    """A row's checksum: BLAKE2b of its fields as MessagePack writes them, each with its type
-    and length, so that no change to a field (its type included: the integer 1 is not the
-    float 1.0, text that is not UTF-8 is not text) leaves it unchanged."""
-    return hashlib.blake2b(msgspec.msgpack.encode(
-        [bytes(f) if isinstance(f, _NotText) else f for f in fields]),
-        digest_size=16).hexdigest()
-
-
-class _NotText(bytes):
-    """A TEXT value SQLite gives back that is not UTF-8 (damage): kept as its bytes, so that
-    the row it is in is refused by name (its checksum, or its reader), not by a traceback."""
-
-
-def _text(raw: bytes) -> str:
-    """SQLite's text as Python's: UTF-8, or the bytes as `_NotText`."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return _NotText(raw)        # type: ignore[return-value]
-
-
-def _event_seal(seq: int, ts: float, kind: str, cause: str, latency_s: float | None,
-                details: str, shares: int) -> str:
-    return _seal("event", seq, ts, kind, cause, latency_s, details, shares)
-
-
-def _intended_seal(switch: str, circuits: str, seq: int) -> str:
-    return _seal("intended", switch, circuits, seq)
 
 
 def _real(x: float | None) -> float | None:
@@ -223,134 +170,6 @@ def _details(text: str) -> dict:
         return json.loads(text)
 
 
-# SQLite's failures: its errors (OperationalError, IntegrityError...), and a message of damage
-# that quotes bytes that are not UTF-8, which Python cannot decode into the error
-_FAILURES = (sqlite3.DatabaseError, UnicodeDecodeError)
-
-
-def _said(e: Exception) -> str:
-    """What SQLite said of a failure, on one line (it may quote a damaged name)."""
-    if isinstance(e, UnicodeDecodeError):
-        return f"damaged (SQLite's message quotes bytes that are not UTF-8: {e})"
-    return _one_line(str(e))
-
-
-def _one_line(text: str) -> str:
-    """SQLite's words on one line: its lines joined, anything else unprintable escaped."""
-    text = "; ".join(line.strip() for line in text.splitlines() if line.strip())
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-@contextlib.contextmanager
-def _sqlite_errors(path: str, doing: str):
-    """Turn SQLite's failures into a JournalError that names the file."""
-    try:
-        yield
-    except _FAILURES as e:
-        raise JournalError(f"{path}: {doing} failed: {_said(e)}") from e
-
-
-def _refuse(path: str, why: str) -> JournalError:
-    return JournalError(f"{path} is not a usable journal: {why}. A new journal is created only "
-                        f"where no file exists: move this one aside to start afresh")
-
-
-def _check_file(path: str) -> None:
-    """Refuse what is plainly not a journal before SQLite opens it (SQLite would take an empty
-    file for a new database, and report other damage only at the first read)."""
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise _refuse(path, "it is a directory")
-        if not stat.S_ISREG(mode):
-            raise _refuse(path, "it is not a regular file")
-        with open(path, "rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
-    except OSError as e:
-        raise JournalError(f"{path}: cannot read the journal: "
-                           f"{(e.strerror or str(e)).lower()}") from None
-    if not head:
-        raise _refuse(path, "the file is empty (0 bytes; truncated?)")
-    if head != _SQLITE_MAGIC:
-        raise _refuse(path, "no SQLite header (overwritten or damaged)")
-
-
-def _writable_folder(path: str) -> bool:
-    """Whether the journal's folder takes new files (SQLite's log beside the journal)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    return not _read_only_medium(path) and os.access(folder, os.W_OK | os.X_OK)
-
-
-def _read_only_medium(path: str) -> bool:
-    try:
-        return bool(os.statvfs(os.path.dirname(os.path.abspath(path))).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _exists(path: str) -> bool:
-    """Whether anything is at `path`; a path that cannot be looked at is an error, not absent
-    (os.path.exists would say False, and a new journal would hide the old one)."""
-    try:
-        os.lstat(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        raise JournalError(f"{path}: cannot reach the journal: "
-                           f"{(e.strerror or str(e)).lower()}") from None
-
-
-def _create(path: str) -> None:
-    """Make a new, complete journal at `path` (which does not exist): written in a scratch file
-    beside it and linked into place, so a crash leaves either no journal or a whole one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        if not stat.S_ISDIR(os.stat(folder).st_mode):
-            raise JournalError(f"{path}: cannot create the journal: {folder} is not a folder")
-    except OSError as e:
-        why = "no folder" if isinstance(e, (FileNotFoundError, NotADirectoryError)) else \
-            (e.strerror or str(e)).lower() + " at"
-        raise JournalError(f"{path}: cannot create the journal: {why} {folder}") from None
-    if not _writable_folder(path):
-        raise JournalError(f"{path}: cannot create the journal: {folder} is on a read-only "
-                           f"medium or not writable")
-    scratch = f"{path}.new-{os.getpid()}"
-    for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(leftover)
-    try:
-        db = sqlite3.connect(scratch, isolation_level=None)
-        try:
-            with _sqlite_errors(path, "creating the journal"):
-                db.execute("PRAGMA journal_mode=WAL")
-                db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
-                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        finally:
-            db.close()                      # checkpoints and removes the scratch WAL
-        try:
-            os.link(scratch, path)          # fails if another process created it meanwhile
-        except FileExistsError:
-            pass
-        except OSError:                     # a filesystem without hard links
-            if not os.path.exists(path):
-                os.replace(scratch, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except PermissionError:
-        raise JournalError(f"{path}: cannot create the journal: permission denied in "
-                           f"{folder}") from None
-    except sqlite3.DatabaseError as e:
-        raise JournalError(f"{path}: cannot create the journal: {e}") from None
-    finally:
-        for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
-            with contextlib.suppress(OSError):
-                os.unlink(leftover)
-
-
 @dataclass(frozen=True)
 class StoredEntry:
     """An entry as stored: its details as JSON has them (`ptb journal --json`; the storage's
@@ -382,22 +201,25 @@ class SqliteJournal:
         self._lock = threading.RLock()
         self.read_only = read_only
         self._schema = SCHEMA_VERSION
-        if not _exists(self.path):
+        if not exists(self.path):
             if not create or read_only:
                 raise JournalError(f"no journal at {self.path}")
-            _create(self.path)
-        _check_file(self.path)
-        if not read_only and not _writable_folder(self.path):
+            create_file(self.path)
+        check_file(self.path)
+        if not read_only and not writable_folder(self.path):
             raise JournalError(f"{self.path}: cannot write the journal: its folder is on a "
                                f"read-only medium or not writable (`ptb journal` reads it)")
         try:
             self._db = self._connect()
-        except _FAILURES as e:
-            raise JournalError(f"{self.path}: cannot open the journal: {_said(e)}") from None
+        except FAILURES as e:
+            raise JournalError(f"{self.path}: cannot open the journal: {said(e)}") from None
         try:
-            self._check_contents()
+            self._schema = check_contents(self._db, self.path)
+            if self._schema < SCHEMA_VERSION and not read_only:
+                upgrade(self._db, self.path)
+                self._schema = SCHEMA_VERSION
             if not read_only:
-                with _sqlite_errors(self.path, "opening the journal"):
+                with sqlite_errors(self.path, "opening the journal"):
                     self._db.execute("PRAGMA journal_mode=WAL")
                     self._db.execute(f"PRAGMA synchronous={synchronous}")
                     # SQLite checkpoints inside the commit that fills the log past 1,000
@@ -418,7 +240,7 @@ class SqliteJournal:
 
     def _connect(self) -> sqlite3.Connection:
         db = self._open()
-        db.text_factory = _text
+        db.text_factory = text_from_sqlite
         return db
 
     def _open(self) -> sqlite3.Connection:
@@ -432,7 +254,7 @@ class SqliteJournal:
             db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
             return db
         except sqlite3.OperationalError:
-            if not _read_only_medium(self.path):
+            if not read_only_medium(self.path):
                 raise
         db.close()
         # a write-ahead-log database on a read-only medium without the log's shared-memory
@@ -466,100 +288,6 @@ class SqliteJournal:
                     pass             # busy or gone: the next round, or the writer's close
         finally:
             db.close()
-
-    def _check_contents(self) -> None:
-        """Integrity (quick_check: every page readable and well formed), then the journal's own
-        tables and schema version, and the columns that version has."""
-        try:
-            problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
-            tables = {r[0] for r in self._db.execute(
-                "SELECT name FROM sqlite_master WHERE type='table'")}
-        except _FAILURES as e:
-            raise _refuse(self.path, f"damaged ({_said(e)})") from None
-        if problems != ["ok"]:
-            raise _refuse(self.path, "damaged (integrity check: "
-                          + "; ".join(_one_line(str(p)) for p in problems[:3])
-                          + (f"; {len(problems) - 3} more" if len(problems) > 3 else "") + ")")
-        if not _TABLES <= tables:
-            raise _refuse(self.path, "an SQLite file without the journal's tables "
-                          f"(missing {', '.join(sorted(_TABLES - tables))})")
-        schema = self._schema_in_file()
-        if schema >= 2 and "shared_values" not in tables:
-            raise _refuse(self.path, f"a journal of schema {schema} without its shared_values "
-                          "table")
-        self._check_columns(schema)
-        self._schema = schema
-        if schema < SCHEMA_VERSION and not self.read_only:
-            self._upgrade()
-
-    def _schema_in_file(self) -> int:
-        """The schema version the journal says it has (one this program reads)."""
-        with _sqlite_errors(self.path, "reading the schema version"):
-            rows = self._db.execute("SELECT value FROM meta WHERE +key='schema'").fetchall()
-        if not rows:
-            raise _refuse(self.path, "no schema version recorded")
-        if len(rows) > 1:
-            raise _refuse(self.path, f"damaged ({len(rows)} schema versions recorded)")
-        value = rows[0][0]
-        if type(value) is not str:
-            raise _refuse(self.path, f"damaged (its schema version is not text: {value!r})")
-        if value not in ("1", "2", str(SCHEMA_VERSION)):
-            raise JournalError(f"{self.path} has journal schema {value!r}, this program "
-                               f"reads schemas 1 to {SCHEMA_VERSION}")
-        return int(value)
-
-    def _check_columns(self, schema: int) -> None:
-        """The tables have the columns of `schema`: a version changed by damage (a schema 3
-        journal read as 2 would go unchecked) or a damaged table definition is refused."""
-        with _sqlite_errors(self.path, "reading the tables' columns"):
-            for table, want in _COLUMNS[schema].items():
-                got = tuple(r[1] for r in self._db.execute(f"PRAGMA table_info({table})"))
-                if got != want:
-                    raise _refuse(self.path, f"damaged (schema {schema}, but table {table} "
-                                  f"has columns {', '.join(map(str, got)) or 'none'})")
-
-    def _upgrade(self) -> None:
-        """Schema 1 or 2 -> 3 in one transaction: the columns of each version added, every row
-        sealed as it is (none refers to a shared value before 2); the index by kind dropped
-        (reads do not use it). A second process that opened the same journal meanwhile finds
-        it done."""
-        with _sqlite_errors(self.path, f"bringing the journal to schema {SCHEMA_VERSION}"):
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                was = self._schema_in_file()
-                if was == 1:
-                    self._db.execute("ALTER TABLE events ADD COLUMN shares INTEGER NOT NULL "
-                                     "DEFAULT 0")
-                    self._db.execute(_SHARED_TABLE)
-                if was < 3:
-                    self._check_columns(2)
-                    self._db.execute("ALTER TABLE events ADD COLUMN checksum TEXT NOT NULL "
-                                     "DEFAULT ''")
-                    self._db.execute("ALTER TABLE intended ADD COLUMN checksum TEXT NOT NULL "
-                                     "DEFAULT ''")
-                    self._db.execute("DROP INDEX IF EXISTS events_kind")
-                    self._seal_all()
-                    self._db.execute("UPDATE meta SET value=? WHERE key='schema'",
-                                     (str(SCHEMA_VERSION),))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        self._schema = SCHEMA_VERSION
-        if was < SCHEMA_VERSION:
-            log.info("%s: journal brought from schema %d to %d", self.path, was,
-                     SCHEMA_VERSION)
-
-    def _seal_all(self) -> None:
-        """Every row's checksum, from the row as it is (the upgrade to schema 3)."""
-        db = self._db
-        rows = db.execute("SELECT seq, ts, kind, cause, latency_s, details, shares "
-                          "FROM events").fetchall()
-        db.executemany("UPDATE events SET checksum=? WHERE seq=?",
-                       [(_event_seal(*row), row[0]) for row in rows])
-        rows = db.execute("SELECT rowid, switch, circuits, seq FROM intended").fetchall()
-        db.executemany("UPDATE intended SET checksum=? WHERE rowid=?",
-                       [(_intended_seal(*row[1:]), row[0]) for row in rows])
 
     def close(self) -> None:
         self._closing.set()
@@ -609,7 +337,7 @@ class SqliteJournal:
         and the deferred entries it held, lost, are named."""
         try:
             yield
-        except _FAILURES as e:
+        except FAILURES as e:
             lost = ""
             if not self._db.in_transaction:
                 self._storing.clear()
@@ -617,7 +345,7 @@ class SqliteJournal:
                 if gone:
                     lost = (f"; the transaction was rolled back and the {len(gone)} deferred "
                             f"entries before it (seq {gone[0]}..{gone[-1]}) are lost")
-            raise JournalError(f"{self.path}: {doing} failed: {_said(e)}{lost}") from e
+            raise JournalError(f"{self.path}: {doing} failed: {said(e)}{lost}") from e
 
     def record(self, details: Details, cause: str = "", latency_s: float | None = None,
                ts: float | None = None, *, defer: bool = False) -> int:
@@ -684,7 +412,7 @@ class SqliteJournal:
             "INSERT INTO events (seq, ts, kind, cause, latency_s, details, shares, checksum) "
             "VALUES (?,?,?,?,?,?,?,?)",
             (seq, ts, kind, cause, latency_s, details, shares,
-             _event_seal(seq, ts, kind, cause, latency_s, details, shares)))
+             event_seal(seq, ts, kind, cause, latency_s, details, shares)))
         return seq
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:
@@ -732,7 +460,7 @@ class SqliteJournal:
                         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
                                                ).fetchone()[0]
                     self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?,?)",
-                                     (name, text, seq, _intended_seal(name, text, seq)))
+                                     (name, text, seq, intended_seal(name, text, seq)))
                 self._db.execute("RELEASE intended")
             except BaseException:
                 if self._db.in_transaction:        # (else SQLite rolled it all back)
@@ -748,7 +476,7 @@ class SqliteJournal:
     def intended(self) -> dict[str, list[tuple[int, int]]]:
         """Every switch's intended circuits, as last set; a row that does not match its
         checksum, names a switch twice or does not hold circuits is a JournalError."""
-        with self._lock, _sqlite_errors(self.path, "reading the intended circuits"):
+        with self._lock, sqlite_errors(self.path, "reading the intended circuits"):
             self.flush()
             sealed = self._current_schema() >= 3
             rows = self._db.execute(
@@ -757,7 +485,7 @@ class SqliteJournal:
         out: dict[str, list[tuple[int, int]]] = {}
         for rowid, name, text, seq, checksum in rows:
             where = f"the intended circuits of switch {name!r} (row {rowid})"
-            if sealed and checksum != _intended_seal(name, text, seq):
+            if sealed and checksum != intended_seal(name, text, seq):
                 raise JournalError(f"{self.path}: damaged: {where} do not match their "
                                    "checksum")
             if type(name) is not str or name in out:
@@ -777,9 +505,9 @@ class SqliteJournal:
         """The schema to read with: a writer may have brought the journal to schema 3 since
         it was opened to be read."""
         if self._schema < SCHEMA_VERSION:
-            now = self._schema_in_file()
+            now = schema_in_file(self._db, self.path)
             if now != self._schema:
-                self._check_columns(now)
+                check_columns(self._db, self.path, now)
                 self._schema = now
         return self._schema
 
@@ -823,7 +551,7 @@ class SqliteJournal:
         if limit is not None:
             query += " LIMIT ?"
             args.append(int(limit))
-        with self._lock, _sqlite_errors(self.path, "reading the entries"):
+        with self._lock, sqlite_errors(self.path, "reading the entries"):
             self.flush()
             schema = self._current_schema()
             query = query.format(shares="shares" if schema >= 2 else "0",
@@ -831,7 +559,7 @@ class SqliteJournal:
             rows = self._db.execute(query, args).fetchall()
             details = []
             for row in rows:
-                if schema >= 3 and row[7] != _event_seal(*row[:7]):
+                if schema >= 3 and row[7] != event_seal(*row[:7]):
                     raise JournalError(f"{self.path}: damaged: entry {row[0]} does not match "
                                        "its checksum")
                 try:
