@@ -21,7 +21,9 @@ started again repairs only what differs and finishes the swap without extra swit
 The journal is synced twice per failover, not once per entry: detection, decision and intended
 circuits together before any switch moves; what was applied and verified together with the rank
 map and restart order before the job hears it (`Journal.record(defer=True)`). A phase switch
-syncs its intended circuits before moving; its outcome entry follows after the grant.
+syncs its decision (`PhaseIntent`: the job, its phase and round) with its intended circuits
+before moving, so a restarted agent names the phase exactly; its outcome entry (what moved)
+follows after the grant.
 
 `Agent` is the facade of parts with one job each: `pool.GpuPool` (who holds which GPU, spares,
 health, quarantine, allocation), `writer.SwitchWriter` (each job's part of every switch, the
@@ -49,6 +51,7 @@ from photonic_testbed.hil.agent.entries import (
     Detected,
     JobFailure,
     Note,
+    PhaseIntent,
     PhaseSwitched,
     RankMapAnnounced,
     Release,
@@ -259,7 +262,10 @@ class Agent:
                 cause = f"{j.name}: {cause}"
             previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
-            applied = self.writer.apply(j.name, targets, cause, record=False)
+            # the phase in force, journaled before the grant, with its intended circuits
+            intent = PhaseIntent(job=j.name, phase=key[0], round=key[1]) \
+                if key != previous else None
+            applied = self.writer.apply(j.name, targets, cause, record=False, decision=intent)
             if self.config.verify_phases:
                 if self.diagnosis.verify(self.diagnosis.points(targets, None), cause, t0):
                     self._alarm(f"{cause}: circuits do not verify",
@@ -314,7 +320,8 @@ class Agent:
                 cause = f"{j.name}: {cause}"
             targets = j.circuits.refresh(nxt)
             j.phase = nxt
-            applied = self.writer.apply(j.name, targets, cause, record=False)
+            applied = self.writer.apply(j.name, targets, cause, record=False, decision=PhaseIntent(
+                job=j.name, phase=nxt[0], round=nxt[1], ahead=True))
             if self.config.verify_phases and self.diagnosis.verify(
                     self.diagnosis.points(targets, None), cause, t0):
                 self._alarm(f"{cause}: circuits do not verify",
