@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -162,11 +163,11 @@ class AgentProcess(NoEvents):
     def __init__(self, rig: Rig, journal_path: str, *, config: AgentConfig | None = None,
                  timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False):
         """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
-        (the `ptb agent` process): the heap is settled (`common.heap`) once started and after
-        each admission, once its answer has gone."""
+        (the `ptb agent` process): the heap is settled (`common.heap`) once started (a job's
+        circuits, worked out beside the agent, come as arrays: nothing to settle after an
+        admission)."""
         self.rig = rig
         self._settle_heap = settle_heap
-        self._admitted = False                      # since the heap was last settled
         self.keys = rig.client_keys()
         self.timeout = timeout
         self.journal = SqliteJournal(journal_path, journal_sync)
@@ -302,9 +303,6 @@ class AgentProcess(NoEvents):
                 (server.router.poll(0) or sub.sub.poll(0)):
             return
         self._publish()
-        if self._admitted and self._settle_heap:
-            self._admitted = False
-            heap.settle("an admission")     # its plan is kept for the job's life
 
     # --- inputs -----------------------------------------------------------------------------
     def _read_power(self, switch: str, port: int) -> float:
@@ -349,19 +347,26 @@ class AgentProcess(NoEvents):
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
 
-    def _admit(self, args: schema.Admit) -> dict:
-        try:
-            plan = JobPlan.from_dict(args.plan, max_world=len(self.agent.layout.gpus))
-        except (KeyError, PlanError) as e:
-            raise AgentError(f"admit needs a job plan: {e}") from None
+    def _admit(self, args: schema.Admit) -> Future:
+        """Answered once the job's circuits are worked out, beside the agent (its other
+        requests are answered meanwhile: `Agent.admit_later`)."""
         rank_map = args.rank_map
-        name = args.job or plan.name
-        got = self.agent.admit(plan, None if rank_map is None
-                               else {int(r): g for r, g in rank_map.items()}, job=name)
-        self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
-        self._admitted = True
-        return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
-                "restart_seq": self._order(name)["seq"]}
+        admitted = self.agent.admit_later(args.plan, None if rank_map is None
+                                          else {int(r): g for r, g in rank_map.items()},
+                                          job=args.job)
+        answer: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                name, got = f.result()
+            except BaseException as e:
+                answer.set_exception(e)
+                return
+            self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
+            answer.set_result({"job": name, "rank_map": {str(r): g for r, g in got.items()},
+                               "restart_seq": self._order(name)["seq"]})
+        admitted.add_done_callback(done)
+        return answer
 
     def _rejoin(self, args: schema.Rejoin) -> dict:
         """A running job tells a (re)started agent where it stands: its plan, the rank map it

@@ -11,7 +11,7 @@ journal's intended circuits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,13 +76,13 @@ class SwitchWriter:
 
     # --- writing ----------------------------------------------------------------------------
     def apply(self, job: str, targets: Targets, cause: str, record: bool = True,
-              decision: Details | None = None) -> Took:
+              decisions: Sequence[Details] = ()) -> Took:
         """Make `job`'s part of every switch `targets`, leaving every other job's part alone:
         journal, then apply, every switch whose circuits (the union of the jobs' parts) differ;
         {switch: (its report, seconds)}. With record=False the caller journals the change and
         its outcome in its own entry (phase rails: one entry per phase switch), with
-        `reported`, once the job has its grant. `decision`: journaled first, durable with the
-        intended circuits (the one sync they pay for), or at once when no switch moves."""
+        `reported`, once the job has its grant. `decisions`: journaled first, durable with
+        the intended circuits (the one sync they pay for), or at once when no switch moves."""
         todo: dict[str, Circuits] = {}
         for s, c in targets.items():
             parts = self._held.setdefault(s, {})
@@ -96,8 +96,8 @@ class SwitchWriter:
                     union.update(part)
             if self._current.get(s) != union:
                 todo[s] = union
-        if decision is not None:
-            self.journal.record(decision, cause, defer=bool(todo))
+        for k, decision in enumerate(decisions):
+            self.journal.record(decision, cause, defer=bool(todo) or k < len(decisions) - 1)
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
