@@ -206,7 +206,8 @@ def test_circuits_worked_out_beside_the_agent_are_those_worked_out_in_it(tmp_pat
         name, ranks = agent.admit_later(plan.to_dict()).result(WAIT_S)
         beside = agent.jobs[name].circuits
         here = policies.JobCircuits(plan, layout, ranks)
-        assert list(beside.targets) == list(here.targets) and beside.size == here.size == 56 + 7 * 64
+        assert list(beside.targets) == list(here.targets)
+        assert beside.size == here.size == 56 + 7 * 64          # the chain's, the rounds'
         assert all(beside.targets[k] == here.targets[k] for k in here.targets)
         for r in (0, 7, 9, 63):
             assert beside.by_rank.keys(r) == here.by_rank.keys(r)

@@ -297,51 +297,56 @@ def _bound(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> None:
+def serve(inp: BinaryIO, out: IO[bytes]) -> None:
     """The worker: its set-up, then a plan to read, then the circuits of a rank map, and so
-    on, each answered; a refusal says why (with `True` when its memory ran out)."""
+    on, each answered; a refusal says why (with `True` when its memory ran out, and the worker
+    ends). It ends too when its parent is gone (its input closed, or its output)."""
+    plan: JobPlan | None = None
+    memory_mb = 0
     try:
         layout, matchings, memory_mb = _read_message(inp)
-    except EOFError:                        # (its parent gone before it asked anything)
+        _bound(memory_mb)
+        while True:
+            plan, refusal = _answer(_read_message(inp), plan, layout, matchings, out)
+            if refusal is not None:
+                _write_message(out, ("refused", refusal, False))
+    except MemoryError:
+        name = plan.name if plan is not None else "?"
+        _write_message(out, ("refused", f"job {name!r}: working out its circuits needs more "
+                                        f"than the {memory_mb} MB an admission may take: "
+                                        "refused", True))
+    except (EOFError, BrokenPipeError):
         return
-    _bound(memory_mb)
-    plan: JobPlan | None = None
-    while True:
-        try:
-            message = _read_message(inp)
-        except EOFError:
-            return
-        try:
-            if message[0] == "plan":
-                _, data, max_world, job_links = message
-                try:
-                    plan = JobPlan.from_dict(data, max_world=max_world)
-                except PlanError as e:
-                    _write_message(out, ("refused", f"admit needs a job plan: {e}", False))
-                    continue
-                keys, links = plan_size(plan, matchings)
-                if links > job_links:
-                    _write_message(out, ("refused", (
-                        f"job {plan.name!r}: its plan has {links:,} rank links over {keys:,} "
-                        f"(phase, round)s, more than the {job_links:,} one admission may "
-                        "work out: refused"), False))
-                    continue
-                _write_message(out, ("plan", plan, links))
-            elif message[0] == "circuits" and plan is not None:
-                try:
-                    circuits = policies.JobCircuits(plan, layout, message[1], matchings)
-                except (policies.PolicyError, PlanError) as e:
-                    _write_message(out, ("refused", f"job {plan.name!r} does not fit rack "
-                                                    f"{layout.name!r}: {e}", False))
-                    continue
-                _write_message(out, ("circuits", circuits.by_rank, policies.PackedTargets(
-                    list(layout.switches), circuits.targets), circuits.size))
-                del circuits
-            else:
-                _write_message(out, ("refused", f"the admission's worker was asked "
-                                                f"{message[0]!r} out of turn", False))
-        except MemoryError:
-            _write_message(out, ("refused", (
-                f"job {plan.name if plan is not None else '?'!r}: working out its circuits "
-                f"needs more than the {memory_mb} MB an admission may take: refused"), True))
-            return
+
+
+def _answer(message: tuple, plan: JobPlan | None, layout: RackLayout, matchings: Matchings,
+            out: IO[bytes]) -> tuple[JobPlan | None, str | None]:
+    """Answer one message; (the plan read last, the refusal to send, if any)."""
+    try:
+        if message[0] == "plan":
+            _, data, max_world, job_links = message
+            try:
+                plan = JobPlan.from_dict(data, max_world=max_world)
+            except PlanError as e:
+                return None, f"admit needs a job plan: {e}"
+            keys, links = plan_size(plan, matchings)
+            if links > job_links:
+                return plan, (f"job {plan.name!r}: its plan has {links:,} rank links over "
+                              f"{keys:,} (phase, round)s, more than the {job_links:,} one "
+                              "admission may work out: refused")
+            _write_message(out, ("plan", plan, links))
+        elif message[0] == "circuits" and plan is not None:
+            try:
+                circuits = policies.JobCircuits(plan, layout, message[1], matchings)
+            except (policies.PolicyError, PlanError) as e:
+                return plan, f"job {plan.name!r} does not fit rack {layout.name!r}: {e}"
+            _write_message(out, ("circuits", circuits.by_rank, policies.PackedTargets(
+                list(layout.switches), circuits.targets), circuits.size))
+        else:
+            return plan, f"the admission's worker was asked {message[0]!r} out of turn"
+    except (MemoryError, BrokenPipeError):
+        raise
+    except Exception as e:          # (a bug: said in the refusal, the worker goes on)
+        log.exception("the admission's worker failed")
+        return plan, f"the admission's worker failed: {type(e).__name__}: {e}"
+    return plan, None
