@@ -357,9 +357,12 @@ class AgentProcess(NoEvents):
         answer: Future = Future()
 
         def done(f: Future) -> None:
+            if f.cancelled():
+                answer.set_exception(AgentError("the agent is closing: the job was not admitted"))
+                return
             try:
                 name, got = f.result()
-            except BaseException as e:
+            except Exception as e:
                 answer.set_exception(e)
                 return
             self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
