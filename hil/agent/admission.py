@@ -118,6 +118,16 @@ class Admissions:
             self._cond.notify()
         return out
 
+    def wait(self, taken: Future[T]) -> T:
+        """`taken`'s result, waited for on the admissions' thread (a job taken on by another
+        thread), unless the admissions close meanwhile."""
+        while True:
+            try:
+                return taken.result(timeout=0.1)
+            except TimeoutError:
+                if self._closing:
+                    raise AgentError("the agent is closing: the job was not admitted") from None
+
     def close(self) -> None:
         with self._cond:
             self._closing = True

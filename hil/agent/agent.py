@@ -102,6 +102,10 @@ class Agent:
         # how the work that follows a phase's grant is done: at once, by default; a caller
         # whose grant is a reply (the agent on the bus) runs it once the reply has gone
         self.after_grant: Callable[[Callable[[], None]], None] = _now
+        # where a job whose circuits were worked out beside the agent (`admit_later`) is taken
+        # on (its switches written, its journal entries): at once, on the admissions' thread,
+        # by default; the agent on the bus, whose device clients are its loop's, runs it there
+        self.take_on: Callable[[Callable[[], None]], None] = _now
         self.jobs: dict[str, Job] = {}
         self.pool = GpuPool(layout, clock, config)
         self.writer = SwitchWriter(layout, switches, journal, clock, self._alarm)
@@ -232,9 +236,17 @@ class Agent:
                 with self._lock:
                     self.pool.unreserve(kept)
                 raise
-            with self._lock:
-                self.pool.unreserve(kept)
-                return name, self._commit(name, read, ranks, made)
+            taken: Future[tuple[str, RankMap]] = Future()
+
+            def commit() -> None:
+                try:
+                    with self._lock:
+                        self.pool.unreserve(kept)
+                        taken.set_result((name, self._commit(name, read, ranks, made)))
+                except BaseException as e:          # (the admission's answer)
+                    taken.set_exception(e)
+            self.take_on(commit)
+            return self.admissions.wait(taken)
         return self.admissions.submit(plan, len(self.layout.gpus), run)
 
     def _choose(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None

@@ -185,6 +185,8 @@ class AgentProcess(NoEvents):
         self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
         self._fresh: collections.deque[dict] = collections.deque()  # written, not published
+        # jobs to take on, their circuits worked out beside the agent (`Agent.take_on`)
+        self._taking_on: collections.deque[Callable[[], None]] = collections.deque()
         # (what the rows show: each job's rank map and every GPU's health, copied; the rows)
         self._rack_cache: tuple[tuple[dict, dict], list[dict]] | None = None
         self._wired: dict[str, tuple[dict, dict[str, str]]] = {}   # job -> (rank map, wired)
@@ -244,6 +246,7 @@ class AgentProcess(NoEvents):
                     self.rig.monitor_of(g), set()).add(a.rx)
         agent = self._agent = Agent(layout, self.switches, self.journal, self._read_power,
                                     config=self.config, events=self)
+        agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
@@ -288,7 +291,7 @@ class AgentProcess(NoEvents):
         poller.register(self.server.router, zmq.POLLIN)
         poller.register(self.sub.sub, zmq.POLLIN)
         while not stop.is_set():
-            poller.poll(50)
+            poller.poll(5 if self.server.answering else 50)     # (an admission's answer)
             self.step()
 
     def step(self) -> None:
@@ -296,6 +299,8 @@ class AgentProcess(NoEvents):
         request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
         phase request is not queued behind the journal's sync and the GUI's update."""
         self._rx.clear()              # received power is read afresh for each event
+        while self._taking_on:
+            self._taking_on.popleft()()
         sub, server = self.sub, self.server
         sub.poll(0)
         server.poll(0)
