@@ -184,9 +184,10 @@ def test_agent_killed_mid_swap_over_the_bus_finishes_without_extra_moves(opus_bu
 
 
 def test_a_snapshot_sees_every_change_answered_before_it(opus_bus, tmp_path):
-    """The agent publishes its state once no request waits (a job's next request first): a
-    snapshot queued right behind an admit still shows the admitted job. Both requests are sent
-    before either is answered, so the agent finds the snapshot waiting when the admit is done."""
+    """An admission is answered once its circuits are worked out beside the agent: a snapshot
+    queued right behind it is answered meanwhile, without the job (no request answered before
+    it had admitted it); one sent once the admit is answered shows the job, although the agent
+    publishes once no request waits. Both first requests are sent before either is answered."""
     emu, rig, path = opus_bus
     agent = _agent(path, tmp_path / "journal.db")
     try:
@@ -194,8 +195,10 @@ def test_a_snapshot_sees_every_change_answered_before_it(opus_bus, tmp_path):
             deadline = time.monotonic() + 10
             admit = c.send("admit", {"plan": dp_ring(8).to_dict(), "job": "pipelined"}, wait=5)
             snap = c.send("snapshot")
+            before = c.receive(snap, deadline)["state"]
             rank_map = c.receive(admit, deadline)["rank_map"]
-            state = c.receive(snap, deadline)["state"]
+            state = c.call("snapshot")["state"]
+        assert before["jobs"] == {}
         assert len(rank_map) == 8
         assert state["rank_map"] == rank_map
         assert list(state["jobs"]) == ["pipelined"]

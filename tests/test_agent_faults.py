@@ -173,3 +173,74 @@ def test_a_cut_receive_fibre_on_the_real_stack_evicts_only_the_deaf_gpu(tmp_path
             if host.job is not None:
                 host.job.close()
             _stop(agent)
+
+
+PHASE_KILLS = int(os.environ.get("PTB_FAULT_PHASE_KILLS", "50"))
+
+
+def _named_phase(rig, job: str) -> tuple[str, int]:
+    """The phase the agent names for `job` (its published state, as a job or the GUI reads
+    it)."""
+    with ServiceClient(rig.agent_endpoints()[0], timeout=60) as c:
+        mine = c.call("snapshot")["state"]["jobs"][job]
+    return mine["phase"], int(mine["round"])
+
+
+def test_a_restarted_agent_names_the_phase_the_job_was_last_granted(tmp_path):
+    """The agent (`ptb agent`) killed with SIGKILL at random points of 50 phase switches, over
+    the bus on the opus rig's OCS, and started again on its journal: it names the job's phase
+    as the job last was granted it (the job's own record of its grants is the truth). The
+    pipeline's circuits are all in the ring's: a restarted agent that guessed the phase from
+    the circuits on the switches named the pipeline for a ring it had granted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.hil.job.fabric_client import Fabric
+
+    rnd = random.Random(11)
+    plan = JobPlan("pp-dp", 8, (PhaseSpec("pp", "chain"), PhaseSpec("dp", "ring")))
+    keys = plan.sequence()
+    with _rig_on_bus(tmp_path, "opus", "ocs", switching_s=0.0) as (emu, rig, path):
+        journal = tmp_path / "journal.db"
+        agent = _start_agent(path, journal)
+        fabric = Fabric(*rig.agent_endpoints(), timeout=60, job="pp-dp")
+        asking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job")
+        try:
+            fabric.admit(plan)
+            took = []
+            for k in range(20):                 # how long a phase switch takes here
+                t = time.perf_counter()
+                fabric.phase(*keys[k % 2])
+                took.append(time.perf_counter() - t)
+            typical = sorted(took)[len(took) // 2]
+            granted = keys[1]
+            wrong = []
+            for k in range(PHASE_KILLS):
+                asked = keys[k % 2]
+                if rnd.random() < 0.75:
+                    # as the job has its grant: what the agent does after it is cut short
+                    got = fabric.phase(*asked)
+                    time.sleep(rnd.uniform(0.0, 0.0003))
+                    agent.send_signal(signal.SIGKILL)
+                    agent.communicate(timeout=10)
+                    agent = _start_agent(path, journal)
+                else:
+                    # before, during or just after the switch: up to twice its typical time
+                    pending = asking.submit(fabric.phase, *asked)
+                    time.sleep(rnd.uniform(0.0, 2 * typical))
+                    agent.send_signal(signal.SIGKILL)
+                    agent.communicate(timeout=10)
+                    agent = _start_agent(path, journal)
+                    got = pending.result(timeout=120)   # the old agent's answer, or the new one's
+                assert got["granted"], got
+                granted = (got["phase"], got["round"])
+                named = _until(lambda: _named_phase(rig, "pp-dp"), timeout=60,
+                               what=f"kill {k}: the restarted agent's state")
+                if named != granted:
+                    wrong.append(f"kill {k}: granted {granted}, named {named}")
+            assert wrong == []
+            assert granted == keys[(PHASE_KILLS - 1) % 2]
+        finally:
+            asking.shutdown(wait=False)
+            fabric.close()
+            _stop(agent)

@@ -41,3 +41,10 @@ def test_scale_bench_with_one_size_has_no_exponent(tmp_path):
 def test_datacenter_bench_on_opus2048(tmp_path):
     got = _bench(tmp_path, "datacenter", "--phases", "3", "--failovers", "1")
     assert got["rows"]
+
+
+def test_datacenter_bench_of_grants_during_a_heavy_admission(tmp_path):
+    got = _bench(tmp_path, "datacenter", "--admission", "--admissions", "1")
+    assert [r["case"].split(" (")[0] for r in got["rows"]] == [
+        "tenant's phase grant", "the same, during the heavy admission", "heavy admission"]
+    assert got["samples_ms"]["alone"] and got["samples_ms"]["during"]

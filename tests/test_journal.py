@@ -26,6 +26,7 @@ from photonic_testbed.hil.agent.entries import (
     builtins,
 )
 from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.agent.sqlite_file import event_seal
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 
 WRITER = """
@@ -446,7 +447,7 @@ def test_long_lists_are_kept_once_and_read_back_whole(tmp_path):
     assert _stored_bytes(path)[1] == shared
 
 
-def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
+def test_a_schema_1_journal_is_brought_to_3_with_its_entries(tmp_path):
     import sqlite3
     path = tmp_path / "old.db"
     _schema_1_journal(path)                  # (one note: 'old')
@@ -458,7 +459,7 @@ def test_a_schema_1_journal_is_brought_to_2_with_its_entries(tmp_path):
     db.execute("INSERT INTO intended VALUES ('rail0-pod0', '[[1,33]]', 1)")
     db.close()
     with SqliteJournal(path) as j:
-        assert j._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+        assert j._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
         j.record_stored("phase", "q", **_phase_details(1))
         assert [e.details for e in j.stored_entries()] == [{}, old, _phase_details(1)]
         assert j.intended() == {"rail0-pod0": [(1, 33)]}
@@ -613,7 +614,11 @@ def test_an_entry_whose_details_are_not_json_is_named(tmp_path):
         j.record_stored("note", "fine")
         seq = j.record_stored("note", "hurt", k=1)
     db = sqlite3.connect(str(path), isolation_level=None)
-    db.execute("UPDATE events SET details='{\"k\": ' WHERE seq=?", (seq,))
+    # written so by a faulty writer: the row's checksum is of what it holds
+    row = db.execute("SELECT seq, ts, kind, cause, latency_s, '{\"k\": ', shares FROM events "
+                     "WHERE seq=?", (seq,)).fetchone()
+    db.execute("UPDATE events SET details=?, checksum=? WHERE seq=?",
+               (row[5], event_seal(*row), seq))
     db.close()
     with SqliteJournal(path, read_only=True) as j:
         with pytest.raises(JournalError, match=f"damaged: the details of entry {seq} are not "

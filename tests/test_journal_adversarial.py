@@ -357,7 +357,7 @@ def test_a_reader_while_a_writer_writes_shared_entries(tmp_path):
 # ---------------------------------------------------------------- what holds: files and damage
 
 
-def test_a_schema_2_journal_without_its_shared_values_is_refused(tmp_path):
+def test_a_schema_3_journal_without_its_shared_values_is_refused(tmp_path):
     path = tmp_path / "j.db"
     with SqliteJournal(path) as j:
         j.record_stored("note", "x", c=_circuits(0), pad="p" * SHARE_ABOVE)
@@ -365,7 +365,7 @@ def test_a_schema_2_journal_without_its_shared_values_is_refused(tmp_path):
     db.execute("DROP TABLE shared_values")
     db.close()
     for read_only in (False, True):
-        with pytest.raises(JournalError, match="schema 2 without its shared_values"):
+        with pytest.raises(JournalError, match="schema 3 without its shared_values"):
             SqliteJournal(path, read_only=read_only)
 
 
@@ -396,7 +396,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_a_schema_1_journal_left_with_a_log_by_a_killed_writer(tmp_path):
     """An old agent killed -9 leaves its entries in the write-ahead log: read as schema 1
-    they are all there; opened to be written, the journal is brought to 2 with all of them."""
+    they are all there; opened to be written, the journal is brought to 3 with all of them."""
     path = tmp_path / "old.db"
     _schema_1_journal(path)
     out = subprocess.run([sys.executable, "-c", KILLED_SCHEMA_1, str(path)], timeout=60)
@@ -406,7 +406,7 @@ def test_a_schema_1_journal_left_with_a_log_by_a_killed_writer(tmp_path):
     with SqliteJournal(path, read_only=True) as r:
         assert [e.cause for e in r.stored_entries()] == causes
     with SqliteJournal(path) as j:
-        assert j._schema == 2
+        assert j._schema == 3
         j.record_stored("note", "new", c=_circuits(0), pad="p" * SHARE_ABOVE)
         got = j.stored_entries()
     assert [e.cause for e in got] == causes + ["new"]
@@ -424,7 +424,7 @@ with SqliteJournal(path) as j:
 """
 
 
-def test_two_processes_bringing_one_journal_to_schema_2_at_once(tmp_path):
+def test_two_processes_bringing_one_journal_to_schema_3_at_once(tmp_path):
     path = tmp_path / "old.db"
     _schema_1_journal(path)
     start = time.time() + 1.0

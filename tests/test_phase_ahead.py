@@ -30,7 +30,7 @@ def test_the_next_phase_is_set_up_while_the_job_computes(tmp_path):
                         fabric.phase(phase, rnd)
                         asked += 1
                         # the phase's links are up by the rack's physics when it communicates
-                        links = agent.agent.job().circuits.links[(phase, rnd)]
+                        links = agent.agent.job().plan.links()[(phase, rnd)]
                         pairs = [(rank_map[a], rank_map[b]) for a, b in links]
                         state = rack.link_map(pairs)
                         assert all(t is not None and t.up for t in state.values()), \

@@ -392,10 +392,8 @@ def test_owners_outlive_the_agent_and_an_unowned_job_is_the_operators(tmp_path):
     with secure_lumion(tmp_path, journal=journal) as s:
         with s.client("tenant-a", "agent") as a:
             a.call("admit", plan=dp_ring(4).to_dict(), job="a")
-        # a job admitted by a trusted local process (no key): no one's
-        frame = schema.encode(schema.make("request", id="local-1", op="admit", args={
-            "plan": dp_ring(4).to_dict(), "job": "b"}))
-        assert s.agent.server.handle(frame)["type"] == "reply"
+        # a job admitted in the agent's own process (no key): no one's
+        s.agent.in_loop(lambda: s.agent.agent.admit(dp_ring(4), job="b")).result(TIMEOUT_S * 3)
     with SqliteJournal(journal, read_only=True) as j:
         assert job_owners(j) == {"a": "tenant-a", "b": None}
     (tmp_path / "keys").rename(tmp_path / "old-keys")

@@ -1,7 +1,8 @@
 """The agent's orchestration: health and phase events in; circuits, rank maps and alarms out.
 
 Inputs are plain method calls, so a bus adapter (or a test) connects them directly:
-`admit(plan)`, `on_health(GpuHealth)`, `on_phase(phase, round)`, `on_job_failure(...)`,
+`admit(plan)` (or `admit_later(plan)`: a Future, its circuits worked out beside the agent),
+`on_health(GpuHealth)`, `on_phase(phase, round)`, `on_job_failure(...)`,
 `on_job_event(event)`, `release(job)`, `start()` (reconcile after a (re)start), `reconcile()`.
 Outputs go to one events object given at construction (`events.AgentEvents`; subclass
 `events.NoEvents`): `on_grant(phase, round)` (the job may communicate), `on_restart(rank_map,
@@ -21,13 +22,17 @@ started again repairs only what differs and finishes the swap without extra swit
 The journal is synced twice per failover, not once per entry: detection, decision and intended
 circuits together before any switch moves; what was applied and verified together with the rank
 map and restart order before the job hears it (`Journal.record(defer=True)`). A phase switch
-syncs its intended circuits before moving; its outcome entry follows after the grant.
+syncs its decision (`PhaseIntent`: the job, its phase and round) with its intended circuits
+before moving, so a restarted agent names the phase exactly; its outcome entry (what moved)
+follows after the grant.
 
 `Agent` is the facade of parts with one job each: `pool.GpuPool` (who holds which GPU, spares,
 health, quarantine, allocation), `writer.SwitchWriter` (each job's part of every switch, the
 journal's intent first, reconciliation), `diagnosis.Diagnosis` (verification by light,
-loopback, eviction bounds), `failover.Failover` (the swap loop) and `recovery.recover` (the
-journal read back at start). It holds the jobs and the lock, and speaks to the outside.
+loopback, eviction bounds), `failover.Failover` (the swap loop), `recovery.recover` (the
+journal read back at start) and `admission.Admissions` (a job's circuits worked out in a worker
+process, bounded, while the agent serves the others; its GPUs kept for it meanwhile). It holds
+the jobs and the lock, and speaks to the outside.
 """
 from __future__ import annotations
 
@@ -35,12 +40,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matchings
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
-from photonic_testbed.hil.agent import policies
+from photonic_testbed.hil.agent import admission, policies
+from photonic_testbed.hil.agent.admission import Admissions
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.diagnosis import Diagnosis
 from photonic_testbed.hil.agent.entries import (
@@ -49,6 +56,7 @@ from photonic_testbed.hil.agent.entries import (
     Detected,
     JobFailure,
     Note,
+    PhaseIntent,
     PhaseSwitched,
     RankMapAnnounced,
     Release,
@@ -94,6 +102,10 @@ class Agent:
         # how the work that follows a phase's grant is done: at once, by default; a caller
         # whose grant is a reply (the agent on the bus) runs it once the reply has gone
         self.after_grant: Callable[[Callable[[], None]], None] = _now
+        # where a job whose circuits were worked out beside the agent (`admit_later`) is taken
+        # on (its switches written, its journal entries): at once, on the admissions' thread,
+        # by default; the agent on the bus, whose device clients are its loop's, runs it there
+        self.take_on: Callable[[Callable[[], None]], None] = _now
         self.jobs: dict[str, Job] = {}
         self.pool = GpuPool(layout, clock, config)
         self.writer = SwitchWriter(layout, switches, journal, clock, self._alarm)
@@ -103,6 +115,8 @@ class Agent:
         self.failover = Failover(layout, self.pool, self.writer, self.diagnosis, journal,
                                  clock, self._alarm, self._announce, matchings=matchings,
                                  loss_db=loss_db)
+        # jobs' circuits worked out beside the agent (`admit_later`), one at a time
+        self.admissions = Admissions(layout, matchings)
         self._lock = threading.RLock()
 
     # --- jobs -----------------------------------------------------------------------------
@@ -165,6 +179,7 @@ class Agent:
             self.pool.return_to_pool(gpu)
 
     def close(self) -> None:
+        self.admissions.close()
         self.writer.close()
 
     def _alarm(self, text: str, about: Alarm) -> None:
@@ -191,46 +206,119 @@ class Agent:
     # --- job admission and phases ----------------------------------------------------------
     def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None,
               job: str | None = None, owner: str | None = None) -> RankMap:
-        """Take on a job (named `job`, its plan's name by default): GPUs for its ranks
-        (given, or allocated), every phase's circuits, and its first phase set up. Admitting
-        a job of a name already admitted takes it on afresh. `owner`: the key whose job it
-        is (journaled with the admission)."""
+        """Take on a job (named `job`, its plan's name by default; `owner`, the key whose job
+        it is): GPUs for its ranks (given, or allocated), every phase's circuits, worked out
+        holding the agent (`admit_later`: beside it), and its first phase set up. Admitting a
+        job of a name already admitted takes it on afresh."""
         with self._lock:
             name = job or plan.name
-            old = self.jobs.get(name)
-            if old is not None:
-                # Decided as if the old admission's GPUs were free; nothing of it changes
-                # unless the new one is accepted.
-                self.pool.give_back(list(old.rank_map.values()))
+            ranks = self._choose(name, plan, rank_map)
             try:
-                rank_map, circuits = self._admission(name, plan, rank_map)
-            except BaseException:
-                if old is not None:
-                    self.pool.take(name, list(old.rank_map.values()))
-                raise
-            if old is not None:
-                self._release(old, f"job {name} admitted again", journal=False)
-            new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(rank_map))
-            self.jobs[name] = new
-            self.pool.take(name, list(rank_map.values()))
-            self.journal.record(Admit(job=name, plan=plan.to_dict(), rank_map=rank_map,
-                                      owner=owner), f"admit job {name}")
-            self.writer.apply(new.name, circuits.targets[new.phase], f"job {name} admitted")
-            self._announce(new, f"job {name} admitted", restart=False)
-            return dict(rank_map)
+                circuits = policies.JobCircuits(plan, self.layout, ranks, self.matchings)
+            except (policies.PolicyError, PlanError) as e:
+                raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
+                                 f"{e}") from None
+            return self._commit(name, plan, ranks, circuits, owner)
 
-    def _admission(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None
-                   ) -> tuple[RankMap, policies.JobCircuits]:
-        """The GPUs (given, checked; or allocated) and circuits of a job to admit; changes
-        nothing."""
-        ranks = self.pool.check(name, plan, self.pool.allocate(plan) if rank_map is None
-                                else rank_map)
+    def admit_later(self, plan: Mapping[str, Any], rank_map: Mapping[int, str] | None = None,
+                    job: str | None = None, owner: str | None = None,
+                    approve: Callable[[str], object] = lambda name: None
+                    ) -> Future[tuple[str, RankMap]]:
+        """`admit` off the hot path: the plan (its dict, as it came) read and its circuits
+        worked out in the admissions' worker (`hil.agent.admission`, bounded in time, memory
+        and size), while the agent serves its other jobs; its GPUs are kept for it meanwhile.
+        `approve(name)` is asked as the job is taken on (what it raises refuses it). The Future
+        gives (the job's name, its rank map), or the error that refused it."""
+        def run(read: JobPlan, links: int, circuits: Callable[[RankMap], policies.JobCircuits]
+                ) -> tuple[str, RankMap]:
+            name = job or read.name
+            with self._lock:
+                ranks, kept = self._reserve(name, read, rank_map, links)
+            try:
+                made = circuits(ranks)              # the agent is not held meanwhile
+            except BaseException:
+                with self._lock:
+                    self.pool.unreserve(kept)
+                raise
+            taken: Future[tuple[str, RankMap]] = Future()
+
+            def commit() -> None:
+                try:
+                    with self._lock:
+                        self.pool.unreserve(kept)
+                        approve(name)
+                        taken.set_result((name, self._commit(name, read, ranks, made, owner)))
+                except BaseException as e:          # (the admission's answer)
+                    taken.set_exception(e)
+            self.take_on(commit)
+            return self.admissions.wait(taken)
+        return self.admissions.submit(plan, len(self.layout.gpus), run)
+
+    def _choose(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None
+                ) -> RankMap:
+        """The GPUs of a job to admit (given, checked; or allocated), decided as if an earlier
+        admission of its name held none (nothing of it changes unless the new one is
+        accepted); changes nothing."""
+        old = self.jobs.get(name)
+        if old is not None:
+            self.pool.give_back(list(old.rank_map.values()))
         try:
-            circuits = policies.JobCircuits(plan, self.layout, ranks, self.matchings)
-        except (policies.PolicyError, PlanError) as e:
-            raise AgentError(f"job {plan.name!r} does not fit rack {self.layout.name!r}: "
-                             f"{e}") from None
-        return ranks, circuits
+            return self.pool.check(name, plan, self.pool.allocate(plan) if rank_map is None
+                                   else rank_map)
+        finally:
+            if old is not None:
+                self.pool.take(name, list(old.rank_map.values()))
+
+    def _reserve(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None,
+                 links: int) -> tuple[RankMap, list[str]]:
+        """A job to admit beside the agent: within the rank links all jobs may hold
+        (`admission.ALL_LINKS`), its GPUs chosen and those no job holds kept for it."""
+        old = self.jobs.get(name)
+        held = sum(j.circuits.size for j in self.jobs.values() if j is not old)
+        if held + links > admission.ALL_LINKS:
+            raise AgentError(f"job {name!r}: its {links:,} rank links and the {held:,} of the "
+                             f"jobs admitted would pass the {admission.ALL_LINKS:,} the agent "
+                             "keeps: refused")
+        ranks = self._choose(name, plan, rank_map)
+        kept = [g for g in ranks.values() if self.pool.holder(g) is None]
+        self.pool.reserve(kept)
+        return ranks, kept
+
+    def _commit(self, name: str, plan: JobPlan, ranks: RankMap,
+                circuits: policies.JobCircuits, owner: str | None) -> RankMap:
+        """Take on a job whose GPUs and circuits are decided: checked again (a failover may
+        have taken a GPU meanwhile), an earlier admission of its name released, the job
+        journaled, its first phase's circuits set and its rank map announced."""
+        old = self.jobs.get(name)
+        if old is not None:
+            self.pool.give_back(list(old.rank_map.values()))
+        try:
+            self.pool.check(name, plan, ranks)
+        except BaseException:
+            if old is not None:
+                self.pool.take(name, list(old.rank_map.values()))
+            raise
+        if old is not None:
+            # its GPUs back to the rack; its part of every switch becomes the new one's in the
+            # one write below (every switch is in a job's targets)
+            del self.jobs[name]
+        new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(ranks))
+        self.jobs[name] = new
+        self.pool.take(name, list(ranks.values()))
+        # the admission and its first phase ride the sync of that phase's intended circuits;
+        # what the switches did follows in one entry, as a phase switch's does
+        cause = f"job {name} admitted"
+        first = new.phase
+        applied = self.writer.apply(new.name, circuits.targets[first], cause, record=False,
+                                    decisions=[Admit(job=name, plan=plan.to_dict(),
+                                                     rank_map=ranks, owner=owner),
+                                               PhaseIntent(job=name, phase=first[0],
+                                                           round=first[1])])
+        self.journal.record(PhaseSwitched(phase=first[0], round=first[1], job=name,
+                                          applied=self.writer.reported(applied, cause)),
+                            cause, defer=True)
+        self._announce(new, cause, restart=False)
+        return dict(ranks)
 
     def release(self, job: str | None = None, cause: str = "") -> RankMap:
         """The job is done: its GPUs go back to the rack, its circuits are taken down."""
@@ -261,7 +349,10 @@ class Agent:
                 cause = f"{j.name}: {cause}"
             previous, j.phase, j.ready = j.phase, key, None
             targets = j.circuits.refresh(key)        # up to date after a swap
-            applied = self.writer.apply(j.name, targets, cause, record=False)
+            # the phase in force, journaled before the grant, with its intended circuits
+            intent = [PhaseIntent(job=j.name, phase=key[0], round=key[1])] \
+                if key != previous else []
+            applied = self.writer.apply(j.name, targets, cause, record=False, decisions=intent)
             if self.config.verify_phases:
                 if self.diagnosis.verify(self.diagnosis.points(targets, None), cause, t0):
                     self._alarm(f"{cause}: circuits do not verify",
@@ -316,7 +407,8 @@ class Agent:
                 cause = f"{j.name}: {cause}"
             targets = j.circuits.refresh(nxt)
             j.phase = nxt
-            applied = self.writer.apply(j.name, targets, cause, record=False)
+            applied = self.writer.apply(j.name, targets, cause, record=False, decisions=[
+                PhaseIntent(job=j.name, phase=nxt[0], round=nxt[1], ahead=True)])
             if self.config.verify_phases and self.diagnosis.verify(
                     self.diagnosis.points(targets, None), cause, t0):
                 self._alarm(f"{cause}: circuits do not verify",

@@ -30,7 +30,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
@@ -75,6 +76,7 @@ from photonic_testbed.hil.bus.state import Delete, Set, StateOp
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVENTS_KEPT = 200
 EVENT_DETAILS_BYTES = 2048   # an event's details as published, at most (the journal: whole)
@@ -182,11 +184,11 @@ class AgentProcess(NoEvents):
     def __init__(self, rig: Rig, journal_path: str, *, config: AgentConfig | None = None,
                  timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False):
         """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
-        (the `ptb agent` process): the heap is settled (`common.heap`) once started and after
-        each admission, once its answer has gone."""
+        (the `ptb agent` process): the heap is settled (`common.heap`) once started (a job's
+        circuits, worked out beside the agent, come as arrays: nothing to settle after an
+        admission)."""
         self.rig = rig
         self._settle_heap = settle_heap
-        self._admitted = False                      # since the heap was last settled
         self.keys = rig.client_keys()
         self.timeout = timeout
         self.journal = SqliteJournal(journal_path, journal_sync)
@@ -204,6 +206,8 @@ class AgentProcess(NoEvents):
         self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
         self._fresh: collections.deque[dict] = collections.deque()  # written, not published
+        # jobs to take on, their circuits worked out beside the agent (`Agent.take_on`)
+        self._taking_on: collections.deque[Callable[[], None]] = collections.deque()
         # (what the rows show: each job's rank map and every GPU's health, copied; the rows)
         self._rack_cache: tuple[tuple[dict, dict], list[dict]] | None = None
         self._wired: dict[str, tuple[dict, dict[str, str]]] = {}   # job -> (rank map, wired)
@@ -286,6 +290,7 @@ class AgentProcess(NoEvents):
         self._owners = JobOwners(agent, job_owners(self.journal))
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
                                               self.term)
+        agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
@@ -336,14 +341,30 @@ class AgentProcess(NoEvents):
         poller.register(self.server.router, zmq.POLLIN)
         poller.register(self.sub.sub, zmq.POLLIN)
         while not stop.is_set():
-            poller.poll(50)
+            poller.poll(5 if self.server.answering else 50)     # (an admission's answer)
             self.step()
+
+    def in_loop(self, work: Callable[[], T]) -> Future[T]:
+        """`work` run on the agent's loop (its next step), where the switches' clients and the
+        agent's state are used: for a caller in the agent's process on another thread, and for
+        a job whose circuits were worked out beside the agent."""
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(work())
+            except BaseException as e:
+                done.set_exception(e)
+        self._taking_on.append(run)
+        return done
 
     def step(self) -> None:
         """Handle whatever is waiting (requests, health), then publish what changed: once no
         request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
         phase request is not queued behind the journal's sync and the GUI's update."""
         self._rx.clear()              # received power is read afresh for each event
+        while self._taking_on:
+            self._taking_on.popleft()()
         sub, server = self.sub, self.server
         sub.poll(0)
         server.poll(0)
@@ -351,9 +372,6 @@ class AgentProcess(NoEvents):
                 (server.router.poll(0) or sub.sub.poll(0)):
             return
         self._publish()
-        if self._admitted and self._settle_heap:
-            self._admitted = False
-            heap.settle("an admission")     # its plan is kept for the job's life
 
     # --- inputs -----------------------------------------------------------------------------
     def _read_power(self, switch: str, port: int) -> float:
@@ -398,22 +416,38 @@ class AgentProcess(NoEvents):
     def _order(self, job: str) -> dict:
         return dict(self._orders.get(job, NO_ORDER))
 
-    def _admit(self, args: schema.Admit) -> dict:
-        try:
-            plan = JobPlan.from_dict(args.plan, max_world=len(self.agent.layout.gpus))
-        except (KeyError, PlanError) as e:
-            raise AgentError(f"admit needs a job plan: {e}") from None
+    def _admit(self, args: schema.Admit) -> Future:
+        """Answered once the job's circuits are worked out, beside the agent (its other
+        requests are answered meanwhile: `Agent.admit_later`)."""
         rank_map = args.rank_map
-        name = args.job or plan.name
-        owner = self.owners.claim(self.server.caller, name, "admit")
-        got = self.agent.admit(plan, None if rank_map is None
-                               else {int(r): g for r, g in rank_map.items()}, job=name,
-                               owner=owner)
-        self.owners.set(name, owner)
-        self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
-        self._admitted = True
-        return {"job": name, "rank_map": {str(r): g for r, g in got.items()},
-                "restart_seq": self._order(name)["seq"]}
+        name = args.job or args.plan.get("name")
+        if not isinstance(name, str) or not name:
+            raise AgentError("admit needs a job plan: its 'name' (a string), or a job name")
+        who = self.server.caller
+
+        def approve(name: str) -> str | None:     # (asked again as the job is taken on)
+            return self.owners.claim(who, name, "admit")
+        owner = approve(name)
+        admitted = self.agent.admit_later(args.plan, None if rank_map is None
+                                          else {int(r): g for r, g in rank_map.items()},
+                                          job=name, owner=owner, approve=approve)
+        answer: Future = Future()
+
+        def done(f: Future) -> None:     # on this loop, as the agent's state is read here
+            if f.cancelled():
+                answer.set_exception(AgentError("the agent is closing: the job was not admitted"))
+                return
+            try:
+                name, got = f.result()
+            except Exception as e:
+                answer.set_exception(e)
+                return
+            self.owners.set(name, owner)
+            self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
+            answer.set_result({"job": name, "rank_map": {str(r): g for r, g in got.items()},
+                               "restart_seq": self._order(name)["seq"]})
+        admitted.add_done_callback(lambda f: self.in_loop(lambda: done(f)))
+        return answer
 
     def _rejoin(self, args: schema.Rejoin) -> dict:
         """A running job tells a (re)started agent where it stands: its plan, the rank map it

@@ -2,11 +2,12 @@
 the same type (`Journal.record(Admit(...), cause=...)`, `Journal.entries()`).
 
 An entry's kind is its own column of the journal; its details are the Struct's fields, as JSON
-(the fields left at their defaults are not written). Decisions come in four forms: `Admit`,
-`Swap` and `Release` say which in their `action`; `Intent` (the circuits a switch is to hold,
-written by the journal itself before the switch moves) has none. The types read every journal
-the agent has written, those of version 0.2 and of schema 1 included: what older agents left
-out has a default here (a job's name, the whole rank map of an early `rank_map` entry).
+(the fields left at their defaults are not written). Decisions come in five forms: `Admit`,
+`Swap`, `Release` and `PhaseIntent` say which in their `action`; `Intent` (the circuits a switch
+is to hold, written by the journal itself before the switch moves) has none. The types read
+every journal the agent has written, those of version 0.2 and of schema 1 included: what older
+agents left out has a default here (a job's name, the whole rank map of an early `rank_map`
+entry).
 
 `words(details)` gives an entry's details as a person reads them (`ptb journal`, the GUI's
 events view): `swaps: gpu3 → spare0; added: 1 → 18`.
@@ -96,6 +97,17 @@ class Manual(Decision, tag="manual"):
     first: int | None = None
     volts: list[float] | None = None
     laser: dict[str, Any] | None = None
+
+
+class PhaseIntent(Decision, tag="phase"):
+    """A job's (phase, round) decided, before its circuits are made: durable with their
+    intended circuits (one sync), so that a restarted agent names the phase the job was last
+    granted exactly. `ahead`: set up while the job computes (it takes the grant from the
+    agent's state, `ready`)."""
+    job: str | None = None
+    phase: str = ""
+    round: int = 0
+    ahead: bool = False
 
 
 class Intent(Details):
@@ -218,7 +230,7 @@ class Unread(Details):
     fields: dict[str, Any] = {}
 
 
-AnyDecision = Admit | Swap | Release | Manual
+AnyDecision = Admit | Swap | Release | Manual | PhaseIntent
 _TYPES: dict[str, type[Details]] = {t.kind: t for t in (
     Start, JobFailure, Detected, Decision, Applied, Verified, VerifyFailed, RankMapAnnounced,
     RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback)}

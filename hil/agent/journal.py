@@ -72,12 +72,14 @@ class Journal(Protocol):
         ...
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
-        """Every switch's intended circuits, as last set."""
+        """Every switch's intended circuits, as last set (checked as `entries` are)."""
         ...
 
     def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
                 limit: int | None = None) -> list[Entry]:
-        """The entries after `since`, of `kinds` (all by default), oldest first."""
+        """The entries after `since`, of `kinds` (all by default), oldest first, each exactly
+        as written: one that is not (damage) is a JournalError naming it, never another
+        value."""
         ...
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -143,18 +143,33 @@ class JobCircuits:
 
     def __init__(self, plan: JobPlan, layout: RackLayout, rank_map: Mapping[int, str],
                  matchings: Callable[[int], list[list[tuple[int, int]]]] = round_robin_matchings):
+        self._hold(plan, layout, rank_map)
+        links = plan.links(len(self.rank_map), matchings)
+        self.size = sum(len(x) for x in links.values())    # rank links, every phase's
+        # rank -> {(phase, round): its links there}
+        self.by_rank = _RankIndex(links)
+        self.targets: Mapping[Key, Targets] = {
+            key: circuits_for(layout, self.rank_map, x) for key, x in links.items()}
+
+    def _hold(self, plan: JobPlan, layout: RackLayout, rank_map: Mapping[int, str]) -> None:
         self.layout, self.plan = layout, plan
         self.rank_map: RankMap = {int(r): str(g) for r, g in rank_map.items()}
         self.rank_of = {g: r for r, g in self.rank_map.items()}
         if len(self.rank_of) != len(self.rank_map):
             raise PolicyError("a GPU holds two ranks in the rank map")
-        self.links = plan.links(len(self.rank_map), matchings)
-        # rank -> {(phase, round): its links there}
-        self.by_rank = _RankIndex(self.links)
-        self.targets: dict[Key, Targets] = {
-            key: circuits_for(layout, self.rank_map, links) for key, links in self.links.items()}
         # (phase, round) -> {rank: the GPU its circuits there still name}
         self.stale: dict[Key, dict[int, str]] = {}
+
+    @classmethod
+    def assembled(cls, plan: JobPlan, layout: RackLayout, rank_map: Mapping[int, str],
+                  by_rank: _RankIndex, targets: PackedTargets, size: int) -> JobCircuits:
+        """A job's circuits worked out in another process (`hil.agent.admission`), from the
+        parts it made there: its rank index and every phase's circuits, packed."""
+        self = cls.__new__(cls)
+        self._hold(plan, layout, rank_map)
+        self.size, self.by_rank = size, by_rank
+        self.targets = targets
+        return self
 
     def _circuits(self, rank_map: Mapping[int, str], a: int, b: int):
         try:
@@ -261,47 +276,42 @@ class JobCircuits:
 
 class _RankIndex:
     """Which links each rank takes part in, per (phase, round): the links sorted by rank once
-    (numpy) and cut into one slice per rank, so that a failover asks for one rank's links of
-    one phase, or the phases a rank is in, without a dict of lists per rank and phase built at
-    admission (an all-to-all job of 2,048 ranks has half a million links: 1.2 s)."""
+    (numpy) and cut into one slice per rank when it is asked about, so that a failover asks for
+    one rank's links of one phase, or the phases a rank is in, without a dict of lists per rank
+    and phase built at admission (an all-to-all job of 2,048 ranks has half a million links:
+    1.2 s), and without a Python object per link (arrays: sent whole from the admission's
+    worker, and nothing for the cyclic collector to walk)."""
 
     def __init__(self, links: Mapping[Key, list[tuple[int, int]]]):
         self._keys = list(links)
         self._index = {key: i for i, key in enumerate(self._keys)}
-        self._links = [x for key_links in links.values() for x in key_links]
-        n = len(self._links)
-        pairs = np.fromiter(itertools.chain.from_iterable(self._links), dtype=np.int64,
-                            count=2 * n).reshape(n, 2)
-        key_of = np.repeat(np.arange(len(self._keys)), [len(v) for v in links.values()])
-        index = np.arange(n)
+        n = sum(len(v) for v in links.values())
+        pairs = np.fromiter(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(links.values())), dtype=np.int32,
+            count=2 * n).reshape(n, 2)
+        key_of = np.repeat(np.arange(len(self._keys), dtype=np.int32),
+                           [len(v) for v in links.values()])
+        index = np.arange(n, dtype=np.int32)
         other = pairs[:, 1] != pairs[:, 0]            # a link to itself is listed once
         ranks = np.concatenate([pairs[:, 0], pairs[other, 1]])
         where = np.concatenate([index, index[other]])
         order = np.lexsort((where, ranks))            # by rank, then in step order
+        self._pairs = pairs                           # the links, in step order
         self._ranks = ranks[order]
         self._where = where[order]
         self._key_of = key_of[self._where]            # the (phase, round) of each, by index
-        # rank -> (phase-round indices, link indices) of its links, in step order: numpy
-        # slices, made lists once the rank is asked about (none without links: np.split would
-        # still give one empty piece)
-        bounds = np.flatnonzero(np.diff(self._ranks)) + 1
-        starts = [0, *bounds.tolist()]
-        self._slices: dict[int, tuple[np.ndarray, np.ndarray]] = {
-            r: (k, w) for r, k, w in zip(self._ranks[starts].tolist(),
-                                         np.split(self._key_of, bounds),
-                                         np.split(self._where, bounds), strict=True)} if n else {}
         # rank -> ({phase-round index: (start, end) in its link indices}, link indices)
         self._made: dict[int, tuple[dict[int, tuple[int, int]], list[int]]] = {}
 
     def _of(self, rank: int) -> tuple[dict[int, tuple[int, int]], list[int]]:
         got = self._made.get(rank)
         if got is None:
-            cut = self._slices.get(rank)
-            if cut is None:
+            lo, hi = np.searchsorted(self._ranks, (rank, rank + 1)).tolist()
+            if lo == hi:
                 return {}, []
             spans: dict[int, tuple[int, int]] = {}
             start, prev = 0, -1
-            ks = cut[0].tolist()                   # ascending: the links are in step order
+            ks = self._key_of[lo:hi].tolist()      # ascending: the links are in step order
             for j, k in enumerate(ks):
                 if k != prev:
                     if prev >= 0:
@@ -309,7 +319,7 @@ class _RankIndex:
                     start, prev = j, k
             if prev >= 0:
                 spans[prev] = (start, len(ks))
-            got = self._made[rank] = (spans, cut[1].tolist())
+            got = self._made[rank] = (spans, self._where[lo:hi].tolist())
         return got
 
     def keys(self, rank: int) -> list[Key]:
@@ -320,8 +330,52 @@ class _RankIndex:
         """`rank`'s links in (phase, round) `key`, in their order there."""
         spans, where = self._of(rank)
         a, b = spans.get(self._index.get(key, -1), (0, 0))
-        links = self._links
-        return [links[i] for i in where[a:b]]
+        return [(x, y) for x, y in self._pairs[where[a:b]].tolist()]
+
+
+class PackedTargets(Mapping[Key, Targets]):
+    """Every (phase, round)'s circuits as three arrays (switch, input, output), as the
+    admission's worker sends them: a few array buffers, read without a Python object per
+    circuit. A (phase, round) is made a dict of switch -> circuits the first time it is asked
+    for, and kept (a swap changes it in place)."""
+
+    def __init__(self, switches: list[str], targets: Mapping[Key, Targets]):
+        self._switches = list(switches)
+        self._keys = list(targets)
+        self._index = {key: i for i, key in enumerate(self._keys)}
+        number = {s: i for i, s in enumerate(self._switches)}
+        counts = [sum(len(c) for c in t.values()) for t in targets.values()]
+        self._starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        n = int(self._starts[-1])
+        self._switch = np.fromiter((number[s] for t in targets.values() for s, c in t.items()
+                                    for _ in range(len(c))), dtype=np.int32, count=n)
+        self._ends = np.fromiter(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(c.items() for t in targets.values()
+                                          for c in t.values())), dtype=np.int32,
+            count=2 * n).reshape(n, 2)
+        self._made: dict[Key, Targets] = {}
+
+    def __getitem__(self, key: Key) -> Targets:
+        got = self._made.get(key)
+        if got is None:
+            i = self._index[key]
+            a, b = int(self._starts[i]), int(self._starts[i + 1])
+            got = {s: {} for s in self._switches}
+            names = self._switches
+            for k, (x, y) in zip(self._switch[a:b].tolist(), self._ends[a:b].tolist(),
+                                 strict=True):
+                got[names[k]][x] = y
+            self._made[key] = got
+        return got
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class _Overlay(Mapping):

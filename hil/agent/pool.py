@@ -10,7 +10,7 @@ first free workers.
 """
 from __future__ import annotations
 
-import bisect
+import heapq
 import types
 from collections.abc import Callable, Mapping
 
@@ -33,6 +33,7 @@ class GpuPool:
         self._holder: dict[str, str] = {}              # GPU -> the job holding it
         self._order = {g: i for i, g in enumerate(layout.gpus)}
         self._free: list[str] = list(layout.gpus)      # GPUs no job holds, in rack order
+        self._reserved: set[str] = set()               # ... nor any job, being admitted
         self._health: dict[str, str] = {}
         self._failed_at: dict[str, float] = {}
         self._rejected: set[str] = set()
@@ -43,18 +44,40 @@ class GpuPool:
         return self._holder.get(gpu)
 
     def take(self, job: str, gpus: list[str]) -> None:
+        self._unfree(gpus)
         for g in gpus:
             self._holder[g] = job
-            self._free.remove(g)
 
     def give_back(self, gpus: list[str]) -> None:
-        for g in gpus:
-            if self._holder.pop(g, None) is not None:
-                bisect.insort(self._free, g, key=self._order.__getitem__)
+        self._refree([g for g in gpus if self._holder.pop(g, None) is not None])
+
+    def reserve(self, gpus: list[str]) -> None:
+        """Free `gpus` are kept for a job being admitted (its circuits worked out meanwhile):
+        neither spares nor another job's until unreserved."""
+        self._unfree(gpus)
+        self._reserved.update(gpus)
+
+    def unreserve(self, gpus: list[str]) -> None:
+        back = [g for g in gpus if g in self._reserved]
+        self._reserved.difference_update(back)
+        self._refree(back)
+
+    # (a job's thousand GPUs in one pass over the free list, not one pass each)
+    def _unfree(self, gpus: list[str]) -> None:
+        gone = set(gpus)
+        kept = [g for g in self._free if g not in gone]
+        if len(kept) != len(self._free) - len(gone):
+            raise ValueError(f"GPUs not free: {sorted(gone - set(self._free))[:8]}")
+        self._free = kept
+
+    def _refree(self, gpus: list[str]) -> None:
+        order = self._order.__getitem__
+        self._free = list(heapq.merge(self._free, sorted(gpus, key=order), key=order))
 
     def release_all(self) -> None:
         """No job holds any GPU (the jobs are read from the journal afresh)."""
         self._holder.clear()
+        self._reserved.clear()
         self._free = list(self.layout.gpus)
 
     def free(self) -> list[str]:
@@ -125,15 +148,16 @@ class GpuPool:
                              f"gives {len(ranks)} ranks"
                              + ("" if len(ranks) != plan.world else
                                 f", numbered {sorted(ranks)[:8]}..."))
-        taken = [g for g in ranks.values() if g in self._holder]
+        taken = [g for g in ranks.values() if g in self._holder or g in self._reserved]
         unknown = [g for g in ranks.values() if g not in self.layout.gpus]
         if len(set(ranks.values())) != len(ranks):
             raise AgentError(f"job {name!r}: a GPU is named for two ranks")
         if unknown or taken:
+            held = [(g, self._holder.get(g, "being admitted")) for g in taken[:8]]
             raise AgentError(f"job {name!r} cannot have "
                              + (f"GPUs the rack does not have: {unknown}" if unknown else
-                                f"GPUs another job holds: "
-                                f"{[(g, self._holder[g]) for g in taken]}"))
+                                f"GPUs another job holds: {held}"
+                                + (f" (and {len(taken) - 8} more)" if len(taken) > 8 else "")))
         unusable = {g: why for g in ranks.values() if (why := self.unusable(g))}
         if unusable:
             raise AgentError(f"job {name!r} cannot have GPUs that cannot take a rank now: "
@@ -168,7 +192,7 @@ class GpuPool:
         spares = set(self.layout.spares)
         pods: dict[frozenset[str], list[str]] = {}
         for server, gpus in self.layout.server_gpus.items():
-            if all(g not in self._holder and g not in spares and
+            if all(g not in self._holder and g not in self._reserved and g not in spares and
                    self._health.get(g, "ok") == "ok" for g in gpus):
                 switches = frozenset(a.switch for g in gpus for a in self.layout.gpus[g])
                 pods.setdefault(switches, []).append(server)

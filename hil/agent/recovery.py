@@ -2,10 +2,14 @@
 
 The switches are reconciled with the journal's intended circuits first (only what differs is
 repaired). Then the jobs are read back: each admission not released since, with the rank map
-of its last swap (or of its admission) and the phase whose circuits the switches were last
-told to hold. A swap decided but never announced (the agent was killed between the two) is
-finished: its circuits made so, verified, and the job told, so the job hears of it exactly
-once and no switch moves more than it would have.
+of its last swap (or of its admission) and its phase as last decided: the admission's first
+phase, a swap's phase, or a `PhaseIntent` (journaled with the phase's intended circuits, before
+the job was granted it), the one set up ahead named `ready` until another is decided. A journal
+written before phases were decided so (no `PhaseIntent` for the job) gives its last `phase`
+entry, or the first phase whose circuits the switches were told to hold. A swap decided but
+never announced (the agent was killed between the two) is finished: its circuits made so,
+verified, and the job told, so the job hears of it exactly once and no switch moves more than
+it would have.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent import policies
 from photonic_testbed.hil.agent.entries import (
     Admit,
+    PhaseIntent,
     PhaseSwitched,
     RankMapAnnounced,
     Release,
@@ -40,11 +45,15 @@ class Recovered:
 @dataclass
 class _Found:
     """What the journal says of a job so far: its admission, its last swap (with the entry's
-    sequence number and cause), its last announced rank map and its last phase."""
+    sequence number and cause), its last announced rank map, its phase (and the one set up
+    ahead) as last decided, and whether a `PhaseIntent` said so (else the phase of its last
+    `phase` entry, in a journal of before)."""
     admit: Admit
     swap: tuple[Swap, int, str] | None = None
     announced: int = 0
     phase: Key | None = None
+    ready: Key | None = None
+    decided: bool = False
 
 
 def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> list[Recovered]:
@@ -57,7 +66,7 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
             last = d.name()
             found[last] = _Found(d)
             continue
-        if not isinstance(d, (Swap, Release, RankMapAnnounced, PhaseSwitched)):
+        if not isinstance(d, (Swap, Release, RankMapAnnounced, PhaseSwitched, PhaseIntent)):
             continue            # (a switch's intended circuits: read whole below)
         f = found.get(d.job or last)
         if f is None:
@@ -66,9 +75,14 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
             del found[d.job or last]
         elif isinstance(d, Swap):
             f.swap = (d, e.seq, e.cause)
+            if d.phase:
+                f.phase, f.ready = d.phase, None
         elif isinstance(d, RankMapAnnounced):
             f.announced = e.seq
-        elif d.phase:
+        elif isinstance(d, PhaseIntent):
+            f.phase, f.decided = (d.phase, d.round), True
+            f.ready = f.phase if d.ahead else None
+        elif d.phase and not f.decided:
             f.phase = (d.phase, d.round)
     intended = {n: dict(c) for n, c in journal.intended().items()}
     out = []
@@ -77,27 +91,32 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
         swap = f.swap[0] if f.swap is not None else None
         rank_map = dict(swap.rank_map if swap is not None else f.admit.rank_map)
         circuits = policies.JobCircuits(plan, layout, rank_map, matchings)
-        phase = f.phase
-        if swap is not None and swap.phase:
-            phase = swap.phase
-        job = Job(name, plan, circuits, phase or next(iter(circuits.targets)), dict(rank_map))
-
-        # The phase whose circuits the switches were last told to hold (a phase entry is
-        # written after its grant, so a kill just after a switch may have lost it).
-        def held(key: Key, circuits: policies.JobCircuits = circuits) -> bool:
-            targets = circuits.targets.get(key)
-            if not targets:
-                return False
-            return all(
-                all(intended.get(n, {}).get(i) == o for i, o in c.items())
-                for n, c in targets.items())
-        if not held(job.phase):
-            job.phase = next((k for k in circuits.targets if held(k)), job.phase)
+        job = Job(name, plan, circuits, f.phase or next(iter(circuits.targets)),
+                  dict(rank_map), ready=f.ready)
+        if not f.decided:
+            job.phase = _held_phase(job, circuits, intended)
         unfinished = None
         if f.swap is not None and f.swap[1] >= f.announced:
             unfinished = (f.swap[0], f.swap[2])
         out.append(Recovered(job, unfinished))
     return out
+
+
+def _held_phase(job: Job, circuits: policies.JobCircuits,
+                intended: dict[str, dict[int, int]]) -> Key:
+    """A journal written before phases were decided before their grant: the phase of the
+    job's last `phase` entry (written after its grant, so a kill just after a switch may have
+    lost it), else the first phase whose circuits the switches were last told to hold."""
+    def held(key: Key) -> bool:
+        targets = circuits.targets.get(key)
+        if not targets:
+            return False
+        return all(
+            all(intended.get(n, {}).get(i) == o for i, o in c.items())
+            for n, c in targets.items())
+    if held(job.phase):
+        return job.phase
+    return next((k for k in circuits.targets if held(k)), job.phase)
 
 
 def recover(journal: Journal, layout: RackLayout, jobs: dict[str, Job], pool: GpuPool,

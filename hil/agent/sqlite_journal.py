@@ -29,6 +29,18 @@ header, `PRAGMA quick_check`, the journal's tables and schema version. An empty,
 overwritten or unreadable file, or a directory, is refused with `JournalError`, never re-created:
 the journal is the agent's memory of what the switches should hold, and an empty one would make
 it forget silently. Any later SQLite failure is a `JournalError` too.
+
+Rows that cannot lie (schema 3): every row of `events` and `intended` carries a checksum of its
+fields (`hil.agent.sqlite_file`, which also makes, checks and upgrades the file), checked
+whenever it is read; a shared value is checked against its digest, which is its key. A row that
+does not match is a `JournalError` naming it, never a different value: a flipped byte reads back
+exactly as written or is refused. Reads never go through an index SQLite keeps beside a table
+(`quick_check` does not compare the two, so a damaged index could hide a row): entries are
+filtered by kind on the rows themselves. A journal of schema 1 or 2 is brought to 3 when a
+writer opens it, its rows sealed as they are then: they were written without a checksum, so
+they are trusted as far as they were checked before and are still (SQLite's `quick_check`,
+their JSON, their type, shared values against their digests), and from then on a change to them
+is caught. Read only (`ptb journal`), an older journal is read as it is, with those checks alone.
 """
 from __future__ import annotations
 
@@ -38,7 +50,6 @@ import json
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 import urllib.parse
@@ -51,37 +62,29 @@ import orjson
 
 from photonic_testbed.hil.agent.entries import KINDS, Details, Intent, Unread, decode
 from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
+from photonic_testbed.hil.agent.sqlite_file import (
+    FAILURES,
+    SCHEMA_VERSION,
+    check_columns,
+    check_contents,
+    check_file,
+    create_file,
+    event_seal,
+    exists,
+    intended_seal,
+    read_only_medium,
+    said,
+    schema_in_file,
+    sqlite_errors,
+    text_from_sqlite,
+    upgrade,
+    writable_folder,
+)
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2           # 2: long lists kept once (`shared_values`, `events.shares`); a
-                             # journal of schema 1 is brought to 2 when opened
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS events (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-    ts         REAL    NOT NULL,
-    kind       TEXT    NOT NULL,
-    cause      TEXT    NOT NULL DEFAULT '',
-    latency_s  REAL,
-    details    TEXT    NOT NULL DEFAULT '{}',
-    shares     INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS events_kind ON events(kind);
-CREATE TABLE IF NOT EXISTS intended (
-    switch     TEXT PRIMARY KEY,
-    circuits   TEXT NOT NULL,
-    seq        INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-_SHARED_TABLE = "CREATE TABLE shared_values (digest TEXT PRIMARY KEY, value TEXT NOT NULL)"
-
 CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database this often,
                               # off the writers' path (a checkpoint costs 10-20 ms)
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_TABLES = {"meta", "events", "intended"}     # (and `shared_values` from schema 2)
 SHARE_ABOVE = 2048           # an entry's details longer than this (JSON characters) share lists
 SHARED_ITEMS = 16            # ... of this many items or more
 _SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
@@ -124,6 +127,15 @@ def _digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
+def _real(x: float | None) -> float | None:
+    """A REAL as SQLite keeps it: a float (an integer given is stored as its float), NaN as
+    NULL (SQLite stores no NaN)."""
+    if x is None:
+        return None
+    x = float(x)
+    return None if x != x else x
+
+
 def _references(value: Any, out: set[str]) -> None:
     """The digests of the shared values `value` (stored details, read) refers to, into `out`."""
     if type(value) is dict:
@@ -158,123 +170,6 @@ def _details(text: str) -> dict:
         return json.loads(text)
 
 
-def _inserted(cur: sqlite3.Cursor) -> int:
-    """The sequence number of the entry the INSERT just run on `cur` wrote."""
-    seq = cur.lastrowid
-    assert seq is not None          # (sqlite3 sets it on every INSERT)
-    return seq
-
-
-@contextlib.contextmanager
-def _sqlite_errors(path: str, doing: str):
-    """Turn SQLite's failures into a JournalError that names the file."""
-    try:
-        yield
-    except sqlite3.DatabaseError as e:      # includes OperationalError, IntegrityError
-        raise JournalError(f"{path}: {doing} failed: {e}") from e
-
-
-def _refuse(path: str, why: str) -> JournalError:
-    return JournalError(f"{path} is not a usable journal: {why}. A new journal is created only "
-                        f"where no file exists: move this one aside to start afresh")
-
-
-def _check_file(path: str) -> None:
-    """Refuse what is plainly not a journal before SQLite opens it (SQLite would take an empty
-    file for a new database, and report other damage only at the first read)."""
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise _refuse(path, "it is a directory")
-        if not stat.S_ISREG(mode):
-            raise _refuse(path, "it is not a regular file")
-        with open(path, "rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
-    except OSError as e:
-        raise JournalError(f"{path}: cannot read the journal: "
-                           f"{(e.strerror or str(e)).lower()}") from None
-    if not head:
-        raise _refuse(path, "the file is empty (0 bytes; truncated?)")
-    if head != _SQLITE_MAGIC:
-        raise _refuse(path, "no SQLite header (overwritten or damaged)")
-
-
-def _writable_folder(path: str) -> bool:
-    """Whether the journal's folder takes new files (SQLite's log beside the journal)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    return not _read_only_medium(path) and os.access(folder, os.W_OK | os.X_OK)
-
-
-def _read_only_medium(path: str) -> bool:
-    try:
-        return bool(os.statvfs(os.path.dirname(os.path.abspath(path))).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _exists(path: str) -> bool:
-    """Whether anything is at `path`; a path that cannot be looked at is an error, not absent
-    (os.path.exists would say False, and a new journal would hide the old one)."""
-    try:
-        os.lstat(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        raise JournalError(f"{path}: cannot reach the journal: "
-                           f"{(e.strerror or str(e)).lower()}") from None
-
-
-def _create(path: str) -> None:
-    """Make a new, complete journal at `path` (which does not exist): written in a scratch file
-    beside it and linked into place, so a crash leaves either no journal or a whole one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        if not stat.S_ISDIR(os.stat(folder).st_mode):
-            raise JournalError(f"{path}: cannot create the journal: {folder} is not a folder")
-    except OSError as e:
-        why = "no folder" if isinstance(e, (FileNotFoundError, NotADirectoryError)) else \
-            (e.strerror or str(e)).lower() + " at"
-        raise JournalError(f"{path}: cannot create the journal: {why} {folder}") from None
-    if not _writable_folder(path):
-        raise JournalError(f"{path}: cannot create the journal: {folder} is on a read-only "
-                           f"medium or not writable")
-    scratch = f"{path}.new-{os.getpid()}"
-    for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(leftover)
-    try:
-        db = sqlite3.connect(scratch, isolation_level=None)
-        try:
-            with _sqlite_errors(path, "creating the journal"):
-                db.execute("PRAGMA journal_mode=WAL")
-                db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
-                db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        finally:
-            db.close()                      # checkpoints and removes the scratch WAL
-        try:
-            os.link(scratch, path)          # fails if another process created it meanwhile
-        except FileExistsError:
-            pass
-        except OSError:                     # a filesystem without hard links
-            if not os.path.exists(path):
-                os.replace(scratch, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except PermissionError:
-        raise JournalError(f"{path}: cannot create the journal: permission denied in "
-                           f"{folder}") from None
-    except sqlite3.DatabaseError as e:
-        raise JournalError(f"{path}: cannot create the journal: {e}") from None
-    finally:
-        for leftover in (scratch, scratch + "-wal", scratch + "-shm", scratch + "-journal"):
-            with contextlib.suppress(OSError):
-                os.unlink(leftover)
-
-
 @dataclass(frozen=True)
 class StoredEntry:
     """An entry as stored: its details as JSON has them (`ptb journal --json`; the storage's
@@ -306,22 +201,25 @@ class SqliteJournal:
         self._lock = threading.RLock()
         self.read_only = read_only
         self._schema = SCHEMA_VERSION
-        if not _exists(self.path):
+        if not exists(self.path):
             if not create or read_only:
                 raise JournalError(f"no journal at {self.path}")
-            _create(self.path)
-        _check_file(self.path)
-        if not read_only and not _writable_folder(self.path):
+            create_file(self.path)
+        check_file(self.path)
+        if not read_only and not writable_folder(self.path):
             raise JournalError(f"{self.path}: cannot write the journal: its folder is on a "
                                f"read-only medium or not writable (`ptb journal` reads it)")
         try:
             self._db = self._connect()
-        except sqlite3.DatabaseError as e:
-            raise JournalError(f"{self.path}: cannot open the journal: {e}") from None
+        except FAILURES as e:
+            raise JournalError(f"{self.path}: cannot open the journal: {said(e)}") from None
         try:
-            self._check_contents()
+            self._schema = check_contents(self._db, self.path)
+            if self._schema < SCHEMA_VERSION and not read_only:
+                upgrade(self._db, self.path)
+                self._schema = SCHEMA_VERSION
             if not read_only:
-                with _sqlite_errors(self.path, "opening the journal"):
+                with sqlite_errors(self.path, "opening the journal"):
                     self._db.execute("PRAGMA journal_mode=WAL")
                     self._db.execute(f"PRAGMA synchronous={synchronous}")
                     # SQLite checkpoints inside the commit that fills the log past 1,000
@@ -341,6 +239,11 @@ class SqliteJournal:
             self._checkpointer.start()
 
     def _connect(self) -> sqlite3.Connection:
+        db = self._open()
+        db.text_factory = text_from_sqlite
+        return db
+
+    def _open(self) -> sqlite3.Connection:
         if not self.read_only:
             return sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=5.0)
@@ -351,7 +254,7 @@ class SqliteJournal:
             db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
             return db
         except sqlite3.OperationalError:
-            if not _read_only_medium(self.path):
+            if not read_only_medium(self.path):
                 raise
         db.close()
         # a write-ahead-log database on a read-only medium without the log's shared-memory
@@ -385,54 +288,6 @@ class SqliteJournal:
                     pass             # busy or gone: the next round, or the writer's close
         finally:
             db.close()
-
-    def _check_contents(self) -> None:
-        """Integrity (quick_check: every page readable and well formed), then the journal's own
-        tables and schema version."""
-        try:
-            problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
-            tables = {r[0] for r in self._db.execute(
-                "SELECT name FROM sqlite_master WHERE type='table'")}
-        except sqlite3.DatabaseError as e:
-            raise _refuse(self.path, f"damaged ({e})") from None
-        if problems != ["ok"]:
-            raise _refuse(self.path, "damaged (integrity check: " + "; ".join(problems[:3])
-                          + (f"; {len(problems) - 3} more" if len(problems) > 3 else "") + ")")
-        if not _TABLES <= tables:
-            raise _refuse(self.path, "an SQLite file without the journal's tables "
-                          f"(missing {', '.join(sorted(_TABLES - tables))})")
-        with _sqlite_errors(self.path, "reading the schema version"):
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is None:
-            raise _refuse(self.path, "no schema version recorded")
-        if row[0] == "1" and self.read_only:
-            self._schema = 1                  # read as it is
-        elif row[0] == "1":
-            self._upgrade()
-        elif row[0] != str(SCHEMA_VERSION):
-            raise JournalError(f"{self.path} has journal schema {row[0]}, this program "
-                               f"reads schemas 1 and {SCHEMA_VERSION}")
-        elif "shared_values" not in tables:
-            raise _refuse(self.path, "a journal of schema 2 without its shared_values table")
-
-    def _upgrade(self) -> None:
-        """Schema 1 -> 2 in one transaction (every entry stays as it was: none refers to a
-        shared value); a second process that opened the same journal meanwhile finds it done."""
-        with _sqlite_errors(self.path, "bringing the journal to schema 2"):
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                got = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-                if got is not None and got[0] == "1":
-                    self._db.execute("ALTER TABLE events ADD COLUMN shares INTEGER NOT NULL "
-                                     "DEFAULT 0")
-                    self._db.execute(_SHARED_TABLE)
-                    self._db.execute("UPDATE meta SET value=? WHERE key='schema'",
-                                     (str(SCHEMA_VERSION),))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        log.info("%s: journal brought from schema 1 to %d", self.path, SCHEMA_VERSION)
 
     def close(self) -> None:
         self._closing.set()
@@ -482,7 +337,7 @@ class SqliteJournal:
         and the deferred entries it held, lost, are named."""
         try:
             yield
-        except sqlite3.DatabaseError as e:
+        except FAILURES as e:
             lost = ""
             if not self._db.in_transaction:
                 self._storing.clear()
@@ -490,7 +345,7 @@ class SqliteJournal:
                 if gone:
                     lost = (f"; the transaction was rolled back and the {len(gone)} deferred "
                             f"entries before it (seq {gone[0]}..{gone[-1]}) are lost")
-            raise JournalError(f"{self.path}: {doing} failed: {e}{lost}") from e
+            raise JournalError(f"{self.path}: {doing} failed: {said(e)}{lost}") from e
 
     def record(self, details: Details, cause: str = "", latency_s: float | None = None,
                ts: float | None = None, *, defer: bool = False) -> int:
@@ -526,7 +381,8 @@ class SqliteJournal:
                 stored, values = _shared_form(plain())
             except _Unshareable:
                 pass
-        ts = time.time() if ts is None else ts
+        ts = time.time() if ts is None else float(ts)
+        latency_s = _real(latency_s)
         with self._lock, self._writing(f"recording {kind!r}"):
             self._begin()
             try:
@@ -535,17 +391,29 @@ class SqliteJournal:
                         self._db.execute("INSERT OR IGNORE INTO shared_values VALUES (?,?)",
                                          (digest, body.decode()))
                         self._storing.add(digest)
-                cur = self._db.execute(
-                    "INSERT INTO events (ts, kind, cause, latency_s, details, shares) "
-                    "VALUES (?,?,?,?,?,?)", (ts, kind, cause, latency_s, stored, int(bool(values))))
+                seq = self._insert_event(ts, kind, cause, latency_s, stored, int(bool(values)))
             finally:
                 if not defer:
                     self._commit()
-            seq = _inserted(cur)
             if defer:
                 self._deferred.append(seq)
             self._tell(Entry(seq, ts, kind, cause, latency_s, typed), text)
             return seq
+
+    def _insert_event(self, ts: float, kind: str, cause: str, latency_s: float | None,
+                      details: str, shares: int) -> int:
+        """Insert an event row, sealed, in the transaction under way; its sequence number.
+        The number is the one SQLite would give (AUTOINCREMENT: past every number used),
+        worked out first, since the row's checksum covers it."""
+        seq = self._db.execute(
+            "SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='events'), 0), "
+            "COALESCE((SELECT MAX(seq) FROM events), 0)) + 1").fetchone()[0]
+        self._db.execute(
+            "INSERT INTO events (seq, ts, kind, cause, latency_s, details, shares, checksum) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (seq, ts, kind, cause, latency_s, details, shares,
+             event_seal(seq, ts, kind, cause, latency_s, details, shares)))
+        return seq
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:
         """Call `fn(entry, its details as JSON)` for every entry written from now on, in order,
@@ -584,17 +452,15 @@ class SqliteJournal:
                     if event:
                         ts = time.time()
                         details = f'{{"circuits": {text}, "switch": {json.dumps(name)}}}'
-                        seq = _inserted(self._db.execute(
-                            "INSERT INTO events (ts, kind, cause, details) VALUES (?,?,?,?)",
-                            (ts, "decision", cause, details)))
+                        seq = self._insert_event(ts, "decision", cause, None, details, 0)
                         written.append((Entry(seq, ts, "decision", cause, None, Intent(
                             switch=name, circuits=[(int(a), int(b)) for a, b in pairs])),
                             details))
                     elif seq is None:
                         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events"
                                                ).fetchone()[0]
-                    self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?)",
-                                     (name, text, seq))
+                    self._db.execute("INSERT OR REPLACE INTO intended VALUES (?,?,?,?)",
+                                     (name, text, seq, intended_seal(name, text, seq)))
                 self._db.execute("RELEASE intended")
             except BaseException:
                 if self._db.in_transaction:        # (else SQLite rolled it all back)
@@ -608,10 +474,42 @@ class SqliteJournal:
             return seq if seq is not None else 0
 
     def intended(self) -> dict[str, list[tuple[int, int]]]:
-        with self._lock, _sqlite_errors(self.path, "reading the intended circuits"):
+        """Every switch's intended circuits, as last set; a row that does not match its
+        checksum, names a switch twice or does not hold circuits is a JournalError."""
+        with self._lock, sqlite_errors(self.path, "reading the intended circuits"):
             self.flush()
-            rows = self._db.execute("SELECT switch, circuits FROM intended").fetchall()
-        return {name: [tuple(p) for p in json.loads(text)] for name, text in rows}
+            sealed = self._current_schema() >= 3
+            rows = self._db.execute(
+                f"SELECT rowid, switch, circuits, seq, {'checksum' if sealed else 'NULL'} "
+                "FROM intended").fetchall()
+        out: dict[str, list[tuple[int, int]]] = {}
+        for rowid, name, text, seq, checksum in rows:
+            where = f"the intended circuits of switch {name!r} (row {rowid})"
+            if sealed and checksum != intended_seal(name, text, seq):
+                raise JournalError(f"{self.path}: damaged: {where} do not match their "
+                                   "checksum")
+            if type(name) is not str or name in out:
+                raise JournalError(f"{self.path}: damaged: {where}: the switch is named "
+                                   + ("twice" if name in out else "by no text"))
+            try:
+                pairs = msgspec.json.decode(text, type=list[tuple[int, int]])
+            except (msgspec.DecodeError, TypeError) as e:
+                raise JournalError(f"{self.path}: damaged: {where} are not a list of "
+                                   f"circuits ({e})") from None
+            if len({i for i, _ in pairs}) != len(pairs):
+                raise JournalError(f"{self.path}: damaged: {where} name an input twice")
+            out[name] = pairs
+        return out
+
+    def _current_schema(self) -> int:
+        """The schema to read with: a writer may have brought the journal to schema 3 since
+        it was opened to be read."""
+        if self._schema < SCHEMA_VERSION:
+            now = schema_in_file(self._db, self.path)
+            if now != self._schema:
+                check_columns(self._db, self.path, now)
+                self._schema = now
+        return self._schema
 
     def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
                 limit: int | None = None) -> list[Entry]:
@@ -639,26 +537,34 @@ class SqliteJournal:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
         if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
             raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
-        query = ("SELECT seq, ts, kind, cause, latency_s, details, {shares} FROM events "
-                 "WHERE seq > ?")
-        args: list[Any] = [since]
+        # every row from the start (`since` 0): not `seq > 0`, which would pass over a first
+        # row whose number damage made 0 or less (still in order, quick_check sees nothing)
+        query = ("SELECT seq, ts, kind, cause, latency_s, details, {shares}, {checksum} "
+                 "FROM events WHERE " + ("seq > ?" if since else "1"))
+        args: list[Any] = [since] if since else []
         if kinds:
-            query += f" AND kind IN ({','.join('?' * len(kinds))})"
+            # `+kind`: filtered on the rows themselves, not through an index (none is kept from
+            # schema 3; an older journal's could be damaged without quick_check seeing it)
+            query += f" AND +kind IN ({','.join('?' * len(kinds))})"
             args += list(kinds)
         query += " ORDER BY seq"
         if limit is not None:
             query += " LIMIT ?"
             args.append(int(limit))
-        with self._lock, _sqlite_errors(self.path, "reading the entries"):
+        with self._lock, sqlite_errors(self.path, "reading the entries"):
             self.flush()
-            if self._schema < SCHEMA_VERSION and self._db.execute(
-                    "SELECT value FROM meta WHERE key='schema'").fetchone() == ("2",):
-                self._schema = 2          # brought to schema 2 by a writer since we opened it
-            query = query.format(shares="shares" if self._schema >= 2 else "0")
+            schema = self._current_schema()
+            query = query.format(shares="shares" if schema >= 2 else "0",
+                                 checksum="checksum" if schema >= 3 else "NULL")
             rows = self._db.execute(query, args).fetchall()
             details = []
             for row in rows:
+                if schema >= 3 and row[7] != event_seal(*row[:7]):
+                    raise JournalError(f"{self.path}: damaged: entry {row[0]} does not match "
+                                       "its checksum")
                 try:
+                    if not isinstance(row[5], str):
+                        raise ValueError(f"{type(row[5]).__name__}, not text")
                     details.append(_details(row[5]))
                 except ValueError as e:            # (JSONDecodeError, either library's)
                     raise JournalError(f"{self.path}: damaged: the details of entry {row[0]} "
@@ -667,7 +573,7 @@ class SqliteJournal:
             if sharing:
                 self._resolve(rows, details, sharing)
         return [(seq, ts, kind, cause, lat, d)
-                for (seq, ts, kind, cause, lat, _, _), d in zip(rows, details, strict=True)]
+                for (seq, ts, kind, cause, lat, *_), d in zip(rows, details, strict=True)]
 
     def _resolve(self, rows: list, details: list[dict], sharing: list[int]) -> None:
         """Put in place the shared values that the details of rows `sharing` refer to (read
@@ -682,7 +588,8 @@ class SqliteJournal:
             texts.update(self._db.execute(
                 f"SELECT digest, value FROM shared_values WHERE digest IN "
                 f"({','.join('?' * len(part))})", part).fetchall())
-        bad = {d for d, text in texts.items() if _digest(text.encode()) != d}
+        bad = {d for d, text in texts.items()
+               if type(text) is not str or _digest(text.encode()) != d}
         for i in sharing:
             missing = refs[i] - texts.keys()
             if refs[i] & bad:

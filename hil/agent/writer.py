@@ -11,7 +11,7 @@ journal's intended circuits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +23,13 @@ from photonic_testbed.drivers.circuit_switch import (
     SwitchError,
 )
 from photonic_testbed.hil.agent import policies
-from photonic_testbed.hil.agent.entries import Alarm, Applied, Reconcile, SwitchReport
+from photonic_testbed.hil.agent.entries import (
+    Alarm,
+    Applied,
+    Details,
+    Reconcile,
+    SwitchReport,
+)
 from photonic_testbed.hil.agent.jobs import AgentError
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import Targets
@@ -69,12 +75,14 @@ class SwitchWriter:
         self._held = {s: {} for s in self.layout.switches}
 
     # --- writing ----------------------------------------------------------------------------
-    def apply(self, job: str, targets: Targets, cause: str, record: bool = True) -> Took:
+    def apply(self, job: str, targets: Targets, cause: str, record: bool = True,
+              decisions: Sequence[Details] = ()) -> Took:
         """Make `job`'s part of every switch `targets`, leaving every other job's part alone:
         journal, then apply, every switch whose circuits (the union of the jobs' parts) differ;
         {switch: (its report, seconds)}. With record=False the caller journals the change and
         its outcome in its own entry (phase rails: one entry per phase switch), with
-        `reported`, once the job has its grant."""
+        `reported`, once the job has its grant. `decisions`: journaled first, durable with
+        the intended circuits (the one sync they pay for), or at once when no switch moves."""
         todo: dict[str, Circuits] = {}
         for s, c in targets.items():
             parts = self._held.setdefault(s, {})
@@ -88,6 +96,8 @@ class SwitchWriter:
                     union.update(part)
             if self._current.get(s) != union:
                 todo[s] = union
+        for k, decision in enumerate(decisions):
+            self.journal.record(decision, cause, defer=bool(todo) or k < len(decisions) - 1)
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)

@@ -17,6 +17,16 @@ threads of one process) and `ptb agent`, as processes; zero device delays.
   `gpus` delta, as a subscriber here hears it) to the new circuits applied on every OCS
   involved and verified by the receivers' light (the journal's timestamps). Healed after each
   run, so every run is a full swap.
+
+With `--admission`, instead: admission off the hot path. Another tenant (8 servers of pod 0: TP
+inside each, then a DP ring and an all-to-all over them on every rail, so that its grants write
+pod 0's 8 OCSes) has its phases granted again and again (`--gap-ms` apart) while the issue's
+heavy admission is worked out `--admissions` times (1,024 ranks on the first 16 servers of each
+pod, 64 all-to-all phases over each rail's 16 servers: 960 (phase, round)s on all 64 OCSes,
+admitted again under the same name each time), each after a quiet time as long as the last
+(at least a second). The grants that overlap an admission or the tenth of a second after it
+(its answer published) are compared with the others, interleaved with them on the same machine
+(p99 goal: within 2x).
 """
 from __future__ import annotations
 
@@ -24,12 +34,13 @@ import functools
 import os
 import sqlite3
 import statistics
+import threading
 import time
 import urllib.parse
 from typing import cast
 
 from photonic_testbed.common import heap
-from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+from photonic_testbed.common.jobplan import MAX_PHASES, JobPlan, PhaseSpec
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent.entries import PhaseSwitched, Swap, words
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
@@ -66,6 +77,11 @@ def add_arguments(p) -> None:
     p.add_argument("--gap-ms", type=number(0, 10_000), default=5.0,
                    help="the job's compute between two phase requests (default %(default)s)")
     p.add_argument("--journal-sync", choices=("full", "normal"), default="full")
+    p.add_argument("--admission", action="store_true",
+                   help="instead: another tenant's phase grants alone and during the heavy "
+                   "admission (1,024 ranks, 64 all-to-all phases on the 64 OCSes)")
+    p.add_argument("--admissions", type=integer(1, 1000), default=10,
+                   help="heavy admissions worked out with --admission (default %(default)s)")
 
 
 def rack_plan(spec) -> tuple[JobPlan, int]:
@@ -208,11 +224,140 @@ def _failovers(stack: Stack, fabric: Fabric, rank_map: dict[int, str], runs: int
     return parts
 
 
+HEAVY_SERVERS, TENANT_SERVERS = 16, 8     # of each pod / of pod 0, after the heavy job's
+ADMISSION_GOAL = 2.0                       # the tenant's grant p99 during it / alone, at most
+AFTER_ADMISSION_S = 0.1                    # a grant this soon after an admission is "during"
+
+
+def _pods(spec) -> list[list[str]]:
+    """Each pod's working servers, in rack order."""
+    layout = rail_layout(spec)
+    spare = {layout.servers[g] for g in layout.spares}
+    servers = [s for s in layout.server_gpus if s not in spare]
+    per_pod = (spec.pod or spec.servers) - spec.spare_servers
+    pods = [servers[k:k + per_pod] for k in range(0, len(servers), per_pod)]
+    if per_pod < HEAVY_SERVERS + TENANT_SERVERS or spec.rails < 2:
+        raise CommandFailed(f"rig {spec.name}: --admission needs pods of "
+                            f"{HEAVY_SERVERS + TENANT_SERVERS} working servers on 2 rails or "
+                            "more")
+    return pods
+
+
+def heavy_admission(spec) -> tuple[JobPlan, dict[int, str]]:
+    """The issue's heavy admission: a rank per GPU of the first 16 servers of each pod (1,024
+    on opus2048), 64 all-to-all phases over each rail's 16 servers of a pod (15 rounds each:
+    960 (phase, round)s, every one on every OCS)."""
+    layout = rail_layout(spec)
+    gpus = [g for pod in _pods(spec) for s in pod[:HEAVY_SERVERS] for g in layout.server_gpus[s]]
+    plan = JobPlan("heavy", len(gpus), tuple(
+        PhaseSpec(f"a2a{k}", "all_to_all", group=HEAVY_SERVERS, stride=spec.rails)
+        for k in range(MAX_PHASES)))
+    return plan, dict(enumerate(gpus))
+
+
+def tenant_job(spec) -> tuple[JobPlan, dict[int, str]]:
+    """The other tenant: the next 8 servers of pod 0; TP inside each, a DP ring and an
+    all-to-all over them on each rail."""
+    layout = rail_layout(spec)
+    servers = _pods(spec)[0][HEAVY_SERVERS:HEAVY_SERVERS + TENANT_SERVERS]
+    gpus = [g for s in servers for g in layout.server_gpus[s]]
+    plan = JobPlan("tenant", len(gpus), (
+        PhaseSpec("tp", "ring", group=spec.rails, stride=1),
+        PhaseSpec("dp", "ring", group=TENANT_SERVERS, stride=spec.rails),
+        PhaseSpec("ep", "all_to_all", group=TENANT_SERVERS, stride=spec.rails)))
+    return plan, dict(enumerate(gpus))
+
+
+def _grants(fabric: Fabric, keys: list[tuple[str, int]], gap_s: float, runs: int | None,
+            until: threading.Event | None = None) -> list[tuple[float, float]]:
+    """(start, end) of each phase grant (time.monotonic), the job computing `gap_s` between
+    two: `runs` of them, or until `until` is set."""
+    out: list[tuple[float, float]] = []
+    while (runs is None or len(out) < runs) and not (until is not None and until.is_set()):
+        time.sleep(gap_s)
+        t = time.monotonic()
+        fabric.phase(*keys[len(out) % len(keys)])
+        out.append((t, time.monotonic()))
+    return out
+
+
+def _admission(args, spec) -> dict:
+    """The tenant's grants alone, then during the heavy admissions (module docstring)."""
+    heavy_plan, heavy_map = heavy_admission(spec)
+    plan, rank_map = tenant_job(spec)
+    keys = plan.sequence()
+    gap_s = args.gap_ms / 1e3
+    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync)
+    tenant = heavy = None
+    spans: list[tuple[float, float]] = []
+    failed: list[BaseException] = []
+    try:
+        tenant = Fabric(*stack.rig.agent_endpoints(), timeout=60, job="tenant")
+        heavy = Fabric(*stack.rig.agent_endpoints(), timeout=600, job="heavy")
+        tenant.admit(plan, rank_map)
+        _grants(tenant, keys, gap_s, 2 * len(keys))                 # warm-up
+        rss = {"tenant admitted": stack_rss_mb(stack)}
+        done = threading.Event()
+
+        def admit() -> None:
+            try:
+                quiet = 1.0
+                for _ in range(args.admissions):
+                    done.wait(quiet)
+                    t = time.monotonic()
+                    heavy.admit(heavy_plan, heavy_map)          # (again: the same name)
+                    spans.append((t, time.monotonic()))
+                    quiet = max(1.0, spans[-1][1] - t)
+                done.wait(quiet)
+            except BaseException as e:                          # (said below, not lost)
+                failed.append(e)
+            finally:
+                done.set()
+        thread = threading.Thread(target=admit, name="heavy admissions", daemon=True)
+        thread.start()
+        grants = _grants(tenant, keys, gap_s, None, until=done)
+        thread.join()
+        rss["after the admissions"] = stack_rss_mb(stack)
+    finally:
+        for fabric in (tenant, heavy):
+            if fabric is not None:
+                fabric.close()
+        stack.close()
+    if failed:
+        raise CommandFailed(f"the heavy admission failed: {failed[0]}")
+    overlap = [any(s < end and start < e + AFTER_ADMISSION_S for s, e in spans)
+               for start, end in grants]
+    a = [end - start for (start, end), o in zip(grants, overlap, strict=True) if not o]
+    d = [end - start for (start, end), o in zip(grants, overlap, strict=True) if o]
+    if not d or not a:
+        raise CommandFailed("the tenant's grants were all during the heavy admissions, or "
+                            "none was")
+    took = [e - s for s, e in spans]
+    ratio = percentile(d, 0.99) / percentile(a, 0.99)
+    rows = [_rows(f"tenant's phase grant ({plan.world} ranks), between admissions", a),
+            _rows("the same, during the heavy admission", d),
+            {"case": f"heavy admission ({heavy_plan.world} ranks, "
+                     f"{len(heavy_plan.sequence())} (phase, round)s)", "runs": len(took),
+             "p50_ms": f"{1e3 * statistics.median(took):.0f}", "p99_ms": "",
+             "max_ms": f"{1e3 * max(took):.0f}"}]
+    notes = [f"the tenant's grant p99 during the heavy admission / alone: {ratio:.2f}x (goal "
+             f"<= {ADMISSION_GOAL:g}x: {'met' if ratio <= ADMISSION_GOAL else 'NOT met'})"]
+    notes += [f"RSS of {name} (its children included): " +
+              ", ".join(f"{when} {got[name]:.0f} MiB" for when, got in rss.items())
+              for name in rss["tenant admitted"]]
+    return {"rows": rows, "notes": notes, "rss_mib": rss, "ratio_p99": round(ratio, 3),
+            "samples_ms": {"alone": [round(1e3 * x, 3) for x in a],
+                           "during": [round(1e3 * x, 3) for x in d],
+                           "admission": [round(1e3 * x, 3) for x in took]}}
+
+
 def run(args) -> dict:
     try:
         spec = rig_spec(args.rig)
     except (RigFileError, ValueError) as e:
         raise CommandFailed(str(e)) from None
+    if args.admission:
+        return _admission(args, spec)
     plan, group = rack_plan(spec)
     stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync)
     fabric = None
