@@ -352,8 +352,8 @@ def test_a_report_that_cannot_be_read_is_journaled_as_such_after_the_grant(tmp_p
         heard = Heard()
         agent = Agent(opus(), {"ocs": sw}, journal, lambda s, p: 0.0, events=heard)
         alarms, grants = heard.alarms, heard.grants
-        agent.admit(dp_tp(8))                   # its circuits: journaled switch by switch
-        applied = journal.entries(kinds=("applied",))[-1].details
+        agent.admit(dp_tp(8))                   # its first phase's outcome: one entry
+        applied = journal.entries(kinds=("phase",))[-1].details.applied["ocs"]
         assert applied.added == [] and "input 1 is named twice" in applied.unreadable
         key = next(k for k in agent.job().circuits.targets if k != agent.phase)
         agent.on_phase(*key)                    # a phase switch: one entry for it

@@ -45,7 +45,7 @@ from typing import Any
 
 from photonic_testbed.common.jobplan import JobPlan, PlanError, round_robin_matchings
 from photonic_testbed.common.rack_layout import RackLayout
-from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
+from photonic_testbed.drivers.circuit_switch import ApplyReport, Circuits, CircuitSwitch
 from photonic_testbed.hil.agent import admission, policies
 from photonic_testbed.hil.agent.admission import Admissions
 from photonic_testbed.hil.agent.config import AgentConfig
@@ -193,6 +193,13 @@ class Agent:
         with self._lock:
             return self.writer.reconcile(cause)
 
+    def on_switch(self, switch: str, circuits: Circuits) -> int | None:
+        """`switch` says it holds `circuits`: where they are not what the jobs were given, put
+        back (`SwitchWriter.noticed`), so that no phase is granted on what the agent did not
+        make."""
+        with self._lock:
+            return self.writer.noticed(switch, circuits)
+
     # --- recovery ---------------------------------------------------------------------------
     def start(self, term: int | None = None) -> SwapOutcome | None:
         """Reconcile the switches with the journal and take up where a previous agent left:
@@ -256,18 +263,9 @@ class Agent:
 
     def _choose(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None
                 ) -> RankMap:
-        """The GPUs of a job to admit (given, checked; or allocated), decided as if an earlier
-        admission of its name held none (nothing of it changes unless the new one is
-        accepted); changes nothing."""
         old = self.jobs.get(name)
-        if old is not None:
-            self.pool.give_back(list(old.rank_map.values()))
-        try:
-            return self.pool.check(name, plan, self.pool.allocate(plan) if rank_map is None
-                                   else rank_map)
-        finally:
-            if old is not None:
-                self.pool.take(name, list(old.rank_map.values()))
+        return self.pool.choose(name, plan, rank_map,
+                                None if old is None else list(old.rank_map.values()))
 
     def _reserve(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None,
                  links: int) -> tuple[RankMap, list[str]]:

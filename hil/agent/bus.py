@@ -8,8 +8,9 @@
   (`rx_power`) for the received power its transceiver reports (DDM): the rack's one monitor
   `gpus`, or with one monitor per host ([monitors] in the rig) that host's `gpus-HOST`; the
   requests to several monitors go out together (`call_many`).
-- Health: a `StateSubscriber` on every GPU monitor; every GPU whose state changed goes to
-  `on_health`.
+- Health and change: a `StateSubscriber` on every GPU monitor (every GPU whose state changed
+  goes to `on_health`) and every switch's service (circuits changed behind the agent are put
+  back: `Agent.on_switch`).
 - The job (through `hil.job.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
@@ -63,12 +64,12 @@ from photonic_testbed.hil.agent.entries import (
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.hil.agent.policies import RankMap
+from photonic_testbed.hil.agent.received import ReceivedPower
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
     BusError,
     ServiceClient,
-    call_many,
 )
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
@@ -81,7 +82,6 @@ T = TypeVar("T")
 EVENTS_KEPT = 200
 EVENT_DETAILS_BYTES = 2048   # an event's details as published, at most (the journal: whole)
 EVENT_ITEMS_SHOWN = 8        # a longer list or table in a bulky event is published as its size
-DARK_DBM = -99.0
 PUBLISH_EVERY_S = 0.02      # under a stream of requests, publish (and sync) at least this often
 
 
@@ -211,9 +211,7 @@ class AgentProcess(NoEvents):
         # (what the rows show: each job's rank map and every GPU's health, copied; the rows)
         self._rack_cache: tuple[tuple[dict, dict], list[dict]] | None = None
         self._wired: dict[str, tuple[dict, dict[str, str]]] = {}   # job -> (rank map, wired)
-        self._monitors: dict[str, ServiceClient] = {}     # monitor device -> its client
-        self._receivers: dict[str, dict[str, set[int]]] = {}  # switch -> monitor -> rx ports
-        self._rx: dict[str, tuple[str | None, dict]] = {}
+        self._received: ReceivedPower | None = None     # light, from the GPU monitors
         self._published = 0.0
         self.term = 0                       # this agent's (from its journal, at `start`)
         # whose each job is, and the operator's manual changes (made by `start`)
@@ -280,12 +278,15 @@ class AgentProcess(NoEvents):
                 raise AgentError(f"switch service {n} does not answer: {e}") from None
         layout = layout_from_rig(self.rig, {n: s.ports for n, s in self.switches.items()})
         monitors = self.rig.gpu_monitors()
-        self._monitors = {name: self._client(eps[0]) for name, eps in monitors.items()}
+        receivers: dict[str, dict[str, set[int]]] = {}      # switch -> monitor -> rx ports
         for g, atts in layout.gpus.items():
             for a in atts:
-                self._receivers.setdefault(a.switch, {}).setdefault(
+                receivers.setdefault(a.switch, {}).setdefault(
                     self.rig.monitor_of(g), set()).add(a.rx)
-        agent = self._agent = Agent(layout, self.switches, self.journal, self._read_power,
+        self._received = ReceivedPower({name: self._client(eps[0]) for name, eps in
+                                        monitors.items()}, receivers, self.switches,
+                                       self.timeout)
+        agent = self._agent = Agent(layout, self.switches, self.journal, self._received.read,
                                     config=self.config, events=self)
         self._owners = JobOwners(agent, job_owners(self.journal))
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
@@ -309,8 +310,9 @@ class AgentProcess(NoEvents):
                       "manual_laser": lambda a: manual.laser(self.server.caller, a)},
             settle=self._publish)
         bound = server.bind()
-        self._sub = StateSubscriber(monitors, keys=self.keys, on_state=self._on_gpus,
-                                    telemetry=False)
+        # the GPU monitors' health, and every switch's circuits (changed behind the agent)
+        self._sub = StateSubscriber({**monitors, **{n: endpoints[n] for n in self.switches}},
+                                    keys=self.keys, on_state=self._on_state, telemetry=False)
         agent.start(self.term)          # reconcile; finish a swap a killed agent left
         manual.restore(self.journal)    # the operator's parts, as journaled
         self._publish()
@@ -362,7 +364,8 @@ class AgentProcess(NoEvents):
         """Handle whatever is waiting (requests, health), then publish what changed: once no
         request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
         phase request is not queued behind the journal's sync and the GUI's update."""
-        self._rx.clear()              # received power is read afresh for each event
+        if self._received is not None:
+            self._received.clear()          # received power is read afresh for each event
         while self._taking_on:
             self._taking_on.popleft()()
         sub, server = self.sub, self.server
@@ -374,34 +377,24 @@ class AgentProcess(NoEvents):
         self._publish()
 
     # --- inputs -----------------------------------------------------------------------------
-    def _read_power(self, switch: str, port: int) -> float:
-        """Received power on an output port: one request per GPU monitor reads every receiver
-        of the switch it knows, kept while the switch is unchanged and the agent handles the
-        same event (a verification reads several ports)."""
-        sw = self.switches.get(switch)
-        cached = self._rx.get(switch)
-        if cached is None or sw is None or cached[0] != sw.version or port not in cached[1]:
-            asks = {m: set(ports) for m, ports in self._receivers.get(switch, {}).items()}
-            if not any(int(port) in ports for ports in asks.values()):
-                # no GPU's receiver: asked of the first monitor, which answers it dark
-                asks.setdefault(next(iter(self._monitors)), set()).add(int(port))
-            monitors = list(asks)
-            answers = call_many([(self._monitors[m], "rx_power",
-                                  {"switch": switch, "ports": sorted(asks[m])})
-                                 for m in monitors], self.timeout)
-            dbm: dict[int, float] = {}
-            for m, got in zip(monitors, answers, strict=True):
-                if isinstance(got, BusError):
-                    # its ports read dark for this event, asked again at the next
-                    log.warning("no received power from %s for %s %s: %s", m, switch,
-                                sorted(asks[m]), got)
-                    dbm.update(dict.fromkeys(asks[m], DARK_DBM))
-                else:
-                    dbm.update(got["dbm"])
-            cached = self._rx[switch] = (sw.version if sw else None, dbm)
-        return float(cached[1].get(port, DARK_DBM))
 
-    def _on_gpus(self, device: str, state: dict, ops: Any) -> None:
+    def _on_state(self, device: str, state: dict, ops: Any) -> None:
+        if device in self.switches:
+            self._on_switch(device, state)
+        else:
+            self._on_gpus(device, state)
+
+    def _on_switch(self, device: str, state: dict) -> None:
+        """A switch's published circuits: the agent puts back what differs from what it
+        intends (`Agent.on_switch`)."""
+        circuits = self.switches[device].published(state)
+        try:
+            if circuits is not None:
+                self.agent.on_switch(device, circuits)
+        except (AgentError, SwitchError) as e:
+            self.on_alarm(f"switch {device} changed behind the agent: {e}", Alarm(switch=device))
+
+    def _on_gpus(self, device: str, state: dict) -> None:
         changed = []
         for gpu, h in state.get("gpus", {}).items():
             if self._health_seen.get(gpu, "ok") != h.get("state"):

@@ -253,12 +253,35 @@ class BusSwitch(CircuitSwitch):
         self.version = self.client.version
         return dict(schema.circuits_from_wire(got["circuits"]))
 
+    def published(self, state: dict) -> Circuits | None:
+        """The circuits a publication of the service's state says the switch holds; None when
+        it says none, or is older than what the agent's own last request of it answered (a
+        publication on its way as the agent changed the switch)."""
+        if "circuits" not in state or _older(state.get("version"), self.version):
+            return None
+        try:
+            return dict(schema.circuits_from_wire(state["circuits"]))
+        except (BusError, TypeError, ValueError) as e:
+            log.warning("%s publishes circuits that cannot be read (%s): not compared",
+                        self.name, e)
+            return None
+
     def describe(self) -> dict:
         return {"name": self.name, "kind": "BusSwitch", "endpoint": self.client.endpoint,
                 "ports": self._ports}
 
     def close(self) -> None:
         self.client.close()
+
+
+def _older(version: Any, than: Any) -> bool:
+    """Whether state version `version` ("INCARNATION:N") comes before `than` of the same
+    incarnation (a service started again begins a new one: its state is not older)."""
+    if not (isinstance(version, str) and isinstance(than, str)):
+        return False
+    inc, _, n = version.rpartition(":")
+    inc2, _, n2 = than.rpartition(":")
+    return inc == inc2 and n.isdigit() and n2.isdigit() and int(n) < int(n2)
 
 
 def _switches_answered(got: Any) -> list | None:

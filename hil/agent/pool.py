@@ -139,6 +139,20 @@ class GpuPool:
                 and now - self._failed_at.get(g, -float("inf")) >= self.quarantine_s]
 
     # --- admission --------------------------------------------------------------------------
+    def choose(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None,
+               held: list[str] | None = None) -> RankMap:
+        """The GPUs of a job to admit (given, checked; or allocated), decided as if the GPUs
+        an earlier admission of its name holds (`held`) were free (nothing of it changes
+        unless the new one is accepted); changes nothing."""
+        if held is not None:
+            self.give_back(held)
+        try:
+            return self.check(name, plan, self.allocate(plan) if rank_map is None
+                              else rank_map)
+        finally:
+            if held is not None:
+                self.take(name, held)
+
     def check(self, name: str, plan: JobPlan, rank_map: Mapping[int, str]) -> RankMap:
         """A rank map given for a job to admit, checked: one GPU per rank 0..world-1, each a
         GPU of the rack that no job holds and that may take a rank now."""

@@ -54,6 +54,7 @@ class SwitchWriter:
         self.alarm = alarm
         self._held: dict[str, dict[str, Circuits]] = {s: {} for s in layout.switches}
         self._current: dict[str, Circuits] = {}      # what each switch holds, as last known
+        self._owned: set[str] = set()       # switches the journal holds intended circuits of
         self._pool: ThreadPoolExecutor | None = None     # writes to several switches at once
 
     # --- what the switches hold -------------------------------------------------------------
@@ -101,6 +102,7 @@ class SwitchWriter:
         if todo:                                # write-ahead: intended state first, one sync
             self.journal.set_intended_many({s: c.items() for s, c in todo.items()}, cause,
                                            event=record)
+            self._owned.update(todo)
         took: Took = {}
         failed: list[tuple[str, SwitchError]] = []
         for s, c, rep in self._write(todo):
@@ -194,11 +196,47 @@ class SwitchWriter:
             raise AgentError(f"loopback test on {switch} refused: {e}") from e
         self._current[switch] = dict(circuits)
 
+    def noticed(self, switch: str, actual: Circuits) -> int | None:
+        """`switch` holds `actual` (its service published it, changed by someone else or by
+        itself: a rogue request, a power cycle): believed, and where it differs from the jobs'
+        parts of it those are written again, journaled as a reconcile (an alarm when the switch
+        refuses: it is then unknown, and the next change of it writes it whole). A switch the
+        journal intends nothing of is left as it is. Returns the circuits moved back (None: nothing
+        differed)."""
+        if switch not in self._owned:
+            self._current[switch] = dict(actual)
+            return None
+        parts = self._held.get(switch, {})
+        want: Circuits = {}
+        for part in parts.values():
+            want.update(part)
+        if self._current.get(switch) == actual == want:
+            return None
+        self._current[switch] = dict(actual)
+        moves = policies.changes(actual, want)
+        if not moves:
+            return None
+        cause = f"switch {switch} changed behind the agent ({moves} circuits moved)"
+        t0 = self.clock()
+        try:
+            rep = self.switches[switch].apply(want)
+        except SwitchError as e:
+            self._current.pop(switch, None)
+            self.alarm(f"{cause}; they cannot be put back: {e}", Alarm(switch=switch,
+                                                                       during=cause))
+            return None
+        self._current[switch] = dict(want)
+        self.journal.record(Reconcile(switch=switch, added=rep.pairs("added"),
+                                      removed=rep.pairs("removed")),
+                            cause, self.clock() - t0)
+        return moves
+
     def reconcile(self, cause: str = "reconcile") -> dict[str, int]:
         """Read every switch, repair only what differs from the journal's intended circuits.
         Returns {switch: circuits added + removed}."""
         t0 = self.clock()
         intended = self.journal.intended()
+        self._owned.update(intended)
         moves: dict[str, int] = {}
         for name, sw in self.switches.items():
             try:

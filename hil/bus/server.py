@@ -373,6 +373,18 @@ class Server:
         """Publish these top-level keys now (one delta, only what differs)."""
         return self.state.update(values)
 
+    def noticed(self, values: Mapping) -> dict | None:
+        """The device changed by itself (a power cycle, a front panel): the top-level keys of
+        `values` that differ from the published state are counted as a change (the version
+        moves: a compare-and-set made on the old state is refused) and published now."""
+        differ = {k: v for k, v in values.items() if self.state.state.get(k) != v}
+        if not differ:
+            return None
+        self.changes += 1
+        if self._publish_version:
+            differ["version"] = self.version
+        return self.state.update(differ)
+
     def change(self, ops: list[StateOp]) -> dict | None:
         """Publish this change now (one delta)."""
         return self.state.change(ops)

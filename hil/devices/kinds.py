@@ -61,6 +61,10 @@ class DeviceKind:
     # run the op on the device's thread), the Answer (nothing to wait for), or
     # (PendingChange, Answer from what it concludes)
     begins: Mapping[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
+    # Published state read back from the device at each telemetry pass: a value that differs
+    # from the one published changed behind the service (an OCS power cycled loses its
+    # circuits) and is published as a change of the device (its version moves)
+    observe: Callable[[Any], dict] | None = None
 
 
 def _heater_volts(args: schema.SetHeaters) -> dict[int, float]:
@@ -249,7 +253,8 @@ KINDS: dict[str, DeviceKind] = {
                           "ports": sw.ports},
         describe=lambda sw, facts: sw.describe(),
         telemetry=_switch_telemetry, telemetry_hz=2.0,
-        begins={"apply_circuits": _begin_apply_circuits}),
+        begins={"apply_circuits": _begin_apply_circuits},
+        observe=lambda sw: {"circuits": schema.circuits_to_wire(sw.circuits())}),
     # A power meter driver offers read_power(channels or None) -> {channel: mW}, and says how
     # many `ports` it has (its telemetry reads them one at a time).
     "power_meter": DeviceKind(

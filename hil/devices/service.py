@@ -103,6 +103,9 @@ class DeviceService:
         self._background: tuple[str, Future] | None = None
         self._pass: Generator[None, None, dict] | None = None    # (the device's thread's)
         self._pass_began = 0.0
+        # the device's state read back at a pass's start (`DeviceKind.observe`), and the
+        # version published when it was read: believed only while no change came meanwhile
+        self._observed: tuple[str, dict] | None = None
         hz = self.kind.telemetry_hz if spec.telemetry_hz is None else spec.telemetry_hz
         self._period = 1.0 / hz if hz and self.kind.telemetry else math.inf
         now = time.monotonic()
@@ -320,13 +323,29 @@ class DeviceService:
                 self._start_background("telemetry", lambda: self._telemetry_turn(False))
                 return
             else:
+                self._take_observed()
                 self._send_telemetry(future.result(), now)
         if now >= self._next_health:
             self._next_health = now + self.spec.health
             self._start_background("health", self._read_health)
         elif now >= self._next_telemetry:
             self._next_telemetry, self._pass_began = math.inf, now
-            self._start_background("telemetry", lambda: self._telemetry_turn(True))
+            version = self.server.version
+            self._start_background("telemetry", lambda: self._telemetry_turn(True, version))
+
+    def _take_observed(self) -> None:
+        """What the pass read back of the device's state, published where it differs: unless
+        a change was published since it was read (then the change is the newer word)."""
+        if self._observed is None:
+            return
+        version, values = self._observed
+        self._observed = None
+        if version != self.server.version:
+            return
+        delta = self.server.noticed(values)
+        if delta is not None:
+            log.warning("%s: the device's %s changed behind its service (now version %s)",
+                        self.name, " and ".join(sorted(values)), self.server.version)
 
     def _watch_stuck(self, now: float) -> float:
         """Heartbeats stop while a driver call runs past `spec.stuck_s` (the device or its
@@ -369,11 +388,15 @@ class DeviceService:
             self.server.online = online
             self.server.update({"online": online})
 
-    def _telemetry_turn(self, first: bool) -> dict | None:
+    def _telemetry_turn(self, first: bool, version: str = "") -> dict | None:
         """(The device's thread) one turn of a telemetry pass: None while more are to come,
-        then the pass's values ({} when it failed or has nothing to report)."""
+        then the pass's values ({} when it failed or has nothing to report). The first turn
+        reads back the device's state too (`DeviceKind.observe`; `version`: the one published
+        then)."""
         try:
             if first:
+                if self.kind.observe is not None:
+                    self._observed = (version, self.kind.observe(self.driver))
                 telemetry = self.kind.telemetry
                 if telemetry is None:               # (a kind without: nothing to report)
                     return {}
