@@ -255,9 +255,10 @@ class BusSwitch(CircuitSwitch):
 
     def published(self, state: dict) -> Circuits | None:
         """The circuits a publication of the service's state says the switch holds; None when
-        it says none, or is older than what the agent's own last request of it answered (a
-        publication on its way as the agent changed the switch)."""
-        if "circuits" not in state or _older(state.get("version"), self.version):
+        it says none, or is not newer than what the agent's own last request of it answered
+        (that request's own change, or a publication on its way as the agent changed the
+        switch: on 64 OCSes, a phase switch's 64 publications are not read again)."""
+        if "circuits" not in state or not _newer(state.get("version"), self.version):
             return None
         try:
             return dict(schema.circuits_from_wire(state["circuits"]))
@@ -274,14 +275,18 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
-def _older(version: Any, than: Any) -> bool:
-    """Whether state version `version` ("INCARNATION:N") comes before `than` of the same
-    incarnation (a service started again begins a new one: its state is not older)."""
-    if not (isinstance(version, str) and isinstance(than, str)):
-        return False
+def _newer(version: Any, than: Any) -> bool:
+    """Whether state version `version` ("INCARNATION:N") comes after `than`: of the same
+    incarnation with a higher N, or of another (a service started again begins a new one)."""
+    if not isinstance(version, str):
+        return True                       # (a service that does not say: always compared)
+    if not isinstance(than, str):
+        return True
     inc, _, n = version.rpartition(":")
     inc2, _, n2 = than.rpartition(":")
-    return inc == inc2 and n.isdigit() and n2.isdigit() and int(n) < int(n2)
+    if inc != inc2 or not (n.isdigit() and n2.isdigit()):
+        return True
+    return int(n) > int(n2)
 
 
 def _switches_answered(got: Any) -> list | None:
