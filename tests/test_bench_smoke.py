@@ -48,3 +48,9 @@ def test_datacenter_bench_of_grants_during_a_heavy_admission(tmp_path):
     assert [r["case"].split(" (")[0] for r in got["rows"]] == [
         "tenant's phase grant", "the same, during the heavy admission", "heavy admission"]
     assert got["samples_ms"]["alone"] and got["samples_ms"]["during"]
+
+
+def test_watch_bench_puts_back_both_changes(tmp_path):
+    got = _bench(tmp_path, "watch", "--runs", "1")
+    assert [r["change"] for r in got["rows"]] == ["apply_circuits []", "power cycle"]
+    assert all(len(v) == 1 for v in got["samples_ms"].values())
