@@ -247,3 +247,21 @@ def test_an_admission_refused_as_it_is_taken_on_changes_nothing(tmp_path):
         assert admit.details.job == "y" and admit.details.owner == "tenant-a"
     finally:
         _close(agent)
+
+
+def test_a_job_whose_first_circuits_a_switch_refuses_is_still_its_owners(tmp_path):
+    """The admission is journaled (with its owner) before its circuits are written: a switch
+    that refuses them leaves the job admitted, as recovery would take it up, and its owner's
+    (its tenant may then release it or admit it again)."""
+    from photonic_testbed.drivers.circuit_switch import SwitchError
+    agent = _agent(tmp_path, lumion())
+    try:
+        def refuse(want) -> None:
+            raise SwitchError("a mirror is stuck")
+        for sw in agent.switches.values():
+            sw.before_apply.append(refuse)
+        with pytest.raises(AgentError, match="refused the circuits"):
+            agent.admit_later(dp_ring(4, name="x").to_dict(), owner="tenant-a").result(WAIT_S)
+        assert agent.jobs["x"].owner == "tenant-a"
+    finally:
+        _close(agent)

@@ -193,12 +193,12 @@ class Agent:
         with self._lock:
             return self.writer.reconcile(cause)
 
-    def on_switch(self, switch: str, circuits: Circuits) -> int | None:
-        """`switch` says it holds `circuits`: where they are not what the jobs were given, put
-        back (`SwitchWriter.noticed`), so that no phase is granted on what the agent did not
-        make."""
+    def on_switches(self, found: Mapping[str, Circuits]) -> dict[str, int]:
+        """Switches say what circuits they hold: where not what the jobs were given, put back
+        (`SwitchWriter.noticed`), so that a phase is not granted on circuits the agent knows
+        differ from what it made."""
         with self._lock:
-            return self.writer.noticed(switch, circuits)
+            return self.writer.noticed(found)
 
     # --- recovery ---------------------------------------------------------------------------
     def start(self, term: int | None = None) -> SwapOutcome | None:
@@ -300,7 +300,7 @@ class Agent:
             # its GPUs back to the rack; its part of every switch becomes the new one's in the
             # one write below (every switch is in a job's targets)
             del self.jobs[name]
-        new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(ranks))
+        new = Job(name, plan, circuits, next(iter(circuits.targets)), dict(ranks), owner=owner)
         self.jobs[name] = new
         self.pool.take(name, list(ranks.values()))
         # the admission and its first phase ride the sync of that phase's intended circuits;

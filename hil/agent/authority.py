@@ -18,7 +18,6 @@ operator's manual changes (for `hil.agent.bus.AgentProcess`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -68,11 +67,11 @@ def _listed(who: Identity, job: str, what: str) -> None:
 
 
 class JobOwners:
-    """Whose each admitted job is, and the checks of a caller acting on one."""
+    """The checks of a caller acting on a job, by whose it is (`Job.owner`: the key that
+    admitted it, journaled with its admission)."""
 
-    def __init__(self, agent: Agent, owners: Mapping[str, str | None]):
+    def __init__(self, agent: Agent):
         self.agent = agent
-        self._owners = dict(owners)
 
     def job_of(self, who: Identity, job: str | None, what: str) -> str | None:
         """The job a request acts on, once `who` may act on it: a tenant on a job its key
@@ -91,7 +90,7 @@ class JobOwners:
         """A tenant acts on an admitted job only if its key admitted it."""
         if job not in self.agent.jobs:
             return
-        owner = self._owners.get(job)
+        owner = self.agent.jobs[job].owner
         if owner == who.name:
             return
         whose = (f"the job of key {owner!r}" if owner is not None else
@@ -111,15 +110,6 @@ class JobOwners:
             _listed(who, job, what)
             self._owned(who, job, what)
         return who.name if who.role is not None else None
-
-    def get(self, job: str) -> str | None:
-        return self._owners.get(job)
-
-    def set(self, job: str, owner: str | None) -> None:
-        self._owners[job] = owner
-
-    def drop(self, job: str) -> None:
-        self._owners.pop(job, None)
 
 
 class ManualChanges:

@@ -41,14 +41,11 @@ import zmq
 from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PlanError
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
-from photonic_testbed.drivers.circuit_switch import (
-    SwitchError,
-)
+from photonic_testbed.drivers.circuit_switch import Circuits, SwitchError
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.agent.authority import (
     JobOwners,
     ManualChanges,
-    job_owners,
     next_term,
 )
 from photonic_testbed.hil.agent.bus_switch import BusSwitch
@@ -73,7 +70,7 @@ from photonic_testbed.hil.bus.client import (
 )
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.server import Answer, Server
-from photonic_testbed.hil.bus.state import Delete, Set, StateOp
+from photonic_testbed.hil.bus.state import Delete, Set, StateOp, touched
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
@@ -208,6 +205,7 @@ class AgentProcess(NoEvents):
         self._fresh: collections.deque[dict] = collections.deque()  # written, not published
         # jobs to take on, their circuits worked out beside the agent (`Agent.take_on`)
         self._taking_on: collections.deque[Callable[[], None]] = collections.deque()
+        self._noticed: dict[str, Circuits] = {}    # switch -> circuits published, this step
         # (what the rows show: each job's rank map and every GPU's health, copied; the rows)
         self._rack_cache: tuple[tuple[dict, dict], list[dict]] | None = None
         self._wired: dict[str, tuple[dict, dict[str, str]]] = {}   # job -> (rank map, wired)
@@ -288,7 +286,7 @@ class AgentProcess(NoEvents):
                                        self.timeout)
         agent = self._agent = Agent(layout, self.switches, self.journal, self._received.read,
                                     config=self.config, events=self)
-        self._owners = JobOwners(agent, job_owners(self.journal))
+        self._owners = JobOwners(agent)
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
                                               self.term)
         agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
@@ -370,6 +368,8 @@ class AgentProcess(NoEvents):
             self._taking_on.popleft()()
         sub, server = self.sub, self.server
         sub.poll(0)
+        if self._noticed:
+            self._put_back()
         server.poll(0)
         if time.monotonic() - self._published < PUBLISH_EVERY_S and \
                 (server.router.poll(0) or sub.sub.poll(0)):
@@ -379,20 +379,24 @@ class AgentProcess(NoEvents):
     # --- inputs -----------------------------------------------------------------------------
 
     def _on_state(self, device: str, state: dict, ops: Any) -> None:
-        if device in self.switches:
-            self._on_switch(device, state)
-        else:
+        if device not in self.switches:
             self._on_gpus(device, state)
-
-    def _on_switch(self, device: str, state: dict) -> None:
-        """A switch's published circuits: the agent puts back what differs from what it
-        intends (`Agent.on_switch`)."""
-        circuits = self.switches[device].published(state)
-        try:
+        elif ops is None or "circuits" in touched(ops):     # (a snapshot, or the circuits)
+            circuits = self.switches[device].published(state)
             if circuits is not None:
-                self.agent.on_switch(device, circuits)
-        except (AgentError, SwitchError) as e:
-            self.on_alarm(f"switch {device} changed behind the agent: {e}", Alarm(switch=device))
+                self._noticed[device] = circuits
+
+    def _put_back(self) -> None:
+        """The switches whose publications said other circuits than the agent's, this step:
+        what differs from what it intends put back, several switches at once
+        (`Agent.on_switches`)."""
+        found, self._noticed = self._noticed, {}
+        try:
+            self.agent.on_switches(found)
+        except Exception as e:          # (the loop goes on: a person looks at the alarm)
+            log.exception("putting back %s", ", ".join(found))
+            self.on_alarm(f"switches {', '.join(found)} changed behind the agent and were not "
+                          f"put back: {type(e).__name__}: {e}", Alarm())
 
     def _on_gpus(self, device: str, state: dict) -> None:
         changed = []
@@ -432,13 +436,12 @@ class AgentProcess(NoEvents):
                 return
             try:
                 name, got = f.result()
+                if name in self.agent.jobs:          # (not released since it was taken on)
+                    self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
+                answer.set_result({"job": name, "rank_map": {str(r): g for r, g in got.items()},
+                                   "restart_seq": self._order(name)["seq"]})
             except Exception as e:
                 answer.set_exception(e)
-                return
-            self.owners.set(name, owner)
-            self._reports[name] = {"state": "admitted", "step": 0, "t": time.time()}
-            answer.set_result({"job": name, "rank_map": {str(r): g for r, g in got.items()},
-                               "restart_seq": self._order(name)["seq"]})
         admitted.add_done_callback(lambda f: self.in_loop(lambda: done(f)))
         return answer
 
@@ -470,9 +473,8 @@ class AgentProcess(NoEvents):
                                  f"job {name} rejoined on a rank map the journal does not "
                                  "hold: taken on as it runs")
             if known is not None:
-                owner = self.owners.get(name)      # (its owner's rejoin: checked above)
+                owner = known.owner                # (its owner's rejoin: checked above)
             agent.admit(plan, rank_map, job=name, owner=owner)
-            self.owners.set(name, owner)
         else:
             agent.journal.record(Note(job=name, state=args.state), f"job {name} rejoined")
         if args.state == "failed":
@@ -524,7 +526,6 @@ class AgentProcess(NoEvents):
         job = self.agent.job(self.owners.job_of(self.server.caller, args.job, "release"))
         freed = self.agent.release(job.name)
         self._reports.pop(job.name, None)
-        self.owners.drop(job.name)
         return {"job": job.name, "released": sorted(freed.values())}
 
     def _job_report(self, args: schema.JobReport) -> dict:

@@ -97,6 +97,8 @@ class BusSwitch(CircuitSwitch):
         self.version = snap["state"]["version"]
         self._regroup_at: float | None = None
         self.group: tuple[str, frozenset] | None = None
+        # the circuits, in wire form, the agent last wrote or read (None: not known)
+        self.wire: list | None = None
         self._learn_group()
 
     def _learn_group(self) -> None:
@@ -169,10 +171,13 @@ class BusSwitch(CircuitSwitch):
                 if isinstance(got, StaleState) and not attempt:
                     stale.append(i)
                 elif isinstance(got, StaleState):
+                    sw.wire = None
                     out[i] = SwitchError(f"{sw.name} keeps changing under the agent")
                 elif isinstance(got, BusError):
+                    sw.wire = None
                     out[i] = SwitchError(f"{sw.name}: {got}")
                 else:
+                    sw.wire = wires[i]
                     out[i] = _AnsweredReport(got, time.perf_counter() - t0)
             pending = []
             for i in stale:
@@ -251,14 +256,18 @@ class BusSwitch(CircuitSwitch):
         except BusError as e:
             raise SwitchError(f"{self.name}: {e}") from e
         self.version = self.client.version
-        return dict(schema.circuits_from_wire(got["circuits"]))
+        circuits = dict(schema.circuits_from_wire(got["circuits"]))
+        self.wire = got["circuits"]
+        return circuits
 
     def published(self, state: dict) -> Circuits | None:
         """The circuits a publication of the service's state says the switch holds; None when
-        it says none, or is not newer than what the agent's own last request of it answered
-        (that request's own change, or a publication on its way as the agent changed the
-        switch: on 64 OCSes, a phase switch's 64 publications are not read again)."""
-        if "circuits" not in state or not _newer(state.get("version"), self.version):
+        it says none, is older than what the agent's own last request of it answered (on its
+        way as the agent changed the switch), or says what the agent last wrote or read (its
+        own change: on 64 OCSes, a phase switch's 64 publications are compared as they came,
+        not read)."""
+        if "circuits" not in state or _older(state.get("version"), self.version) or \
+                state["circuits"] == self.wire:
             return None
         try:
             return dict(schema.circuits_from_wire(state["circuits"]))
@@ -275,18 +284,14 @@ class BusSwitch(CircuitSwitch):
         self.client.close()
 
 
-def _newer(version: Any, than: Any) -> bool:
-    """Whether state version `version` ("INCARNATION:N") comes after `than`: of the same
-    incarnation with a higher N, or of another (a service started again begins a new one)."""
-    if not isinstance(version, str):
-        return True                       # (a service that does not say: always compared)
-    if not isinstance(than, str):
-        return True
+def _older(version: Any, than: Any) -> bool:
+    """Whether state version `version` ("INCARNATION:N") comes before `than`: of the same
+    incarnation with a lower N (a service started again begins a new one: not older)."""
+    if not (isinstance(version, str) and isinstance(than, str)):
+        return False
     inc, _, n = version.rpartition(":")
     inc2, _, n2 = than.rpartition(":")
-    if inc != inc2 or not (n.isdigit() and n2.isdigit()):
-        return True
-    return int(n) > int(n2)
+    return inc == inc2 and n.isdigit() and n2.isdigit() and int(n) < int(n2)
 
 
 def _switches_answered(got: Any) -> list | None:

@@ -42,6 +42,7 @@ class Job:
     rank_map: RankMap
     announced: RankMap = field(default_factory=dict)
     ready: Key | None = None        # the phase set up ahead, while the job computed
+    owner: str | None = None        # the key that admitted it (None: no key's)
 
     def next_key(self, key: Key) -> Key:
         """The (phase, round) a step runs after `key` (the first again after the last)."""

@@ -92,7 +92,7 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
         rank_map = dict(swap.rank_map if swap is not None else f.admit.rank_map)
         circuits = policies.JobCircuits(plan, layout, rank_map, matchings)
         job = Job(name, plan, circuits, f.phase or next(iter(circuits.targets)),
-                  dict(rank_map), ready=f.ready)
+                  dict(rank_map), ready=f.ready, owner=f.admit.owner)
         if not f.decided:
             job.phase = _held_phase(job, circuits, intended)
         unfinished = None

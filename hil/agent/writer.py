@@ -196,40 +196,37 @@ class SwitchWriter:
             raise AgentError(f"loopback test on {switch} refused: {e}") from e
         self._current[switch] = dict(circuits)
 
-    def noticed(self, switch: str, actual: Circuits) -> int | None:
-        """`switch` holds `actual` (its service published it, changed by someone else or by
-        itself: a rogue request, a power cycle): believed, and where it differs from the jobs'
-        parts of it those are written again, journaled as a reconcile (an alarm when the switch
-        refuses: it is then unknown, and the next change of it writes it whole). A switch the
-        journal intends nothing of is left as it is. Returns the circuits moved back (None: nothing
-        differed)."""
-        if switch not in self._owned:
+    def noticed(self, found: Mapping[str, Circuits]) -> dict[str, int]:
+        """Each switch of `found` holds its circuits (its service published them, changed by
+        someone else or by itself: a rogue request, a power cycle): believed, and where they
+        differ from the parts the jobs (and the operator) hold of it those are written again,
+        several switches at once, each journaled as a reconcile; a switch that refuses raises
+        an alarm and is unknown (the next change of it writes it whole). A switch the
+        journal intends nothing of is left as it is. Returns {switch: circuits moved back}."""
+        todo: dict[str, Circuits] = {}
+        moves: dict[str, int] = {}
+        for switch, actual in found.items():
             self._current[switch] = dict(actual)
-            return None
-        parts = self._held.get(switch, {})
-        want: Circuits = {}
-        for part in parts.values():
-            want.update(part)
-        if self._current.get(switch) == actual == want:
-            return None
-        self._current[switch] = dict(actual)
-        moves = policies.changes(actual, want)
-        if not moves:
-            return None
-        cause = f"switch {switch} changed behind the agent ({moves} circuits moved)"
-        t0 = self.clock()
-        try:
-            rep = self.switches[switch].apply(want)
-        except SwitchError as e:
-            self._current.pop(switch, None)
-            self.alarm(f"{cause}; they cannot be put back: {e}", Alarm(switch=switch,
-                                                                       during=cause))
-            return None
-        self._current[switch] = dict(want)
-        self.journal.record(Reconcile(switch=switch, added=rep.pairs("added"),
-                                      removed=rep.pairs("removed")),
-                            cause, self.clock() - t0)
-        return moves
+            if switch not in self._owned:
+                continue
+            want: Circuits = {}
+            for part in self._held.get(switch, {}).values():
+                want.update(part)
+            moves[switch] = policies.changes(actual, want)
+            if moves[switch]:
+                todo[switch] = want
+        for s, c, rep in self._write(todo):
+            cause = f"switch {s} changed behind the agent ({moves[s]} circuits moved)"
+            if isinstance(rep, SwitchError):
+                self._current.pop(s, None)
+                self.alarm(f"{cause}; they cannot be put back: {rep}",
+                           Alarm(switch=s, during=cause))
+                continue
+            self._current[s] = dict(c)
+            r = self.reported({s: rep}, cause)[s]
+            self.journal.record(Reconcile(switch=s, added=r.added, removed=r.removed),
+                                cause, r.seconds)
+        return {s: m for s, m in moves.items() if m}
 
     def reconcile(self, cause: str = "reconcile") -> dict[str, int]:
         """Read every switch, repair only what differs from the journal's intended circuits.

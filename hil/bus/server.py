@@ -373,6 +373,13 @@ class Server:
         """Publish these top-level keys now (one delta, only what differs)."""
         return self.state.update(values)
 
+    @property
+    def settled(self) -> bool:
+        """Whether every change counted in the version has been published (none under way,
+        none answered and waiting for its publication): what the device holds is then what
+        the state says, unless it changed behind the service."""
+        return not self._publish_version or self.state.state.get("version") == self.version
+
     def noticed(self, values: Mapping) -> dict | None:
         """The device changed by itself (a power cycle, a front panel): the top-level keys of
         `values` that differ from the published state are counted as a change (the version

@@ -330,17 +330,19 @@ class DeviceService:
             self._start_background("health", self._read_health)
         elif now >= self._next_telemetry:
             self._next_telemetry, self._pass_began = math.inf, now
-            version = self.server.version
+            # (a read-back while a change is under way or unpublished is not compared)
+            version = self.server.version if self.server.settled else ""
             self._start_background("telemetry", lambda: self._telemetry_turn(True, version))
 
     def _take_observed(self) -> None:
         """What the pass read back of the device's state, published where it differs: unless
-        a change was published since it was read (then the change is the newer word)."""
+        a change was counted since it was read, or was still to be published when it was
+        read or now (the change is then the newer word)."""
         if self._observed is None:
             return
         version, values = self._observed
         self._observed = None
-        if version != self.server.version:
+        if version != self.server.version or not self.server.settled:
             return
         delta = self.server.noticed(values)
         if delta is not None:
