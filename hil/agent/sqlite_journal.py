@@ -232,6 +232,7 @@ class SqliteJournal:
         self._stored: set[str] = set()        # digests of shared values known to be stored
         self._storing: set[str] = set()       # ... written in the transaction under way
         self._deferred: list[int] = []        # entries written deferred, not yet committed
+        self._next_seq: int | None = None     # the next entry's number, in this transaction
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name=f"journal-checkpoint {self.path}")
@@ -317,12 +318,14 @@ class SqliteJournal:
         if not self._db.in_transaction:
             self._storing.clear()
             self._deferred.clear()
+            self._next_seq = None
             self._db.execute("BEGIN IMMEDIATE")
 
     def _commit(self) -> None:
         if not self._db.in_transaction:
             return
         self._db.execute("COMMIT")
+        self._next_seq = None
         self._deferred.clear()
         if self._storing:
             if len(self._stored) + len(self._storing) > _KNOWN_KEPT:
@@ -339,6 +342,7 @@ class SqliteJournal:
             yield
         except FAILURES as e:
             lost = ""
+            self._next_seq = None
             if not self._db.in_transaction:
                 self._storing.clear()
                 gone, self._deferred = self._deferred, []
@@ -404,15 +408,19 @@ class SqliteJournal:
                       details: str, shares: int) -> int:
         """Insert an event row, sealed, in the transaction under way; its sequence number.
         The number is the one SQLite would give (AUTOINCREMENT: past every number used),
-        worked out first, since the row's checksum covers it."""
-        seq = self._db.execute(
-            "SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='events'), 0), "
-            "COALESCE((SELECT MAX(seq) FROM events), 0)) + 1").fetchone()[0]
+        worked out first, since the row's checksum covers it: asked of SQLite once a
+        transaction (which holds the file's write lock: no other writer meanwhile)."""
+        seq = self._next_seq
+        if seq is None:
+            seq = self._db.execute(
+                "SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='events'), 0), "
+                "COALESCE((SELECT MAX(seq) FROM events), 0)) + 1").fetchone()[0]
         self._db.execute(
             "INSERT INTO events (seq, ts, kind, cause, latency_s, details, shares, checksum) "
             "VALUES (?,?,?,?,?,?,?,?)",
             (seq, ts, kind, cause, latency_s, details, shares,
              event_seal(seq, ts, kind, cause, latency_s, details, shares)))
+        self._next_seq = seq + 1
         return seq
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:
