@@ -10,7 +10,7 @@
   requests to several monitors go out together (`call_many`).
 - Health and change: a `StateSubscriber` on every GPU monitor (every GPU whose state changed
   goes to `on_health`) and every switch's service (circuits changed behind the agent are put
-  back: `Agent.on_switch`).
+  back: `Agent.on_switches`).
 - The job (through `hil.job.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
   circuits are up: the answer is the grant), `job_failure`.
 - Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
