@@ -57,8 +57,10 @@ def frozen(pid: int):
 def _agent(tmp_path, layout, **bounds) -> Agent:
     switches = {s: PermutationSwitch(s, n) for s, n in layout.switches.items()}
     agent = Agent(layout, switches, SqliteJournal(tmp_path / "j.db"), lambda s, p: 0.0)
-    if bounds:
-        agent.admissions = Admissions(layout, round_robin_matchings, **bounds)
+    # (the worker at the agent's priority: these tests are of the admissions' logic, and must
+    # not wait for a machine busy with other work to leave a niced worker its turn)
+    agent.admissions.close()
+    agent.admissions = Admissions(layout, round_robin_matchings, nice=0, **bounds)
     return agent
 
 
@@ -126,7 +128,8 @@ def test_an_admission_past_its_time_is_refused_and_the_next_one_worked_out(tmp_p
         with frozen(worker_of(os.getpid())):
             late = agent.admit_later(dp_ring(4, name="late").to_dict())
             with pytest.raises(AgentError, match="'late': its circuits were not worked out "
-                                                 "within 1 s: refused"):
+                                                 "within 1 s without its worker running: "
+                                                 "refused"):
                 late.result(WAIT_S)
         assert set(agent.jobs) == {"warm"} and len(agent.spares()) == 6   # nothing kept
         assert agent.admit_later(dp_ring(4, name="next").to_dict()).result(WAIT_S)[0] == "next"
@@ -265,3 +268,79 @@ def test_a_job_whose_first_circuits_a_switch_refuses_is_still_its_owners(tmp_pat
         assert agent.jobs["x"].owner == "tenant-a"
     finally:
         _close(agent)
+
+
+def test_an_admission_is_bounded_by_its_workers_time_not_the_machines_load(tmp_path):
+    """The bound is the worker's CPU time: a plan that needs more is refused saying so."""
+    agent = _agent(tmp_path, rail_rack("rails", 67), seconds=WAIT_S)
+    try:
+        agent.admit_later(dp_ring(4, name="warm").to_dict()).result(WAIT_S)   # (started)
+        agent.admissions.seconds = 0.02
+        with pytest.raises(AgentError, match="'big': its circuits were not worked out within "
+                                             "0.02 s of its worker's time: refused"):
+            agent.admit_later(big_plan().to_dict()).result(WAIT_S)
+    finally:
+        _close(agent)
+
+
+def test_a_worker_waiting_for_the_cpu_is_given_its_time():
+    """A worker held back (a machine busy with other work) runs a little at a time: however
+    long that takes in wall time, it is refused only once it has used its CPU time, or once it
+    stops running at all (stopped, or asleep) for as long."""
+    from photonic_testbed.hil.agent.admission import _Budget
+    now = [0.0]
+    budget = _Budget(1.0, clock=lambda: now[0])
+    for k in range(100):                          # 50 s of wall time, 0.5 s of CPU
+        now[0] = k * 0.5
+        assert budget.left(0.005 * k, runnable=True) > 0
+    with pytest.raises(TimeoutError, match="of its worker's time"):
+        now[0] += 0.5
+        budget.left(1.2, runnable=True)
+    stopped = _Budget(1.0, clock=lambda: now[0])
+    stopped.left(3.0, runnable=False)
+    now[0] += 0.9
+    stopped.left(3.0, runnable=False)              # 0.9 s stopped: still within
+    now[0] += 0.2
+    with pytest.raises(TimeoutError, match="without its worker running"):
+        stopped.left(3.0, runnable=False)
+
+
+def test_the_worker_dies_with_the_agent(tmp_path):
+    """An agent killed -9 takes its admission worker with it (the kernel's parent-death
+    signal): no worker is left holding the agent's output or memory, however busy the machine
+    (a niced worker would take its time to see its input closed)."""
+    import subprocess
+    import sys
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time\n"
+         "from photonic_testbed.common.jobplan import round_robin_matchings\n"
+         "from photonic_testbed.common.rack_layout import lumion\n"
+         "from photonic_testbed.common.jobplan import dp_ring\n"
+         "from photonic_testbed.hil.agent.admission import _Budget, _Worker\n"
+         "w = _Worker(lumion(), round_robin_matchings, 2048, 0)\n"
+         "w.send(('plan', dp_ring(4).to_dict(), 10, 1 << 22))\n"
+         "w.receive(_Budget(60.0))            # (the worker is set up and serving)\n"
+         "print(w.proc.pid, flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    try:
+        os.kill(worker, signal.SIGSTOP)      # (it cannot see its input closed: only a signal)
+        parent.kill()
+        parent.wait(WAIT_S)
+        _until(lambda: _state(worker) in (None, "Z"), "the worker gone with its parent")
+    finally:
+        parent.kill()
+        parent.wait(WAIT_S)
+        parent.stdout.close()
+        if _state(worker) not in (None, "Z"):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (R, S, T, Z, ...), None once it is gone."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

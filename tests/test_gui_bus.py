@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import socket
 import threading
 import time
 
@@ -33,6 +34,23 @@ from tests.test_bus import Supervised  # noqa: E402
 from tests.test_gui import _answer_dialog, assert_not_blank, colour_at, near, pixels  # noqa: E402
 
 WAIT_MS = 8000
+# The agent's ports of a rig file written at a module's start, held (bound, not listening: a
+# connection is refused as if nothing were there) until a test's agent binds them: another
+# process picking free ports meanwhile cannot take them.
+_HELD: dict[str, socket.socket] = {}
+
+
+def _hold(endpoint: str) -> None:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind((host, int(port)))
+    _HELD[endpoint] = held
+
+
+def _release(endpoint: str) -> None:
+    held = _HELD.pop(endpoint, None)
+    if held is not None:
+        held.close()
 
 
 def gpu(name, port, role="active", rank=None, health="ok"):
@@ -55,6 +73,7 @@ class Agent:
     request (the swap puts the first healthy spare in the GPU's place), on its own thread."""
 
     def __init__(self, endpoints):
+        self.endpoints = endpoints
         self.server = Server("agent", agent_state(), request=endpoints[0],
                                   publish=endpoints[1], heartbeat=0.1,
                                   handlers={"swap": self._swap})
@@ -63,6 +82,8 @@ class Agent:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
+        for endpoint in self.endpoints:
+            _release(endpoint)
         self.server.bind()
         self.thread.start()
         return self
@@ -107,8 +128,14 @@ def lumion(tmp_path_factory):
     with EmulatedRig(rig_spec("lumion"), ideal_chip=True, switching_s=0.0) as emulated:
         rigfile.write(path, rigfile.for_emulator("lumion", emulated.endpoints, gpus=gpus))
         rig = rigfile.load(path)
-        with Supervised(rig.service_specs(["chip", "ocs"])):
-            yield rig
+        for endpoint in rig.agent_endpoints():
+            _hold(endpoint)
+        try:
+            with Supervised(rig.service_specs(["chip", "ocs"])):
+                yield rig
+        finally:
+            for endpoint in rig.agent_endpoints():
+                _release(endpoint)
 
 
 def _window(qtbot, rig, tmp_path):

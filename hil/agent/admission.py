@@ -1,7 +1,8 @@
 """Admission off the hot path: a job's plan read and its circuits for every (phase, round)
 worked out (`policies.JobCircuits`) in a worker process beside the agent, so that the agent
 answers other jobs' grants and failovers meanwhile (a thread would still hold the interpreter's
-lock; the worker runs at idle priority, on what the agent and the devices leave of the cores).
+lock; the worker runs at the lowest priority, nice 19: the agent and the devices come first, and
+on a machine busy with other work the admission is slower, never starved as at SCHED_IDLE).
 
 `Admissions.submit(plan, max_world, run)` queues an admission and returns a Future; one is
 worked out at a time, on the admissions' own thread: the worker reads the plan and counts its
@@ -13,8 +14,10 @@ agent's interpreter is not held while they arrive (a Python object per circuit, 
 it for tens of milliseconds).
 
 Every admission is bounded, and a plan past a bound is refused with the figure that passed it:
-its time (`seconds`, from the plan read to its circuits back; the worker is killed at the
-deadline and a fresh one started for the next), the worker's memory (`memory_mb` more than it
+its time (`seconds` of the worker's own CPU time, from the plan read to its circuits back, so
+that a busy machine makes an admission slow, not refused; or as long with the worker neither
+running nor waiting to run: stopped, or stuck; the worker is killed and a fresh one started for
+the next), the worker's memory (`memory_mb` more than it
 takes to start, an address-space limit: the plan is refused when working it out needs more),
 its size (`job_links` rank links over all its phases, counted before anything is listed), and
 the admissions waiting (`waiting`). The agent bounds the rank links of all its jobs together
@@ -48,6 +51,8 @@ from photonic_testbed.hil.agent.policies import RankMap
 log = logging.getLogger(__name__)
 
 ADMISSION_S = 60.0          # an admission's plan read and circuits worked out within this
+                            # much of the worker's CPU time
+NICE = 19                   # the worker's priority (the agent's and the devices' come first)
 MEMORY_MB = 2048            # the worker's memory, past what it takes to start
 JOB_LINKS = 1 << 22         # a job's rank links over all its phases (a 2,048-rank all-to-all:
                             # 2,047 rounds of 2,048 links, 4.19 million) ...
@@ -58,8 +63,20 @@ T = TypeVar("T")
 Matchings = Callable[[int], list[list[tuple[int, int]]]]
 Circuits = Callable[[RankMap], policies.JobCircuits]
 _LENGTH = 8                 # bytes of a message's length, before it
-_WORKER = ("import sys; from photonic_testbed.hil.agent.admission import serve; "
-           "serve(sys.stdin.buffer, sys.stdout.buffer)")
+_TICKS = os.sysconf("SC_CLK_TCK")
+# The worker dies with the agent's thread that started it (Linux's parent-death signal, set
+# before anything else, then the parent checked: it may have gone already), so that it never
+# outlives the agent nor holds its output open (a niced worker on a busy machine would take its
+# time to see its input closed).
+_WORKER = ("import ctypes, os, sys\n"
+           "try:\n"
+           "    ctypes.CDLL(None, use_errno=True).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL\n"
+           "except (OSError, AttributeError):\n"
+           "    pass\n"
+           "if os.getppid() != int(sys.argv[1]):\n"
+           "    sys.exit(0)\n"
+           "from photonic_testbed.hil.agent.admission import serve\n"
+           "serve(sys.stdin.buffer, sys.stdout.buffer)\n")
 
 
 def plan_size(plan: JobPlan, matchings: Matchings) -> tuple[int, int]:
@@ -84,8 +101,9 @@ class Admissions:
 
     def __init__(self, layout: RackLayout, matchings: Matchings, *,
                  seconds: float = ADMISSION_S, memory_mb: int = MEMORY_MB,
-                 job_links: int = JOB_LINKS, waiting: int = WAITING):
+                 job_links: int = JOB_LINKS, waiting: int = WAITING, nice: int = NICE):
         self.layout = layout
+        self.nice = nice                # the worker's (tests of the admissions' logic: 0)
         self.matchings = matchings
         self.seconds = seconds
         self.memory_mb = memory_mb
@@ -158,38 +176,40 @@ class Admissions:
 
     def _admit(self, plan: Mapping[str, Any], max_world: int,
                run: Callable[[JobPlan, int, Circuits], T]) -> T:
-        deadline = time.monotonic() + self.seconds
+        budget = _Budget(self.seconds)
         name = str(plan.get("name", "")) if isinstance(plan, Mapping) else ""
-        got = self._ask(("plan", dict(plan), max_world, self.job_links), deadline, name)
+        got = self._ask(("plan", dict(plan), max_world, self.job_links), budget, name)
         _, read, links = next(got)
-        return run(read, links, lambda ranks: self._circuits(read, ranks, deadline))
+        return run(read, links, lambda ranks: self._circuits(read, ranks, budget))
 
-    def _circuits(self, plan: JobPlan, rank_map: RankMap, deadline: float
+    def _circuits(self, plan: JobPlan, rank_map: RankMap, budget: _Budget
                   ) -> policies.JobCircuits:
-        _, by_rank, targets, size = next(self._ask(("circuits", dict(rank_map)), deadline,
+        _, by_rank, targets, size = next(self._ask(("circuits", dict(rank_map)), budget,
                                                    plan.name))
         return policies.JobCircuits.assembled(plan, self.layout, rank_map, by_rank, targets,
                                               size)
 
-    def _ask(self, message: tuple, deadline: float, name: str) -> Iterator[tuple]:
+    def _ask(self, message: tuple, budget: _Budget, name: str) -> Iterator[tuple]:
         """Send `message` to the worker (started if need be) and yield its answers; a
-        refusal, the deadline passed or the worker gone is an AgentError naming the job."""
+        refusal, the time spent or the worker gone is an AgentError naming the job."""
         worker = self._worker
         if worker is None or not worker.alive():
-            worker = self._worker = _Worker(self.layout, self.matchings, self.memory_mb)
+            worker = self._worker = _Worker(self.layout, self.matchings, self.memory_mb,
+                                            self.nice)
         try:
             worker.send(message)
             while True:
-                answer = worker.receive(deadline)
+                answer = worker.receive(budget)
                 if answer[0] == "refused":
                     if answer[2]:                   # (its memory ran out: a fresh one next)
                         worker.kill()
                     raise AgentError(answer[1])
                 yield answer
-        except TimeoutError:
+        except TimeoutError as e:
             worker.kill()
+            why = f" {e}" if str(e) else ""
             raise AgentError(f"job {name!r}: its circuits were not worked out within "
-                             f"{self.seconds:g} s: refused") from None
+                             f"{self.seconds:g} s{why}: refused") from None
         except EOFError:
             code = worker.kill()
             raise AgentError(f"job {name!r}: the admission's worker ended (exit {code}) while "
@@ -197,19 +217,51 @@ class Admissions:
                              f"{self.memory_mb} MB past its start): refused") from None
 
 
+class _Budget:
+    """An admission's time: `seconds` of the worker's CPU time, or as long with the worker
+    neither running nor waiting to run (stopped, or asleep: stuck); wall time alone where the
+    worker's CPU time is unknown."""
+
+    LOOK_S = 0.25           # how often the worker is looked at while waited for
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.began = self.idle_since = clock()
+        self.cpu0: float | None = None          # the worker's CPU time when first looked at
+
+    def left(self, cpu: float | None, runnable: bool) -> float:
+        """How long to wait for the worker before looking again, given its CPU time so far
+        and whether it runs or waits to run; TimeoutError (saying why) once the time is
+        spent."""
+        now = self.clock()
+        if cpu is None:
+            if now - self.began >= self.seconds:
+                raise TimeoutError("")
+            return min(self.LOOK_S, self.began + self.seconds - now)
+        if self.cpu0 is None:
+            self.cpu0 = cpu
+        if cpu - self.cpu0 >= self.seconds:
+            raise TimeoutError("of its worker's time")
+        if runnable:
+            self.idle_since = now
+        elif now - self.idle_since >= self.seconds:
+            raise TimeoutError("without its worker running")
+        return min(self.LOOK_S, self.seconds - (cpu - self.cpu0))
+
+
 class _Worker:
     """The worker process: started with the rack's layout and matchings, then asked."""
 
-    def __init__(self, layout: RackLayout, matchings: Matchings, memory_mb: int):
+    def __init__(self, layout: RackLayout, matchings: Matchings, memory_mb: int, nice: int):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER],
+            [sys.executable, "-c", _WORKER, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._out: IO[bytes] = self.proc.stdin
         self._in = self.proc.stdout.fileno()
-        self.send((layout, matchings, memory_mb))
+        self.send((layout, matchings, memory_mb, nice))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -220,27 +272,36 @@ class _Worker:
         except (BrokenPipeError, ValueError):
             raise EOFError from None
 
-    def receive(self, deadline: float) -> tuple:
+    def looked(self) -> tuple[float | None, bool]:
+        """The worker's CPU time so far (user and system) and whether it runs or waits to run
+        (its state R), from /proc; (None, True) where /proc does not say."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _TICKS, fields[0] == b"R"
+        except (OSError, IndexError, ValueError):
+            return None, True
+
+    def receive(self, budget: _Budget) -> tuple:
         """The worker's next message. Its arrays' bytes are read by the kernel straight into
         their buffers (the interpreter's lock is not held while they come), then taken as
         they are by the arrays unpickled (no copy)."""
-        head = self._read(2 * _LENGTH, deadline)
+        head = self._read(2 * _LENGTH, budget)
         size, count = (int.from_bytes(head[k:k + _LENGTH], "little") for k in (0, _LENGTH))
-        body = self._read(size, deadline)
+        body = self._read(size, budget)
         buffers = []
         for _ in range(count):
-            buffers.append(self._read(int.from_bytes(self._read(_LENGTH, deadline), "little"),
-                                      deadline))
+            buffers.append(self._read(int.from_bytes(self._read(_LENGTH, budget), "little"),
+                                      budget))
         return pickle.loads(body, buffers=buffers)
 
-    def _read(self, n: int, deadline: float) -> bytearray:
+    def _read(self, n: int, budget: _Budget) -> bytearray:
         """`n` bytes from the worker, waiting and reading without the interpreter's lock."""
         got = bytearray(n)
         view, done = memoryview(got), 0
         while done < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._in], [], [], left)[0]:
-                raise TimeoutError
+            if not select.select([self._in], [], [], budget.left(*self.looked()))[0]:
+                continue
             k = os.readv(self._in, [view[done:]])
             if not k:
                 raise EOFError
@@ -294,13 +355,10 @@ def _write_message(stream: IO[bytes], message: Any) -> None:
     stream.flush()
 
 
-def _bound(memory_mb: int) -> None:
-    """Idle priority (only what the agent and the devices leave of the cores), and an
-    address space `memory_mb` past what the worker holds now."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
+def _bound(memory_mb: int, nice: int) -> None:
+    """A low priority (`nice`: the agent and the devices come first), and an address space
+    `memory_mb` past what the worker holds now."""
+    os.nice(nice)
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[0])
     limit = pages * os.sysconf("SC_PAGE_SIZE") + memory_mb * (1 << 20)
@@ -314,8 +372,8 @@ def serve(inp: BinaryIO, out: IO[bytes]) -> None:
     plan: JobPlan | None = None
     memory_mb = 0
     try:
-        layout, matchings, memory_mb = _read_message(inp)
-        _bound(memory_mb)
+        layout, matchings, memory_mb, nice = _read_message(inp)
+        _bound(memory_mb, nice)
         while True:
             plan, refusal = _answer(_read_message(inp), plan, layout, matchings, out)
             if refusal is not None:
