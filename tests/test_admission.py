@@ -303,6 +303,10 @@ def test_a_worker_waiting_for_the_cpu_is_given_its_time():
     now[0] += 0.2
     with pytest.raises(TimeoutError, match="without its worker running"):
         stopped.left(3.0, runnable=False)
+    waited = _Budget(1.0, clock=lambda: now[0])
+    now[0] += 5.0                                  # the agent held the admission between parts
+    waited.given()
+    assert waited.left(0.0, runnable=False) > 0    # the worker has just been given its part
 
 
 def test_the_worker_dies_with_the_agent(tmp_path):

@@ -198,6 +198,7 @@ class Admissions:
                                             self.nice)
         try:
             worker.send(message)
+            budget.given()
             while True:
                 answer = worker.receive(budget)
                 if answer[0] == "refused":
@@ -228,6 +229,11 @@ class _Budget:
         self.seconds, self.clock = seconds, clock
         self.began = self.idle_since = clock()
         self.cpu0: float | None = None          # the worker's CPU time when first looked at
+
+    def given(self) -> None:
+        """The worker was just given work: it is not idle from before (the agent may have held
+        it between two parts of the admission)."""
+        self.idle_since = self.clock()
 
     def left(self, cpu: float | None, runnable: bool) -> float:
         """How long to wait for the worker before looking again, given its CPU time so far
