@@ -22,6 +22,7 @@ from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.job.fabric_client import Fabric
 from tests.test_datacenter_tenants import TIMEOUT_S, datacenter, rail_plan  # noqa: F401
+from tests.timeouts import wait_until
 
 WAIT_S = 60.0                   # a bounded wait on a loaded machine (met in well under 1 s)
 
@@ -91,11 +92,7 @@ def test_other_jobs_are_granted_while_an_admission_is_worked_out(datacenter):  #
 
 
 def _until(cond, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {WAIT_S:g} s")
-        time.sleep(0.001)
+    return wait_until(cond, what, WAIT_S, 0.001)
 
 
 def test_a_failover_meanwhile_does_not_take_the_gpus_kept_for_the_admission(tmp_path):

@@ -19,6 +19,7 @@ from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
 from photonic_testbed.hil.lab.control_client import request as control
+from tests.timeouts import wait_until
 
 WAIT_S = 30.0          # a bounded wait on a loaded machine (the repair takes well under 1 s)
 TIMEOUT_S = 10.0
@@ -58,13 +59,8 @@ def entries(journal, kind: str):
         return j.entries(kinds=(kind,))
 
 
-def until(cond, what: str) -> float:
-    """Seconds until `cond()` holds (AssertionError past WAIT_S)."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < WAIT_S, f"{what} not within {WAIT_S} s"
-        time.sleep(0.01)
-    return time.monotonic() - t0
+def until(cond, what: str):
+    return wait_until(cond, what, WAIT_S)
 
 
 def _admitted(rig) -> ServiceClient:

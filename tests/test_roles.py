@@ -41,6 +41,7 @@ from photonic_testbed.hil.bus.security import (
 from photonic_testbed.hil.bus.server import Server
 from photonic_testbed.hil.devices.service import DeviceService
 from photonic_testbed.hil.rig import rig_spec
+from tests.timeouts import wait_until
 
 KEYS = (("agent", "agent", ()), ("operator", "operator", ()), ("observer", "observer", ()),
         ("tenant-a", "tenant", ("a",)), ("tenant-b", "tenant", ("b", "a")),
@@ -68,14 +69,7 @@ def entries(path, kind):
 
 
 def _until(cond, what, timeout=REFUSED_WITHIN_S, step=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        time.sleep(step)
+    return wait_until(cond, what, timeout, step)
 
 
 @dataclasses.dataclass

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
+from tests.timeouts import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WAIT_S = 60.0              # a bound for what takes milliseconds on an idle machine
@@ -43,14 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 def _until(cond, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        time.sleep(0.05)
+    return wait_until(cond, what, timeout, 0.05)
 
 
 def _ended(pids: list[int]) -> bool:
