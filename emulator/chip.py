@@ -91,6 +91,7 @@ class EmulatedChip:
         self._t_start = np.zeros(h)
         self._volts = np.zeros(h)
         self._inputs = np.zeros(self.ports)
+        self._lit = 0                     # bumped when the inputs change
         self._mix = np.eye(h) + self.truth_.crosstalk
         # The light is worked out again only when something changed (a heater, the inputs)
         # or a heater is still warming up: a read of one port costs a lookup, not the chip.
@@ -414,13 +415,23 @@ class EmulatedChip:
     def set_inputs(self, inputs_mw: Mapping[int, float]) -> None:
         p = self._check_inputs(inputs_mw)
         with self._lock:
-            self._inputs = p
+            if not np.array_equal(p, self._inputs):
+                self._inputs = p
+                self._lit += 1
 
     def inject(self, port: int, mw: float) -> None:
         """Light one more input (others stay as they are); 0 mW darkens it."""
         p = self._check_inputs({port: mw})
         with self._lock:
-            self._inputs[int(port) - 1] = p[int(port) - 1]
+            if self._inputs[int(port) - 1] != p[int(port) - 1]:
+                self._inputs[int(port) - 1] = p[int(port) - 1]
+                self._lit += 1
+
+    @property
+    def light_version(self) -> tuple[int, int]:
+        """Changes whenever what the chip's light depends on changes (a heater, the truth, the
+        inputs): a reading kept under one version is still what the chip would give."""
+        return self._version, self._lit
 
     @property
     def inputs(self) -> dict[int, float]:

@@ -13,7 +13,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import time
 from typing import TYPE_CHECKING, Any
 
 from photonic_testbed.common.topology import build as build_topology
@@ -32,8 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # A PDALL? reads every photodiode of the chain in one pass over the channels: one optical
-# solution serves the pass. A new pass, any heater write, or this age starts a new solution.
-PD_REFRESH_S = 0.002
+# solution serves the pass. A new pass, or any change the light depends on (a heater, the laser,
+# the input selector), starts a new solution; never the wall clock, so that a run's readings
+# (and their noise) are the same on a busy machine as on an idle one.
 
 
 class EmulatedRig:
@@ -64,7 +64,7 @@ class EmulatedRig:
         self.endpoints: dict[str, str] = {}
         self.rack: RackHost | None = None            # once start_rack() ran
         self.rails: RailSwitches | None = None       # a datacenter rig's rail OCSes
-        self._pd_cache: tuple[float, Any] | None = None
+        self._pd_cache: tuple[tuple[int, int], Any] | None = None
         self._pd_last = -1
 
     def start(self) -> dict[str, str]:
@@ -131,12 +131,12 @@ class EmulatedRig:
         cell = self._pd_cells.get(channel)
         if cell is None:
             return 0.0
-        now = time.monotonic()
+        chip = self._chip()
+        if self.optics is not None and self.optics.physics is not None:
+            self.optics.light_chip()
         if (self._pd_cache is None or channel <= self._pd_last
-                or now - self._pd_cache[0] > PD_REFRESH_S):
-            if self.optics is not None and self.optics.physics is not None:
-                self.optics.light_chip()
-            self._pd_cache = (now, self._chip().monitor_currents_ua())
+                or self._pd_cache[0] != chip.light_version):
+            self._pd_cache = (chip.light_version, chip.monitor_currents_ua())
         self._pd_last = channel
         return self._pd_cache[1][cell] * 1e-6
 

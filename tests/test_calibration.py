@@ -416,3 +416,34 @@ def test_progress_off_a_terminal_is_a_line_a_phase_and_one_every_few_seconds(mon
     # the phase began at its first cell (101 s): 5 s later, cell 6; done at 110 s
     assert out.getvalue().splitlines() == ["sweep: 6/10 cells (c6), ETA 3 s",
                                            "sweep: 10 cells in 9.0 s"]
+
+
+def test_a_photodiode_reads_the_light_now_and_the_same_on_a_busy_machine(tmp_path):
+    """The emulated board's photodiodes answer from the chip's light as it is now: a change of
+    the lit input between two reads of one pass is seen by the second (not a solution kept for
+    a while), and a time between reads changes nothing (no wall clock in the readings: a run
+    reads the same figures on a busy machine as on an idle one)."""
+    import time
+    with lumion_station(0, tmp_path) as (rig, station):
+        station.light(1)                 # input 1 enters the first cell, input 3 the second
+        cells = sorted(station.pd_channel, key=station.pd_channel.get)
+        first, second = (station.pd_channel[c] for c in cells[:2])
+        station.dac.photocurrent(first)
+        dark = station.dac.photocurrent(second)
+        station.light(3)
+        station.dac.photocurrent(first)
+        lit = station.dac.photocurrent(second)
+        assert lit > 100 * dark and lit == pytest.approx(
+            rig.chip.monitor_currents_ua()[cells[1]], rel=0.05)
+
+    def readings(pause_s: float) -> list[float]:
+        workdir = tmp_path / f"pause-{pause_s}"
+        workdir.mkdir()
+        with lumion_station(3, workdir) as (_, station):
+            station.light(5)
+            out = []
+            for ch in sorted(station.pd_channel.values())[:6]:
+                out.append(station.dac.photocurrent(ch))
+                time.sleep(pause_s)
+            return out + list(station.monitors_ua().values())
+    assert readings(0.0) == readings(0.01)
