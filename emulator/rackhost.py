@@ -130,6 +130,8 @@ class RackHost:
         self.clock = WallClock()
         self.rack = EmulatedRack(layout, physics, self.clock)
         self.agent_endpoints = agent_endpoints
+        # every replica of a replicated agent (the rig's [replicas]): the job finds the leader
+        self.agent_replicas: dict[str, tuple[str, str]] | None = None
         self.job_keys = job_keys              # the job's key on a bus with CURVE (a tenant's)
         self._offset = time.time() - time.monotonic()     # monotonic -> Unix time
         self.server = Server("gpus", {"gpus": {h.gpu: h.to_dict()
@@ -319,7 +321,8 @@ class RackHost:
                             else plan_named(str(plan), len(self.layout.workers)))
             except PlanError as e:
                 raise ControlError(str(e)) from None
-            fabric = Fabric(*self.agent_endpoints, timeout=5.0, keys=self.job_keys)
+            fabric = Fabric(*self.agent_endpoints, timeout=5.0, keys=self.job_keys,
+                            replicas=self.agent_replicas)
             try:
                 rank_map = fabric.admit(job_plan)
             except BusError as e:

@@ -12,6 +12,7 @@ from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.config import ALLOCATIONS, SETTINGS, AgentConfig, expected
 from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.agent.leadership import NotLeading
 from photonic_testbed.hil.bus.security import KeyFileError
 from photonic_testbed.hil.files import WAIT_S
 from photonic_testbed.hil.rig import Rig, RigFileError, load
@@ -24,8 +25,13 @@ def add_parser(sub) -> None:
                        "and switch the phase rails through the rig's switch services; publish "
                        "the agent's state as device `agent` (docs/agent.md).")
     p.add_argument("--rig", required=True, metavar="FILE", help="the rig file (TOML)")
-    p.add_argument("--journal", required=True, metavar="PATH",
-                   help="the journal (SQLite); an existing one is resumed")
+    p.add_argument("--journal", required=True, metavar="PATH|URL",
+                   help="the journal: a SQLite file (an existing one is resumed), or "
+                   "etcd://HOST:PORT[,HOST:PORT...]/GROUP, the journal of an agent group on an "
+                   "etcd cluster whose replicas elect one leader (docs/control-plane.md)")
+    p.add_argument("--replica", metavar="NAME", default=None,
+                   help="with an etcd journal: which of the rig's [replicas.NAME] this process "
+                   "is (default: the first)")
     settings = p.add_argument_group(
         "the agent's settings", "each overrides the rig file's [agent] table "
         "(docs/rigfile.md); the defaults are those of a rig file without it")
@@ -75,7 +81,12 @@ def config_of(rig: Rig, args: argparse.Namespace) -> AgentConfig:
 
 
 def run(args) -> int:
-    check_output(args.journal, "--journal")
+    replicated = args.journal.startswith("etcd://")
+    if not replicated:
+        if args.replica is not None:
+            raise CommandFailed("--replica names a replica of an agent group, whose journal "
+                                "is on etcd: give --journal etcd://HOST:PORT[,...]/GROUP")
+        check_output(args.journal, "--journal")
     try:
         rig = load(args.rig, wait_s=WAIT_S)
     except RigFileError as e:
@@ -83,20 +94,38 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        proc = AgentProcess(rig, args.journal, config=config_of(rig, args),
-                            journal_sync=args.journal_sync.upper(), settle_heap=True)
-    except JournalError as e:
-        raise CommandFailed(str(e)) from None
-    try:
+    while not stop.is_set():
         try:
-            request, publish = proc.start()
-        except (AgentError, RigFileError, KeyFileError, JournalError, OSError) as e:
+            proc = AgentProcess(rig, args.journal, config=config_of(rig, args),
+                                journal_sync=args.journal_sync.upper(), settle_heap=True,
+                                replica=args.replica)
+        except (AgentError, JournalError) as e:
             raise CommandFailed(str(e)) from None
-        print(f"agent of rig {rig.name}: requests {request}  publishes {publish}")
-        print("running; Ctrl-C to stop", flush=True)
-        proc.run(stop)
-    finally:
-        proc.close()
+        try:
+            try:
+                if replicated:
+                    print(f"agent replica {proc.leadership.me['name']} of group "
+                          f"{proc.leadership.group}: standing by on {proc.endpoints[0]}",
+                          flush=True)
+                if not proc.campaign(stop):
+                    break
+                request, publish = proc.start()
+            except NotLeading as e:
+                print(f"{e}; standing by again", flush=True)
+                continue
+            except (AgentError, RigFileError, KeyFileError, JournalError, OSError) as e:
+                raise CommandFailed(str(e)) from None
+            lead = f", leading group {proc.leadership.group} in term {proc.term}" \
+                if replicated else ""
+            print(f"agent of rig {rig.name}: requests {request}  publishes {publish}{lead}")
+            print("running; Ctrl-C to stop", flush=True)
+            proc.run(stop)
+            if not replicated or stop.is_set():
+                break
+            print(f"lost the lead of group {proc.leadership.group} "
+                  f"({proc.leadership.lost_because or 'its lease lapsed'}): nothing more is "
+                  "moved by this replica; standing by again", flush=True)
+        finally:
+            proc.close()
     print("stopped", flush=True)
     return 0

@@ -18,6 +18,7 @@ operator's manual changes (for `hil.agent.bus.AgentProcess`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -116,12 +117,13 @@ class ManualChanges:
     """An operator's manual changes: journaled, then made by the agent (the module's doc)."""
 
     def __init__(self, rig: Rig, agent: Agent, keys: ClientKeys | None, timeout: float,
-                 term: int):
+                 term: int, guard: Callable[[], None] | None = None):
         self.rig = rig
         self.agent = agent
         self.keys = keys
         self.timeout = timeout
         self.term = term
+        self.guard = guard          # raises once the agent no longer leads (its clients')
         self.parts: dict[str, Circuits] = {}           # switch -> the operator's part of it
         # heater and laser changes are sent from a thread of their own (each device's client
         # used there only), so that the loop does not wait for a device
@@ -221,7 +223,7 @@ class ManualChanges:
             if client is None:
                 client = self._clients[device] = ServiceClient(
                     self.rig.endpoints()[device][0], keys=self.keys, timeout=self.timeout,
-                    term=self.term)
+                    term=self.term, guard=self.guard)
             return client.call(op, expect=expect, **args)
         return self._relay.submit(call)
 

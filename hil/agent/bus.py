@@ -60,8 +60,10 @@ from photonic_testbed.hil.agent.entries import (
 )
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal
+from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.received import ReceivedPower
+from photonic_testbed.hil.agent.replica import Standby, fence_devices, replica_journal
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
@@ -179,16 +181,29 @@ class AgentProcess(NoEvents):
     agent's restart orders and alarms (`on_order`, `on_alarm`) and publishes them."""
 
     def __init__(self, rig: Rig, journal_path: str, *, config: AgentConfig | None = None,
-                 timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False):
+                 timeout: float = 5.0, journal_sync: str = "FULL", settle_heap: bool = False,
+                 replica: str | None = None):
         """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
         (the `ptb agent` process): the heap is settled (`common.heap`) once started (a job's
         circuits, worked out beside the agent, come as arrays: nothing to settle after an
-        admission)."""
+        admission). `journal_path` etcd://HOST:PORT[,...]/GROUP: the journal of an agent group
+        on etcd, this process its replica `replica` (of the rig's [replicas]): it leads once
+        `campaign` returns true (docs/control-plane.md)."""
         self.rig = rig
         self._settle_heap = settle_heap
         self.keys = rig.client_keys()
         self.timeout = timeout
-        self.journal = SqliteJournal(journal_path, journal_sync)
+        self.leadership: Leadership | None = None
+        self.journal: Journal
+        if journal_path.startswith("etcd://"):
+            self.journal, self.leadership, self.endpoints = replica_journal(
+                rig, journal_path, replica, config if config is not None else rig.agent)
+        else:
+            if replica is not None:
+                raise AgentError("a replica of an agent group keeps its journal on etcd "
+                                 "(etcd://HOST:PORT/GROUP), not in a file")
+            self.journal = SqliteJournal(journal_path, journal_sync)
+            self.endpoints = rig.agent_endpoints()
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
         # made by `start` (the agent needs the switches' answers first): reached through
@@ -257,13 +272,43 @@ class AgentProcess(NoEvents):
 
     # --- set-up -----------------------------------------------------------------------------
     def _client(self, endpoint: str) -> ServiceClient:
-        c = ServiceClient(endpoint, keys=self.keys, timeout=self.timeout, term=self.term)
+        c = ServiceClient(endpoint, keys=self.keys, timeout=self.timeout, term=self.term,
+                          guard=self._guard)
         self.clients.append(c)
         return c
 
+    def _guard(self) -> None:
+        """Before any change is sent to a device: NotLeading once this replica no longer
+        leads (nothing for an agent on a file journal)."""
+        if self.leadership is not None:
+            self.leadership.check()
+
+    def leading(self) -> bool:
+        return self.leadership is None or self.leadership.leading()
+
+    def campaign(self, stop: threading.Event) -> bool:
+        """A replica of a group: wait, as a standby on its endpoints, until it leads (true) or
+        `stop` (false). An agent on a file journal leads at once."""
+        if self.leadership is None:
+            return True
+        name = str(self.leadership.me["name"])
+        standby = Standby(self.rig, name, self.leadership.group, self.endpoints)
+        try:
+            log.info("agent replica %s of group %s: standing by on %s", name,
+                     self.leadership.group, standby.bound[0])
+            return self.leadership.campaign(stop, on_standby=standby.leader_is) > 0
+        finally:
+            standby.close()
+
     def start(self) -> tuple[str, str]:
-        # every change this agent sends a device carries its term (journaled with its start)
-        self.term = next_term(self.journal)
+        # every change this agent sends a device carries its term (journaled with its start):
+        # a replica's is its leadership's, from etcd, and every device is fenced with it first
+        if self.leadership is not None:
+            self.leadership.check()
+            self.term = self.leadership.term
+            fence_devices(self.rig, self.term, self.keys, min(self.timeout, 1.0))
+        else:
+            self.term = next_term(self.journal)
         endpoints = self.rig.endpoints()
         names = sorted({g.switch for g in self.rig.gpus})
         missing = [n for n in names if n not in endpoints]
@@ -288,12 +333,12 @@ class AgentProcess(NoEvents):
                                     config=self.config, events=self)
         self._owners = JobOwners(agent)
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
-                                              self.term)
+                                              self.term, guard=self._guard)
         agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
-        request, publish = self.rig.agent_endpoints()
+        request, publish = self.endpoints
         server = self._server = Server(
             "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
@@ -320,6 +365,8 @@ class AgentProcess(NoEvents):
         return bound
 
     def close(self) -> None:
+        if self.leadership is not None:
+            self.leadership.resign()        # (a standby takes over at once)
         if self._manual is not None:
             self._manual.close()
         if self._agent is not None:
@@ -340,9 +387,13 @@ class AgentProcess(NoEvents):
         poller = zmq.Poller()
         poller.register(self.server.router, zmq.POLLIN)
         poller.register(self.sub.sub, zmq.POLLIN)
-        while not stop.is_set():
+        while not stop.is_set() and self.leading():
             poller.poll(5 if self.server.answering else 50)     # (an admission's answer)
-            self.step()
+            try:
+                self.step()
+            except NotLeading as e:
+                log.error("%s", e)
+                return
 
     def in_loop(self, work: Callable[[], T]) -> Future[T]:
         """`work` run on the agent's loop (its next step), where the switches' clients and the
@@ -623,7 +674,7 @@ class AgentProcess(NoEvents):
     def _state(self, events: bool = True) -> dict:
         a = self.agent
         first = next(iter(a.jobs), None)
-        state = {"rack": self._rack(),
+        state = {"role": "leader", "term": self.term, "rack": self._rack(),
                  "rank_map": self._wire_ranks(first, a.rank_map) if first else {},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,

@@ -64,6 +64,15 @@ class AgentConfig:
         600.0, "--eviction-window", "seconds over which diagnosed evictions are counted",
         "a number of seconds > 0", lambda v: _number(v) and v > 0)
 
+    lease_s: int = _setting(
+        2, "--lease", "seconds of the etcd lease a replica of an agent group leads under: a "
+        "dead leader's successor takes over this long after its last refresh",
+        "a whole number of seconds 1..60 (etcd grants at least 2 with its default election "
+        "timeout)", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 60)
+    etcd_timeout_s: float = _setting(
+        2.0, "--etcd-timeout", "seconds a request to etcd may take, every member tried",
+        "a number of seconds > 0", lambda v: _number(v) and v > 0)
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -34,6 +34,7 @@ from photonic_testbed.hil.bus.errors import (  # noqa: F401  (re-exported for ca
     BusError,
     Cancelled,
     DeadlineExceeded,
+    NotLeader,
     RemoteError,
     ServiceUnavailable,
     StaleState,
@@ -59,8 +60,11 @@ class ServiceClient:
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0, keys: ClientKeys | None = None,
                  context: zmq.Context | None = None, cancel: threading.Event | None = None,
-                 term: int | None = None):
+                 term: int | None = None, guard: Callable[[], None] | None = None):
         self.endpoint = endpoint
+        # called before a change is sent (an agent's: it raises once the agent no longer
+        # leads, so that a deposed leader sends nothing)
+        self.guard = guard
         self.timeout = timeout
         # the agent's term, sent with every request (None: not an agent's client)
         self.term = term
@@ -117,6 +121,9 @@ class ServiceClient:
         seconds for a connection (a request is never queued for a peer that is not connected);
         returns its id (for `receive`)."""
         sock = self._open()
+        declared = schema.OPERATIONS.get(op)
+        if self.guard is not None and (declared is None or not declared.read_only):
+            self.guard()
         rid = rid or self._prefix + str(next(_ids))
         ttl = self.timeout if ttl is None else ttl
         msg = schema.make("request", id=rid, op=op, args=args or {}, ttl_ms=ttl * 1e3,

@@ -105,6 +105,11 @@ class StaleTerm(RemoteError):
     agent that no longer leads (a fence)."""
 
 
+class NotLeader(RemoteError):
+    """A standby replica of the agent answered: it does not lead its group (the message names
+    the replica that does, if one does); ask the rig's other replicas."""
+
+
 class DeadlineExceeded(RemoteError):
     """The request's deadline passed while it waited its turn; it was not run."""
 
@@ -117,7 +122,7 @@ BY_NAME: dict[str, type[RemoteError]] = {
     cls.__name__: cls for cls in (
         RemoteError, BadRequest, SchemaError, FrameTooLarge, BadFrame, UnknownVersion,
         UnknownType, MissingField, WrongType, UnknownOperation, Unauthorized, StaleState,
-        StaleTerm, DeadlineExceeded, UnencodableResult)}
+        StaleTerm, NotLeader, DeadlineExceeded, UnencodableResult)}
 
 
 def from_wire(kind: str, message: str, version: str | None = None) -> RemoteError:

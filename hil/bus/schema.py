@@ -372,6 +372,11 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("rx_power", RxPower, True, "received power at transceivers on output ports",
               result=RxPowerByPort),
     Operation("clear_gpu", GpuArgs, False, "forget a GPU's kept fatal Xids"),
+    # device services
+    Operation("fence", Args, False, "an agent that has taken the lead raises the device's "
+              "term to its own before anything else: a change of an earlier leader's term is "
+              "refused from then on (nothing else changes)", counted=False,
+              roles=DEVICE_WRITER),
 )}
 
 

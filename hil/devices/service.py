@@ -128,6 +128,7 @@ class DeviceService:
                                             for op, fn in self.kind.ops.items()}
             if self.is_switch:
                 handlers["apply_circuits_together"] = self._apply_together
+            handlers["fence"] = self._fence
             self._server = Server(
                 self.name, {"kind": spec.kind, "online": True, **self.kind.state(self.driver)},
                 kind=spec.kind, request=spec.request, publish=spec.publish, keys=keys,
@@ -142,6 +143,12 @@ class DeviceService:
         log.info("service %s (%s) on %s, publishing on %s", self.name, spec.kind, request,
                  publish)
         return request, publish
+
+    def _fence(self, args: schema.Args) -> dict:
+        """The request's agent term made this device's highest (kept first, as for any change
+        of a new term); a lower one is refused (StaleTerm). Nothing else changes."""
+        self.server.check_term(self.server.request_term)
+        return {"device": self.name, "term": self.server.term}
 
     @property
     def term_file(self) -> pathlib.Path | None:

@@ -20,18 +20,31 @@ When the agent restarts (a new incarnation of its state on the bus), the client 
 the job (`rejoin`: plan, rank map, the last order taken, waiting for one or not), so that the
 new agent reconciles the job as it reconciles the switches; an order the job missed while the
 agent was down is taken from the new agent's state.
+
+A replicated agent (`replicas`: the rig's `agent_replicas()`, a group on an etcd journal):
+the client subscribes to every replica and takes state only from the one that leads, in the
+highest term it has seen (a deposed leader's late publications are not believed); requests go
+to the leader, and one refused by a standby (`NotLeader`) or unanswered goes to the next
+replica, until the call's deadline. A new leader is a new incarnation: the job rejoins it.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
-from photonic_testbed.hil.bus.client import BusError, ServiceClient
+from photonic_testbed.hil.bus.client import (
+    BusError,
+    Cancelled,
+    NotLeader,
+    ServiceClient,
+    ServiceUnavailable,
+)
 from photonic_testbed.hil.bus.mirror import StateSubscriber
 from photonic_testbed.hil.bus.security import ClientKeys
 
@@ -41,8 +54,17 @@ log = logging.getLogger(__name__)
 class Fabric:
     def __init__(self, request: str, publish: str, *, keys: ClientKeys | None = None,
                  timeout: float = 5.0, job: str | None = None,
-                 on_restart: Callable[[dict[int, str], str], None] | None = None):
+                 on_restart: Callable[[dict[int, str], str], None] | None = None,
+                 replicas: Mapping[str, tuple[str, str]] | None = None):
         self.timeout = timeout
+        # every replica of the agent, (request, publish); the one believed to lead first
+        self._replicas = list(replicas.values()) if replicas else [(request, publish)]
+        if (request, publish) in self._replicas:
+            self._leading = self._replicas.index((request, publish))
+        else:
+            self._replicas.insert(0, (request, publish))
+            self._leading = 0
+        self._term = 0                            # the highest leader's term seen
         self.job = job                    # this job's name at the agent (its plan's by default)
         self.on_restart = on_restart
         self._keys = keys
@@ -65,26 +87,59 @@ class Fabric:
         self._stop = threading.Event()
         self._cancel = threading.Event()          # set: calls in flight give up (Cancelled)
         self._ctx = zmq.Context()
-        self._sub = StateSubscriber({"agent": (request, publish)}, keys=keys,
-                                    on_state=self._on_state, telemetry=False,
-                                    context=self._ctx)
+        self._subs = [StateSubscriber({"agent": eps}, keys=keys, telemetry=False,
+                                      on_state=lambda d, st, ops, i=i: self._on_state(i, st),
+                                      context=self._ctx)
+                      for i, eps in enumerate(self._replicas)]
         self._thread = threading.Thread(target=self._listen, name="fabric-orders", daemon=True)
         self._thread.start()
 
     def _listen(self) -> None:
         try:
             while not self._stop.is_set():
-                self._sub.poll(0.05)
+                if len(self._subs) == 1:
+                    self._subs[0].poll(0.05)
+                    continue
+                zmq.select([s.sub for s in self._subs], [], [], 0.05)
+                for sub in self._subs:
+                    sub.poll(0)
         except Exception:
             log.exception("the fabric's subscriber stopped")
 
-    def _client(self) -> ServiceClient:
-        c = getattr(self._local, "client", None)     # one client per thread (bus rule)
+    def _client(self, i: int | None = None) -> ServiceClient:
+        """This thread's client of replica `i` (the leader's by default): one client per
+        thread (bus rule)."""
+        i = self._leading if i is None else i
+        clients = self._local.__dict__.setdefault("clients", {})
+        c = clients.get(i)
         if c is None:
-            c = self._local.client = ServiceClient(self._request, keys=self._keys,
-                                                   timeout=self.timeout, cancel=self._cancel)
+            c = clients[i] = ServiceClient(self._replicas[i][0], keys=self._keys,
+                                           timeout=self.timeout, cancel=self._cancel)
             self._clients.append(c)
         return c
+
+    def _call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
+        """`op` to the agent that leads: with replicas, one refused by a standby
+        (NotLeader) or unanswered goes to the next, until `timeout` (the client's) has
+        passed for each replica once."""
+        if len(self._replicas) == 1:
+            return self._client().call(op, timeout=timeout, **args)
+        per_call = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + per_call * len(self._replicas)
+        i = self._leading
+        while True:
+            try:
+                got = self._client(i).call(op, timeout=per_call, **args)
+            except (NotLeader, ServiceUnavailable) as e:
+                if isinstance(e, Cancelled) or time.monotonic() > deadline:
+                    raise
+                log.info("%s: replica %d of the agent: %s; trying the next", op, i, e)
+                i = (i + 1) % len(self._replicas)
+                if i == self._leading:
+                    self._cancel.wait(0.05)     # every replica asked: a leader is being chosen
+                continue
+            self._leading = i
+            return got
 
     # --- requests ---------------------------------------------------------------------------
     def admit(self, plan: Any, rank_map: Mapping[int, str] | None = None) -> dict[int, str]:
@@ -93,7 +148,7 @@ class Fabric:
         args: dict[str, Any] = {"plan": d, "job": self.job}
         if rank_map is not None:
             args["rank_map"] = {str(r): g for r, g in rank_map.items()}
-        got = self._client().call("admit", **args)
+        got = self._call("admit", **args)
         rank_map = {int(r): g for r, g in got["rank_map"].items()}
         with self._cond:
             self.job = got.get("job") or d.get("name")
@@ -110,8 +165,8 @@ class Fabric:
         if ready:
             self.ahead += 1
             return {"granted": True, "phase": name, "round": int(round), "ahead": True}
-        return self._client().call("phase", phase=name, round=int(round), job=self.job,
-                                   timeout=timeout)
+        return self._call("phase", phase=name, round=int(round), job=self.job,
+                          timeout=timeout)
 
     def done(self, name: str, round: int = 0) -> None:
         """The job is done with (phase, round)'s links and computes before its next phase:
@@ -124,30 +179,37 @@ class Fabric:
 
     def _done(self, name: str, round: int) -> None:
         try:
-            self._client().call("phase_done", phase=name, round=round, job=self.job)
+            self._call("phase_done", phase=name, round=round, job=self.job)
         except BusError as e:        # the next phase() asks, as without it
             log.warning("phase_done %s/%d not taken: %s", name, round, e)
 
     def failure(self, reason: str, gpus: Any = (), links: Any = ()) -> dict:
         with self._cond:
             self._waiting = True
-        return self._client().call("job_failure", reason=str(reason), gpus=list(gpus),
-                                   links=[list(x) for x in links], job=self.job)
+        return self._call("job_failure", reason=str(reason), gpus=list(gpus),
+                          links=[list(x) for x in links], job=self.job)
 
     def report(self, state: str, step: int, throughput: float | None = None,
                loss: float | None = None, detail: str = "") -> None:
         """Tell the agent (and through its state, the GUI) how the job is doing: `state` one
         of running, waiting, failed, restarting, stopped, done; steps a second; loss."""
-        self._client().call("job_report", job=self.job, state=state, step=int(step),
-                            throughput=throughput, loss=loss, detail=str(detail))
+        self._call("job_report", job=self.job, state=state, step=int(step),
+                   throughput=throughput, loss=loss, detail=str(detail))
 
     def release(self) -> dict:
         """The job is done: its GPUs and circuits go back to the rack."""
-        return self._client().call("release", job=self.job)
+        return self._call("release", job=self.job)
 
     # --- restart orders ---------------------------------------------------------------------
-    def _on_state(self, device: str, state: dict, ops: Any) -> None:
-        incarnation = self._sub.mirror(device).incarnation
+    def _on_state(self, i: int, state: dict) -> None:
+        if state.get("role") == "standby":
+            return                      # (a standby's state says only who leads)
+        term = int(state.get("term") or 0)
+        if term < self._term:
+            return                      # a deposed leader's late word
+        self._term = term
+        self._leading = i
+        incarnation = self._subs[i].mirror("agent").incarnation
         restarted = self._incarnation is not None and incarnation != self._incarnation
         self._incarnation = incarnation
         mine = (state.get("jobs") or {}).get(self.job) if self.job else None
@@ -184,7 +246,7 @@ class Fabric:
                                                  self._rank_map.items()},
                                     "state": "failed" if self._waiting else "running"}
         try:
-            got = self._client().call("rejoin", **args)
+            got = self._call("rejoin", **args)
         except BusError as e:
             log.warning("could not rejoin the restarted agent: %s", e)
             return
@@ -210,7 +272,8 @@ class Fabric:
         self._background.shutdown(wait=True)
         self._stop.set()
         self._thread.join(timeout=2.0)
-        self._sub.close()
+        for sub in self._subs:
+            sub.close()
         self._ctx.term()
         for c in self._clients:
             c.close()

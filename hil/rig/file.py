@@ -139,6 +139,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         "chip": (dict, False, "a [chip] table"),
         "gpus": (list, False, "an array of [[gpus]] tables"),
         "monitors": (dict, False, "a [monitors.HOST] table per host that runs a GPU monitor"),
+        "replicas": (dict, False, "a [replicas.NAME] table per replica of the agent (a "
+                     "group on an etcd journal: docs/control-plane.md)"),
         "agent": (dict, False, "an [agent] table of the agent's settings"),
     })
     base = base or pathlib.Path.cwd()
@@ -298,6 +300,17 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         for key in ("request", "publish"):
             claim(table, key, _check_endpoint(c, table, key, m[key]))
         monitors[host] = (m["request"], m["publish"])
+    replicas: dict[str, tuple[str, str]] = {}
+    for name, r in top.get("replicas", {}).items():
+        table = f"replicas.{name}"
+        r = c.table(r, table, {
+            "request": (str, True, "the endpoint tcp://HOST:PORT where this agent replica "
+                        "answers requests"),
+            "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
+        })
+        for key in ("request", "publish"):
+            claim(table, key, _check_endpoint(c, table, key, r[key]))
+        replicas[name] = (r["request"], r["publish"])
     if monitors:
         for i, g in enumerate(gpus):
             if g.host not in monitors:
@@ -310,11 +323,12 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
                        f"a host some [[gpus]] sits on (host = {host!r})")
     if not bus.curve:
         remote = [ep for eps in [*[(d.request, d.publish) for d in devices.values()],
-                                 *monitors.values()] for ep in eps if not _is_loopback(ep)]
+                                 *monitors.values(), *replicas.values()]
+                  for ep in eps if not _is_loopback(ep)]
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
     return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors,
-               _agent_config(c, top.get("agent", {})))
+               _agent_config(c, top.get("agent", {})), replicas)
 
 
 def _agent_config(c: _Checker, data: dict) -> AgentConfig:

@@ -90,6 +90,9 @@ class Rig:
     # monitor (the bus's gpus endpoints) for every GPU, as the emulated rack has
     monitors: dict[str, tuple[str, str]] = field(default_factory=dict)
     agent: AgentConfig = field(default_factory=AgentConfig)     # the [agent] table
+    # replica name -> (request, publish) of each of the agent's replicas ([replicas.NAME]: a
+    # group on an etcd journal); empty: one agent, at the bus's agent endpoints
+    replicas: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""
@@ -109,6 +112,12 @@ class Rig:
     def agent_endpoints(self) -> tuple[str, str]:
         """Where the agent answers requests and publishes its state (device name `agent`)."""
         return self.process_endpoints()["agent"]
+
+    def agent_replicas(self) -> dict[str, tuple[str, str]]:
+        """Replica name -> (request, publish) of every replica of the agent: [replicas.NAME],
+        or the one agent ("agent") at `agent_endpoints`. Clients try them in turn: a standby
+        answers NotLeader, naming the leader."""
+        return dict(self.replicas) or {"agent": self.agent_endpoints()}
 
     def gpus_endpoints(self) -> tuple[str, str]:
         """Where the rack's GPU health monitor publishes (device name `gpus`)."""

@@ -1,0 +1,244 @@
+"""The agent's journal on etcd (`EtcdJournal`, a `Journal` of hil.agent.journal): the same
+entries as the SQLite file, kept by a replicated store, written only by the group's leader.
+
+Keys, under the group's prefix (`/ptb/GROUP/`):
+
+- `journal/e/SEQ` (SEQ in 20 digits, so that keys sort as numbers): one entry, JSON of its time,
+  kind, cause, latency and details (its kind's Struct as JSON, as written);
+- `journal/intended/SWITCH`: that switch's intended circuits and the entry that set them.
+
+Every write is one etcd transaction conditioned on the writer's lease still holding the group's
+leader key (`Leadership.fence`): a replica that no longer leads (deposed, paused past its
+lease, cut off) writes nothing, and its write fails with `NotLeading`. An entry recorded
+`defer=True` is kept in the process and written with the next entry that must be durable, in
+the same transaction (the intended circuits before a switch moves, an alarm, a restart order),
+or at any read: the same promise as the file's, one round trip to the cluster per durable
+write. Sequence numbers are the leader's: it reads the last one when it takes the lead, and no
+one else writes.
+
+etcd keeps its own checksums (its WAL and database pages are checked) and answers a read from
+the majority's log: what is read back is what was written. An entry that does not read as its
+kind is a JournalError naming it, never another value.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import msgspec
+import orjson
+
+from photonic_testbed.hil.agent.entries import Details, Intent, Unread, decode
+from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
+from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
+from photonic_testbed.hil.etcd.client import Etcd, EtcdError, prefix_end, put_op
+
+log = logging.getLogger(__name__)
+
+SEQ_DIGITS = 20
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """`etcd://HOST:PORT[,HOST:PORT...]/GROUP` as (members, group); ValueError saying what is
+    wrong."""
+    if not url.startswith("etcd://"):
+        raise ValueError(f"an etcd journal is etcd://HOST:PORT[,HOST:PORT...]/GROUP, not {url!r}")
+    members, sep, group = url[len("etcd://"):].partition("/")
+    if not sep or not group or "/" in group:
+        raise ValueError(f"{url!r}: name the agent group after the members: "
+                         "etcd://HOST:PORT[,...]/GROUP")
+    return members, group
+
+
+class EtcdJournal:
+    """The journal of agent group `leadership.group` on etcd (see the module's text). Reads work
+    for any replica; writes only while `leadership` leads."""
+
+    def __init__(self, etcd: Etcd, leadership: Leadership):
+        self.etcd = etcd
+        self.leadership = leadership
+        self.path = f"etcd://{','.join(f'{h}:{p}' for h, p in etcd.members)}/" \
+            f"{leadership.group}"
+        base = leadership.prefix + "journal/"
+        self._entries = base + "e/"
+        self._intended = base + "intended/"
+        self._lock = threading.RLock()
+        self._pending: list[dict] = []          # deferred puts, written with the next durable
+        self._told: list[tuple[Entry, str]] = []
+        self._next_seq: int | None = None
+        self._listeners: list[Callable[[Entry, str], None]] = []
+
+    def __enter__(self) -> EtcdJournal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _key(self, seq: int) -> str:
+        return f"{self._entries}{seq:0{SEQ_DIGITS}d}"
+
+    def _seq(self) -> int:
+        """The next sequence number: one past the last entry's (asked of etcd once)."""
+        if self._next_seq is None:
+            try:
+                kvs, _ = self.etcd.range(self._entries, prefix_end(self._entries), limit=1,
+                                         last_first=True, keys_only=True)
+            except EtcdError as e:
+                raise JournalError(f"{self.path}: reading the last entry: {e}") from None
+            self._next_seq = (int(kvs[0].key[len(self._entries):]) + 1) if kvs else 1
+        return self._next_seq
+
+    # --- writing --------------------------------------------------------------------------
+    def record(self, details: Details, cause: str = "", latency_s: float | None = None,
+               ts: float | None = None, *, defer: bool = False) -> int:
+        if not details.kind or isinstance(details, Unread):
+            raise ValueError(f"{type(details).__name__} is not a kind of journal entry")
+        text = msgspec.json.encode(details).decode()
+        ts = time.time() if ts is None else float(ts)
+        if latency_s is not None and latency_s != latency_s:
+            latency_s = None
+        with self._lock:
+            seq = self._add(ts, details.kind, cause, latency_s, text, details)
+            if not defer:
+                self._write([])
+            return seq
+
+    def _add(self, ts: float, kind: str, cause: str, latency_s: float | None, text: str,
+             typed: Details) -> int:
+        seq = self._seq()
+        body = orjson.dumps({"ts": ts, "kind": kind, "cause": cause, "latency_s": latency_s,
+                             "details": orjson.Fragment(text)})
+        self._pending.append(put_op(self._key(seq), body))
+        self._next_seq = seq + 1
+        self._told.append((Entry(seq, ts, kind, cause, latency_s, typed), text))
+        return seq
+
+    def _write(self, more: list[dict]) -> None:
+        """Everything pending and `more` in one transaction held by the leader's lease; the
+        listeners told once it is written. On failure nothing pending was written: it is
+        dropped (its effect never left this process) and the failure named."""
+        ops, self._pending = self._pending + more, []
+        told, self._told = self._told, []
+        if not ops:
+            return
+        try:
+            self.leadership.check()
+            won, _ = self.etcd.txn([self.leadership.fence()], ops)
+        except (EtcdError, NotLeading) as e:
+            self._next_seq = None
+            lost = f"; {len(told)} entries not written" if told else ""
+            if isinstance(e, NotLeading):
+                raise
+            raise JournalError(f"{self.path}: writing failed: {e}{lost}") from None
+        if not won:
+            self._next_seq = None
+            self.leadership.check()        # (lost by now, most likely: says so)
+            raise NotLeading(f"agent {self.leadership.me.get('name')} no longer holds the "
+                             f"lead of group {self.leadership.group}: its write was refused")
+        for entry, text in told:
+            self._tell(entry, text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write([])
+
+    def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str, *,
+                     event: bool = True) -> int:
+        return self.set_intended_many({switch: circuits}, cause, event=event)
+
+    def set_intended_many(self, switches: Mapping[str, Iterable[tuple[int, int]]], cause: str,
+                          *, event: bool = True) -> int:
+        rows = {name: sorted((int(a), int(b)) for a, b in circuits)
+                for name, circuits in switches.items()}
+        with self._lock:
+            puts = []
+            seq = None
+            for name, pairs in rows.items():
+                if event:
+                    details = Intent(switch=name, circuits=pairs)
+                    seq = self._add(time.time(), "decision", cause, None,
+                                    msgspec.json.encode(details).decode(), details)
+                elif seq is None:
+                    seq = self._seq() - 1
+                puts.append(put_op(self._intended + name,
+                                   json.dumps({"circuits": pairs, "seq": seq})))
+            self._write(puts)
+            return seq if seq is not None else 0
+
+    # --- reading --------------------------------------------------------------------------
+    def intended(self) -> dict[str, list[tuple[int, int]]]:
+        with self._lock:
+            if self._pending and self.leadership.leading():
+                self._write([])
+            try:
+                kvs, _ = self.etcd.prefix(self._intended)
+            except EtcdError as e:
+                raise JournalError(f"{self.path}: reading the intended circuits: {e}") from None
+        out: dict[str, list[tuple[int, int]]] = {}
+        for kv in kvs:
+            name = kv.key[len(self._intended):].decode(errors="replace")
+            try:
+                got = msgspec.json.decode(kv.value)
+                pairs = msgspec.convert(got["circuits"], list[tuple[int, int]])
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError, KeyError) as e:
+                raise JournalError(f"{self.path}: the intended circuits of switch {name!r} "
+                                   f"are not a list of circuits ({e})") from None
+            if len({i for i, _ in pairs}) != len(pairs):
+                raise JournalError(f"{self.path}: the intended circuits of switch {name!r} "
+                                   "name an input twice")
+            out[name] = pairs
+        return out
+
+    def entries(self, since: int = 0, kinds: tuple[str, ...] | None = None,
+                limit: int | None = None) -> list[Entry]:
+        if not isinstance(since, int) or not 0 <= since <= MAX_SEQ:
+            raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
+        with self._lock:
+            if self._pending and self.leadership.leading():
+                self._write([])
+            try:
+                kvs, _ = self.etcd.range(self._key(since + 1), prefix_end(self._entries),
+                                         timeout=max(self.etcd.timeout, 10.0))
+            except EtcdError as e:
+                raise JournalError(f"{self.path}: reading the entries: {e}") from None
+        out = []
+        for kv in kvs:
+            seq = int(kv.key[len(self._entries):])
+            try:
+                row = orjson.loads(kv.value)
+                kind = row["kind"]
+                if kinds and kind not in kinds:
+                    continue
+                typed = decode(kind, row["details"])
+                out.append(Entry(seq, float(row["ts"]), kind, str(row["cause"]),
+                                 row["latency_s"], typed))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError,
+                    msgspec.ValidationError) as e:
+                raise JournalError(f"{self.path}: entry {seq} does not read as a journal "
+                                   f"entry: {e}") from None
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def listen(self, fn: Callable[[Entry, str], None]) -> None:
+        self._listeners.append(fn)
+
+    def _tell(self, entry: Entry, text: str) -> None:
+        for fn in self._listeners:
+            try:
+                fn(entry, text)
+            except Exception:
+                log.exception("%s: a journal listener failed on entry %d", self.path, entry.seq)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pending and self.leadership.leading():
+                try:
+                    self._write([])
+                except (JournalError, NotLeading) as e:
+                    log.warning("%s: deferred entries not written at close: %s", self.path, e)
+            self._pending, self._told = [], []
+

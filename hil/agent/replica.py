@@ -1,0 +1,133 @@
+"""An agent replica of a group on an etcd journal, while it does not lead (`Standby`), and what
+it does first when it takes the lead (`fence_devices`).
+
+A standby binds the agent's endpoints of its replica ([replicas.NAME] in the rig file): every
+agent operation is answered `NotLeader` naming the replica that leads (clients try the rig's
+other replicas, `hil.job.fabric_client`), and its published state says `role: standby` and who
+leads. It is served from a thread of its own while the replica campaigns (`Leadership`).
+
+A new leader raises every device service's term to its own (`fence`) before it reads or moves
+anything: from then on a change of an earlier leader (one paused or cut off, resuming with a
+switch move it had journaled) is refused by the device itself (`StaleTerm`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from photonic_testbed.hil.agent.agent import AgentError
+from photonic_testbed.hil.agent.config import AgentConfig
+from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
+from photonic_testbed.hil.agent.leadership import Leadership
+from photonic_testbed.hil.bus import schema
+from photonic_testbed.hil.bus.client import BusError, ServiceClient
+from photonic_testbed.hil.bus.errors import NotLeader
+from photonic_testbed.hil.bus.security import ClientKeys
+from photonic_testbed.hil.bus.server import Server
+from photonic_testbed.hil.bus.state import Set
+from photonic_testbed.hil.etcd.client import Etcd
+from photonic_testbed.hil.rig import Rig
+
+log = logging.getLogger(__name__)
+
+# what an agent answers (its server's handlers in hil.agent.bus)
+AGENT_OPS = ("swap", "admit", "phase", "job_failure", "rejoin", "release", "phase_done",
+             "job_report", "relay_ping", "manual_circuits", "manual_heaters", "manual_laser")
+
+
+def leader_words(leader: Mapping[str, Any] | None) -> str:
+    if not leader:
+        return "no replica leads now (an election is under way, or etcd has no quorum)"
+    return (f"replica {leader.get('name')!r} leads (term {leader.get('term')}, requests "
+            f"{leader.get('request')})")
+
+
+class Standby:
+    """The agent's endpoints of replica `name` while it does not lead (see the module)."""
+
+    def __init__(self, rig: Rig, name: str, group: str, endpoints: tuple[str, str]):
+        self.name = name
+        self.group = group
+        self._leader: Mapping[str, Any] | None = None
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        request, publish = endpoints
+        self.server = Server(
+            "agent", {"role": "standby", "replica": name, "group": group, "leader": None},
+            kind="agent", request=rig.bind_endpoint(request),
+            publish=rig.bind_endpoint(publish), heartbeat=rig.bus.heartbeat_s,
+            keys=rig.server_keys(), describe=self._describe,
+            handlers={op: self._refuse for op in AGENT_OPS})
+        self.bound = self.server.bind()
+        self._thread = threading.Thread(target=self._serve, name=f"standby-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _refuse(self, args: schema.Args) -> Any:
+        raise NotLeader(f"agent replica {self.name!r} of group {self.group} is a standby: "
+                        f"{leader_words(self._leader)}")
+
+    def _describe(self) -> dict:
+        return {"kind": "agent", "role": "standby", "replica": self.name, "group": self.group,
+                "leader": dict(self._leader) if self._leader else None}
+
+    def leader_is(self, leader: Mapping[str, Any] | None) -> None:
+        """Who leads now (from the campaigning thread): published by the serving thread."""
+        self._leader = dict(leader) if leader else None
+        self._changed.set()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self.server.poll(0.05)
+            if self._changed.is_set():
+                self._changed.clear()
+                self.server.change([Set(["leader"], self._leader)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.server.close()
+
+
+def fence_devices(rig: Rig, term: int, keys: ClientKeys | None, timeout: float) -> dict[str, str]:
+    """Every device service's term raised to `term` (`fence`); per device, "ok" or why not (a
+    device that does not answer is fenced by the first change it gets)."""
+    def fence(name: str, request: str) -> str:
+        client = ServiceClient(request, keys=keys, timeout=timeout, term=term)
+        try:
+            client.call("fence")
+            return "ok"
+        except BusError as e:
+            log.warning("term %d: device %s not fenced: %s", term, name, e)
+            return f"{type(e).__name__}: {e}"
+        finally:
+            client.close()
+    devices = rig.endpoints()
+    with ThreadPoolExecutor(min(16, max(1, len(devices))),
+                            thread_name_prefix="fence") as pool:
+        done = {name: pool.submit(fence, name, eps[0]) for name, eps in devices.items()}
+        return {name: f.result() for name, f in done.items()}
+
+
+def replica_journal(rig: Rig, url: str, replica: str | None, config: AgentConfig
+                    ) -> tuple[EtcdJournal, Leadership, tuple[str, str]]:
+    """The journal on etcd of `url` (etcd://HOST:PORT[,...]/GROUP), replica `replica`'s part
+    in its group's election, and its endpoints (the rig's [replicas.NAME]; AgentError naming
+    what is wrong)."""
+    try:
+        members, group = parse_url(url)
+        etcd = Etcd(members, timeout=config.etcd_timeout_s)
+    except ValueError as e:
+        raise AgentError(str(e)) from None
+    replicas = rig.agent_replicas()
+    name = replica if replica is not None else next(iter(replicas))
+    if name not in replicas:
+        raise AgentError(f"rig {rig.name} has no agent replica {name!r} (its [replicas]: "
+                         f"{', '.join(replicas)})")
+    request, publish = replicas[name]
+    leadership = Leadership(etcd, group, {"name": name, "request": request,
+                                          "publish": publish}, ttl_s=config.lease_s)
+    return EtcdJournal(etcd, leadership), leadership, (request, publish)

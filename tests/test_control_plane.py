@@ -1,0 +1,148 @@
+"""The control plane on etcd: a real 3-member etcd cluster (hil.etcd.cluster), the journal on it
+(hil.agent.etcd_journal), and the election of an agent group's leader (hil.agent.leadership)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from photonic_testbed.hil.agent.entries import Alarm, Note, Start
+from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
+from photonic_testbed.hil.agent.journal import JournalError
+from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
+from photonic_testbed.hil.etcd.client import Etcd, EtcdUnavailable, parse_endpoints
+from photonic_testbed.hil.etcd.cluster import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(3, tmp_path_factory.mktemp("etcd")) as c:
+        yield c
+
+
+_groups = iter(range(10**6))
+
+
+def _replica(cluster, group: str, name: str, ttl_s: int = 2) -> tuple[Leadership, EtcdJournal]:
+    etcd = Etcd(cluster.endpoints, timeout=3.0)
+    lead = Leadership(etcd, group, {"name": name, "request": f"tcp://127.0.0.1:1/{name}"},
+                      ttl_s=ttl_s)
+    return lead, EtcdJournal(etcd, lead)
+
+
+def test_one_leader_terms_rise_and_a_deposed_leader_writes_nothing(cluster):
+    group = f"g{next(_groups)}"
+    a, ja = _replica(cluster, group, "a")
+    b, jb = _replica(cluster, group, "b")
+    stop = threading.Event()
+    assert a.campaign(stop) == 1 and a.leading()
+    seen = []
+    waiting = threading.Thread(target=lambda: seen.append(b.campaign(stop, on_standby=seen.append)),
+                               daemon=True)
+    waiting.start()
+    try:
+        _standby_takes_over(a, ja, b, jb, seen, waiting)
+    finally:
+        stop.set()
+        waiting.join(5)
+
+
+def _standby_takes_over(a, ja, b, jb, seen, waiting):
+    time.sleep(0.3)
+    assert b.leading() is False and b.leader()["name"] == "a"
+    assert seen and seen[0]["name"] == "a" and seen[0]["term"] == 1
+
+    # the leader's journal: deferred entries written with the next durable one, in order
+    told = []
+    ja.listen(lambda e, text: told.append(e.seq))
+    s1 = ja.record(Note(job="deferred"), defer=True)
+    assert told == []
+    s2 = ja.set_intended_many({"ocs": [(1, 18), (2, 17)]}, cause="test")
+    assert told == [s1, s2] and s2 == s1 + 1
+    s3 = ja.record(Start(term=1))
+    got = jb.entries()                         # a standby reads what the leader wrote
+    assert [e.seq for e in got] == [s1, s2, s3]
+    assert got[0].details == Note(job="deferred") and got[2].details == Start(term=1)
+    assert jb.intended() == {"ocs": [(1, 18), (2, 17)]}
+    assert [e.seq for e in jb.entries(since=s1, kinds=("start",))] == [s3]
+    with pytest.raises(NotLeading):            # a standby cannot write
+        jb.record(Note(job="from a standby"))
+
+    a.resign()                                 # the standby takes over at once, term 2
+    waiting.join(5)
+    assert seen[-1] == 2 and b.leading() and b.term == 2
+    with pytest.raises(NotLeading):
+        ja.record(Alarm(), cause="a deposed leader")
+    jb.record(Note(job="the new leader"))
+    assert [e.details.job for e in jb.entries(kinds=("note",))] == ["deferred", "the new leader"]
+    b.resign()
+
+
+def test_a_leader_whose_lease_lapsed_stops_by_its_own_clock(cluster):
+    """A leader that could not refresh its lease (paused, cut off) takes itself as deposed once
+    the lease has surely lapsed, even before it hears so from etcd; its writes are refused by
+    etcd as well (the transaction holds only under its lease)."""
+    group = f"g{next(_groups)}"
+    a, ja = _replica(cluster, group, "a")
+    stop = threading.Event()
+    assert a.campaign(stop) == 1
+    a._stop.set()                   # its keeper stops refreshing, as a paused process's does
+    a._keeper.join(5)
+    a._stop.clear()
+    deadline = time.monotonic() + 10
+    while a.leading() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not a.leading()
+    with pytest.raises(NotLeading):
+        ja.record(Note(job="too late"))
+    b, jb = _replica(cluster, group, "b")
+    assert b.campaign(stop) == 2            # once etcd expired a's lease
+    a._alive_until = time.monotonic() + 60  # a clock that lies: etcd still refuses its write
+    with pytest.raises(NotLeading):
+        ja.record(Note(job="still too late"))
+    assert [e.kind for e in jb.entries()] == []
+    b.resign()
+
+
+def test_quorum_lost_then_back(cluster, tmp_path):
+    """Two members of three down: a write fails (EtcdUnavailable) within the client's timeout,
+    not a hang; with one back, writes resume."""
+    with LocalCluster(3, tmp_path / "q") as q:
+        etcd = Etcd(q.endpoints, timeout=1.5)
+        etcd.put("k", "1")
+        q.kill(1)
+        q.kill(2)
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match="no etcd member answered"):
+            etcd.put("k", "2")
+        assert time.monotonic() - t0 < 5.0
+        q.restart(1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                etcd.put("k", "3", timeout=2.0)
+                break
+            except EtcdUnavailable:
+                assert time.monotonic() < deadline, "writes did not resume with quorum back"
+        assert etcd.get("k").value == b"3"
+
+
+def test_urls_and_member_lists_are_checked():
+    assert parse_url("etcd://127.0.0.1:2379,127.0.0.1:2380/lumion") == (
+        "127.0.0.1:2379,127.0.0.1:2380", "lumion")
+    assert parse_endpoints("http://[::1]:2379") == [("::1", 2379)]
+    for bad in ("etcd://127.0.0.1:2379", "etcd://h:1/a/b", "file:///x", "etcd:///g"):
+        with pytest.raises(ValueError):
+            m, _ = parse_url(bad)
+            parse_endpoints(m)
+    for bad in ("", "host", "host:port", "h:0", "https://h:2379"):
+        with pytest.raises(ValueError):
+            parse_endpoints(bad)
+
+
+def test_an_unreachable_cluster_is_a_clear_journal_error():
+    etcd = Etcd("127.0.0.1:9", timeout=0.3)
+    lead = Leadership(etcd, "nowhere", {"name": "a"})
+    with pytest.raises(JournalError, match="no etcd member answered"):
+        EtcdJournal(etcd, lead).intended()
