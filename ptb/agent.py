@@ -101,12 +101,12 @@ def run(args) -> int:
                                 replica=args.replica)
         except (AgentError, JournalError) as e:
             raise CommandFailed(str(e)) from None
+        lead = proc.leadership
         try:
             try:
-                if replicated:
-                    print(f"agent replica {proc.leadership.me['name']} of group "
-                          f"{proc.leadership.group}: standing by on {proc.endpoints[0]}",
-                          flush=True)
+                if lead is not None:
+                    print(f"agent replica {lead.me['name']} of group {lead.group}: standing "
+                          f"by on {proc.endpoints[0]}", flush=True)
                 if not proc.campaign(stop):
                     break
                 request, publish = proc.start()
@@ -115,16 +115,15 @@ def run(args) -> int:
                 continue
             except (AgentError, RigFileError, KeyFileError, JournalError, OSError) as e:
                 raise CommandFailed(str(e)) from None
-            lead = f", leading group {proc.leadership.group} in term {proc.term}" \
-                if replicated else ""
-            print(f"agent of rig {rig.name}: requests {request}  publishes {publish}{lead}")
+            leading = f", leading group {lead.group} in term {proc.term}" if lead else ""
+            print(f"agent of rig {rig.name}: requests {request}  publishes {publish}{leading}")
             print("running; Ctrl-C to stop", flush=True)
             proc.run(stop)
-            if not replicated or stop.is_set():
+            if lead is None or stop.is_set():
                 break
-            print(f"lost the lead of group {proc.leadership.group} "
-                  f"({proc.leadership.lost_because or 'its lease lapsed'}): nothing more is "
-                  "moved by this replica; standing by again", flush=True)
+            print(f"lost the lead of group {lead.group} "
+                  f"({lead.lost_because or 'its lease lapsed'}): nothing more is moved by "
+                  "this replica; standing by again", flush=True)
         finally:
             proc.close()
     print("stopped", flush=True)

@@ -30,6 +30,7 @@ COMMANDS = {
     "record": "record a session between clients and devices (pty and TCP relays)",
     "replay": "replay a recorded session against devices, or as the devices",
     "status": "ask every process of a rig's bus (or every instrument) whether it answers",
+    "etcd": "run a local etcd cluster for a replicated agent group",
 }
 
 

@@ -74,6 +74,10 @@ def add_parser(sub) -> None:
                    help="CurveZMQ on the bus with roles: keys for the agent, the job's tenant, "
                    "the GUI's operator and an observer (WORKDIR/keys, made anew), each process "
                    "with its own; a change asked with the wrong role is shown refused")
+    p.add_argument("--ha", action="store_true",
+                   help="the control plane replicated: 3 etcd members and 2 agent replicas; "
+                   "the leader is killed (kill -9) in the middle of the swap and the standby "
+                   "finishes it (docs/control-plane.md; the emulated job, no GUI)")
     p.set_defaults(func=run)
 
 
@@ -134,6 +138,8 @@ def run(args) -> int:
     if args.secure and args.job == "torch":
         raise CommandFailed("--secure runs the emulated job, whose tenant key the emulator "
                             "holds; --job torch runs without it")
+    if args.ha and (args.secure or args.job == "torch" or args.gui or args.keep_open):
+        raise CommandFailed("--ha runs the emulated job, headless, without --secure")
     plan = RIG_JOBS[args.rig][0]
     gpu = _gpu_to_fail(args.rig, args.gpu)
     if args.job == "torch":
@@ -150,10 +156,14 @@ def run(args) -> int:
         with Stack(workdir, say=lambda text: say(t0, text)) as stack:
             stack.emulate(args.rig, "--seed", str(args.seed),
                           *(["--ideal-chip"] if args.ideal_chip else []),
-                          *(["--keys", str(keys)] if keys is not None else []))
+                          *(["--keys", str(keys)] if keys is not None else []),
+                          *(["--replicas", "2"] if args.ha else []))
             if stack.rig.chip is not None and not args.ideal_chip:
                 stack.calibrate()
             stack.serve()
+            if args.ha:
+                from photonic_testbed.ptb import demo_ha
+                return demo_ha.demo(args, plan, gpu, stack, t0, lambda text: say(t0, text))
             stack.agent()
             if args.job == "torch":
                 return demo_torch.demo(args, gpu, stack, t0)

@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
     p.add_argument("--job", metavar="PLAN", choices=("dp", "dp-tp"),
                    help="start the emulated training job (dp or dp-tp) once the agent "
                    "answers; otherwise the control endpoint's job_start starts it")
+    p.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="the rig file names N replicas of the agent ([replicas.r0] ...: a "
+                   "group on an etcd journal, docs/control-plane.md), and the emulated job "
+                   "finds the one that leads")
     p.add_argument("--write-rig", metavar="FILE",
                    help="also write a rig file (TOML) pointing at the emulated instruments")
     p.add_argument("--keys", metavar="DIR",
@@ -124,6 +128,8 @@ def run(args) -> int:
         raise CommandFailed(f"--port-base must be in 1024..65532, not {args.port_base}")
     check_output(args.endpoints, "--endpoints")
     check_output(args.write_rig, "--write-rig")
+    if not 0 <= args.replicas <= 7:
+        raise CommandFailed(f"--replicas must be in 0..7, not {args.replicas}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -151,6 +157,14 @@ def run(args) -> int:
                 bus_rig = rigfile.for_emulator(spec, rig.endpoints)
                 if args.keys:
                     bus_rig = _secure(bus_rig, args.keys)[0]
+        if args.replicas:
+            from photonic_testbed.hil.rig.emulated import free_ports
+            ports = iter(free_ports(2 * args.replicas))
+            bus_rig = dataclasses.replace(bus_rig, replicas={
+                f"r{i}": (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
+                for i in range(args.replicas)})
+            if rig.rack is not None:
+                rig.rack.agent_replicas = bus_rig.agent_replicas()
         if rig.chip_calibration is not None and bus_rig.chip is not None:
             bus_rig = dataclasses.replace(bus_rig, chip=dataclasses.replace(
                 bus_rig.chip, calibration=os.path.abspath(args.chip_from)))

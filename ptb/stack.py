@@ -175,6 +175,51 @@ class Stack:
                         "--journal", str(self.journal), *options, ready=answers)
         self.say(f"agent up, journal {self.journal}")
 
+    def etcd(self, members: int = 3) -> str:
+        """`ptb etcd` (a local etcd cluster, its data in the stack's folder); ready once every
+        member is healthy. The --journal URL of the rig's agent group on it."""
+        rig = self._need_rig("etcd")
+        written = self.workdir / "etcd.json"
+        written.unlink(missing_ok=True)
+        self._stage("etcd", f"an etcd cluster of {members}", "etcd", "--members",
+                    str(members), "--dir", str(self.workdir / "etcd"), "--group", rig.name,
+                    "--endpoints", str(written), ready=written.exists)
+        url = str(json.loads(written.read_text())["journal"])
+        self.say(f"etcd up: {url}")
+        return url
+
+    def replicas(self, journal: str, *options: str) -> dict[str, Any]:
+        """`ptb agent --journal JOURNAL --replica NAME` for each of the rig's [replicas] (as
+        processes `agent-NAME`); ready once one leads. What the leader key says of it."""
+        from photonic_testbed.hil.agent.etcd_journal import parse_url
+        from photonic_testbed.hil.agent.leadership import group_prefix
+        from photonic_testbed.hil.etcd.client import Etcd, EtcdError
+        rig = self._need_rig("replicas")
+        if not rig.replicas:
+            raise CommandFailed(f"rig {rig.name} names no [replicas] of the agent")
+        members, group = parse_url(journal)
+        etcd = Etcd(members, timeout=2.0)
+        for name in rig.replicas:
+            self.start_replica(name, journal, *options)
+
+        def leads() -> Any:
+            try:
+                kv = etcd.get(group_prefix(group) + "leader")
+            except EtcdError:
+                return None
+            return json.loads(kv.value) if kv is not None else None
+        t = time.monotonic()
+        leader = self.wait("a replica of the agent leading", leads)
+        self.started["replicas"] = time.monotonic() - t
+        self.say(f"agent replicas up: {leader['name']} leads (term {leader['term']}), "
+                 f"{', '.join(n for n in rig.replicas if n != leader['name'])} stand by")
+        return dict(leader)
+
+    def start_replica(self, name: str, journal: str, *options: str) -> subprocess.Popen:
+        """One replica of the agent (process `agent-NAME`), not waited for."""
+        return self.ptb(f"agent-{name}", "agent", "--rig", str(self.rig_path), "--journal",
+                        journal, "--replica", name, *options)
+
     def job(self, *arguments: str, name: str = "job") -> subprocess.Popen:
         """The PyTorch job's controller (`python -m photonic_testbed.hil.job.torch_job launch
         ARGUMENTS`): it starts its ranks and standbys itself; its events tell when it is up."""
@@ -269,6 +314,15 @@ class Stack:
         child.lasting = False               # its end is no failure of the stack's
         _stop([child], self.stop_s if timeout is None else timeout)
         return child.proc.returncode
+
+    def kill(self, name: str) -> None:
+        """kill -9 one process and its group (a fault the stack itself injects: not a failure
+        of the stack); its name is free again for `start`."""
+        child = self._children[name]
+        child.lasting = False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait()
 
     def close(self) -> None:
         """Stop every process (newest first), then free the folder if the stack made it."""

@@ -96,7 +96,11 @@ def _rig_askers(path: str, wanted: list[str]) -> dict[str, Callable[[], Answer]]
         raise CommandFailed(str(e)) from None
     endpoints = {name: (d.kind, d.request) for name, d in rig.devices.items()}
     if rig.gpus:            # a rig without GPUs runs no agent and no GPU monitor
-        endpoints["agent"] = ("agent", rig.agent_endpoints()[0])
+        if rig.replicas:    # each replica of a replicated agent (one leads, the others stand by)
+            endpoints.update((f"agent-{name}", ("agent", ends[0]))
+                             for name, ends in rig.replicas.items())
+        else:
+            endpoints["agent"] = ("agent", rig.agent_endpoints()[0])
         endpoints.update((name, ("gpus", ends[0])) for name, ends in rig.gpu_monitors().items())
     names = _chosen(list(endpoints), wanted, f"rig {rig.name}")
     return {n: functools.partial(_ping, n, *endpoints[n], keys) for n in names}

@@ -63,7 +63,7 @@ from photonic_testbed.hil.agent.journal import Entry, Journal
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.received import ReceivedPower
-from photonic_testbed.hil.agent.replica import Standby, fence_devices, replica_journal
+from photonic_testbed.hil.agent.replica import replica_journal, stand_by, take_lead
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
@@ -176,6 +176,33 @@ def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
                       servers={g.name: g.server for g in rig.gpus if g.server})
 
 
+def rack_rows(a: Agent) -> list[dict]:
+    """Every GPU's row of the published rack: its switch, port, health, role, rank, job."""
+    owner = {g: (j.name, r) for j in a.jobs.values() for r, g in j.rank_map.items()}
+    out = []
+    for g, atts in a.layout.gpus.items():
+        job, rank = owner.get(g, (None, None))
+        spare = g in a.layout.spares
+        role = ("in_use_spare" if spare and rank is not None else
+                "spare" if spare else "active")
+        out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
+                    "health": a.health(g), "role": role, "rank": rank,
+                    "job": job})
+    return out
+
+
+def open_journal(rig: Rig, path: str, sync: str, replica: str | None, config: AgentConfig
+                 ) -> tuple[Journal, Leadership | None, tuple[str, str]]:
+    """The agent's journal at `path` (a SQLite file, or etcd://...: a replica's of a group,
+    with its part in the group's election), and the agent's endpoints."""
+    if path.startswith("etcd://"):
+        return replica_journal(rig, path, replica, config)
+    if replica is not None:
+        raise AgentError("a replica of an agent group keeps its journal on etcd "
+                         "(etcd://HOST:PORT/GROUP), not in a file")
+    return SqliteJournal(path, sync), None, rig.agent_endpoints()
+
+
 class AgentProcess(NoEvents):
     """Everything `ptb agent` runs; `start()`, then `run(stop)`; `close()`. It hears the
     agent's restart orders and alarms (`on_order`, `on_alarm`) and publishes them."""
@@ -186,24 +213,16 @@ class AgentProcess(NoEvents):
         """`config`: the agent's settings (the rig file's `[agent]` by default). `settle_heap`
         (the `ptb agent` process): the heap is settled (`common.heap`) once started (a job's
         circuits, worked out beside the agent, come as arrays: nothing to settle after an
-        admission). `journal_path` etcd://HOST:PORT[,...]/GROUP: the journal of an agent group
-        on etcd, this process its replica `replica` (of the rig's [replicas]): it leads once
-        `campaign` returns true (docs/control-plane.md)."""
+        admission). `journal_path` etcd://HOST:PORT[,...]/GROUP: this process is `replica` of
+        an agent group on etcd, leading once `campaign` is true (docs/control-plane.md)."""
         self.rig = rig
         self._settle_heap = settle_heap
         self.keys = rig.client_keys()
         self.timeout = timeout
-        self.leadership: Leadership | None = None
-        self.journal: Journal
-        if journal_path.startswith("etcd://"):
-            self.journal, self.leadership, self.endpoints = replica_journal(
-                rig, journal_path, replica, config if config is not None else rig.agent)
-        else:
-            if replica is not None:
-                raise AgentError("a replica of an agent group keeps its journal on etcd "
-                                 "(etcd://HOST:PORT/GROUP), not in a file")
-            self.journal = SqliteJournal(journal_path, journal_sync)
-            self.endpoints = rig.agent_endpoints()
+        self.journal, self.leadership, self.endpoints = open_journal(
+            rig, journal_path, journal_sync, replica, config or rig.agent)
+        # raises once a replica no longer leads: before every change sent to a device
+        self._guard = self.leadership.check if self.leadership is not None else None
         self.clients: list[ServiceClient] = []
         self.switches: dict[str, BusSwitch] = {}
         # made by `start` (the agent needs the switches' answers first): reached through
@@ -277,38 +296,19 @@ class AgentProcess(NoEvents):
         self.clients.append(c)
         return c
 
-    def _guard(self) -> None:
-        """Before any change is sent to a device: NotLeading once this replica no longer
-        leads (nothing for an agent on a file journal)."""
-        if self.leadership is not None:
-            self.leadership.check()
-
     def leading(self) -> bool:
         return self.leadership is None or self.leadership.leading()
 
     def campaign(self, stop: threading.Event) -> bool:
-        """A replica of a group: wait, as a standby on its endpoints, until it leads (true) or
-        `stop` (false). An agent on a file journal leads at once."""
-        if self.leadership is None:
-            return True
-        name = str(self.leadership.me["name"])
-        standby = Standby(self.rig, name, self.leadership.group, self.endpoints)
-        try:
-            log.info("agent replica %s of group %s: standing by on %s", name,
-                     self.leadership.group, standby.bound[0])
-            return self.leadership.campaign(stop, on_standby=standby.leader_is) > 0
-        finally:
-            standby.close()
+        """A replica: a standby until it leads (true) or `stop`; a lone agent leads at once."""
+        return self.leadership is None or \
+            stand_by(self.rig, self.leadership, self.endpoints, stop)
 
     def start(self) -> tuple[str, str]:
         # every change this agent sends a device carries its term (journaled with its start):
         # a replica's is its leadership's, from etcd, and every device is fenced with it first
-        if self.leadership is not None:
-            self.leadership.check()
-            self.term = self.leadership.term
-            fence_devices(self.rig, self.term, self.keys, min(self.timeout, 1.0))
-        else:
-            self.term = next_term(self.journal)
+        self.term = next_term(self.journal) if self.leadership is None else \
+            take_lead(self.rig, self.leadership, self.keys, min(self.timeout, 1.0))
         endpoints = self.rig.endpoints()
         names = sorted({g.switch for g in self.rig.gpus})
         missing = [n for n in names if n not in endpoints]
@@ -629,24 +629,10 @@ class AgentProcess(NoEvents):
             if health == a.healths() and len(ranks) == len(a.jobs) and all(
                     ranks.get(name) == j.rank_map for name, j in a.jobs.items()):
                 return rows           # (dicts compared in C; copied only when they change)
-        rows = self._build_rack()
+        rows = rack_rows(a)
         self._rack_cache = (({name: dict(j.rank_map) for name, j in a.jobs.items()},
                              dict(a.healths())), rows)
         return rows
-
-    def _build_rack(self) -> list[dict]:
-        a = self.agent
-        owner = {g: (j.name, r) for j in a.jobs.values() for r, g in j.rank_map.items()}
-        out = []
-        for g, atts in a.layout.gpus.items():
-            job, rank = owner.get(g, (None, None))
-            spare = g in a.layout.spares
-            role = ("in_use_spare" if spare and rank is not None else
-                    "spare" if spare else "active")
-            out.append({"name": g, "switch": atts[0].switch, "port": atts[0].tx,
-                        "health": a.health(g), "role": role, "rank": rank,
-                        "job": job})
-        return out
 
     def _wire_ranks(self, job: str, rank_map: Mapping[int, str]) -> dict[str, str]:
         """A job's rank map as published (JSON keys are strings), made again only when it

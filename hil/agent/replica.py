@@ -92,6 +92,29 @@ class Standby:
         self.server.close()
 
 
+def stand_by(rig: Rig, leadership: Leadership, endpoints: tuple[str, str],
+             stop: threading.Event) -> bool:
+    """Replica `leadership.me` as a standby on its `endpoints` (`Standby`) until it leads
+    (true) or `stop` (false)."""
+    name = str(leadership.me["name"])
+    standby = Standby(rig, name, leadership.group, endpoints)
+    try:
+        log.info("agent replica %s of group %s: standing by on %s", name, leadership.group,
+                 standby.bound[0])
+        return leadership.campaign(stop, on_standby=standby.leader_is) > 0
+    finally:
+        standby.close()
+
+
+def take_lead(rig: Rig, leadership: Leadership, keys: ClientKeys | None,
+              timeout: float) -> int:
+    """What a replica that has just won its election does first: every device fenced with its
+    term (NotLeading if it no longer leads). Its term."""
+    leadership.check()
+    fence_devices(rig, leadership.term, keys, timeout)
+    return leadership.term
+
+
 def fence_devices(rig: Rig, term: int, keys: ClientKeys | None, timeout: float) -> dict[str, str]:
     """Every device service's term raised to `term` (`fence`); per device, "ok" or why not (a
     device that does not answer is fenced by the first change it gets)."""

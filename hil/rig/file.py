@@ -467,6 +467,9 @@ def dumps(rig: Rig) -> str:
     for host, (request, publish) in rig.monitors.items():
         out += ["", f"[monitors.{_toml_key(host)}]", f"request = {_toml_value(request)}",
                 f"publish = {_toml_value(publish)}"]
+    for name, (request, publish) in rig.replicas.items():
+        out += ["", f"[replicas.{_toml_key(name)}]", f"request = {_toml_value(request)}",
+                f"publish = {_toml_value(publish)}"]
     default = AgentConfig()
     changed = [f"{name} = {_toml_value(getattr(rig.agent, name))}" for name in SETTINGS
                if getattr(rig.agent, name) != getattr(default, name)]

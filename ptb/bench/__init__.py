@@ -18,7 +18,7 @@ import time
 from photonic_testbed.hil.files import write_atomic
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
-BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale",
+BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale", "ha",
               "swap", "soak", "record", "datacenter", "job", "watch")
 
 

@@ -1,0 +1,128 @@
+"""The control plane replicated on etcd: a GPU fails and the leading agent replica is killed
+(kill -9) at a random point of the swap; how long until the job runs again on the spare.
+
+The stack runs as processes: the lumion emulator (ideal chip, zero switching delay) with two
+agent replicas named in its rig file, the device services, a local etcd cluster of 3 members
+(`ptb etcd`) and both replicas (`ptb agent --journal etcd://...`). Each run fails a random GPU of
+the emulated job, waits a random 0-250 ms (somewhere in the swap, or after it), kills the replica
+that leads, and measures from the failure to the job's first step on its new rank map (the job's
+own restart record). The killed replica is started again and stands by before the next run. The
+same failures without a kill, in the same run, are the baseline. Every run's journal entries are
+checked: no circuit added twice on a switch.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import time
+from typing import Any
+
+from photonic_testbed.hil.agent.entries import Applied
+from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
+from photonic_testbed.hil.agent.leadership import Leadership
+from photonic_testbed.hil.bus.client import BusError, ServiceClient
+from photonic_testbed.hil.lab.control_client import request
+from photonic_testbed.ptb.bench import SEED, integer
+from photonic_testbed.ptb.bench.measure import percentile
+from photonic_testbed.ptb.cli import CommandFailed
+from photonic_testbed.ptb.stack import Stack
+
+NAME = "ha"
+HELP = "agent leader killed (kill -9) mid swap: failure -> job running (lumion, etcd)"
+RESUME_S = 60.0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--runs", type=integer(1, 10_000), default=30,
+                   help="failures with the leader killed (default %(default)s)")
+    p.add_argument("--baseline", type=integer(0, 10_000), default=10,
+                   help="failures with no kill, in the same run (default %(default)s)")
+    p.add_argument("--seed", type=SEED, default=1, help="of the victims and the kill points")
+
+
+def _resumed_after(control: str, t: float) -> dict | None:
+    s = request(control, {"cmd": "job_status"})
+    if s["state"] == "aborted":
+        raise CommandFailed(f"the job aborted: {s['events'][-3:]}")
+    return next((r for r in s.get("restart_records", ())
+                 if r["t"] >= t and r["resumed_t"] is not None), None)
+
+
+def run(args) -> dict:
+    rnd = random.Random(args.seed)
+    with Stack() as stack:
+        stack.emulate("lumion", "--ideal-chip", "--switching-ms", "0", "--replicas", "2")
+        stack.serve()
+        url = stack.etcd(3)
+        stack.replicas(url, "--quarantine", "0", "--lease", "1")
+        members, group = parse_url(url)
+        reader = EtcdJournal(*_reader(members, group))
+        leadership = reader.leadership
+        control = stack.control
+        request(control, {"cmd": "job_start", "plan": "dp", "steps": 10 ** 9,
+                          "checkpoint_every": 5, "restart_s": 0.02})
+        stack.wait("the job's first steps",
+                   lambda: request(control, {"cmd": "job_status"})["step"] >= 2, 60)
+        kinds = ["kill"] * args.runs + ["none"] * args.baseline
+        rnd.shuffle(kinds)
+        samples: dict[str, list[float]] = {"kill": [], "none": []}
+        twice = 0
+        terms = []
+        for k, kind in enumerate(kinds):
+            status = request(control, {"cmd": "job_status"})
+            victim = rnd.choice(list(status["rank_map"].values()))
+            leader = stack.wait("a leader", leadership.leader, 30)
+            seq = max((e.seq for e in reader.entries()), default=0)
+            t_fail = time.time()
+            request(control, {"cmd": "fail_gpu", "gpu": victim, "mode": "hard"})
+            if kind == "kill":
+                time.sleep(rnd.uniform(0.0, 0.25))
+                stack.kill(f"agent-{leader['name']}")
+            got = stack.wait(f"run {k}: the job running again without {victim}",
+                             functools.partial(_resumed_after, control, t_fail), RESUME_S)
+            samples[kind].append(got["resumed_t"] - t_fail)
+            if kind == "kill":
+                stack.start_replica(leader["name"], url, "--quarantine", "0", "--lease", "1")
+                _standing_by(stack, leader["name"])
+                terms.append(int((leadership.leader() or {}).get("term", 0)))
+            added: dict[tuple, int] = {}
+            for e in reader.entries(since=seq):
+                if isinstance(e.details, Applied):
+                    for c in e.details.added:
+                        key = (e.details.switch, int(c[0]), int(c[1]))
+                        added[key] = added.get(key, 0) + 1
+            twice += sum(1 for n in added.values() if n > 1)
+            request(control, {"cmd": "heal_gpu", "gpu": victim})
+    rows = []
+    for kind, what in (("kill", "leader killed mid swap"), ("none", "no kill (baseline)")):
+        xs = samples[kind]
+        if xs:
+            rows.append({"what": f"failure -> job running, {what}", "runs": len(xs),
+                         "p50_s": round(percentile(xs, 0.5), 3),
+                         "p99_s": round(percentile(xs, 0.99), 3),
+                         "max_s": round(max(xs), 3)})
+    rows.append({"what": "circuits added twice on a switch (all runs)", "count": twice})
+    return {"rows": rows, "samples_s": samples, "terms": terms,
+            "setup": "lumion, ideal chip, 0 ms switching; 3 etcd members; 2 replicas, "
+                     "lease 2 s"}
+
+
+def _reader(members: str, group: str):
+    from photonic_testbed.hil.etcd.client import Etcd
+    etcd = Etcd(members, timeout=5.0)
+    return etcd, Leadership(etcd, group, {"name": "bench (reads only)"})
+
+
+def _standing_by(stack: Stack, name: str) -> None:
+    """Until replica `name` answers on its endpoints (as a standby)."""
+    endpoint = stack.rig.replicas[name][0]
+
+    def answers() -> Any:
+        with ServiceClient(endpoint, timeout=2.0) as c:
+            try:
+                return c.call("ping")
+            except BusError:
+                return None
+    stack.wait(f"replica {name} standing by", answers, 60, log=f"agent-{name}")
+
+
