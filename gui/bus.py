@@ -51,6 +51,7 @@ from photonic_testbed.hil.rig import Rig, RigFileError
 log = logging.getLogger(__name__)
 
 AGENT = "agent"
+REPLICA = "agent-replica"        # one replica of a replicated agent (docs/control-plane.md)
 MONITOR = "gpu_monitor"
 DOWN_AFTER_S = 3.0          # a service not reached this long after start shows as down
 RX_PERIOD_S = 1.0           # how often the GPUs' receivers are read for the trends
@@ -97,9 +98,17 @@ class BusFabric(Commands):
         self.down_after_s = down_after_s
         self.endpoints: dict[str, tuple[str, str]] = dict(rig.endpoints())
         self.kinds: dict[str, str] = {n: d.kind for n, d in rig.devices.items()}
+        # a replicated agent ([replicas]): each replica subscribed to as `agent@NAME`, the one
+        # that leads (in the highest term seen) shown as `agent` and sent the commands
+        self.replicas: dict[str, tuple[str, str]] = dict(rig.replicas) if rig.gpus else {}
+        self._leader: str | None = None
+        self._term = 0
         if rig.gpus:            # a rig without GPUs runs no agent (`ptb agent` refuses it)
             self.endpoints[AGENT] = rig.agent_endpoints()
             self.kinds[AGENT] = AGENT
+            for name, eps in self.replicas.items():
+                self.endpoints[f"{AGENT}@{name}"] = eps
+                self.kinds[f"{AGENT}@{name}"] = REPLICA
         if rig.gpus:
             for name, eps in rig.gpu_monitors().items():
                 self.endpoints[name] = eps
@@ -114,7 +123,10 @@ class BusFabric(Commands):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        self._alive: dict[str, bool] = {n: False for n in self.endpoints}
+        # what the subscriber follows: with replicas, each of them rather than `agent`
+        self._followed = {n: eps for n, eps in self.endpoints.items()
+                          if not (n == AGENT and self.replicas)}
+        self._alive: dict[str, bool] = {n: False for n in self._followed}
         self._marked_down: set[str] = set()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gui-bus")
         self._clients: dict[str, ServiceClient] = {}  # only touched on the worker thread
@@ -136,13 +148,13 @@ class BusFabric(Commands):
 
     def _run(self) -> None:
         try:
-            sub = StateSubscriber(self.endpoints, on_state=self._on_state,
+            sub = StateSubscriber(self._followed, on_state=self._on_state,
                                   on_online=self._on_online, on_telemetry=self._on_telemetry,
                                   keys=self.keys)
         except Exception as e:      # bad keys, bad endpoint: say so in the status bar
             self.error = e
             log.error("cannot subscribe to the rig's bus: %s", e)
-            for name in self.endpoints:
+            for name in self._followed:
                 self._service(name, "down", f"cannot subscribe: {e}")
             return
         try:
@@ -152,7 +164,7 @@ class BusFabric(Commands):
         except Exception as e:
             self.error = e
             log.exception("the GUI's bus subscriber stopped")
-            for name in self.endpoints:
+            for name in self._followed:
                 self._service(name, "down", f"subscriber stopped: {e}")
         finally:
             sub.close()
@@ -168,6 +180,8 @@ class BusFabric(Commands):
 
     def _on_online(self, device: str, alive: bool) -> None:
         self._alive[device] = alive
+        if not alive and device == f"{AGENT}@{self._leader}":
+            self._unmanaged(f"replica {self._leader} (term {self._term}) lost")
         if alive:
             self._marked_down.discard(device)
             self._service(device, "connected", f"{self.endpoints[device][0]}")
@@ -178,7 +192,39 @@ class BusFabric(Commands):
     def _service(self, name: str, state: str, detail: str) -> None:
         self.model.post_service(name, state, detail)
 
+    def _unmanaged(self, why: str) -> None:
+        """No replica leads (as far as the GUI hears): the agent's row says so."""
+        self._leader = None
+        self._service(AGENT, "down", f"{why}; no agent replica leads: the fabric is "
+                      "unmanaged, its circuits held as they are until a replica leads")
+
+    def _on_replica(self, device: str, state: dict, ops: list[StateOp] | None) -> None:
+        """A replica's state: the leader's is shown as the agent's (a new leader's whole)."""
+        name = device.split("@", 1)[1]
+        term = int(state.get("term") or 0)
+        if state.get("role") != "leader":
+            if name == self._leader:
+                self._unmanaged(f"replica {name} stands by now")
+            return
+        if term < self._term:
+            return                          # a deposed leader's late word
+        if name != self._leader or term != self._term or ops is None:
+            self._leader, self._term = name, term
+            self.endpoints[AGENT] = self.replicas[name]
+            self._worker.submit(self._forget_client, AGENT)
+            ops = None
+        self._on_state(AGENT, state, ops)
+
+    def _forget_client(self, device: str) -> None:
+        """(on the worker thread) the next command to `device` goes to where it is now."""
+        client = self._clients.pop(device, None)
+        if client is not None:
+            client.close()
+
     def _on_state(self, device: str, state: dict, ops: list[StateOp] | None) -> None:
+        if self.kinds.get(device) == REPLICA:
+            self._on_replica(device, state, ops)
+            return
         with self._lock:
             self._states[device] = clone(state)
         kind = self.kinds.get(device, "")
@@ -193,6 +239,8 @@ class BusFabric(Commands):
             if alarms != self._alarms or ops is None:
                 self._alarms = alarms
                 detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
+                if self._leader is not None:
+                    detail = f"replica {self._leader} leads (term {self._term}); {detail}"
                 self._service(AGENT, "connected", detail)
 
     def _on_telemetry(self, device: str, msg: dict) -> None:

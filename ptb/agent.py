@@ -110,10 +110,12 @@ def run(args) -> int:
                 if not proc.campaign(stop):
                     break
                 request, publish = proc.start()
-            except NotLeading as e:
+            except (NotLeading, JournalError) as e:
+                if lead is None:
+                    raise CommandFailed(str(e)) from None
                 print(f"{e}; standing by again", flush=True)
                 continue
-            except (AgentError, RigFileError, KeyFileError, JournalError, OSError) as e:
+            except (AgentError, RigFileError, KeyFileError, OSError) as e:
                 raise CommandFailed(str(e)) from None
             leading = f", leading group {lead.group} in term {proc.term}" if lead else ""
             print(f"agent of rig {rig.name}: requests {request}  publishes {publish}{leading}")

@@ -146,3 +146,72 @@ def test_an_unreachable_cluster_is_a_clear_journal_error():
     lead = Leadership(etcd, "nowhere", {"name": "a"})
     with pytest.raises(JournalError, match="no etcd member answered"):
         EtcdJournal(etcd, lead).intended()
+
+
+def test_a_request_asked_again_of_the_same_replica_runs_once():
+    """The job's client, given up on a slow leader and refused by the standby, asks the leader
+    again with the same request id: the leader runs the admission once and answers it."""
+    from concurrent.futures import Future
+
+    from photonic_testbed.hil.bus.errors import NotLeader
+    from photonic_testbed.hil.bus.server import Server
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    runs = []
+
+    def slow_admit(args):                   # answered later, the loop serving meanwhile
+        runs.append(time.monotonic())
+        done = Future()
+        threading.Timer(1.2, done.set_result,
+                        ({"job": "j", "rank_map": {"0": "gpu0"}, "restart_seq": 0},)).start()
+        return done
+
+    def refuse(args):
+        raise NotLeader("a standby")
+    leader = Server("agent", {"role": "leader", "term": 1, "jobs": {}}, kind="agent",
+                    handlers={"admit": slow_admit})
+    standby = Server("agent", {"role": "standby"}, kind="agent", handlers={"admit": refuse})
+    eps = [leader.bind(), standby.bind()]
+    stop = threading.Event()
+
+    def serve(s):
+        while not stop.is_set():
+            s.poll(0.02)
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in (leader, standby)]
+    for t in threads:
+        t.start()
+    fabric = Fabric(*eps[0], timeout=1.0, job="j", replicas={"r0": eps[0], "r1": eps[1]})
+    try:
+        assert fabric.admit({"name": "j", "world": 1}) == {0: "gpu0"}
+        assert len(runs) == 1
+    finally:
+        fabric.close()
+        stop.set()
+        for t in threads:
+            t.join(2)
+        leader.close()
+        standby.close()
+
+
+def test_a_write_whose_outcome_is_unknown_steps_the_leader_down(cluster):
+    """etcd unreachable in the middle of a leader's write: it may have been written, so the
+    replica steps down (the next leader reads what was), never carries on as leader."""
+    group = f"g{next(_groups)}"
+    a, ja = _replica(cluster, group, "a")
+    assert a.campaign(threading.Event()) == 1
+    ja.record(Note(job="before"))
+    ja.etcd.close()
+    ja.etcd.members = [("127.0.0.1", 9)]          # every member unreachable from here on
+    ja.etcd.timeout = 0.3
+    with pytest.raises(NotLeading, match="may or may not have been written"):
+        ja.record(Note(job="unknown"))
+    assert not a.leading() and "outcome is unknown" in a.lost_because
+    with pytest.raises(NotLeading):
+        a.fence(0)                                 # etcd would take lease 0 as "no key"
+    b, jb = _replica(cluster, group, "b")
+    assert b.campaign(threading.Event()) == 2
+    assert [e.details.job for e in jb.entries()] == ["before"]
+    b.raise_term(7)                                # (devices that took a higher term)
+    b.resign()
+    c, _ = _replica(cluster, group, "c")
+    assert c.campaign(threading.Event()) == 8
+    c.resign()

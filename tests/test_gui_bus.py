@@ -445,3 +445,44 @@ def test_ptb_gui_refuses_a_bad_rig_file_with_the_reason(capsys, tmp_path):
                        "driver = 'photonic_testbed.drivers.ocs:OpticalCircuitSwitch'\n")
     assert main(["gui", "--rig", str(keyless), "--settings", str(tmp_path / "g.ini")]) == 1
     assert "CURVE keys" in capsys.readouterr().err
+
+
+def test_the_gui_follows_the_leading_replica_and_says_when_none_leads(qtbot, tmp_path):
+    """A replicated agent ([replicas]): the replica that leads is shown as the agent (its rack,
+    its term); once it is gone and none leads, the agent's row and an alarm say the fabric is
+    unmanaged, its circuits held as they are."""
+    from photonic_testbed.gui.alarms import AlarmBook
+    port = rigfile.free_port
+    eps = {k: f"tcp://127.0.0.1:{port()}" for k in
+           ("agent_request", "agent_publish", "gpus_request", "gpus_publish")}
+    replicas = {n: (f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}")
+                for n in ("r0", "r1")}
+    rig = rigfile.Rig("ha", tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **eps),
+                      {"ocs": rigfile.DeviceConfig(
+                          "ocs", "switch", "TCPIP::127.0.0.1::1::SOCKET",
+                          "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
+                          f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}")},
+                      gpus=(rigfile.GpuConfig("gpu0", "ocs", 1),), replicas=replicas)
+    rigfile.write(rig.path, rig)
+    settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
+    win, fabric = rig_window(rigfile.load(rig.path), settings, down_after_s=0.3)
+    qtbot.addWidget(win)
+    fabric.start()
+    win.show()
+    def agent_row():
+        return win.model.services.get("agent")
+    try:
+        with Agent(replicas["r1"]) as leader:
+            leader.todo.put({"role": "leader", "term": 3})
+            qtbot.waitUntil(lambda: "replica r1 leads (term 3)" in
+                            getattr(agent_row(), "detail", "") and len(win.model.rack) == 6,
+                            timeout=WAIT_MS)
+            assert agent_row().state == "connected"
+            assert fabric.endpoints["agent"] == replicas["r1"]      # where commands go
+        qtbot.waitUntil(lambda: agent_row().state == "down", timeout=WAIT_MS)
+        assert "the fabric is unmanaged" in agent_row().detail
+        texts = [a.text for a in AlarmBook().evaluate(win.model)]
+        assert any(t.startswith("agent down") and "unmanaged" in t for t in texts), texts
+    finally:
+        win.close()
+        fabric.close()

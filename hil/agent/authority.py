@@ -117,7 +117,7 @@ class ManualChanges:
     """An operator's manual changes: journaled, then made by the agent (the module's doc)."""
 
     def __init__(self, rig: Rig, agent: Agent, keys: ClientKeys | None, timeout: float,
-                 term: int, guard: Callable[[], None] | None = None):
+                 term: int, guard: Callable[[], object] | None = None):
         self.rig = rig
         self.agent = agent
         self.keys = keys

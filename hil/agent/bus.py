@@ -59,11 +59,11 @@ from photonic_testbed.hil.agent.entries import (
     builtins,
 )
 from photonic_testbed.hil.agent.events import NoEvents
-from photonic_testbed.hil.agent.journal import Entry, Journal
+from photonic_testbed.hil.agent.journal import Entry, Journal, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.received import ReceivedPower
-from photonic_testbed.hil.agent.replica import replica_journal, stand_by, take_lead
+from photonic_testbed.hil.agent.replica import replica_journal, stand_by, step_down, take_lead
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
@@ -391,8 +391,8 @@ class AgentProcess(NoEvents):
             poller.poll(5 if self.server.answering else 50)     # (an admission's answer)
             try:
                 self.step()
-            except NotLeading as e:
-                log.error("%s", e)
+            except (NotLeading, JournalError) as e:
+                step_down(self.leadership, e)       # (a lone agent's: raised again)
                 return
 
     def in_loop(self, work: Callable[[], T]) -> Future[T]:
@@ -680,8 +680,8 @@ class AgentProcess(NoEvents):
         """New journal entries are appended to `events` (the oldest dropped past 200), the
         other keys sent when they differ: one delta."""
         self._published = time.monotonic()
-        written = len(self._fresh)
         self.journal.flush()             # what is published is on disk (deferred entries too)
+        written = len(self._fresh)
         ops: list[StateOp] = []
         for _ in range(written):
             ev = self._fresh.popleft()

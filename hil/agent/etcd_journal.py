@@ -125,19 +125,25 @@ class EtcdJournal:
         if not ops:
             return
         try:
-            self.leadership.check()
-            won, _ = self.etcd.txn([self.leadership.fence()], ops)
-        except (EtcdError, NotLeading) as e:
+            lease = self.leadership.check()
+            won, _ = self.etcd.txn([self.leadership.fence(lease)], ops)
+        except NotLeading:
             self._next_seq = None
-            lost = f"; {len(told)} entries not written" if told else ""
-            if isinstance(e, NotLeading):
-                raise
-            raise JournalError(f"{self.path}: writing failed: {e}{lost}") from None
+            raise
+        except EtcdError as e:
+            # The outcome is unknown (the transaction may have committed after the timeout):
+            # this replica steps down, so that the next leader works from what etcd holds.
+            self._next_seq = None
+            self.leadership.lose(f"a journal write's outcome is unknown ({e})")
+            raise NotLeading(f"agent {self.leadership.me.get('name')} stepped down from the "
+                             f"lead of group {self.leadership.group}: a journal write of "
+                             f"{len(told)} entries may or may not have been written ({e}); "
+                             "the next leader reads what was") from None
         if not won:
             self._next_seq = None
-            self.leadership.check()        # (lost by now, most likely: says so)
-            raise NotLeading(f"agent {self.leadership.me.get('name')} no longer holds the "
-                             f"lead of group {self.leadership.group}: its write was refused")
+            self.leadership.lose("its journal write was refused: its lease no longer holds "
+                                 "the leader key")
+            self.leadership.check()        # (says so)
         for entry, text in told:
             self._tell(entry, text)
 
@@ -196,6 +202,10 @@ class EtcdJournal:
                 limit: int | None = None) -> list[Entry]:
         if not isinstance(since, int) or not 0 <= since <= MAX_SEQ:
             raise ValueError(f"since is a sequence number 0..{MAX_SEQ}, not {since!r}")
+        if limit is not None and (not isinstance(limit, int) or not 0 <= limit <= MAX_SEQ):
+            raise ValueError(f"limit is a count 0..{MAX_SEQ}, not {limit!r}")
+        if limit == 0:
+            return []
         with self._lock:
             if self._pending and self.leadership.leading():
                 self._write([])

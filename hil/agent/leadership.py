@@ -28,6 +28,15 @@ from photonic_testbed.hil.etcd.client import Compare, Etcd, EtcdError, put_op
 
 log = logging.getLogger(__name__)
 
+
+def _clock() -> float:
+    """Seconds that go on while the host is suspended (CLOCK_BOOTTIME where there is one;
+    monotonic time stops then, and a leader resumed would believe its lease still alive)."""
+    return time.clock_gettime(CLOCK) if CLOCK is not None else time.monotonic()
+
+
+CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
+
 DEFAULT_TTL_S = 2           # etcd's shortest lease with its default election timeout (1 s)
 MARGIN_S = 0.25             # a lease is taken as lapsed this long before its TTL runs out
 POLL_S = 0.05               # a standby asks who leads this often
@@ -77,19 +86,24 @@ class Leadership:
 
     def leading(self) -> bool:
         return self.lease != 0 and not self._stop.is_set() and \
-            time.monotonic() < self._alive_until
+            _clock() < self._alive_until
 
-    def check(self) -> None:
-        """NotLeading unless this replica surely leads now."""
-        if not self.leading():
-            if not self._stop.is_set() and self.lease:
-                self._lose("its lease has surely lapsed by this process's clock")
+    def check(self) -> int:
+        """NotLeading unless this replica surely leads now; the lease it leads under."""
+        lease = self.lease
+        if not lease or not self.leading():
+            if not self._stop.is_set() and lease:
+                self.lose("its lease has surely lapsed by this process's clock")
             raise NotLeading(f"agent {self.me.get('name')} no longer leads group {self.group}"
                              + (f": {self.lost_because}" if self.lost_because else ""))
+        return lease
 
-    def fence(self) -> dict:
-        """The condition of every write of this leader: its key is held under its lease."""
-        return Compare.lease(self.key, self.lease)
+    def fence(self, lease: int) -> dict:
+        """The condition of every write of this leader: its key is held under `lease` (the
+        one `check` returned: never 0, which etcd would take as "no key")."""
+        if not lease:
+            raise NotLeading(f"agent {self.me.get('name')} holds no lease")
+        return Compare.lease(self.key, lease)
 
     # --- campaigning ----------------------------------------------------------------------
     def campaign(self, stop: threading.Event, on_standby: Callable[[dict | None], None]
@@ -138,42 +152,55 @@ class Leadership:
             except EtcdError:
                 pass                    # (it lapses by itself)
             return 0
-        sent = time.monotonic()
-        ttl = self.etcd.keepalive(self.lease)
-        if ttl <= 0:
-            self.lease = 0
+        sent = _clock()
+        try:
+            ttl = self.etcd.keepalive(self.lease)
+        except EtcdError:
+            ttl = 0
+        if ttl <= 0:                    # won, but the lease cannot be kept: let it go
+            lease, self.lease = self.lease, 0
+            try:
+                self.etcd.revoke(lease, timeout=1.0)
+            except EtcdError:
+                pass                    # (it lapses by itself)
             return 0
         self._alive_until = sent + ttl - MARGIN_S
         self.term = term
-        self._stop.clear()
-        self._keeper = threading.Thread(target=self._keep, name=f"lease-{self.group}",
-                                        daemon=True)
+        self.lost_because = ""
+        self._stop = threading.Event()  # this term's own: an older keeper cannot end it
+        self._keeper = threading.Thread(target=self._keep, args=(self._stop, self.lease),
+                                        name=f"lease-{self.group}", daemon=True)
         self._keeper.start()
         log.info("agent %s leads group %s, term %d", self.me.get("name"), self.group, term)
         return term
 
-    def _keep(self) -> None:
-        """Refresh the lease every third of its TTL; on a refusal (the lease is gone) or once
-        it has surely lapsed, leadership is lost (`on_lost`)."""
-        while not self._stop.wait(self.ttl_s / 3):
-            sent = time.monotonic()
+    def _keep(self, stop: threading.Event, lease: int) -> None:
+        """Refresh `lease` every third of its TTL until `stop` (its term's); on a refusal (the
+        lease is gone) or once it has surely lapsed, leadership is lost (`on_lost`)."""
+        while not stop.wait(self.ttl_s / 3):
+            sent = _clock()
             try:
-                ttl = self.etcd.keepalive(self.lease, timeout=max(0.2, self._alive_until - sent))
+                ttl = self.etcd.keepalive(lease, timeout=max(0.2, self._alive_until - sent))
             except EtcdError as e:
-                if time.monotonic() >= self._alive_until:
-                    self._lose(f"its lease could not be refreshed before it lapsed ({e})")
+                if _clock() >= self._alive_until and not stop.is_set():
+                    self.lose(f"its lease could not be refreshed before it lapsed ({e})")
                     return
                 continue
-            if ttl <= 0:
-                self._lose("etcd says its lease has expired")
+            if stop.is_set():
                 return
-            if time.monotonic() - sent < ttl - MARGIN_S:
+            if ttl <= 0:
+                self.lose("etcd says its lease has expired")
+                return
+            if _clock() - sent < ttl - MARGIN_S:
                 self._alive_until = sent + ttl - MARGIN_S
-            if time.monotonic() >= self._alive_until:
-                self._lose("its lease lapsed while it was not running")
+            if _clock() >= self._alive_until:
+                self.lose("its lease lapsed while it was not running")
                 return
 
-    def _lose(self, why: str) -> None:
+    def lose(self, why: str) -> None:
+        """This replica no longer leads (`why`): it acts no more; `on_lost` is told."""
+        if self._stop.is_set():
+            return
         self.lost_because = why
         self._alive_until = 0.0
         self._stop.set()
@@ -181,6 +208,15 @@ class Leadership:
                   why)
         if self.on_lost is not None:
             self.on_lost(why)
+
+    def raise_term(self, at_least: int) -> None:
+        """The group's term counter raised to `at_least` if it is below (compare-and-set: a
+        campaigner meanwhile keeps its own)."""
+        kv = self.etcd.get(self.term_key)
+        now = int(kv.value) if kv is not None else 0
+        if now < at_least:
+            self.etcd.txn([Compare.mod(self.term_key, kv.mod_revision if kv else 0)],
+                          [put_op(self.term_key, str(at_least))])
 
     def resign(self) -> None:
         """Stop leading: the lease revoked (its key goes with it), so a standby takes over at

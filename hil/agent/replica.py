@@ -101,31 +101,62 @@ def stand_by(rig: Rig, leadership: Leadership, endpoints: tuple[str, str],
     try:
         log.info("agent replica %s of group %s: standing by on %s", name, leadership.group,
                  standby.bound[0])
-        return leadership.campaign(stop, on_standby=standby.leader_is) > 0
+        won = leadership.campaign(stop, on_standby=standby.leader_is) > 0
     finally:
         standby.close()
+    if won and stop.is_set():           # stopped as it won: lead nothing
+        leadership.resign()
+        return False
+    return won
+
+
+def step_down(leadership: Leadership | None, why: BaseException) -> None:
+    """A leader whose journal cannot be written (etcd unreachable, a write whose outcome is
+    unknown) or that no longer leads: it acts no more; another replica, or this one again,
+    leads from what etcd holds. A lone agent's (no `leadership`) failure is raised again."""
+    if leadership is None:
+        raise why
+    leadership.lose(str(why))
+    log.error("%s", why)
 
 
 def take_lead(rig: Rig, leadership: Leadership, keys: ClientKeys | None,
               timeout: float) -> int:
     """What a replica that has just won its election does first: every device fenced with its
-    term (NotLeading if it no longer leads). Its term."""
+    term (NotLeading if it no longer leads). Its term. A device that has taken a term as high
+    (an agent's before this group kept its journal on etcd, or a group whose etcd was wiped)
+    would refuse every change of this leader: the group's term counter is raised past it and
+    this replica steps down to campaign again (NotLeading saying so)."""
     leadership.check()
-    fence_devices(rig, leadership.term, keys, timeout)
+    fenced = fence_devices(rig, leadership.term, keys, timeout)
+    above = {name: term for name, (_, term) in fenced.items() if term >= leadership.term}
+    if above:
+        top = max(above.values())
+        leadership.raise_term(top)
+        leadership.lose(f"devices have taken agent terms up to {top} "
+                        f"({', '.join(sorted(above))}), not below its term "
+                        f"{leadership.term}: the group's term counter is raised past them")
+        leadership.resign()
+        leadership.check()          # (NotLeading, saying why)
     return leadership.term
 
 
-def fence_devices(rig: Rig, term: int, keys: ClientKeys | None, timeout: float) -> dict[str, str]:
+def fence_devices(rig: Rig, term: int, keys: ClientKeys | None, timeout: float
+                  ) -> dict[str, tuple[str, int]]:
     """Every device service's term raised to `term` (`fence`); per device, "ok" or why not (a
-    device that does not answer is fenced by the first change it gets)."""
-    def fence(name: str, request: str) -> str:
+    device that does not answer is fenced by the first change it gets), and the term it had
+    taken before (0: unknown)."""
+    def fence(name: str, request: str) -> tuple[str, int]:
         client = ServiceClient(request, keys=keys, timeout=timeout, term=term)
+        had = 0
         try:
-            client.call("fence")
-            return "ok"
+            had = int(client.call("ping").get("term") or 0)
+            if had < term:
+                client.call("fence")
+            return "ok", had
         except BusError as e:
             log.warning("term %d: device %s not fenced: %s", term, name, e)
-            return f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {e}", had
         finally:
             client.close()
     devices = rig.endpoints()

@@ -60,7 +60,7 @@ class ServiceClient:
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0, keys: ClientKeys | None = None,
                  context: zmq.Context | None = None, cancel: threading.Event | None = None,
-                 term: int | None = None, guard: Callable[[], None] | None = None):
+                 term: int | None = None, guard: Callable[[], object] | None = None):
         self.endpoint = endpoint
         # called before a change is sent (an agent's: it raises once the agent no longer
         # leads, so that a deposed leader sends nothing)
@@ -114,6 +114,10 @@ class ServiceClient:
         self.close()
 
     # ---- requests ---------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        """A request id no other client's request has (for `call`'s `request_id`)."""
+        return self._prefix + str(next(_ids))
 
     def send(self, op: str, args: dict | None = None, *, ttl: float | None = None,
              expect: str | None = None, wait: float = 0.0, rid: str | None = None) -> str:
@@ -176,10 +180,13 @@ class ServiceClient:
                         msg.__struct_config__.tag)
 
     def call(self, op: str, *, timeout: float | None = None, expect: str | None = None,
-             **args):
-        """Run `op` on the server and return its result (see the module doc)."""
+             request_id: str | None = None, **args):
+        """Run `op` on the server and return its result (see the module doc). `request_id`:
+        the request's id, for a caller that asks again after giving up on an answer (the
+        server answers a repeat of an id it has run, never runs it twice)."""
         timeout = self.timeout if timeout is None else timeout
-        got = call_many([(self, op, args)], timeout, expect=expect)[0]
+        got = call_many([(self, op, args)], timeout, expect=expect,
+                        request_ids=[request_id])[0]
         if isinstance(got, BusError):
             raise got
         return got
@@ -187,7 +194,8 @@ class ServiceClient:
 
 def call_many(requests: Sequence[tuple[ServiceClient, str, dict] |
                                  tuple[ServiceClient, str, dict, str | None]],
-              timeout: float, *, expect: str | None = None) -> list:
+              timeout: float, *, expect: str | None = None,
+              request_ids: Sequence[str | None] = ()) -> list:
     """Requests to several servers at once: sent together, answered as they come, so the wait
     is the slowest answer, not the sum. Returns, in order, each result or the BusError it got.
     A server silent for an attempt (0.25 s, doubling to 1 s) gets its request again, with the
@@ -196,7 +204,7 @@ def call_many(requests: Sequence[tuple[ServiceClient, str, dict] |
     deadline = time.monotonic() + timeout
     results: list = [None] * len(requests)
     waiting = set(range(len(requests)))
-    rids: dict[int, str] = {}
+    rids: dict[int, str] = {i: r for i, r in enumerate(request_ids) if r}
     attempt = min(timeout, FIRST_ATTEMPT_S)
     while waiting:
         until = min(deadline, time.monotonic() + attempt)

@@ -129,11 +129,17 @@ class Fabric:
         per_call = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + per_call * len(self._replicas)
         i = self._leading
+        # one id per replica for this request: asked again, a replica that ran it answers
+        # what it answered (at most once per replica; a new leader has no memory of another's)
+        ids: dict[int, str] = {}
         while True:
             if self._cancel.is_set():
                 raise Cancelled("the fabric client is closing")
+            client = self._client(i)
             try:
-                got = self._client(i).call(op, timeout=per_call, **args)
+                got = client.call(op, timeout=per_call,
+                                  request_id=ids.setdefault(i, client.new_request_id()),
+                                  **args)
             except (NotLeader, ServiceUnavailable) as e:
                 if self._cancel.is_set() or time.monotonic() > deadline:
                     raise
@@ -141,7 +147,7 @@ class Fabric:
                 # one refused or did not answer: the leader seen, else the next replica
                 was, i = i, (self._leading if self._leading != i
                              else (i + 1) % len(self._replicas))
-                log.info("%s: replica %d of the agent: %s; asking replica %d", op, was, e, i)
+                log.debug("%s: replica %d of the agent: %s; asking replica %d", op, was, e, i)
                 if i == self._leading and isinstance(e, NotLeader):
                     self._cancel.wait(0.05)     # a leader is being chosen
                 continue
@@ -228,7 +234,9 @@ class Fabric:
             self._ready = (str(ready[0]), int(ready[1])) if ready else None
         self._take_order((mine or state).get("restart") or {})
         if restarted and self._plan is not None:
-            self._rejoin()
+            # (off the subscriber's thread: a rejoin sent to a replica that has just died waits
+            # for its answer, and only the subscriber hears that another replica leads now)
+            self._background.submit(self._rejoin)
 
     def _take_order(self, order: Mapping) -> None:
         seq = int(order.get("seq", 0))
@@ -248,7 +256,7 @@ class Fabric:
             self.on_restart(rank_map, str(order.get("cause", "")))
 
     def _rejoin(self) -> None:
-        """Tell a restarted agent where the job stands (on the subscriber's thread)."""
+        """Tell a restarted agent where the job stands (on the client's background thread)."""
         with self._cond:
             args: dict[str, Any] = {"plan": self._plan, "job": self.job,
                                     "restart_seq": int(self._restart_seq or 0),

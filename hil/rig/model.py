@@ -110,7 +110,11 @@ class Rig:
         return out
 
     def agent_endpoints(self) -> tuple[str, str]:
-        """Where the agent answers requests and publishes its state (device name `agent`)."""
+        """Where the agent answers requests and publishes its state (device name `agent`);
+        with [replicas], the first replica's (a client that follows whichever leads asks
+        `agent_replicas()`)."""
+        if self.replicas:
+            return next(iter(self.replicas.values()))
         return self.process_endpoints()["agent"]
 
     def agent_replicas(self) -> dict[str, tuple[str, str]]:

@@ -77,6 +77,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gap-ms", type=number(0, 10_000), default=5.0,
                    help="the job's compute between two phase requests (default %(default)s)")
     p.add_argument("--journal-sync", choices=("full", "normal"), default="full")
+    p.add_argument("--journal", choices=("sqlite", "etcd"), default="sqlite",
+                   help="the agent's journal: its SQLite file (default), or a group of one "
+                   "replica on a local 3-member etcd cluster (docs/control-plane.md)")
     p.add_argument("--admission", action="store_true",
                    help="instead: another tenant's phase grants alone and during the heavy "
                    "admission (1,024 ranks, 64 all-to-all phases on the 64 OCSes)")
@@ -287,7 +290,8 @@ def _admission(args, spec) -> dict:
     plan, rank_map = tenant_job(spec)
     keys = plan.sequence()
     gap_s = args.gap_ms / 1e3
-    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync)
+    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync,
+                        journal=args.journal)
     tenant = heavy = None
     spans: list[tuple[float, float]] = []
     failed: list[BaseException] = []
@@ -359,7 +363,8 @@ def run(args) -> dict:
     if args.admission:
         return _admission(args, spec)
     plan, group = rack_plan(spec)
-    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync)
+    stack = agent_stack(args.rig, one_process=True, journal_sync=args.journal_sync,
+                        journal=args.journal)
     fabric = None
     try:
         rss = {"idle": stack_rss_mb(stack)}

@@ -7,7 +7,10 @@ applied, verified. Two origins: the fault's injection (a request to the emulator
 endpoint) and the failure event on the bus (the `gpus` delta saying the GPU failed, as a
 subscriber in this process receives it): the issue's goal is counted from the bus event.
 The failed GPU is healed after each run and becomes a spare again (quarantine 0), so every run
-is a full swap. Zero device delays: the chip's heaters settle at once and the emulated serial
+is a full swap. Three journals, one after the other in the same run: the SQLite file synced at
+every durable entry (full), synced less (normal), and a group of one replica on a local 3-member
+etcd cluster (etcd: every durable write a transaction held by the leader's lease). Zero device
+delays: the chip's heaters settle at once and the emulated serial
 line is a pty. The "realistic" row adds the modelled device delays to the measured path: 10 us
 heater settling and 1 ms of serial turnaround (a swap changes heaters scattered over the chain:
 the driver sends their lines back to back in one write and reads the replies after, so one
@@ -40,8 +43,22 @@ def add_arguments(p) -> None:
                    help="failovers (default %(default)s)")
 
 
-def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
-    stack = agent_stack("lumion", journal_sync=journal_sync)
+def _reader(stack, journal: str):
+    """The agent's journal, to read: its SQLite file, or its group's on etcd."""
+    if journal == "sqlite":
+        return SqliteJournal(stack.journal, read_only=True)
+    import json
+
+    from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
+    from photonic_testbed.hil.agent.leadership import Leadership
+    from photonic_testbed.hil.etcd.client import Etcd
+    members, group = parse_url(json.loads((stack.workdir / "etcd.json").read_text())["journal"])
+    etcd = Etcd(members, timeout=5.0)
+    return EtcdJournal(etcd, Leadership(etcd, group, {"name": "bench (reads only)"}))
+
+
+def _measure(runs: int, journal_sync: str, journal: str = "sqlite") -> dict[str, list[float]]:
+    stack = agent_stack("lumion", journal_sync=journal_sync, journal=journal)
     fabric = sub = None
     seen: dict[str, float] = {}         # GPU -> when this process heard it failed on the bus
 
@@ -61,7 +78,7 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
         parts: dict[str, list[float]] = {k: [] for k in ("detect", "decide", "apply",
                                                         "verify", "total", "bus event",
                                                         "from bus event")}
-        with SqliteJournal(stack.journal, read_only=True) as j:
+        with _reader(stack, journal) as j:
             last = j.entries()[-1].seq
             for _ in range(runs):
                 victim = rank_map[3]
@@ -69,6 +86,8 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
                 request(stack.control, {"cmd": "fail_gpu", "gpu": victim})
 
                 def done(last: int = last) -> list | None:
+                    if journal == "etcd":
+                        time.sleep(0.002)       # (asking etcd costs it a round trip)
                     es = j.entries(since=last)
                     return es if any(e.kind in ("verified", "verify_failed") for e in es) \
                         and any(e.kind == "rank_map" for e in es) else None
@@ -105,8 +124,9 @@ def _measure(runs: int, journal_sync: str) -> dict[str, list[float]]:
 def run(args) -> dict:
     rows, notes, samples = [], [], {}
     modelled = HEATER_SETTLE_S + SERIAL_LINE_S
-    for sync in ("full", "normal"):
-        parts = _measure(args.runs, sync)
+    for sync in ("full", "normal", "etcd"):
+        parts = _measure(args.runs, "full" if sync == "etcd" else sync,
+                         "etcd" if sync == "etcd" else "sqlite")
         samples[sync] = {k: [round(1e3 * x, 3) for x in v] for k, v in parts.items()}
         for k, xs in parts.items():
             rows.append({"journal": sync, "stage": k, "runs": len(xs),
