@@ -49,12 +49,12 @@ def etcd_binary() -> str:
     return path
 
 
-def _free_ports(n: int) -> list[int]:
+def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -71,9 +71,11 @@ class Member:
     log_path: pathlib.Path
     proc: subprocess.Popen | None = None
 
+    host: str = "127.0.0.1"
+
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
 
 @dataclass
@@ -87,6 +89,7 @@ class LocalCluster:
     heartbeat_ms: int = 100
     # members' client ports from here (peers' after them); None: free ports
     base_port: int | None = None
+    host: str = "127.0.0.1"       # the address every member listens on (clients and peers)
     nodes: list[Member] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -116,14 +119,15 @@ class LocalCluster:
         another program: the cluster is started again on other ports, twice at most)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
-            ports = _free_ports(2 * self.members) if self.base_port is None else [
+            ports = _free_ports(2 * self.members, self.host) if self.base_port is None else [
                 p for i in range(self.members)
                 for p in (self.base_port + i, self.base_port + self.members + i)]
             token = "ptb-" + secrets.token_hex(4)
             self.nodes = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1],
-                                 self.root / f"m{i}", self.root / f"m{i}.log")
+                                 self.root / f"m{i}", self.root / f"m{i}.log", host=self.host)
                           for i in range(self.members)]
-            initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.nodes)
+            initial = ",".join(f"{m.name}=http://{self.host}:{m.peer_port}"
+                               for m in self.nodes)
             for m in self.nodes:
                 shutil.rmtree(m.data_dir, ignore_errors=True)
                 self._spawn(m, ["--initial-cluster", initial, "--initial-cluster-state", "new",
@@ -141,10 +145,10 @@ class LocalCluster:
 
     def _spawn(self, m: Member, extra: list[str]) -> None:
         args = [self.binary, "--name", m.name, "--data-dir", str(m.data_dir),
-                "--listen-client-urls", f"http://127.0.0.1:{m.client_port}",
-                "--advertise-client-urls", f"http://127.0.0.1:{m.client_port}",
-                "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+                "--listen-client-urls", f"http://{self.host}:{m.client_port}",
+                "--advertise-client-urls", f"http://{self.host}:{m.client_port}",
+                "--listen-peer-urls", f"http://{self.host}:{m.peer_port}",
+                "--initial-advertise-peer-urls", f"http://{self.host}:{m.peer_port}",
                 "--heartbeat-interval", str(self.heartbeat_ms),
                 "--election-timeout", str(self.election_ms),
                 "--max-txn-ops", str(MAX_TXN_OPS),
@@ -196,7 +200,8 @@ class LocalCluster:
         if m.proc is not None and m.proc.poll() is None:
             return
         self._spawn(m, ["--initial-cluster",
-                        ",".join(f"{n.name}=http://127.0.0.1:{n.peer_port}" for n in self.nodes),
+                        ",".join(f"{n.name}=http://{self.host}:{n.peer_port}"
+                                 for n in self.nodes),
                         "--initial-cluster-state", "existing"])
         if wait:
             self.wait_healthy(members=[i])
