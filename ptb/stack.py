@@ -203,11 +203,22 @@ class Stack:
             self.start_replica(name, journal, *options)
 
         def leads() -> Any:
+            """The leader key's word, once the replica it names answers as the leader."""
+            from photonic_testbed.hil.bus.client import BusError, ServiceClient
             try:
                 kv = etcd.get(group_prefix(group) + "leader")
             except EtcdError:
                 return None
-            return json.loads(kv.value) if kv is not None else None
+            if kv is None:
+                return None
+            leader = json.loads(kv.value)
+            with ServiceClient(leader["request"], timeout=PEER_TIMEOUT_S,
+                               keys=rig.client_keys()) as c:
+                try:
+                    state = c.call("snapshot", timeout=1.0)["state"]
+                except BusError:
+                    return None
+            return leader if state.get("role") == "leader" else None
         t = time.monotonic()
         leader = self.wait("a replica of the agent leading", leads)
         self.started["replicas"] = time.monotonic() - t

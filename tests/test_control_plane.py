@@ -215,3 +215,29 @@ def test_a_write_whose_outcome_is_unknown_steps_the_leader_down(cluster):
     c, _ = _replica(cluster, group, "c")
     assert c.campaign(threading.Event()) == 8
     c.resign()
+
+
+def test_long_lists_are_kept_once_and_checked(cluster):
+    """A long entry's lists, and a switch's intended circuits, are written to etcd once and
+    referred to by digest (a phase switch's lists come back round after round); read back
+    whole; a shared value changed behind the journal's back is refused, never read."""
+    from photonic_testbed.hil.agent.entries import Intent
+    from photonic_testbed.hil.etcd.client import put_op
+    group = f"g{next(_groups)}"
+    a, ja = _replica(cluster, group, "a")
+    assert a.campaign(threading.Event()) == 1
+    long = Intent(switch="ocs", circuits=[(i, 1000 + i) for i in range(300)])
+    circuits = [(i, 100 + i) for i in range(40)]
+    for _ in range(3):
+        ja.record(long, cause="round")
+        ja.set_intended_many({"ocs": circuits}, cause="round", event=False)
+    shared, _ = ja.etcd.prefix(f"/ptb/{group}/journal/shared/")
+    assert len(shared) == 2                     # the entry's list and the intended circuits
+    _, fresh = _replica(cluster, group, "reader")
+    assert [e.details for e in fresh.entries()] == [long] * 3
+    assert fresh.intended() == {"ocs": circuits}
+    ja.etcd.txn([], [put_op(shared[0].key, b"[[1, 2]]")])     # damage, behind its back
+    _, damaged = _replica(cluster, group, "reader")
+    with pytest.raises(JournalError, match="does not match its digest"):
+        damaged.entries()
+    a.resign()

@@ -5,7 +5,14 @@ Keys, under the group's prefix (`/ptb/GROUP/`):
 
 - `journal/e/SEQ` (SEQ in 20 digits, so that keys sort as numbers): one entry, JSON of its time,
   kind, cause, latency and details (its kind's Struct as JSON, as written);
-- `journal/intended/SWITCH`: that switch's intended circuits and the entry that set them.
+- `journal/intended`: every switch's intended circuits and the entry that set them, one value
+  (a phase switch on 64 OCSes writes one key, not 64);
+- `journal/shared/DIGEST`: a long list kept once (as the SQLite file keeps it: an entry whose
+  details run past `SHARE_ABOVE` characters has each list of `SHARED_ITEMS` or more items
+  stored under its digest and referred to by it, and so has a switch's intended circuits), so
+  that a phase switch of 64 OCSes, whose lists come back round after round, writes a few KB
+  rather than its whole 100 KB to the cluster. A shared value is checked against its digest
+  when read.
 
 Every write is one etcd transaction conditioned on the writer's lease still holding the group's
 leader key (`Leadership.fence`): a replica that no longer leads (deposed, paused past its
@@ -34,6 +41,16 @@ import orjson
 from photonic_testbed.hil.agent.entries import Details, Intent, Unread, decode
 from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
+from photonic_testbed.hil.agent.sqlite_journal import (
+    SHARE_ABOVE,
+    SHARED,
+    SHARED_ITEMS,
+    Unshareable,
+    digest_of,
+    references,
+    resolved,
+    shared_form,
+)
 from photonic_testbed.hil.etcd.client import Etcd, EtcdError, prefix_end, put_op
 
 log = logging.getLogger(__name__)
@@ -64,7 +81,13 @@ class EtcdJournal:
             f"{leadership.group}"
         base = leadership.prefix + "journal/"
         self._entries = base + "e/"
-        self._intended = base + "intended/"
+        self._intended = base + "intended"
+        # every switch's row of `intended` as etcd holds it (the leader's: None until read)
+        self._rows: dict[str, dict] | None = None
+        self._shared = base + "shared/"
+        self._stored: set[str] = set()          # digests known to be in etcd
+        self._storing: set[str] = set()         # ... written with the pending transaction
+        self._texts: dict[str, str] = {}        # digest -> its list as JSON, read and checked
         self._lock = threading.RLock()
         self._pending: list[dict] = []          # deferred puts, written with the next durable
         self._told: list[tuple[Entry, str]] = []
@@ -106,11 +129,27 @@ class EtcdJournal:
                 self._write([])
             return seq
 
+    def _share(self, digest: str, body: bytes) -> None:
+        """A shared value written with the pending transaction, unless etcd has it."""
+        if digest not in self._stored and digest not in self._storing:
+            self._pending.append(put_op(self._shared + digest, body))
+            self._storing.add(digest)
+
     def _add(self, ts: float, kind: str, cause: str, latency_s: float | None, text: str,
              typed: Details) -> int:
         seq = self._seq()
-        body = orjson.dumps({"ts": ts, "kind": kind, "cause": cause, "latency_s": latency_s,
-                             "details": orjson.Fragment(text)})
+        row: dict = {"ts": ts, "kind": kind, "cause": cause, "latency_s": latency_s,
+                     "details": orjson.Fragment(text)}
+        if len(text) > SHARE_ABOVE:
+            try:
+                form, values = shared_form(msgspec.to_builtins(typed))
+            except Unshareable:
+                values = {}
+            if values:
+                for digest, value in values.items():
+                    self._share(digest, value)
+                row.update(details=orjson.Fragment(form), shares=True)
+        body = orjson.dumps(row)
         self._pending.append(put_op(self._key(seq), body))
         self._next_seq = seq + 1
         self._told.append((Entry(seq, ts, kind, cause, latency_s, typed), text))
@@ -122,6 +161,7 @@ class EtcdJournal:
         dropped (its effect never left this process) and the failure named."""
         ops, self._pending = self._pending + more, []
         told, self._told = self._told, []
+        storing, self._storing = self._storing, set()
         if not ops:
             return
         try:
@@ -144,6 +184,7 @@ class EtcdJournal:
             self.leadership.lose("its journal write was refused: its lease no longer holds "
                                  "the leader key")
             self.leadership.check()        # (says so)
+        self._stored |= storing
         for entry, text in told:
             self._tell(entry, text)
 
@@ -160,7 +201,7 @@ class EtcdJournal:
         rows = {name: sorted((int(a), int(b)) for a, b in circuits)
                 for name, circuits in switches.items()}
         with self._lock:
-            puts = []
+            held = dict(self._read_rows()) if self._rows is None else dict(self._rows)
             seq = None
             for name, pairs in rows.items():
                 if event:
@@ -169,27 +210,51 @@ class EtcdJournal:
                                     msgspec.json.encode(details).decode(), details)
                 elif seq is None:
                     seq = self._seq() - 1
-                puts.append(put_op(self._intended + name,
-                                   json.dumps({"circuits": pairs, "seq": seq})))
-            self._write(puts)
+                value: dict = {"circuits": pairs, "seq": seq}
+                if len(pairs) >= SHARED_ITEMS:
+                    body = orjson.dumps(pairs)
+                    value = {"circuits": {SHARED: digest_of(body)}, "seq": seq}
+                    self._share(digest_of(body), body)
+                held[name] = value
+            self._rows = None                   # (known again once written)
+            self._write([put_op(self._intended, json.dumps(held, sort_keys=True))])
+            self._rows = held
             return seq if seq is not None else 0
+
+    def _read_rows(self) -> dict[str, dict]:
+        """The intended circuits' rows as etcd holds them (a switch's circuits a list, or a
+        shared value's reference)."""
+        try:
+            kv = self.etcd.get(self._intended)
+        except EtcdError as e:
+            raise JournalError(f"{self.path}: reading the intended circuits: {e}") from None
+        if kv is None:
+            return {}
+        try:
+            rows = orjson.loads(kv.value)
+        except orjson.JSONDecodeError as e:
+            raise JournalError(f"{self.path}: the intended circuits are not JSON: {e}") from None
+        if not isinstance(rows, dict) or not all(isinstance(r, dict) for r in rows.values()):
+            raise JournalError(f"{self.path}: the intended circuits are not a table of "
+                               "switches")
+        return rows
 
     # --- reading --------------------------------------------------------------------------
     def intended(self) -> dict[str, list[tuple[int, int]]]:
         with self._lock:
             if self._pending and self.leadership.leading():
                 self._write([])
-            try:
-                kvs, _ = self.etcd.prefix(self._intended)
-            except EtcdError as e:
-                raise JournalError(f"{self.path}: reading the intended circuits: {e}") from None
+            rows = self._read_rows()
         out: dict[str, list[tuple[int, int]]] = {}
-        for kv in kvs:
-            name = kv.key[len(self._intended):].decode(errors="replace")
+        refs: set[str] = set()
+        for got in rows.values():
+            references(got, refs)
+        texts = self._shared_texts(refs)
+        for name, got in rows.items():
             try:
-                got = msgspec.json.decode(kv.value)
+                got = resolved(got, texts)
                 pairs = msgspec.convert(got["circuits"], list[tuple[int, int]])
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError, KeyError) as e:
+            except (msgspec.ValidationError, TypeError, KeyError) as e:
                 raise JournalError(f"{self.path}: the intended circuits of switch {name!r} "
                                    f"are not a list of circuits ({e})") from None
             if len({i for i, _ in pairs}) != len(pairs):
@@ -215,14 +280,25 @@ class EtcdJournal:
             except EtcdError as e:
                 raise JournalError(f"{self.path}: reading the entries: {e}") from None
         out = []
+        rows = []
+        refs: set[str] = set()
         for kv in kvs:
             seq = int(kv.key[len(self._entries):])
             try:
                 row = orjson.loads(kv.value)
+            except orjson.JSONDecodeError as e:
+                raise JournalError(f"{self.path}: entry {seq} is not JSON: {e}") from None
+            if kinds and row.get("kind") not in kinds:
+                continue
+            if row.get("shares"):
+                references(row.get("details"), refs)
+            rows.append((seq, row))
+        texts = self._shared_texts(refs)
+        for seq, row in rows:
+            try:
                 kind = row["kind"]
-                if kinds and kind not in kinds:
-                    continue
-                typed = decode(kind, row["details"])
+                typed = decode(kind, resolved(row["details"], texts) if row.get("shares")
+                               else row["details"])
                 out.append(Entry(seq, float(row["ts"]), kind, str(row["cause"]),
                                  row["latency_s"], typed))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError,
@@ -232,6 +308,30 @@ class EtcdJournal:
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    def _shared_texts(self, digests: set[str]) -> dict[str, str]:
+        """The shared values of `digests` (read once, kept: a value is its digest's for
+        good), each checked against its digest; JournalError for one missing or damaged."""
+        missing = digests - self._texts.keys()
+        if missing:
+            try:
+                kvs, _ = self.etcd.prefix(self._shared, timeout=max(self.etcd.timeout, 10.0))
+            except EtcdError as e:
+                raise JournalError(f"{self.path}: reading the shared values: {e}") from None
+            for kv in kvs:
+                digest = kv.key[len(self._shared):].decode(errors="replace")
+                if digest in self._texts:
+                    continue
+                if digest_of(kv.value) != digest:
+                    raise JournalError(f"{self.path}: damaged: the shared value {digest} does "
+                                       "not match its digest")
+                self._texts[digest] = kv.value.decode()
+                self._stored.add(digest)
+            gone = sorted(missing - self._texts.keys())
+            if gone:
+                raise JournalError(f"{self.path}: entries refer to shared values etcd does not "
+                                   f"hold: {', '.join(gone[:3])}")
+        return {d: self._texts[d] for d in digests}
 
     def listen(self, fn: Callable[[Entry, str], None]) -> None:
         self._listeners.append(fn)

@@ -87,32 +87,32 @@ CHECKPOINT_S = 1.0            # the write-ahead log is copied into the database 
                               # off the writers' path (a checkpoint costs 10-20 ms)
 SHARE_ABOVE = 2048           # an entry's details longer than this (JSON characters) share lists
 SHARED_ITEMS = 16            # ... of this many items or more
-_SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
+SHARED = "$shared"          # {"$shared": digest} stands for a shared list in stored details
 _KNOWN_KEPT = 100_000        # digests remembered as stored (past this, forgotten and asked)
 _OPTS = orjson.OPT_NON_STR_KEYS
 
 
-class _Unshareable(Exception):
+class Unshareable(Exception):
     """The details hold a mapping with the key that marks a shared value: stored whole."""
 
 
-def _shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
+def shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
     """The details as stored with each list of SHARED_ITEMS items or more replaced by
-    {"$shared": digest}, and {digest: the list as JSON}; _Unshareable if a mapping in them
+    {"$shared": digest}, and {digest: the list as JSON}; Unshareable if a mapping in them
     already has that key (it would be read as a reference)."""
     values: dict[str, bytes] = {}
 
     def walk(v: Any) -> Any:
         if isinstance(v, dict):
-            if _SHARED in v:
-                raise _Unshareable
+            if SHARED in v:
+                raise Unshareable
             return {k: walk(x) if isinstance(x, _NESTED) or type(x) is tuple else x
                     for k, x in v.items()}
         if len(v) >= SHARED_ITEMS:
             body = orjson.dumps(v, default=str, option=_OPTS)
-            digest = _digest(body)
+            digest = digest_of(body)
             values[digest] = body
-            return {_SHARED: digest}
+            return {SHARED: digest}
         return [walk(x) if isinstance(x, _NESTED) or type(x) is tuple else x for x in v]
     form = walk(details)
     return orjson.dumps(form, default=str, option=_OPTS).decode(), values
@@ -123,7 +123,7 @@ def _shared_form(details: dict) -> tuple[str, dict[str, bytes]]:
 _NESTED = (dict, list)
 
 
-def _digest(body: bytes) -> str:
+def digest_of(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
@@ -136,28 +136,28 @@ def _real(x: float | None) -> float | None:
     return None if x != x else x
 
 
-def _references(value: Any, out: set[str]) -> None:
+def references(value: Any, out: set[str]) -> None:
     """The digests of the shared values `value` (stored details, read) refers to, into `out`."""
     if type(value) is dict:
-        if len(value) == 1 and type(value.get(_SHARED)) is str:
-            out.add(value[_SHARED])
+        if len(value) == 1 and type(value.get(SHARED)) is str:
+            out.add(value[SHARED])
             return
         for v in value.values():
-            _references(v, out)
+            references(v, out)
     elif type(value) is list:
         for v in value:
-            _references(v, out)
+            references(v, out)
 
 
-def _resolved(value: Any, texts: Mapping[str, str]) -> Any:
+def resolved(value: Any, texts: Mapping[str, str]) -> Any:
     """Stored details, read, with each reference replaced by the value it stands for (a new
     object each time: a reader may change what it is given)."""
     if type(value) is dict:
-        if len(value) == 1 and type(value.get(_SHARED)) is str:
-            return orjson.loads(texts[value[_SHARED]])
-        return {k: _resolved(v, texts) for k, v in value.items()}
+        if len(value) == 1 and type(value.get(SHARED)) is str:
+            return orjson.loads(texts[value[SHARED]])
+        return {k: resolved(v, texts) for k, v in value.items()}
     if type(value) is list:
-        return [_resolved(v, texts) for v in value]
+        return [resolved(v, texts) for v in value]
     return value
 
 
@@ -382,8 +382,8 @@ class SqliteJournal:
         stored, values = text, dict[str, bytes]()
         if len(text) > SHARE_ABOVE:
             try:
-                stored, values = _shared_form(plain())
-            except _Unshareable:
+                stored, values = shared_form(plain())
+            except Unshareable:
                 pass
         ts = time.time() if ts is None else float(ts)
         latency_s = _real(latency_s)
@@ -588,7 +588,7 @@ class SqliteJournal:
         in one go)."""
         refs: dict[int, set[str]] = {}
         for i in sharing:
-            _references(details[i], refs.setdefault(i, set()))
+            references(details[i], refs.setdefault(i, set()))
         names = sorted(set().union(*refs.values()))
         texts: dict[str, str] = {}
         for k in range(0, len(names), 500):
@@ -597,7 +597,7 @@ class SqliteJournal:
                 f"SELECT digest, value FROM shared_values WHERE digest IN "
                 f"({','.join('?' * len(part))})", part).fetchall())
         bad = {d for d, text in texts.items()
-               if type(text) is not str or _digest(text.encode()) != d}
+               if type(text) is not str or digest_of(text.encode()) != d}
         for i in sharing:
             missing = refs[i] - texts.keys()
             if refs[i] & bad:
@@ -608,7 +608,7 @@ class SqliteJournal:
                 raise JournalError(f"{self.path}: damaged: entry {rows[i][0]} refers to "
                                    f"{len(missing)} shared value(s) the journal does not "
                                    f"hold ({min(missing)})")
-            details[i] = _resolved(details[i], texts)    # (as stored: JSON, its digest says)
+            details[i] = resolved(details[i], texts)    # (as stored: JSON, its digest says)
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries())

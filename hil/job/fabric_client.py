@@ -61,6 +61,7 @@ class Fabric:
         # every replica of the agent, (request, publish) (`request, publish` alone without
         # `replicas`); the one believed to lead: the one named, if it is a replica
         self._replicas = list(replicas.values()) if replicas else [(request, publish)]
+        self._replicated = bool(replicas)         # a group: a standby's NotLeader is waited out
         self._leading = self._replicas.index((request, publish)) \
             if (request, publish) in self._replicas else 0
         self._term = 0                            # the highest leader's term seen
@@ -98,7 +99,7 @@ class Fabric:
     def _listen(self) -> None:
         try:
             while not self._stop.is_set():
-                if len(self._subs) == 1:
+                if not self._replicated:
                     self._subs[0].poll(0.05)
                     continue
                 zmq.select([s.sub for s in self._subs], [], [], 0.05)
@@ -116,7 +117,7 @@ class Fabric:
         if c is None:
             c = clients[i] = ServiceClient(
                 self._replicas[i][0], keys=self._keys, timeout=self.timeout,
-                cancel=self._cancel if len(self._replicas) == 1 else self._abandon[i])
+                cancel=self._abandon[i] if self._replicated else self._cancel)
             self._clients.append(c)
         return c
 
@@ -124,7 +125,7 @@ class Fabric:
         """`op` to the agent that leads: with replicas, one refused by a standby
         (NotLeader) or unanswered goes to the next, until `timeout` (the client's) has
         passed for each replica once."""
-        if len(self._replicas) == 1:
+        if not self._replicated:
             return self._client().call(op, timeout=timeout, **args)
         per_call = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + per_call * len(self._replicas)

@@ -24,12 +24,11 @@ import time
 
 from photonic_testbed.common.jobplan import dp_ring
 from photonic_testbed.hil.agent.entries import RankMapAnnounced, Swap
-from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.mirror import SubscriberThread
 from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.ptb.bench import integer
-from photonic_testbed.ptb.bench.measure import agent_stack, percentile, wait_for
+from photonic_testbed.ptb.bench.measure import agent_stack, journal_reader, percentile, wait_for
 
 NAME = "failover"
 HELP = "GPU failure -> spare's circuits applied and verified, over the bus (lumion)"
@@ -41,20 +40,6 @@ LUMION_S = 1.0              # LUMION's failover to a resumed job: about 1 s
 def add_arguments(p) -> None:
     p.add_argument("--runs", type=integer(1, 10 ** 6), default=200,
                    help="failovers (default %(default)s)")
-
-
-def _reader(stack, journal: str):
-    """The agent's journal, to read: its SQLite file, or its group's on etcd."""
-    if journal == "sqlite":
-        return SqliteJournal(stack.journal, read_only=True)
-    import json
-
-    from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
-    from photonic_testbed.hil.agent.leadership import Leadership
-    from photonic_testbed.hil.etcd.client import Etcd
-    members, group = parse_url(json.loads((stack.workdir / "etcd.json").read_text())["journal"])
-    etcd = Etcd(members, timeout=5.0)
-    return EtcdJournal(etcd, Leadership(etcd, group, {"name": "bench (reads only)"}))
 
 
 def _measure(runs: int, journal_sync: str, journal: str = "sqlite") -> dict[str, list[float]]:
@@ -78,7 +63,7 @@ def _measure(runs: int, journal_sync: str, journal: str = "sqlite") -> dict[str,
         parts: dict[str, list[float]] = {k: [] for k in ("detect", "decide", "apply",
                                                         "verify", "total", "bus event",
                                                         "from bus event")}
-        with _reader(stack, journal) as j:
+        with journal_reader(stack) as j:
             last = j.entries()[-1].seq
             for _ in range(runs):
                 victim = rank_map[3]

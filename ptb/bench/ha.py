@@ -10,6 +10,11 @@ first step on its new rank map (the job's own restart record). The killed replic
 again and stands by, and another has taken the lead, before the next run. The
 same failures without a kill, in the same run, are the baseline. Every run's journal entries are
 checked: no circuit added twice on a switch.
+
+Then (`--phases`, on the opus rig: a DP/TP job on its OCS, one replica) phase switches with the
+etcd cluster whole, with one member of three killed (the cluster's leader among them, as chance
+has it), and with two killed: no phase is granted (nothing moves) until a member is back; the
+grant then comes once, and no circuit is added twice.
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--baseline", type=integer(0, 10_000), default=10,
                    help="failures with no kill, in the same run (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=1, help="of the victims and the kill points")
+    p.add_argument("--phases", type=integer(0, 100_000), default=200,
+                   help="phase switches timed with etcd whole and with a member down "
+                   "(default %(default)s; 0: skip)")
 
 
 def _resumed_after(control: str, t: float) -> dict | None:
@@ -106,9 +114,77 @@ def run(args) -> dict:
                          "max_s": round(max(xs), 3)})
     rows.append({"what": "circuits added twice on a switch (all runs)",
                  "runs": len(kinds), "p50_s": twice, "p99_s": "", "max_s": ""})
-    return {"rows": rows, "samples_s": samples, "terms": terms,
+    quorum = _quorum(args.phases) if args.phases else {}
+    rows += quorum.pop("rows", [])
+    return {"rows": rows, "samples_s": samples, "terms": terms, "quorum": quorum,
             "setup": "lumion, ideal chip, 0 ms switching; 3 etcd members; 2 replicas, "
-                     "lease 2 s"}
+                     "lease 1 s"}
+
+
+def _quorum(phases: int) -> dict:
+    """Phase switches on opus with etcd whole, one member down, then two (module text)."""
+    from photonic_testbed.common.jobplan import dp_tp
+    from photonic_testbed.hil.etcd.cluster import LocalCluster
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    with Stack() as stack, LocalCluster(3, stack.workdir / "etcd") as cluster:
+        stack.emulate("opus", "--ideal-chip", "--switching-ms", "0", "--replicas", "1")
+        stack.serve()
+        url = f"etcd://{cluster.endpoints}/{stack.rig.name}"
+        stack.replicas(url, "--quarantine", "0")
+        reader = EtcdJournal(*_reader(*parse_url(url)))
+        fabric = Fabric(*stack.rig.agent_endpoints(), replicas=stack.rig.agent_replicas(),
+                        timeout=10)
+        try:
+            plan = dp_tp(8)
+            fabric.admit(plan)
+            keys = plan.sequence()
+            k = 0
+
+            def switch() -> float:
+                nonlocal k
+                name, rnd = keys[k % len(keys)]
+                k += 1
+                t = time.perf_counter()
+                fabric.phase(name, rnd)
+                return time.perf_counter() - t
+            for _ in range(len(keys)):
+                switch()                                    # warm
+            whole = [switch() for _ in range(phases)]
+            cluster.kill(2)
+            one_down = [switch() for _ in range(phases)]
+            seq = max((e.seq for e in reader.entries()), default=0)
+            cluster.kill(1)
+            t_lost = time.monotonic()
+            held = []
+            for _ in range(3):          # no quorum: no grant; the agent waits it out
+                try:
+                    fabric.phase(*keys[k % len(keys)], timeout=1.0)
+                    held.append("granted")
+                except BusError as e:
+                    held.append(type(e).__name__)
+            cluster.restart(1)
+            t = time.perf_counter()
+            granted = switch()
+            back = time.perf_counter() - t
+            added: dict[tuple, int] = {}
+            for e in reader.entries(since=seq):
+                if isinstance(e.details, Applied):
+                    for c in e.details.added:
+                        key = (e.details.switch, int(c[0]), int(c[1]))
+                        added[key] = added.get(key, 0) + 1
+        finally:
+            fabric.close()
+    rows = [{"what": f"phase switch (opus OCS), etcd {case}", "runs": len(xs),
+             "p50_s": round(percentile(xs, 0.5), 4), "p99_s": round(percentile(xs, 0.99), 4),
+             "max_s": round(max(xs), 4)}
+            for case, xs in (("whole", whole), ("one member of 3 down", one_down))]
+    rows.append({"what": "two members down: phase requests (1 s each) granted", "runs": 3,
+                 "p50_s": sum(h == "granted" for h in held), "p99_s": "", "max_s": ""})
+    rows.append({"what": "quorum back: the next grant, s after the restart; circuits added twice",
+                 "runs": 1, "p50_s": round(back, 3),
+                 "p99_s": sum(1 for n in added.values() if n > 1), "max_s": ""})
+    return {"rows": rows, "whole_s": whole, "one_down_s": one_down, "held": held,
+            "lost_for_s": round(time.monotonic() - t_lost, 3), "granted_s": granted}
 
 
 def _newer(leadership: Leadership, term: int) -> dict | None:

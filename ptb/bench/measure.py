@@ -7,7 +7,7 @@ import os
 import pathlib
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
@@ -36,6 +36,23 @@ def agent_stack(rig: str, *, switching_ms: float = 0.0, quarantine_s: float = 0.
         stack.close()
         raise
     return stack
+
+
+def journal_reader(stack: Stack) -> Any:
+    """The stack's agent journal, to read (a context manager): its SQLite file, or its group's
+    on the stack's etcd cluster (`agent_stack(journal="etcd")`)."""
+    from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+    written = stack.workdir / "etcd.json"
+    if not written.exists():
+        return SqliteJournal(stack.journal, read_only=True)
+    import json
+
+    from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
+    from photonic_testbed.hil.agent.leadership import Leadership
+    from photonic_testbed.hil.etcd.client import Etcd
+    members, group = parse_url(json.loads(written.read_text())["journal"])
+    etcd = Etcd(members, timeout=5.0)
+    return EtcdJournal(etcd, Leadership(etcd, group, {"name": "bench (reads only)"}))
 
 
 def stack_rss_mb(stack: Stack) -> dict[str, float]:
