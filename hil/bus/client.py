@@ -90,6 +90,11 @@ class ServiceClient:
         sock.connect(self.endpoint)
         self._sock = sock
 
+    def reconnect(self) -> None:
+        """A fresh socket: answers still on their way to the old one (a late answer to a
+        request given up on) are never read as answers to a request sent from now on."""
+        self._reset()
+
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)

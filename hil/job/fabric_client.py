@@ -144,6 +144,9 @@ class Fabric:
             except (NotLeader, ServiceUnavailable) as e:
                 if self._cancel.is_set() or time.monotonic() > deadline:
                     raise
+                # (this request's id goes to this replica again, maybe: an answer to it still
+                # on its way, a standby's refusal sent twice, must not be read as the leader's)
+                client.reconnect()
                 # another replica leads (its state said so: the wait was given up), or this
                 # one refused or did not answer: the leader seen, else the next replica
                 was, i = i, (self._leading if self._leading != i
