@@ -11,6 +11,11 @@ again and stands by, and another has taken the lead, before the next run. The
 same failures without a kill, in the same run, are the baseline. Every run's journal entries are
 checked: no circuit added twice on a switch.
 
+Then (`--pauses`) the leading replica is paused (SIGSTOP) past its lease: another takes the lead,
+a GPU fails and is swapped by the new leader, and the paused one is resumed (SIGCONT) with the
+failure and the new leader's changes waiting for it: the changes the switch's service takes
+after that (its state version) are counted; a deposed leader must make none.
+
 Then (`--phases`, on the opus rig: a DP/TP job on its OCS, one replica) phase switches with the
 etcd cluster whole, with one member of three killed (the cluster's leader among them, as chance
 has it), and with two killed: no phase is granted (nothing moves) until a member is back; the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import random
+import signal
 import time
 from typing import Any
 
@@ -44,6 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--baseline", type=integer(0, 10_000), default=10,
                    help="failures with no kill, in the same run (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=1, help="of the victims and the kill points")
+    p.add_argument("--pauses", type=integer(0, 10_000), default=20,
+                   help="trials with the leader paused past its lease (default %(default)s)")
     p.add_argument("--phases", type=integer(0, 100_000), default=200,
                    help="phase switches timed with etcd whole and with a member down "
                    "(default %(default)s; 0: skip)")
@@ -104,6 +112,8 @@ def run(args) -> dict:
                         added[key] = added.get(key, 0) + 1
             twice += sum(1 for n in added.values() if n > 1)
             request(control, {"cmd": "heal_gpu", "gpu": victim})
+        paused = [_paused_leader(stack, leadership, control, rnd)
+                  for _ in range(args.pauses)]
     rows = []
     for kind, what in (("kill", "leader killed mid swap"), ("none", "no kill (baseline)")):
         xs = samples[kind]
@@ -114,6 +124,9 @@ def run(args) -> dict:
                          "max_s": round(max(xs), 3)})
     rows.append({"what": "circuits added twice on a switch (all runs)",
                  "runs": len(kinds), "p50_s": twice, "p99_s": "", "max_s": ""})
+    if paused:
+        rows.append({"what": "leader paused past its lease, resumed: the switch's changes after",
+                     "runs": len(paused), "p50_s": sum(paused), "p99_s": "", "max_s": ""})
     quorum = _quorum(args.phases) if args.phases else {}
     rows += quorum.pop("rows", [])
     return {"rows": rows, "samples_s": samples, "terms": terms, "quorum": quorum,
@@ -185,6 +198,36 @@ def _quorum(phases: int) -> dict:
                  "p99_s": sum(1 for n in added.values() if n > 1), "max_s": ""})
     return {"rows": rows, "whole_s": whole, "one_down_s": one_down, "held": held,
             "lost_for_s": round(time.monotonic() - t_lost, 3), "granted_s": granted}
+
+
+def _changes(stack: Stack) -> int:
+    """How many changes the lumion chip's service has taken (its state version's count)."""
+    with ServiceClient(stack.rig.endpoints()["chip"][0], timeout=5.0) as c:
+        return int(str(c.call("ping")["version"]).rsplit(":", 1)[1])
+
+
+def _paused_leader(stack: Stack, leadership: Leadership, control: str,
+                   rnd: random.Random) -> int:
+    """One trial (module text): the changes the switch took after the paused leader resumed."""
+    leader = stack.wait("a leader", leadership.leader, 30)
+    proc = stack.processes[f"agent-{leader['name']}"]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        stack.wait("another replica leading",
+                   functools.partial(_newer, leadership, leader["term"]), 30)
+        status = request(control, {"cmd": "job_status"})
+        victim = rnd.choice(list(status["rank_map"].values()))
+        t_fail = time.time()
+        request(control, {"cmd": "fail_gpu", "gpu": victim, "mode": "hard"})
+        stack.wait(f"the job running again without {victim}",
+                   functools.partial(_resumed_after, control, t_fail), RESUME_S)
+        before = _changes(stack)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    time.sleep(2.0)              # what the resumed replica would still do, it has done by now
+    after = _changes(stack)
+    request(control, {"cmd": "heal_gpu", "gpu": victim})
+    return after - before
 
 
 def _newer(leadership: Leadership, term: int) -> dict | None:
