@@ -15,11 +15,12 @@ RESUME_TIMEOUT_S = 120.0
 
 def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
          say: Any) -> int:
-    from photonic_testbed.hil.agent.entries import Applied, Start, Swap
+    from photonic_testbed.hil.agent.entries import Applied, Reconcile, Start, Swap
     from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
     from photonic_testbed.hil.agent.leadership import Leadership
     from photonic_testbed.hil.etcd.client import Etcd
     from photonic_testbed.hil.lab.control_client import ControlError, request
+    from photonic_testbed.ptb.bench.ha import added_twice
     from photonic_testbed.ptb.demo import _restart_after
 
     url = stack.etcd(3)
@@ -45,15 +46,19 @@ def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
     t_fail = time.time()
     request(control, {"cmd": "fail_gpu", "gpu": gpu, "mode": "hard"})
     say(f"failure injected: {gpu} goes dark")
-    def decided() -> Swap | None:
-        return next((e.details for e in journal.entries(since=seq, kinds=("decision",))
-                     if isinstance(e.details, Swap)), None)
-    swap = stack.wait("the leader's swap decision", decided, 60, log=f"agent-{first['name']}")
-    t_swap = time.time()
+    # the leader is killed as soon as its swap decision is in the journal (asked every 2 ms)
+    deadline = time.monotonic() + 60
+    while (swap := next((e for e in journal.entries(since=seq, kinds=("decision",))
+                         if isinstance(e.details, Swap)), None)) is None:
+        if time.monotonic() > deadline:
+            raise CommandFailed(f"no swap decided within 60 s; "
+                                f"{stack.tail('agent-' + first['name'])}")
+        time.sleep(0.002)
     stack.kill(f"agent-{first['name']}")
     t_kill = time.time()
     say(f"leader {first['name']} killed (kill -9) right after it decided the swap "
-        f"({', '.join(f'{a} -> {b}' for a, b in swap.swaps.items())})")
+        f"({', '.join(f'{a} -> {b}' for a, b in swap.details.swaps.items())})"
+        if isinstance(swap.details, Swap) else "")
 
     def resumed() -> Any:
         s = request(control, {"cmd": "job_status"})
@@ -71,18 +76,23 @@ def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
     start = next((e for e in entries if isinstance(e.details, Start)), None)
     term = start.details.term if start is not None and isinstance(start.details, Start) else None
     rows = [("failure injected", t_fail, f"{gpu} dark"),
-            ("swap decided", t_swap, f"by {first['name']}, term {first['term']}"),
+            ("swap decided", swap.ts, f"by {first['name']}, term {first['term']}"),
             ("leader killed", t_kill, f"{first['name']}, kill -9")]
+    done = next((e for e in entries if isinstance(e.details, Reconcile)
+                 and e.details.moves is not None and start is not None and e.ts >= start.ts),
+                None)
+    moved = sum(done.details.moves.values()) if done is not None and isinstance(
+        done.details, Reconcile) and done.details.moves else 0
     if start is not None:
         rows.append(("new leader took over", start.ts,
-                     f"{leader_now.get('name')}, term {term}: devices fenced, "
-                     "switches reconciled"))
-    added: dict[tuple[str, int, int], int] = {}
-    for entry in entries:
-        if isinstance(entry.details, Applied):
-            for c in entry.details.added:
-                key = (entry.details.switch, int(c[0]), int(c[1]))
-                added[key] = added.get(key, 0) + 1
+                     f"{leader_now.get('name')}, term {term}: devices fenced, switches "
+                     "reconciled (" + (f"{moved} circuits the dead leader had journaled but "
+                                       "not applied" if moved else
+                                       "nothing to repair: what the dead leader applied is "
+                                       "not applied again") + ")"))
+    added = {(entry.details.switch, int(a), int(b))
+             for entry in entries if isinstance(entry.details, Applied)
+             for a, b in entry.details.added}
     restart = next((e for e in entries if e.kind == "restart"), None)
     if restart is not None:
         rows.append(("restart ordered", restart.ts, "by the new leader" if restart.ts >= t_kill
@@ -98,7 +108,7 @@ def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
         print(f"  {name:<24} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
               f"{what}")
         last = ts
-    twice = {k: n for k, n in added.items() if n > 1}
+    twice = added_twice(entries)
     print()
     print(f"circuits added since the failure: {len(added)}, applied twice: {len(twice)}"
           + (f" ({', '.join(f'{s} {a}->{b}' for s, a, b in twice)})" if twice else ""))
