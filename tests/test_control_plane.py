@@ -167,9 +167,10 @@ def test_a_request_asked_again_of_the_same_replica_runs_once():
 
     def refuse(args):
         raise NotLeader("a standby")
-    leader = Server("agent", {"role": "leader", "term": 1, "jobs": {}}, kind="agent",
+    leader = Server("agent@r0", {"role": "leader", "term": 1, "jobs": {}}, kind="agent",
                     handlers={"admit": slow_admit})
-    standby = Server("agent", {"role": "standby"}, kind="agent", handlers={"admit": refuse})
+    standby = Server("agent@r1", {"role": "standby"}, kind="agent",
+                     handlers={"admit": refuse})
     eps = [leader.bind(), standby.bind()]
     stop = threading.Event()
 

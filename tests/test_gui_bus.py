@@ -72,9 +72,9 @@ class Agent:
     """The agent's bus face: a Server named `agent` with its state shape and its `swap`
     request (the swap puts the first healthy spare in the GPU's place), on its own thread."""
 
-    def __init__(self, endpoints):
+    def __init__(self, endpoints, name="agent"):
         self.endpoints = endpoints
-        self.server = Server("agent", agent_state(), request=endpoints[0],
+        self.server = Server(name, agent_state(), request=endpoints[0],
                                   publish=endpoints[1], heartbeat=0.1,
                                   handlers={"swap": self._swap})
         self.todo: queue.Queue = queue.Queue()
@@ -472,10 +472,13 @@ def test_the_gui_follows_the_leading_replica_and_says_when_none_leads(qtbot, tmp
     def agent_row():
         return win.model.services.get("agent")
     try:
-        with Agent(replicas["r1"]) as leader:
+        with Agent(replicas["r1"], name="agent@r1") as leader:     # (as a replica publishes)
             leader.todo.put({"role": "leader", "term": 3})
             qtbot.waitUntil(lambda: "replica r1 leads (term 3)" in
                             getattr(agent_row(), "detail", "") and len(win.model.rack) == 6,
+                            timeout=WAIT_MS)
+            leader.todo.put({"alarms": ["a test alarm"]})          # its deltas come through
+            qtbot.waitUntil(lambda: "ALARM: a test alarm" in agent_row().detail,
                             timeout=WAIT_MS)
             assert agent_row().state == "connected"
             assert fabric.endpoints["agent"] == replicas["r1"]      # where commands go

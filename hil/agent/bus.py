@@ -63,7 +63,13 @@ from photonic_testbed.hil.agent.journal import Entry, Journal, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.received import ReceivedPower
-from photonic_testbed.hil.agent.replica import replica_journal, stand_by, step_down, take_lead
+from photonic_testbed.hil.agent.replica import (
+    device_name,
+    replica_journal,
+    stand_by,
+    step_down,
+    take_lead,
+)
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
@@ -340,7 +346,8 @@ class AgentProcess(NoEvents):
         self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.endpoints
         server = self._server = Server(
-            "agent", self._state(), kind="agent", request=self.rig.bind_endpoint(request),
+            device_name(self.leadership), self._state(), kind="agent",
+            request=self.rig.bind_endpoint(request),
             publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
             keys=self.rig.server_keys(),
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,

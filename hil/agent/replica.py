@@ -1,7 +1,8 @@
 """An agent replica of a group on an etcd journal, while it does not lead (`Standby`), and what
 it does first when it takes the lead (`fence_devices`).
 
-A standby binds the agent's endpoints of its replica ([replicas.NAME] in the rig file): every
+A replica, standing by or leading, is device `agent@NAME` on the bus. A standby binds the agent's
+endpoints of its replica ([replicas.NAME] in the rig file): every
 agent operation is answered `NotLeader` naming the replica that leads (clients try the rig's
 other replicas, `hil.job.fabric_client`), and its published state says `role: standby` and who
 leads. It is served from a thread of its own while the replica campaigns (`Leadership`).
@@ -38,6 +39,12 @@ AGENT_OPS = ("swap", "admit", "phase", "job_failure", "rejoin", "release", "phas
              "job_report", "relay_ping", "manual_circuits", "manual_heaters", "manual_laser")
 
 
+def device_name(leadership: Leadership | None) -> str:
+    """The agent's device name on the bus: `agent`, or a replica's `agent@NAME` (each replica
+    publishes under its own name, so that a subscriber to several tells them apart)."""
+    return "agent" if leadership is None else f"agent@{leadership.me['name']}"
+
+
 def leader_words(leader: Mapping[str, Any] | None) -> str:
     if not leader:
         return "no replica leads now (an election is under way, or etcd has no quorum)"
@@ -56,7 +63,8 @@ class Standby:
         self._stop = threading.Event()
         request, publish = endpoints
         self.server = Server(
-            "agent", {"role": "standby", "replica": name, "group": group, "leader": None},
+            f"agent@{name}", {"role": "standby", "replica": name, "group": group,
+                              "leader": None},
             kind="agent", request=rig.bind_endpoint(request),
             publish=rig.bind_endpoint(publish), heartbeat=rig.bus.heartbeat_s,
             keys=rig.server_keys(), describe=self._describe,

@@ -89,7 +89,9 @@ class Fabric:
         self._stop = threading.Event()
         self._cancel = threading.Event()          # set: calls in flight give up (Cancelled)
         self._ctx = zmq.Context()
-        self._subs = [StateSubscriber({"agent": eps}, keys=keys, telemetry=False,
+        # each replica publishes as `agent@NAME` (a lone agent as `agent`)
+        self._devices = [f"agent@{n}" for n in replicas] if replicas else ["agent"]
+        self._subs = [StateSubscriber({self._devices[i]: eps}, keys=keys, telemetry=False,
                                       on_state=functools.partial(self._on_state, i),
                                       context=self._ctx)
                       for i, eps in enumerate(self._replicas)]
@@ -229,7 +231,7 @@ class Fabric:
             self._abandon[self._leading].set()
             self._abandon[i].clear()
         self._leading = i
-        incarnation = self._subs[i].mirror("agent").incarnation
+        incarnation = self._subs[i].mirror(self._devices[i]).incarnation
         restarted = self._incarnation is not None and incarnation != self._incarnation
         self._incarnation = incarnation
         mine = (state.get("jobs") or {}).get(self.job) if self.job else None
