@@ -346,10 +346,9 @@ class AgentProcess(NoEvents):
         self.journal.listen(self._recorded)        # what is written from now on
         request, publish = self.endpoints
         server = self._server = Server(
-            device_name(self.leadership), self._state(), kind="agent",
-            request=self.rig.bind_endpoint(request),
-            publish=self.rig.bind_endpoint(publish), heartbeat=self.rig.bus.heartbeat_s,
-            keys=self.rig.server_keys(),
+            device_name(self.leadership), self._state(), kind="agent", keys=self.rig.server_keys(),
+            request=self.rig.bind_endpoint(request), publish=self.rig.bind_endpoint(publish),
+            heartbeat=self.rig.bus.heartbeat_s,
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
