@@ -120,6 +120,7 @@ class BusFabric(Commands):
         self._states: dict[str, dict] = {}            # latest mirrored state per device
         self._described: dict[str, str | None] = {}
         self._alarms: list[str] | None = None
+        self._etcd: dict[str, str] = {}            # the leading replica's word on etcd
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -234,13 +235,17 @@ class BusFabric(Commands):
             self.model.post_change(device, ops)
         if kind in HEATER_KINDS:
             self._describe_once(device, state)
-        if kind == AGENT and (ops is None or "alarms" in touched(ops)):
+        if kind == AGENT and (ops is None or {"alarms", "etcd"} & touched(ops)):
             alarms = [str(a) for a in state.get("alarms") or ()]
-            if alarms != self._alarms or ops is None:
-                self._alarms = alarms
+            etcd = state.get("etcd") or {}
+            if alarms != self._alarms or etcd != self._etcd or ops is None:
+                self._alarms, self._etcd = alarms, dict(etcd)
                 detail = ("ALARM: " + "; ".join(alarms)) if alarms else "no alarms"
                 if self._leader is not None:
-                    detail = f"replica {self._leader} leads (term {self._term}); {detail}"
+                    sick = [f"{m} {why}" for m, why in etcd.items() if why != "ok"]
+                    detail = (f"replica {self._leader} leads (term {self._term}); etcd "
+                              f"{len(etcd) - len(sick)} of {len(etcd)} members healthy"
+                              + (f" ({'; '.join(sick)})" if sick else "") + f"; {detail}")
                 self._service(AGENT, "connected", detail)
 
     def _on_telemetry(self, device: str, msg: dict) -> None:

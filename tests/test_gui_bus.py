@@ -473,10 +473,12 @@ def test_the_gui_follows_the_leading_replica_and_says_when_none_leads(qtbot, tmp
         return win.model.services.get("agent")
     try:
         with Agent(replicas["r1"], name="agent@r1") as leader:     # (as a replica publishes)
-            leader.todo.put({"role": "leader", "term": 3})
-            qtbot.waitUntil(lambda: "replica r1 leads (term 3)" in
-                            getattr(agent_row(), "detail", "") and len(win.model.rack) == 6,
-                            timeout=WAIT_MS)
+            leader.todo.put({"role": "leader", "term": 3, "etcd": {
+                "127.0.0.1:2379": "ok", "127.0.0.1:2380": "ok",
+                "127.0.0.1:2381": "down (ConnectionRefusedError)"}})
+            qtbot.waitUntil(lambda: "replica r1 leads (term 3); etcd 2 of 3 members healthy "
+                            "(127.0.0.1:2381 down" in getattr(agent_row(), "detail", "")
+                            and len(win.model.rack) == 6, timeout=WAIT_MS)
             leader.todo.put({"alarms": ["a test alarm"]})          # its deltas come through
             qtbot.waitUntil(lambda: "ALARM: a test alarm" in agent_row().detail,
                             timeout=WAIT_MS)

@@ -416,9 +416,8 @@ class AgentProcess(NoEvents):
         return done
 
     def step(self) -> None:
-        """Handle whatever is waiting (requests, health), then publish what changed: once no
-        request waits (or every PUBLISH_EVERY_S under a stream of them), so that a job's next
-        phase request is not queued behind the journal's sync and the GUI's update."""
+        """Handle what waits (requests, health), then publish what changed: once no request
+        waits (or every PUBLISH_EVERY_S), so a phase request is not queued behind a publication."""
         if self._received is not None:
             self._received.clear()          # received power is read afresh for each event
         while self._taking_on:
@@ -666,7 +665,8 @@ class AgentProcess(NoEvents):
     def _state(self, events: bool = True) -> dict:
         a = self.agent
         first = next(iter(a.jobs), None)
-        state = {"role": "leader", "term": self.term, "rack": self._rack(),
+        state = {"role": "leader", "term": self.term, "rack": self._rack(), "etcd": dict(
+                     self.leadership.members) if self.leadership is not None else None,
                  "rank_map": self._wire_ranks(first, a.rank_map) if first else {},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,

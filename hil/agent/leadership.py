@@ -40,6 +40,7 @@ CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
 DEFAULT_TTL_S = 2           # etcd's shortest lease with its default election timeout (1 s)
 MARGIN_S = 0.25             # a lease is taken as lapsed this long before its TTL runs out
 POLL_S = 0.05               # a standby asks who leads this often
+HEALTH_EVERY_S = 2.0        # a leader asks the etcd members how they are this often
 
 
 class NotLeading(AgentError):
@@ -72,6 +73,8 @@ class Leadership:
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self.lost_because = ""
+        # each etcd member's word on its health, asked every HEALTH_EVERY_S while leading
+        self.members: dict[str, str] = {}
 
     # --- who leads ------------------------------------------------------------------------
     def leader(self, timeout: float | None = None) -> dict | None:
@@ -171,6 +174,8 @@ class Leadership:
         self._keeper = threading.Thread(target=self._keep, args=(self._stop, self.lease),
                                         name=f"lease-{self.group}", daemon=True)
         self._keeper.start()
+        threading.Thread(target=self._watch_members, args=(self._stop,),
+                         name=f"etcd-health-{self.group}", daemon=True).start()
         log.info("agent %s leads group %s, term %d", self.me.get("name"), self.group, term)
         return term
 
@@ -195,6 +200,14 @@ class Leadership:
                 self._alive_until = sent + ttl - MARGIN_S
             if _clock() >= self._alive_until:
                 self.lose("its lease lapsed while it was not running")
+                return
+
+    def _watch_members(self, stop: threading.Event) -> None:
+        """Each member's health (`members`), asked on a thread of its own (a member that hangs
+        delays no refresh of the lease), until this term's `stop`."""
+        while True:
+            self.members = self.etcd.health(timeout=0.5)
+            if stop.wait(HEALTH_EVERY_S):
                 return
 
     def lose(self, why: str) -> None:
