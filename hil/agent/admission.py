@@ -221,7 +221,9 @@ class Admissions:
 class _Budget:
     """An admission's time: `seconds` of the worker's CPU time, or as long with the worker
     neither running nor waiting to run (stopped, or asleep: stuck); wall time alone where the
-    worker's CPU time is unknown."""
+    worker's CPU time is unknown. A worker whose CPU time grew since it was last looked at has
+    run meanwhile, whatever state it is in when looked at (a look is an instant: a worker that
+    computes is now and then caught asleep on a page or its pipe)."""
 
     LOOK_S = 0.25           # how often the worker is looked at while waited for
 
@@ -229,6 +231,7 @@ class _Budget:
         self.seconds, self.clock = seconds, clock
         self.began = self.idle_since = clock()
         self.cpu0: float | None = None          # the worker's CPU time when first looked at
+        self.cpu_last: float | None = None      # ... when last looked at
 
     def given(self) -> None:
         """The worker was just given work: it is not idle from before (the agent may have held
@@ -248,7 +251,9 @@ class _Budget:
             self.cpu0 = cpu
         if cpu - self.cpu0 >= self.seconds:
             raise TimeoutError("of its worker's time")
-        if runnable:
+        ran = self.cpu_last is not None and cpu > self.cpu_last
+        self.cpu_last = cpu
+        if runnable or ran:
             self.idle_since = now
         elif now - self.idle_since >= self.seconds:
             raise TimeoutError("without its worker running")
