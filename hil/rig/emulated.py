@@ -8,6 +8,7 @@ whose devices are those instruments, chip included, so every command reads it li
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pathlib
@@ -225,13 +226,19 @@ def _ephemeral_start() -> int:
         return 49152
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)   # ports handed out lately
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` different TCP ports free now, for endpoints written into a rig file: drawn at
     random below the OS's ephemeral range (see PORTS_FROM) and each bound while the others are
-    sought, so none repeats; from the OS's own choice (bind to port 0) if that range is full."""
+    sought, so none repeats; from the OS's own choice (bind to port 0) if that range is full.
+    None is one this process was given lately (a port handed out is not bound until its user
+    binds it: two calls for one rig file must not name the same one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     top = _ephemeral_start()
     draw = random.Random()
+    given = set(_GIVEN)
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
         tries = 0
@@ -239,12 +246,18 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             tries += 1
             port = draw.randrange(PORTS_FROM, top) if top > PORTS_FROM + 1000 and \
                 tries <= 50 * count else 0
+            if port and port in given:
+                continue
             s = stack.enter_context(socket.socket(family))
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            ports.append(s.getsockname()[1])
+            got = s.getsockname()[1]
+            if got in given and tries <= 100 * count:
+                continue
+            ports.append(got)
+        _GIVEN.extend(ports)
         return ports
 
 
