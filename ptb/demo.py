@@ -288,6 +288,20 @@ def _demo(args, plan: str, gpu: str, stack: Stack, t0: float,
     return code
 
 
+def print_timeline(rows: list[tuple[str, float, str]], t_fail: float) -> None:
+    """A demo's timeline: (what, when, detail) rows in time order, each with its time since the
+    failure and since the row before."""
+    width = max((len(name) for name, _, _ in rows), default=0) + 2
+    print()
+    print("timeline (from the failure; each line: time since the failure, since the line "
+          "before)")
+    last = t_fail
+    for name, ts, what in sorted(rows, key=lambda r: r[1]):
+        print(f"  {name:<{width}} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} "
+              f"ms)  {what or ''}")
+        last = ts
+
+
 def _restart_after(status: dict, t: float) -> dict | None:
     """The job's own record of the first restart taken after `t` that has resumed (its first
     step done), or None."""
@@ -309,10 +323,6 @@ def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
     verified = first("verified", detected.ts if detected else t_fail)
     restart = first("restart", detected.ts if detected else t_fail)
     restarted = _restart_after(status, t_fail)
-    print()
-    print("timeline (from the failure; each line: time since the failure, since the line "
-          "before)")
-    last = t_fail
     rows = [("failure injected", t_fail, f"{gpu} dark")]
     if restarted and restarted["failed_t"] is not None:
         rows.append(("job saw it fail", restarted["failed_t"], restarted["failure"]))
@@ -342,11 +352,7 @@ def _report(t0: float, t_fail: float, gpu: str, before: dict, status: dict,
                      f"{restarted['lost_steps']} steps redone"))
         rows.append(("job resumed (first step)", restarted["resumed_t"],
                      f"step {restarted['resumed_step']}"))
-    rows.sort(key=lambda r: r[1])
-    for name, ts, what in rows:
-        print(f"  {name:<26} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
-              f"{what or ''}")
-        last = ts
+    print_timeline(rows, t_fail)
     for e in agent["alarms"]:
         print(f"  alarm: {e}")
 

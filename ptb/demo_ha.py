@@ -21,7 +21,7 @@ def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
     from photonic_testbed.hil.etcd.client import Etcd
     from photonic_testbed.hil.lab.control_client import ControlError, request
     from photonic_testbed.ptb.bench.ha import added_twice
-    from photonic_testbed.ptb.demo import _restart_after
+    from photonic_testbed.ptb.demo import _restart_after, print_timeline
 
     url = stack.etcd(3)
     first = stack.replicas(url, "--quarantine", "0", "--lease", "1")
@@ -99,15 +99,7 @@ def demo(args: Any, plan: str, gpu: str, stack: Stack, t0: float,
                      else f"by {first['name']}, before it was killed"))
     rows.append(("job resumed (first step)", restarted["resumed_t"],
                  f"step {restarted['resumed_step']}"))
-    rows.sort(key=lambda r: r[1])
-    print()
-    print("timeline (from the failure; each line: time since the failure, since the line "
-          "before)")
-    last = t_fail
-    for name, ts, what in rows:
-        print(f"  {name:<24} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
-              f"{what}")
-        last = ts
+    print_timeline(rows, t_fail)
     twice = added_twice(entries)
     print()
     print(f"circuits added since the failure: {len(added)}, applied twice: {len(twice)}"

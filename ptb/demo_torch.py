@@ -21,7 +21,7 @@ import subprocess
 import time
 
 from photonic_testbed.ptb.cli import CommandFailed
-from photonic_testbed.ptb.demo import WINDOW_S, has_display, say
+from photonic_testbed.ptb.demo import WINDOW_S, has_display, print_timeline, say
 from photonic_testbed.ptb.stack import Stack
 
 PLANS = {"lumion": "dp", "opus": "dp-tp"}
@@ -134,15 +134,7 @@ def _report(t_fail: float, gpu: str, ev: list[dict], agent: dict, proc, workdir)
     if tl["first_step"]:
         rows.append(("first step on the spare", tl["first_step"],
                      f"step {tl['first_step_no']} (the interrupted one, redone)"))
-    rows.sort(key=lambda r: r[1])
-    print()
-    print("timeline (from the failure; each line: time since the failure, since the line "
-          "before)")
-    last = t_fail
-    for name, ts, what in rows:
-        print(f"  {name:<30} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} ms)  "
-              f"{what}")
-        last = ts
+    print_timeline(rows, t_fail)
     for a in agent["alarms"]:
         print(f"  alarm: {a}")
     print()

@@ -242,3 +242,26 @@ def test_long_lists_are_kept_once_and_checked(cluster):
     with pytest.raises(JournalError, match="does not match its digest"):
         damaged.entries()
     a.resign()
+
+
+def test_a_write_etcd_refuses_is_no_step_down(cluster):
+    """A write etcd refuses (past its request size: a thousand times a phase switch's lists)
+    was not written, and says so; the replica still leads and writes what fits. A term counter
+    someone else overwrote with text stops no replica with a traceback: it is an error that
+    names the key."""
+    from photonic_testbed.hil.agent.entries import Intent
+    from photonic_testbed.hil.etcd.client import EtcdError
+    group = f"g{next(_groups)}"
+    a, ja = _replica(cluster, group, "a")
+    assert a.campaign(threading.Event()) == 1
+    huge = Intent(switch="ocs", circuits=[(i, i + 1) for i in range(1_200_000)])
+    with pytest.raises(JournalError, match="etcd refused a write of 1 entries"):
+        ja.record(huge)
+    assert a.leading()
+    ja.record(Note(job="after"))
+    assert [e.details for e in ja.entries()] == [Note(job="after")]
+    a.resign()
+    ja.etcd.put(f"/ptb/{group}/term", "seven")
+    b, _ = _replica(cluster, group, "b")
+    with pytest.raises(EtcdError, match="not a number"):
+        b._try()

@@ -396,17 +396,26 @@ def test_a_gpu_failure_and_a_manual_swap_with_the_agent_process(qtbot, lumion_bu
         _stop(agent)
 
 
-def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_path):
-    endpoints = {k: f"tcp://127.0.0.1:{rigfile.free_port()}" for k in
-                 ("agent_request", "agent_publish", "gpus_request", "gpus_publish")}
-    rig = rigfile.Rig("empty", tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **endpoints),
+def _ep() -> str:
+    return f"tcp://127.0.0.1:{rigfile.free_port()}"
+
+
+def _one_switch_rig(tmp_path, name: str, **more) -> rigfile.Rig:
+    """A rig file of one OCS (nothing serves it) and one GPU (so: an agent), every endpoint on
+    a free loopback port, written to tmp_path/rig.toml."""
+    eps = {k: _ep() for k in ("agent_request", "agent_publish", "gpus_request", "gpus_publish")}
+    rig = rigfile.Rig(name, tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **eps),
                       {"ocs": rigfile.DeviceConfig(
                           "ocs", "switch", "TCPIP::127.0.0.1::1::SOCKET",
-                          "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
-                          f"tcp://127.0.0.1:{rigfile.free_port()}",
-                          f"tcp://127.0.0.1:{rigfile.free_port()}")},
-                      gpus=(rigfile.GpuConfig("gpu0", "ocs", 1),))       # so: an agent
+                          "photonic_testbed.drivers.ocs:OpticalCircuitSwitch", _ep(), _ep())},
+                      gpus=(rigfile.GpuConfig("gpu0", "ocs", 1),), **more)
     rigfile.write(rig.path, rig)
+    return rig
+
+
+def test_gui_opens_with_nothing_up_and_connects_when_the_agent_comes(qtbot, tmp_path):
+    rig = _one_switch_rig(tmp_path, "empty")
+    endpoints = {"agent_request": rig.bus.agent_request, "agent_publish": rig.bus.agent_publish}
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
     win, fabric = rig_window(rigfile.load(rig.path), settings, down_after_s=0.3)
     qtbot.addWidget(win)
@@ -452,18 +461,8 @@ def test_the_gui_follows_the_leading_replica_and_says_when_none_leads(qtbot, tmp
     its term); once it is gone and none leads, the agent's row and an alarm say the fabric is
     unmanaged, its circuits held as they are."""
     from photonic_testbed.gui.alarms import AlarmBook
-    port = rigfile.free_port
-    eps = {k: f"tcp://127.0.0.1:{port()}" for k in
-           ("agent_request", "agent_publish", "gpus_request", "gpus_publish")}
-    replicas = {n: (f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}")
-                for n in ("r0", "r1")}
-    rig = rigfile.Rig("ha", tmp_path / "rig.toml", rigfile.BusConfig(curve=False, **eps),
-                      {"ocs": rigfile.DeviceConfig(
-                          "ocs", "switch", "TCPIP::127.0.0.1::1::SOCKET",
-                          "photonic_testbed.drivers.ocs:OpticalCircuitSwitch",
-                          f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}")},
-                      gpus=(rigfile.GpuConfig("gpu0", "ocs", 1),), replicas=replicas)
-    rigfile.write(rig.path, rig)
+    replicas = {n: (_ep(), _ep()) for n in ("r0", "r1")}
+    rig = _one_switch_rig(tmp_path, "ha", replicas=replicas)
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
     win, fabric = rig_window(rigfile.load(rig.path), settings, down_after_s=0.3)
     qtbot.addWidget(win)

@@ -39,7 +39,7 @@ import msgspec
 import orjson
 
 from photonic_testbed.hil.agent.entries import Details, Intent, Unread, decode
-from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
+from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError, Listeners
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.sqlite_journal import (
     SHARE_ABOVE,
@@ -51,7 +51,7 @@ from photonic_testbed.hil.agent.sqlite_journal import (
     resolved,
     shared_form,
 )
-from photonic_testbed.hil.etcd.client import Etcd, EtcdError, prefix_end, put_op
+from photonic_testbed.hil.etcd.client import Etcd, EtcdError, EtcdUnavailable, prefix_end, put_op
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def parse_url(url: str) -> tuple[str, str]:
     return members, group
 
 
-class EtcdJournal:
+class EtcdJournal(Listeners):
     """The journal of agent group `leadership.group` on etcd (see the module's text). Reads work
     for any replica; writes only while `leadership` leads."""
 
@@ -170,7 +170,7 @@ class EtcdJournal:
         except NotLeading:
             self._next_seq = None
             raise
-        except EtcdError as e:
+        except EtcdUnavailable as e:
             # The outcome is unknown (the transaction may have committed after the timeout):
             # this replica steps down, so that the next leader works from what etcd holds.
             self._next_seq = None
@@ -179,6 +179,11 @@ class EtcdJournal:
                              f"lead of group {self.leadership.group}: a journal write of "
                              f"{len(told)} entries may or may not have been written ({e}); "
                              "the next leader reads what was") from None
+        except EtcdError as e:         # refused (too big, ...): known not written
+            self._next_seq = None
+            self._rows = None
+            raise JournalError(f"{self.path}: etcd refused a write of {len(told)} entries "
+                               f"(nothing of it written): {e}") from None
         if not won:
             self._next_seq = None
             self.leadership.lose("its journal write was refused: its lease no longer holds "
@@ -332,16 +337,6 @@ class EtcdJournal:
                 raise JournalError(f"{self.path}: entries refer to shared values etcd does not "
                                    f"hold: {', '.join(gone[:3])}")
         return {d: self._texts[d] for d in digests}
-
-    def listen(self, fn: Callable[[Entry, str], None]) -> None:
-        self._listeners.append(fn)
-
-    def _tell(self, entry: Entry, text: str) -> None:
-        for fn in self._listeners:
-            try:
-                fn(entry, text)
-            except Exception:
-                log.exception("%s: a journal listener failed on entry %d", self.path, entry.seq)
 
     def close(self) -> None:
         with self._lock:

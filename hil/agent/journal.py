@@ -15,6 +15,7 @@ writes hold only while their writer leads, is the next (docs/design.md, the cont
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ from typing import Protocol
 
 from photonic_testbed.hil.agent.entries import KINDS, Details, words
 
-__all__ = ["KINDS", "MAX_SEQ", "Entry", "Journal", "JournalError"]
+__all__ = ["KINDS", "MAX_SEQ", "Entry", "Journal", "JournalError", "Listeners"]
+
+log = logging.getLogger(__name__)
 
 MAX_SEQ = 2 ** 63 - 1         # the largest sequence number (SQLite's largest INTEGER)
 
@@ -53,6 +56,26 @@ class Entry:
         said = words(self.details)
         return f"{self.seq:6d} {stamp}{ms} {self.kind:<13}{cause}{latency}" + \
             (f"  {said}" if said else "")
+
+
+class Listeners:
+    """The listeners of a journal's entries (both backends'): `listen(fn)`, and `_tell` as an
+    entry is written; a listener that fails is logged, never the writer's failure."""
+    _listeners: list[Callable[[Entry, str], None]]
+
+    def listen(self, fn: Callable[[Entry, str], None]) -> None:
+        """Call `fn(entry, its details as JSON)` for every entry written from now on, in order,
+        when it is written (a deferred entry: once `flush` returns). The entry's details are
+        the writer's own: take what is needed before returning."""
+        self._listeners.append(fn)
+
+    def _tell(self, entry: Entry, text: str) -> None:
+        for fn in self._listeners:
+            try:
+                fn(entry, text)
+            except Exception:
+                log.exception("%s: a journal listener failed on entry %d",
+                              getattr(self, "path", "the journal"), entry.seq)
 
 
 class Journal(Protocol):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from photonic_testbed.hil.agent.agent import AgentError
-from photonic_testbed.hil.etcd.client import Compare, Etcd, EtcdError, put_op
+from photonic_testbed.hil.etcd.client import KV, Compare, Etcd, EtcdError, put_op
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Leadership:
         if kv is not None:
             return 0
         counter = self.etcd.get(self.term_key)
-        term = (int(counter.value) if counter is not None else 0) + 1
+        term = self._term_in(counter) + 1
         self.lease, _ = self.etcd.grant(self.ttl_s)
         me = {**self.me, "term": term}
         try:
@@ -149,11 +149,7 @@ class Leadership:
         except EtcdError:
             won = False
         if not won:                     # another replica was quicker
-            lease, self.lease = self.lease, 0
-            try:
-                self.etcd.revoke(lease, timeout=1.0)
-            except EtcdError:
-                pass                    # (it lapses by itself)
+            self._let_go()
             return 0
         sent = _clock()
         try:
@@ -161,11 +157,7 @@ class Leadership:
         except EtcdError:
             ttl = 0
         if ttl <= 0:                    # won, but the lease cannot be kept: let it go
-            lease, self.lease = self.lease, 0
-            try:
-                self.etcd.revoke(lease, timeout=1.0)
-            except EtcdError:
-                pass                    # (it lapses by itself)
+            self._let_go()
             return 0
         self._alive_until = sent + ttl - MARGIN_S
         self.term = term
@@ -178,6 +170,29 @@ class Leadership:
                          name=f"etcd-health-{self.group}", daemon=True).start()
         log.info("agent %s leads group %s, term %d", self.me.get("name"), self.group, term)
         return term
+
+    def _let_go(self) -> None:
+        """The lease revoked (its key goes with it), or left to lapse when etcd cannot be
+        told."""
+        lease, self.lease = self.lease, 0
+        if lease:
+            try:
+                self.etcd.revoke(lease, timeout=1.0)
+            except EtcdError as e:
+                log.warning("group %s: the lease was not revoked (%s): it lapses by itself",
+                            self.group, e)
+
+    def _term_in(self, kv: KV | None) -> int:
+        """The group's term counter as etcd holds it (0: none yet); EtcdError when it is not a
+        whole number (someone else wrote the key): no replica leads on a guess."""
+        if kv is None:
+            return 0
+        try:
+            return int(kv.value)
+        except ValueError:
+            raise EtcdError(f"the term counter {self.term_key} holds "
+                            f"{kv.value[:40]!r}, not a number: fix or delete the key "
+                            "(etcdctl) for the group to elect a leader") from None
 
     def _keep(self, stop: threading.Event, lease: int) -> None:
         """Refresh `lease` every third of its TTL until `stop` (its term's); on a refusal (the
@@ -226,7 +241,7 @@ class Leadership:
         """The group's term counter raised to `at_least` if it is below (compare-and-set: a
         campaigner meanwhile keeps its own)."""
         kv = self.etcd.get(self.term_key)
-        now = int(kv.value) if kv is not None else 0
+        now = self._term_in(kv)
         if now < at_least:
             self.etcd.txn([Compare.mod(self.term_key, kv.mod_revision if kv else 0)],
                           [put_op(self.term_key, str(at_least))])
@@ -235,13 +250,7 @@ class Leadership:
         """Stop leading: the lease revoked (its key goes with it), so a standby takes over at
         once rather than after the TTL."""
         self._stop.set()
-        lease, self.lease = self.lease, 0
         self._alive_until = 0.0
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(2)
-        if lease:
-            try:
-                self.etcd.revoke(lease, timeout=1.0)
-            except EtcdError as e:
-                log.warning("group %s: the lease was not revoked (%s): it lapses by itself",
-                            self.group, e)
+        self._let_go()

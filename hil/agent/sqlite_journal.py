@@ -61,7 +61,7 @@ import msgspec
 import orjson
 
 from photonic_testbed.hil.agent.entries import KINDS, Details, Intent, Unread, decode
-from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError
+from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError, Listeners
 from photonic_testbed.hil.agent.sqlite_file import (
     FAILURES,
     SCHEMA_VERSION,
@@ -182,7 +182,7 @@ class StoredEntry:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class SqliteJournal:
+class SqliteJournal(Listeners):
     """Append-only event log plus the intended circuits per switch, in SQLite. Thread-safe."""
 
     def __init__(self, path: str | os.PathLike, synchronous: str = "FULL", *,
@@ -422,19 +422,6 @@ class SqliteJournal:
              event_seal(seq, ts, kind, cause, latency_s, details, shares)))
         self._next_seq = seq + 1
         return seq
-
-    def listen(self, fn: Callable[[Entry, str], None]) -> None:
-        """Call `fn(entry, its details as JSON)` for every entry written from now on, in order,
-        when it is written (a deferred entry is on disk once `flush` returns). The entry's
-        details are the writer's own: take what is needed before returning."""
-        self._listeners.append(fn)
-
-    def _tell(self, entry: Entry, text: str) -> None:
-        for fn in self._listeners:
-            try:
-                fn(entry, text)
-            except Exception:
-                log.exception("%s: a journal listener failed on entry %d", self.path, entry.seq)
 
     def set_intended(self, switch: str, circuits: list[tuple[int, int]], cause: str, *,
                      event: bool = True) -> int:

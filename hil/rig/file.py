@@ -289,28 +289,23 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         gpus.append(GpuConfig(g["name"], g["switch"], g["port"], g.get("spare", False),
                               g.get("host", ""), g.get("nvml"), g.get("iface", ""),
                               g.get("lane"), g.get("server", "")))
-    monitors: dict[str, tuple[str, str]] = {}
-    for host, m in top.get("monitors", {}).items():
-        table = f"monitors.{host}"
-        m = c.table(m, table, {
-            "request": (str, True, "the endpoint tcp://HOST:PORT where the host's GPU monitor "
-                        "answers requests"),
-            "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
-        })
-        for key in ("request", "publish"):
-            claim(table, key, _check_endpoint(c, table, key, m[key]))
-        monitors[host] = (m["request"], m["publish"])
-    replicas: dict[str, tuple[str, str]] = {}
-    for name, r in top.get("replicas", {}).items():
-        table = f"replicas.{name}"
-        r = c.table(r, table, {
-            "request": (str, True, "the endpoint tcp://HOST:PORT where this agent replica "
-                        "answers requests"),
-            "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
-        })
-        for key in ("request", "publish"):
-            claim(table, key, _check_endpoint(c, table, key, r[key]))
-        replicas[name] = (r["request"], r["publish"])
+    def process_tables(name: str, who: str) -> dict[str, tuple[str, str]]:
+        """Each [NAME.KEY] table of a process's two endpoints (`who` answers requests at
+        `request`), their endpoints checked and claimed: KEY -> (request, publish)."""
+        out: dict[str, tuple[str, str]] = {}
+        for key, t in top.get(name, {}).items():
+            table = f"{name}.{key}"
+            t = c.table(t, table, {
+                "request": (str, True, f"the endpoint tcp://HOST:PORT where {who} answers "
+                            "requests"),
+                "publish": (str, True, "the endpoint tcp://HOST:PORT where it publishes"),
+            })
+            for end in ("request", "publish"):
+                claim(table, end, _check_endpoint(c, table, end, t[end]))
+            out[key] = (t["request"], t["publish"])
+        return out
+    monitors = process_tables("monitors", "the host's GPU monitor")
+    replicas = process_tables("replicas", "this agent replica")
     if monitors:
         for i, g in enumerate(gpus):
             if g.host not in monitors:

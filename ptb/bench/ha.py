@@ -30,12 +30,11 @@ import time
 from typing import Any
 
 from photonic_testbed.hil.agent.entries import Applied
-from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
 from photonic_testbed.hil.agent.leadership import Leadership
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.lab.control_client import request
 from photonic_testbed.ptb.bench import SEED, integer
-from photonic_testbed.ptb.bench.measure import percentile
+from photonic_testbed.ptb.bench.measure import etcd_journal_reader, percentile
 from photonic_testbed.ptb.cli import CommandFailed
 from photonic_testbed.ptb.stack import Stack
 
@@ -72,8 +71,7 @@ def run(args) -> dict:
         stack.serve()
         url = stack.etcd(3)
         stack.replicas(url, "--quarantine", "0", "--lease", "1")
-        members, group = parse_url(url)
-        reader = EtcdJournal(*_reader(members, group))
+        reader = etcd_journal_reader(url)
         leadership = reader.leadership
         control = stack.control
         request(control, {"cmd": "job_start", "plan": "dp", "steps": 10 ** 9,
@@ -138,7 +136,7 @@ def _quorum(phases: int) -> dict:
         stack.serve()
         url = f"etcd://{cluster.endpoints}/{stack.rig.name}"
         stack.replicas(url, "--quarantine", "0")
-        reader = EtcdJournal(*_reader(*parse_url(url)))
+        reader = etcd_journal_reader(url)
         fabric = Fabric(*stack.rig.agent_endpoints(), replicas=stack.rig.agent_replicas(),
                         timeout=10)
         try:
@@ -235,12 +233,6 @@ def _newer(leadership: Leadership, term: int) -> dict | None:
     """Who leads, once it is a leader of a term after `term`."""
     who = leadership.leader()
     return who if who and int(who.get("term", 0)) > term else None
-
-
-def _reader(members: str, group: str):
-    from photonic_testbed.hil.etcd.client import Etcd
-    etcd = Etcd(members, timeout=5.0)
-    return etcd, Leadership(etcd, group, {"name": "bench (reads only)"})
 
 
 def _standing_by(stack: Stack, name: str) -> None:

@@ -46,11 +46,16 @@ def journal_reader(stack: Stack) -> Any:
     if not written.exists():
         return SqliteJournal(stack.journal, read_only=True)
     import json
+    return etcd_journal_reader(json.loads(written.read_text())["journal"])
 
+
+def etcd_journal_reader(url: str) -> Any:
+    """The journal of the agent group at `url` (etcd://MEMBERS/GROUP), to read: its
+    `leadership` never campaigns, so it can say who leads and never writes."""
     from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
     from photonic_testbed.hil.agent.leadership import Leadership
     from photonic_testbed.hil.etcd.client import Etcd
-    members, group = parse_url(json.loads(written.read_text())["journal"])
+    members, group = parse_url(url)
     etcd = Etcd(members, timeout=5.0)
     return EtcdJournal(etcd, Leadership(etcd, group, {"name": "bench (reads only)"}))
 
