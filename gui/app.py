@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rx-period", type=float, default=1.0, metavar="S",
                    help="read the GPUs' receivers every S seconds for the trends; 0: never "
                    "(default %(default)g)")
+    p.add_argument("--group", metavar="NAME",
+                   help="on a rig of agent groups ([groups], one per pod), the group whose "
+                   "switches, GPUs and agent replicas the cockpit shows (default: the first)")
     p.add_argument("--skip-display-check", action="store_true",
                    help="start Qt without first checking that it can (see docs/gui.md)")
 
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         from photonic_testbed.hil.rig import RigFileError, load
         try:
             rig = load(args.rig)
+            if rig.groups or args.group:
+                rig = rig.group_view(args.group or next(iter(rig.groups), ""))
         except RigFileError as e:
             raise GuiUnavailable(str(e)) from None
     from PySide6.QtCore import QSettings, QTimer

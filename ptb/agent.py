@@ -99,7 +99,7 @@ def run(args) -> int:
             proc = AgentProcess(rig, args.journal, config=config_of(rig, args),
                                 journal_sync=args.journal_sync.upper(), settle_heap=True,
                                 replica=args.replica)
-        except (AgentError, JournalError) as e:
+        except (AgentError, JournalError, RigFileError) as e:
             raise CommandFailed(str(e)) from None
         lead = proc.leadership
         try:

@@ -15,7 +15,7 @@ from photonic_testbed.common import heap
 from photonic_testbed.emulator.chip import ChipError
 from photonic_testbed.emulator.rack import RackError
 from photonic_testbed.emulator.rig import EmulatedRig
-from photonic_testbed.hil.rig import RIGS, rig_spec
+from photonic_testbed.hil.rig import RIGS, AgentGroup, Rig, free_ports, rig_spec
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
                    help="the rig file names N replicas of the agent ([replicas.r0] ...: a "
                    "group on an etcd journal, docs/control-plane.md), and the emulated job "
                    "finds the one that leads")
+    p.add_argument("--groups", choices=("one", "pods"), default="one",
+                   help="with --replicas: one group of them (default), or, on a datacenter rig, "
+                   "one agent group per pod ([groups.podK]: the pod's rail OCSes and N replicas "
+                   "podK-r0 ..., each group's journal its own)")
     p.add_argument("--write-rig", metavar="FILE",
                    help="also write a rig file (TOML) pointing at the emulated instruments")
     p.add_argument("--keys", metavar="DIR",
@@ -117,6 +121,23 @@ def _secure(bus_rig, folder: str):
         raise CommandFailed(f"--keys {folder}: {e}") from None
 
 
+def with_replicas(rig: Rig, count: int, pods: bool) -> Rig:
+    """`rig` with `count` agent replicas on free loopback ports: one group of them (r0, r1,
+    ...), or with `pods` `count` in each pod's group (podK-r0, ...: [groups.podK], the switches
+    named `*-podK`, rail_rack's)."""
+    groups: dict[str, list[str]] = {"": list(rig.devices)}
+    if pods:
+        groups = {}
+        for name in rig.devices:
+            groups.setdefault(name.rpartition("-")[2], []).append(name)
+    names = {g: [f"{g}-r{i}" if g else f"r{i}" for i in range(count)] for g in groups}
+    ports = iter(free_ports(2 * count * len(groups)))
+    replicas = {n: (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
+                for ns in names.values() for n in ns}
+    return dataclasses.replace(rig, replicas=replicas, groups={
+        g: AgentGroup(tuple(devices), tuple(names[g])) for g, devices in groups.items() if g})
+
+
 def run(args) -> int:
     try:
         spec = rig_spec(args.rig)
@@ -130,6 +151,9 @@ def run(args) -> int:
     check_output(args.write_rig, "--write-rig")
     if not 0 <= args.replicas <= 7:
         raise CommandFailed(f"--replicas must be in 0..7, not {args.replicas}")
+    if args.groups == "pods" and not (args.replicas and spec.servers and spec.pod):
+        raise CommandFailed("--groups pods makes one agent group per pod of a datacenter rig "
+                            "(one with pods: opus2048), each of --replicas N replicas")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -158,12 +182,8 @@ def run(args) -> int:
                 if args.keys:
                     bus_rig = _secure(bus_rig, args.keys)[0]
         if args.replicas:
-            from photonic_testbed.hil.rig.emulated import free_ports
-            ports = iter(free_ports(2 * args.replicas))
-            bus_rig = dataclasses.replace(bus_rig, replicas={
-                f"r{i}": (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
-                for i in range(args.replicas)})
-            if rig.rack is not None:
+            bus_rig = with_replicas(bus_rig, args.replicas, args.groups == "pods")
+            if rig.rack is not None and not bus_rig.groups:
                 rig.rack.agent_replicas = bus_rig.agent_replicas()
         if rig.chip_calibration is not None and bus_rig.chip is not None:
             bus_rig = dataclasses.replace(bus_rig, chip=dataclasses.replace(

@@ -188,16 +188,22 @@ class Stack:
         self.say(f"etcd up: {url}")
         return url
 
-    def replicas(self, journal: str, *options: str) -> dict[str, Any]:
+    def replicas(self, journal: str, *options: str, group: str | None = None
+                 ) -> dict[str, Any]:
         """`ptb agent --journal JOURNAL --replica NAME` for each of the rig's [replicas] (as
-        processes `agent-NAME`); ready once one leads. What the leader key says of it."""
+        processes `agent-NAME`), or of agent group `group`'s (on its own journal: JOURNAL's
+        members, the group's name); ready once one leads. What the leader key says of it."""
         from photonic_testbed.hil.agent.etcd_journal import parse_url
         from photonic_testbed.hil.agent.leadership import group_prefix
         from photonic_testbed.hil.etcd.client import Etcd, EtcdError
         rig = self._need_rig("replicas")
+        if group is not None:
+            rig = rig.group_view(group)
         if not rig.replicas:
             raise CommandFailed(f"rig {rig.name} names no [replicas] of the agent")
-        members, group = parse_url(journal)
+        members, named = parse_url(journal)
+        group = group or named
+        journal = f"etcd://{members}/{group}"
         etcd = Etcd(members, timeout=2.0)
         for name in rig.replicas:
             self.start_replica(name, journal, *options)
@@ -222,7 +228,8 @@ class Stack:
         t = time.monotonic()
         leader = self.wait("a replica of the agent leading", leads)
         self.started["replicas"] = time.monotonic() - t
-        self.say(f"agent replicas up: {leader['name']} leads (term {leader['term']}), "
+        of = f" of group {group}" if rig.group else ""
+        self.say(f"agent replicas{of} up: {leader['name']} leads (term {leader['term']}), "
                  f"{', '.join(n for n in rig.replicas if n != leader['name'])} stand by")
         return dict(leader)
 

@@ -221,7 +221,7 @@ class AgentProcess(NoEvents):
         circuits, worked out beside the agent, come as arrays: nothing to settle after an
         admission). `journal_path` etcd://HOST:PORT[,...]/GROUP: this process is `replica` of
         an agent group on etcd, leading once `campaign` is true (docs/control-plane.md)."""
-        self.rig = rig
+        self.rig = rig = rig.seen_by(replica)      # (with [groups]: its group's part)
         self._settle_heap = settle_heap
         self.keys = rig.client_keys()
         self.timeout = timeout
@@ -444,8 +444,7 @@ class AgentProcess(NoEvents):
 
     def _put_back(self) -> None:
         """The switches whose publications said other circuits than the agent's, this step:
-        what differs from what it intends put back, several switches at once
-        (`Agent.on_switches`)."""
+        what differs from what it intends put back, all at once (`Agent.on_switches`)."""
         found, self._noticed = self._noticed, {}
         try:
             self.agent.on_switches(found)
@@ -456,8 +455,9 @@ class AgentProcess(NoEvents):
 
     def _on_gpus(self, device: str, state: dict) -> None:
         changed = []
+        mine = self.agent.layout.gpus           # (of its rack only: a group's own GPUs)
         for gpu, h in state.get("gpus", {}).items():
-            if self._health_seen.get(gpu, "ok") != h.get("state"):
+            if self._health_seen.get(gpu, "ok") != h.get("state") and gpu in mine:
                 self._health_seen[gpu] = h.get("state")
                 changed.append(h)
         if changed:

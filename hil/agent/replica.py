@@ -184,6 +184,10 @@ def replica_journal(rig: Rig, url: str, replica: str | None, config: AgentConfig
         etcd = Etcd(members, timeout=config.etcd_timeout_s)
     except ValueError as e:
         raise AgentError(str(e)) from None
+    if rig.group and group != rig.group:
+        raise AgentError(f"{url} is the journal of agent group {group!r}, but this replica "
+                         f"is of group {rig.group!r}: each group keeps its own journal (give "
+                         f"etcd://.../{rig.group})")
     replicas = rig.agent_replicas()
     name = replica if replica is not None else next(iter(replicas))
     if name not in replicas:

@@ -22,6 +22,7 @@ from photonic_testbed.hil.rig.emulated import (
 from photonic_testbed.hil.rig.file import ENDPOINT, dumps, load, parse, write
 from photonic_testbed.hil.rig.model import (
                                                PROCESSES,
+                                               AgentGroup,
                                                BusConfig,
                                                ChipConfig,
                                                DeviceConfig,
@@ -31,8 +32,8 @@ from photonic_testbed.hil.rig.model import (
                                                monitor_device,
 )
 
-__all__ = ["EMULATED_DEVICES", "ENDPOINT", "PROCESSES", "RIGS", "BusConfig", "ChipConfig",
-           "DeviceConfig", "GpuConfig", "Rig", "RigFileError", "RigSpec", "dumps",
+__all__ = ["EMULATED_DEVICES", "ENDPOINT", "PROCESSES", "RIGS", "AgentGroup", "BusConfig",
+           "ChipConfig", "DeviceConfig", "GpuConfig", "Rig", "RigFileError", "RigSpec", "dumps",
            "for_emulator", "free_port", "free_ports", "is_emulator_description", "load",
            "monitor_device",
            "parse", "rig_spec", "rig_spec_from_file", "write"]

@@ -25,6 +25,7 @@ from photonic_testbed.hil.agent.config import SETTINGS, AgentConfig, expected
 from photonic_testbed.hil.devices.kinds import KINDS
 from photonic_testbed.hil.rig.model import (
     PROCESSES,
+    AgentGroup,
     BusConfig,
     ChipConfig,
     DeviceConfig,
@@ -141,6 +142,8 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         "monitors": (dict, False, "a [monitors.HOST] table per host that runs a GPU monitor"),
         "replicas": (dict, False, "a [replicas.NAME] table per replica of the agent (a "
                      "group on an etcd journal: docs/control-plane.md)"),
+        "groups": (dict, False, "a [groups.NAME] table per agent group (one per failure "
+                   "domain: docs/control-plane.md)"),
         "agent": (dict, False, "an [agent] table of the agent's settings"),
     })
     base = base or pathlib.Path.cwd()
@@ -323,7 +326,47 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
         if remote:
             c.fail("bus", "curve", "true: endpoints off loopback need CURVE", remote[0])
     return Rig(rig["name"], None, bus, devices, chip, tuple(gpus), monitors,
-               _agent_config(c, top.get("agent", {})), replicas)
+               _agent_config(c, top.get("agent", {})), replicas,
+               _groups(c, top.get("groups", {}), devices, replicas, gpus))
+
+
+def _groups(c: _Checker, data: dict, devices: dict[str, DeviceConfig],
+            replicas: dict[str, tuple[str, str]], gpus: list[GpuConfig]
+            ) -> dict[str, AgentGroup]:
+    """The [groups.NAME] tables: each group's `devices` and `replicas`, each device and
+    replica in one group at most, every replica and every switch a GPU is cabled to in one."""
+    if not isinstance(data, dict):
+        c.fail("groups", None, "tables [groups.NAME]", data)
+    out: dict[str, AgentGroup] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for name, t in data.items():
+        table = f"groups.{name}"
+        t = c.table(t, table, {
+            "devices": (list, True, "the names of the devices (switches) whose GPUs this "
+                        "group's agent alone manages, its failure domain"),
+            "replicas": (list, True, "the names of its agent replicas ([replicas.NAME])")})
+        for key, known in (("devices", devices), ("replicas", replicas)):
+            if not t[key]:
+                c.fail(table, key, f"at least one {key[:-1]}", t[key])
+            for item in t[key]:
+                if not isinstance(item, str) or item not in known:
+                    c.fail(table, key, f"names from [{key}] ({', '.join(known) or 'none'})",
+                           item)
+                if (key, item) in owner:
+                    c.fail(table, key, f"{key} of no other group ({item} is in group "
+                           f"{owner[key, item]})", item)
+                owner[key, item] = name
+        out[name] = AgentGroup(tuple(t["devices"]), tuple(t["replicas"]))
+    if out:
+        for name in replicas:
+            if ("replicas", name) not in owner:
+                c.fail(f"replicas.{name}", None, "a replica of one of the [groups] (a rig "
+                       "with agent groups has no replica outside them)")
+        for i, g in enumerate(gpus):
+            if ("devices", g.switch) not in owner:
+                c.fail("gpus", "switch", "a device of one of the [groups] (its GPUs would be "
+                       "managed by no agent)", g.switch, i)
+    return out
 
 
 def _agent_config(c: _Checker, data: dict) -> AgentConfig:
@@ -465,6 +508,10 @@ def dumps(rig: Rig) -> str:
     for name, (request, publish) in rig.replicas.items():
         out += ["", f"[replicas.{_toml_key(name)}]", f"request = {_toml_value(request)}",
                 f"publish = {_toml_value(publish)}"]
+    for name, group in rig.groups.items():
+        out += ["", f"[groups.{_toml_key(name)}]",
+                f"devices = [{', '.join(map(_toml_value, group.devices))}]",
+                f"replicas = [{', '.join(map(_toml_value, group.replicas))}]"]
     default = AgentConfig()
     changed = [f"{name} = {_toml_value(getattr(rig.agent, name))}" for name in SETTINGS
                if getattr(rig.agent, name) != getattr(default, name)]

@@ -6,7 +6,9 @@ agent's settings.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from photonic_testbed.hil.agent.config import AgentConfig
@@ -74,6 +76,15 @@ class BusConfig:
     gpus_publish: str = ""
 
 
+@dataclass(frozen=True)
+class AgentGroup:
+    """An agent group of a datacenter rig ([groups.NAME]): the replicas that elect its leader
+    on an etcd journal of the group's name, and the devices (a failure domain's switches) whose
+    GPUs it alone manages."""
+    devices: tuple[str, ...]
+    replicas: tuple[str, ...]
+
+
 # The bus's non-device processes, in the order their default ports follow the devices'.
 PROCESSES = ("agent", "gpus")
 
@@ -93,6 +104,53 @@ class Rig:
     # replica name -> (request, publish) of each of the agent's replicas ([replicas.NAME]: a
     # group on an etcd journal); empty: one agent, at the bus's agent endpoints
     replicas: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # agent groups, one per failure domain ([groups.NAME]); empty: one group of every replica
+    groups: dict[str, AgentGroup] = field(default_factory=dict)
+    group: str = ""         # the group this rig is the view of (`Rig.seen_by`), "" = none
+
+    def seen_by(self, replica: str | None) -> Rig:
+        """The rig as agent replica `replica` manages it: with [groups], its group's view (the
+        group's devices, the GPUs on them, its replicas; `group` naming it); else the rig
+        itself. A rig with groups needs the replica named."""
+        if not self.groups:
+            return self
+        if replica is None:
+            raise RigFileError(f"rig {self.name} has agent groups ({', '.join(self.groups)}): "
+                               "name the replica (--replica) of the group it belongs to")
+        group = next((n for n, g in self.groups.items() if replica in g.replicas), None)
+        if group is None:
+            raise RigFileError(f"rig {self.name} has no agent replica {replica!r} in its "
+                               f"groups (replicas: {', '.join(self.replicas)})")
+        return self.group_view(group)
+
+    def group_view(self, name: str) -> Rig:
+        """Group `name`'s part of the rig (`seen_by`)."""
+        try:
+            g = self.groups[name]
+        except KeyError:
+            raise RigFileError(f"rig {self.name} has no agent group {name!r} (its groups: "
+                               f"{', '.join(self.groups) or 'none'})") from None
+        return dataclasses.replace(
+            self, devices={n: d for n, d in self.devices.items() if n in g.devices},
+            gpus=tuple(x for x in self.gpus if x.switch in g.devices),
+            replicas={n: self.replicas[n] for n in g.replicas}, groups={}, group=name)
+
+    def group_of(self, gpus: Iterable[str]) -> str:
+        """The agent group that manages every GPU of `gpus` (a job's): RigFileError if they
+        span groups (a job lives inside one failure domain) or a GPU is not the rig's."""
+        switch = {g.name: g.switch for g in self.gpus}
+        found: dict[str, list[str]] = {}
+        for gpu in gpus:
+            if gpu not in switch:
+                raise RigFileError(f"rig {self.name} has no GPU {gpu!r}")
+            group = next((n for n, g in self.groups.items() if switch[gpu] in g.devices), "")
+            found.setdefault(group, []).append(gpu)
+        if len(found) > 1:
+            raise RigFileError(
+                "a job's GPUs are managed by one agent group, each group its failure domain's: "
+                + "; ".join(f"{', '.join(v[:3])}{' ...' if len(v) > 3 else ''} by "
+                            f"{k or 'none'}" for k, v in found.items()))
+        return next(iter(found), "")
 
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""
@@ -120,7 +178,12 @@ class Rig:
     def agent_replicas(self) -> dict[str, tuple[str, str]]:
         """Replica name -> (request, publish) of every replica of the agent: [replicas.NAME],
         or the one agent ("agent") at `agent_endpoints`. Clients try them in turn: a standby
-        answers NotLeader, naming the leader."""
+        answers NotLeader, naming the leader. A rig of agent groups has no one agent: a client
+        asks its group's (`group_view` of the `group_of` its GPUs)."""
+        if self.groups:
+            raise RigFileError(f"rig {self.name} has an agent group per failure domain "
+                               f"({', '.join(self.groups)}): ask the replicas of the group of "
+                               "the job's GPUs (Rig.group_of, Rig.group_view)")
         return dict(self.replicas) or {"agent": self.agent_endpoints()}
 
     def gpus_endpoints(self) -> tuple[str, str]:
