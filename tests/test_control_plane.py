@@ -24,17 +24,18 @@ def cluster(tmp_path_factory):
 _groups = iter(range(10**6))
 
 
-def _replica(cluster, group: str, name: str, ttl_s: int = 2) -> tuple[Leadership, EtcdJournal]:
+def _replica(cluster, group: str, name: str, ttl_s: int = 2, follow: bool = False
+             ) -> tuple[Leadership, EtcdJournal]:
     etcd = Etcd(cluster.endpoints, timeout=3.0)
     lead = Leadership(etcd, group, {"name": name, "request": f"tcp://127.0.0.1:1/{name}"},
                       ttl_s=ttl_s)
-    return lead, EtcdJournal(etcd, lead)
+    return lead, EtcdJournal(etcd, lead, follow=follow)
 
 
 def test_one_leader_terms_rise_and_a_deposed_leader_writes_nothing(cluster):
     group = f"g{next(_groups)}"
     a, ja = _replica(cluster, group, "a")
-    b, jb = _replica(cluster, group, "b")
+    b, jb = _replica(cluster, group, "b", follow=True)     # (it reads from its copy)
     stop = threading.Event()
     assert a.campaign(stop) == 1 and a.leading()
     seen = []
@@ -46,6 +47,7 @@ def test_one_leader_terms_rise_and_a_deposed_leader_writes_nothing(cluster):
     finally:
         stop.set()
         waiting.join(5)
+        jb.close()
 
 
 def _standby_takes_over(a, ja, b, jb, seen, waiting):
@@ -265,3 +267,59 @@ def test_a_write_etcd_refuses_is_no_step_down(cluster):
     b, _ = _replica(cluster, group, "b")
     with pytest.raises(EtcdError, match="not a number"):
         b._try()
+
+
+def test_a_followed_journal_is_read_from_its_copy_across_a_lost_member_and_compaction(tmp_path):
+    """A replica's copy of the journal (kept by watch) reads what etcd holds, entry for entry:
+    after the member its watch was on is killed (another member's watch takes up where it
+    was) and after etcd compacted the revisions it had not seen (read whole again)."""
+    with LocalCluster(3, tmp_path / "m") as q:
+        writer, jw = _replica(q, "mirror", "w")
+        reader = EtcdJournal(Etcd(q.endpoints, timeout=3.0), Leadership(
+            Etcd(q.endpoints), "mirror", {"name": "r"}))          # reads etcd each time
+        _, jf = _replica(q, "mirror", "f", follow=True)
+        assert writer.campaign(threading.Event()) == 1
+        try:
+            def same() -> bool:
+                got = jf.entries()
+                assert [e.line() for e in got] == [e.line() for e in reader.entries()]
+                assert jf.intended() == reader.intended()
+                return bool(got)
+            long = [(i, 200 - i) for i in range(1, 100)]      # a shared value
+            for k in range(20):
+                jw.record(Note(job=f"n{k}"), defer=k % 2 == 0)
+                jw.set_intended_many({"ocs": long[: 40 + k]}, cause="test")
+            assert same() and jf.mirror.entries_from(b"") is not None   # from the copy
+            assert len(jf.entries(since=10, kinds=("note",), limit=3)) == 3
+            watched = jf.mirror._watch.member
+            q.kill(next(i for i, m in enumerate(q.nodes) if m.client_port == watched[1]))
+            for k in range(5):
+                jw.record(Note(job=f"after the kill {k}"))
+            _until(same, "the copy caught up through another member")
+            assert jf.mirror._watch.member != watched and jf.mirror.entries_from(b"")
+            assert jf.entries()[-1].details == Note(job="after the kill 4")
+            # compaction of every revision the copy has not seen: it reads the keys whole again
+            jf.mirror._stop.set()           # (its watch stopped, as if cut off a while)
+            jf.mirror._watch.close()
+            jf.mirror._thread.join(10)
+            assert jf.mirror._from > 1
+            for k in range(5):
+                jw.record(Note(job=f"compacted {k}"))
+            head = jw.etcd.put("/other", "x")
+            jw.etcd.call("kv/compaction", {"revision": str(head), "physical": True})
+            jf.mirror._stop.clear()
+            jf.mirror._thread = threading.Thread(target=jf.mirror._follow, daemon=True)
+            jf.mirror._thread.start()
+            _until(lambda: jf.mirror.resyncs == 1, "the copy read whole again")
+            assert same() and jf.entries()[-1].details == Note(job="compacted 4")
+            assert jf.mirror.entries_from(b"")
+        finally:
+            writer.resign()
+            jf.close()
+
+
+def _until(cond, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)

@@ -68,7 +68,7 @@ from photonic_testbed.hil.agent.jobs import AgentError, Job, Key, SwapOutcome
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import RankMap, Targets
 from photonic_testbed.hil.agent.pool import GpuPool
-from photonic_testbed.hil.agent.recovery import recover
+from photonic_testbed.hil.agent.recovery import CircuitsAhead, recover
 from photonic_testbed.hil.agent.writer import SwitchWriter
 from photonic_testbed.hil.gpus.health import GpuHealth
 
@@ -201,14 +201,16 @@ class Agent:
             return self.writer.noticed(found)
 
     # --- recovery ---------------------------------------------------------------------------
-    def start(self, term: int | None = None) -> SwapOutcome | None:
+    def start(self, term: int | None = None, ahead: CircuitsAhead | None = None
+              ) -> SwapOutcome | None:
         """Reconcile the switches with the journal and take up where a previous agent left:
         its jobs, their rank maps and phases; a swap it decided but never announced is
         finished. Returns the outcome of the (last) swap finished. `term`: the one the
-        switches' changes carry (journaled in the start entry)."""
+        switches' changes carry (journaled in the start entry); `ahead`: the jobs' circuits
+        as a standby worked them out ahead (hil.agent.warm)."""
         with self._lock:
             return recover(self.journal, self.layout, self.jobs, self.pool, self.writer,
-                           self.failover, self.matchings, term)
+                           self.failover, self.matchings, term, ahead)
 
     # --- job admission and phases ----------------------------------------------------------
     def admit(self, plan: JobPlan, rank_map: Mapping[int, str] | None = None,

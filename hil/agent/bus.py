@@ -40,7 +40,6 @@ import zmq
 
 from photonic_testbed.common import heap
 from photonic_testbed.common.jobplan import JobPlan, PlanError
-from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.drivers.circuit_switch import Circuits, SwitchError
 from photonic_testbed.hil.agent.agent import Agent, AgentError
 from photonic_testbed.hil.agent.authority import (
@@ -71,6 +70,7 @@ from photonic_testbed.hil.agent.replica import (
     take_lead,
 )
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.agent.warm import Warm, layout_from_rig
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import (
     BusError,
@@ -170,18 +170,6 @@ def restart_orders(journal: Journal) -> dict[str, dict]:
     return orders
 
 
-def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
-    """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p;
-    GPUs naming a `server` share that server's scale-up fabric."""
-    if not rig.gpus:
-        raise RigFileError(f"rig {rig.name} lists no [[gpus]]: the agent has nothing to manage")
-    switches = {g.switch: int(ports[g.switch]) for g in rig.gpus}
-    gpus: dict[str, tuple[Attachment, ...]] = {
-        g.name: (Attachment(g.switch, g.port, switches[g.switch] + g.port),) for g in rig.gpus}
-    return RackLayout(rig.name, switches, gpus, tuple(g.name for g in rig.gpus if g.spare),
-                      servers={g.name: g.server for g in rig.gpus if g.server})
-
-
 def rack_rows(a: Agent) -> list[dict]:
     """Every GPU's row of the published rack: its switch, port, health, role, rank, job."""
     owner = {g: (j.name, r) for j in a.jobs.values() for r, g in j.rank_map.items()}
@@ -197,16 +185,20 @@ def rack_rows(a: Agent) -> list[dict]:
     return out
 
 
-def open_journal(rig: Rig, path: str, sync: str, replica: str | None, config: AgentConfig
-                 ) -> tuple[Journal, Leadership | None, tuple[str, str]]:
+def open_journal(rig: Rig, path: str, sync: str, replica: str | None, config: AgentConfig,
+                 timeout: float) -> tuple[Journal, Leadership | None, tuple[str, str],
+                                          Warm | None]:
     """The agent's journal at `path` (a SQLite file, or etcd://...: a replica's of a group,
-    with its part in the group's election), and the agent's endpoints."""
+    with its part in the group's election and its work ahead while standing by), and the
+    agent's endpoints."""
     if path.startswith("etcd://"):
-        return replica_journal(rig, path, replica, config)
+        journal, leadership, endpoints = replica_journal(rig, path, replica, config)
+        return journal, leadership, endpoints, Warm(rig, journal, rig.client_keys(), timeout) \
+            if config.work_ahead else None
     if replica is not None:
         raise AgentError("a replica of an agent group keeps its journal on etcd "
                          "(etcd://HOST:PORT/GROUP), not in a file")
-    return SqliteJournal(path, sync), None, rig.agent_endpoints()
+    return SqliteJournal(path, sync), None, rig.agent_endpoints(), None
 
 
 class AgentProcess(NoEvents):
@@ -225,8 +217,8 @@ class AgentProcess(NoEvents):
         self._settle_heap = settle_heap
         self.keys = rig.client_keys()
         self.timeout = timeout
-        self.journal, self.leadership, self.endpoints = open_journal(
-            rig, journal_path, journal_sync, replica, config or rig.agent)
+        self.journal, self.leadership, self.endpoints, self.warm = open_journal(
+            rig, journal_path, journal_sync, replica, config or rig.agent, timeout)
         # raises once a replica no longer leads: before every change sent to a device
         self._guard = self.leadership.check if self.leadership is not None else None
         self.clients: list[ServiceClient] = []
@@ -308,7 +300,7 @@ class AgentProcess(NoEvents):
     def campaign(self, stop: threading.Event) -> bool:
         """A replica: a standby until it leads (true) or `stop`; a lone agent leads at once."""
         return self.leadership is None or \
-            stand_by(self.rig, self.leadership, self.endpoints, stop)
+            stand_by(self.rig, self.leadership, self.endpoints, stop, self.warm)
 
     def start(self) -> tuple[str, str]:
         # every change this agent sends a device carries its term (journaled with its start):
@@ -362,7 +354,7 @@ class AgentProcess(NoEvents):
         # the GPU monitors' health, and every switch's circuits (changed behind the agent)
         self._sub = StateSubscriber({**monitors, **{n: endpoints[n] for n in self.switches}},
                                     keys=self.keys, on_state=self._on_state, telemetry=False)
-        agent.start(self.term)          # reconcile; finish a swap a killed agent left
+        agent.start(self.term, self.warm.ahead if self.warm else None)   # (reconcile, finish)
         manual.restore(self.journal)    # the operator's parts, as journaled
         self._publish()
         if self._settle_heap:

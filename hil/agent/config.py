@@ -72,6 +72,10 @@ class AgentConfig:
     etcd_timeout_s: float = _setting(
         2.0, "--etcd-timeout", "seconds a request to etcd may take, every member tried",
         "a number of seconds > 0", lambda v: _number(v) and v > 0)
+    work_ahead: bool = _setting(
+        True, "--work-ahead", "a standby replica works its jobs' circuits out from the journal "
+        "it follows as it changes, not once it takes the lead",
+        "true or false", lambda v: isinstance(v, bool))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

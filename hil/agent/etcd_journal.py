@@ -40,6 +40,7 @@ import orjson
 
 from photonic_testbed.hil.agent.entries import Details, Intent, Unread, decode
 from photonic_testbed.hil.agent.journal import MAX_SEQ, Entry, JournalError, Listeners
+from photonic_testbed.hil.agent.journal_mirror import JournalMirror
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.sqlite_journal import (
     SHARE_ABOVE,
@@ -51,7 +52,14 @@ from photonic_testbed.hil.agent.sqlite_journal import (
     resolved,
     shared_form,
 )
-from photonic_testbed.hil.etcd.client import Etcd, EtcdError, EtcdUnavailable, prefix_end, put_op
+from photonic_testbed.hil.etcd.client import (
+    KV,
+    Etcd,
+    EtcdError,
+    EtcdUnavailable,
+    prefix_end,
+    put_op,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +82,9 @@ class EtcdJournal(Listeners):
     """The journal of agent group `leadership.group` on etcd (see the module's text). Reads work
     for any replica; writes only while `leadership` leads."""
 
-    def __init__(self, etcd: Etcd, leadership: Leadership):
+    def __init__(self, etcd: Etcd, leadership: Leadership, *, follow: bool = False):
+        """`follow` (a replica's journal): the journal is copied and followed by watch
+        (`JournalMirror`), and read from the copy once it has caught up."""
         self.etcd = etcd
         self.leadership = leadership
         self.path = f"etcd://{','.join(f'{h}:{p}' for h, p in etcd.members)}/" \
@@ -93,6 +103,9 @@ class EtcdJournal(Listeners):
         self._told: list[tuple[Entry, str]] = []
         self._next_seq: int | None = None
         self._listeners: list[Callable[[Entry, str], None]] = []
+        self.mirror = JournalMirror(etcd, base, self._entries, self._intended) if follow \
+            else None
+        self._decoded: dict[bytes, tuple[int, Entry]] = {}     # key -> (its revision, entry)
 
     def __enter__(self) -> EtcdJournal:
         return self
@@ -229,8 +242,9 @@ class EtcdJournal(Listeners):
     def _read_rows(self) -> dict[str, dict]:
         """The intended circuits' rows as etcd holds them (a switch's circuits a list, or a
         shared value's reference)."""
+        copied = self.mirror.get(self._intended) if self.mirror is not None else None
         try:
-            kv = self.etcd.get(self._intended)
+            kv = copied[0] if copied is not None else self.etcd.get(self._intended)
         except EtcdError as e:
             raise JournalError(f"{self.path}: reading the intended circuits: {e}") from None
         if kv is None:
@@ -279,15 +293,22 @@ class EtcdJournal(Listeners):
         with self._lock:
             if self._pending and self.leadership.leading():
                 self._write([])
+            first = self._key(since + 1)
+            kvs = self.mirror.entries_from(first.encode()) if self.mirror is not None else None
             try:
-                kvs, _ = self.etcd.range(self._key(since + 1), prefix_end(self._entries),
-                                         timeout=max(self.etcd.timeout, 10.0))
+                if kvs is None:
+                    kvs, _ = self.etcd.range(first, prefix_end(self._entries),
+                                             timeout=max(self.etcd.timeout, 10.0))
             except EtcdError as e:
                 raise JournalError(f"{self.path}: reading the entries: {e}") from None
-        out = []
-        rows = []
+        out: list[Entry | tuple[int, dict, KV]] = []
         refs: set[str] = set()
         for kv in kvs:
+            known = self._decoded.get(kv.key)
+            if known is not None and known[0] == kv.mod_revision:
+                if not kinds or known[1].kind in kinds:
+                    out.append(known[1])
+                continue
             seq = int(kv.key[len(self._entries):])
             try:
                 row = orjson.loads(kv.value)
@@ -297,30 +318,41 @@ class EtcdJournal(Listeners):
                 continue
             if row.get("shares"):
                 references(row.get("details"), refs)
-            rows.append((seq, row))
+            out.append((seq, row, kv))
         texts = self._shared_texts(refs)
-        for seq, row in rows:
-            try:
-                kind = row["kind"]
-                typed = decode(kind, resolved(row["details"], texts) if row.get("shares")
-                               else row["details"])
-                out.append(Entry(seq, float(row["ts"]), kind, str(row["cause"]),
-                                 row["latency_s"], typed))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError,
-                    msgspec.ValidationError) as e:
-                raise JournalError(f"{self.path}: entry {seq} does not read as a journal "
-                                   f"entry: {e}") from None
-            if limit is not None and len(out) >= limit:
+        read = []
+        for got in out:
+            read.append(got if isinstance(got, Entry) else self._entry(*got, texts))
+            if limit is not None and len(read) >= limit:
                 break
-        return out
+        return read
+
+    def _entry(self, seq: int, row: dict, kv: KV, texts: dict[str, str]) -> Entry:
+        """Entry `seq` as etcd holds it (`row`, read from `kv`), its shared values `texts`;
+        kept decoded (an entry is written once) while the journal is followed."""
+        try:
+            kind = row["kind"]
+            typed = decode(kind, resolved(row["details"], texts) if row.get("shares")
+                           else row["details"])
+            entry = Entry(seq, float(row["ts"]), kind, str(row["cause"]), row["latency_s"],
+                          typed)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError,
+                msgspec.ValidationError) as e:
+            raise JournalError(f"{self.path}: entry {seq} does not read as a journal "
+                               f"entry: {e}") from None
+        if self.mirror is not None:
+            self._decoded[kv.key] = (kv.mod_revision, entry)
+        return entry
 
     def _shared_texts(self, digests: set[str]) -> dict[str, str]:
         """The shared values of `digests` (read once, kept: a value is its digest's for
         good), each checked against its digest; JournalError for one missing or damaged."""
         missing = digests - self._texts.keys()
         if missing:
+            copied = self.mirror.under(self._shared) if self.mirror is not None else None
             try:
-                kvs, _ = self.etcd.prefix(self._shared, timeout=max(self.etcd.timeout, 10.0))
+                kvs = copied if copied is not None else \
+                    self.etcd.prefix(self._shared, timeout=max(self.etcd.timeout, 10.0))[0]
             except EtcdError as e:
                 raise JournalError(f"{self.path}: reading the shared values: {e}") from None
             for kv in kvs:
@@ -339,6 +371,8 @@ class EtcdJournal(Listeners):
         return {d: self._texts[d] for d in digests}
 
     def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
         with self._lock:
             if self._pending and self.leadership.leading():
                 try:

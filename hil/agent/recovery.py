@@ -13,7 +13,11 @@ it would have.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
+
+import orjson
 
 from photonic_testbed.common.jobplan import JobPlan
 from photonic_testbed.common.rack_layout import RackLayout
@@ -56,8 +60,63 @@ class _Found:
     decided: bool = False
 
 
-def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> list[Recovered]:
-    """The jobs the journal holds (admitted and not released), in the order admitted."""
+class CircuitsAhead:
+    """Jobs' circuits worked out ahead of need (a standby's, from the journal it follows:
+    hil.agent.warm), that `read_jobs` takes rather than work out again as the replica takes the
+    lead, or waits for if they are being worked out: by the job's name, plan, rank map and the
+    matchings and rack they are worked out for. Only those of the last reading are kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[tuple, Future[policies.JobCircuits]] = {}
+        self._used: set[tuple] = set()
+        self._layout: RackLayout | None = None
+        self.taken = 0              # circuits `read_jobs` took from here
+
+    def reading(self, layout: RackLayout) -> None:
+        """A reading of the journal against `layout` begins (circuits of another rack go)."""
+        with self._lock:
+            if layout != self._layout:
+                self._layout, self._kept = layout, {}
+            self._used = set()
+
+    def read(self) -> None:
+        """The reading is over: circuits it did not ask for go."""
+        with self._lock:
+            self._kept = {k: f for k, f in self._kept.items() if k in self._used}
+
+    def circuits(self, name: str, admit: Admit, rank_map: dict[int, str],
+                 layout: RackLayout, matchings: Matchings, mine: bool = False
+                 ) -> policies.JobCircuits:
+        """Job `name`'s circuits (as admitted, on `rank_map`): those worked out ahead if any,
+        else worked out now (and kept, unless `mine`: the reading of the replica taking the
+        lead, whose jobs then own them)."""
+        key = (name, orjson.dumps(admit.plan, option=orjson.OPT_SORT_KEYS),
+               tuple(sorted(rank_map.items())), matchings)
+        with self._lock:
+            made = self._kept.get(key) if layout == self._layout else None
+            self._used.add(key)
+            ahead = made is not None
+            if made is None:
+                made = Future()
+                if not mine:
+                    self._kept[key] = made
+        if ahead:                   # (worked out, or being worked out by another reading)
+            self.taken += mine
+            return made.result()
+        try:
+            made.set_result(policies.JobCircuits(JobPlan.from_dict(admit.plan), layout,
+                                                 rank_map, matchings))
+        except BaseException as e:
+            made.set_exception(e)
+        return made.result()
+
+
+def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings,
+              ahead: CircuitsAhead | None = None, mine: bool = True) -> list[Recovered]:
+    """The jobs the journal holds (admitted and not released), in the order admitted; their
+    circuits from `ahead` when worked out there (`mine`: the reading of the replica taking the
+    lead, see `CircuitsAhead.circuits`)."""
     found: dict[str, _Found] = {}
     last = ""                   # (an entry without a job's name: the job admitted last)
     for e in journal.entries(kinds=("decision", "rank_map", "phase")):
@@ -90,7 +149,8 @@ def read_jobs(journal: Journal, layout: RackLayout, matchings: Matchings) -> lis
         plan = JobPlan.from_dict(f.admit.plan)
         swap = f.swap[0] if f.swap is not None else None
         rank_map = dict(swap.rank_map if swap is not None else f.admit.rank_map)
-        circuits = policies.JobCircuits(plan, layout, rank_map, matchings)
+        circuits = ahead.circuits(name, f.admit, rank_map, layout, matchings, mine) \
+            if ahead is not None else policies.JobCircuits(plan, layout, rank_map, matchings)
         job = Job(name, plan, circuits, f.phase or next(iter(circuits.targets)),
                   dict(rank_map), ready=f.ready, owner=f.admit.owner)
         if not f.decided:
@@ -121,7 +181,8 @@ def _held_phase(job: Job, circuits: policies.JobCircuits,
 
 def recover(journal: Journal, layout: RackLayout, jobs: dict[str, Job], pool: GpuPool,
             writer: SwitchWriter, failover: Failover, matchings: Matchings,
-            term: int | None = None) -> SwapOutcome | None:
+            term: int | None = None, ahead: CircuitsAhead | None = None
+            ) -> SwapOutcome | None:
     """What `Agent.start` does: journal the start (with the agent's `term`), reconcile the
     switches, rebuild `jobs` (and the GPUs and switch parts they hold) from the journal, and
     finish each swap decided but not announced. Returns the outcome of the (last) swap
@@ -132,7 +193,7 @@ def recover(journal: Journal, layout: RackLayout, jobs: dict[str, Job], pool: Gp
     pool.release_all()
     writer.drop_all()
     outcome = None
-    for r in read_jobs(journal, layout, matchings):
+    for r in read_jobs(journal, layout, matchings, ahead):
         job = r.job
         jobs[job.name] = job
         pool.take(job.name, list(job.rank_map.values()))

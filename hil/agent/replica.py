@@ -23,6 +23,7 @@ from photonic_testbed.hil.agent.agent import AgentError
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.etcd_journal import EtcdJournal, parse_url
 from photonic_testbed.hil.agent.leadership import Leadership
+from photonic_testbed.hil.agent.warm import Warm
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError, ServiceClient
 from photonic_testbed.hil.bus.errors import NotLeader
@@ -101,17 +102,21 @@ class Standby:
 
 
 def stand_by(rig: Rig, leadership: Leadership, endpoints: tuple[str, str],
-             stop: threading.Event) -> bool:
+             stop: threading.Event, warm: Warm | None = None) -> bool:
     """Replica `leadership.me` as a standby on its `endpoints` (`Standby`) until it leads
-    (true) or `stop` (false)."""
+    (true) or `stop` (false), working ahead meanwhile (`warm`, hil.agent.warm)."""
     name = str(leadership.me["name"])
     standby = Standby(rig, name, leadership.group, endpoints)
+    if warm is not None:
+        warm.start()
     try:
         log.info("agent replica %s of group %s: standing by on %s", name, leadership.group,
                  standby.bound[0])
         won = leadership.campaign(stop, on_standby=standby.leader_is) > 0
     finally:
         standby.close()
+        if warm is not None:
+            warm.close()
     if won and stop.is_set():           # stopped as it won: lead nothing
         leadership.resign()
         return False
@@ -196,4 +201,4 @@ def replica_journal(rig: Rig, url: str, replica: str | None, config: AgentConfig
     request, publish = replicas[name]
     leadership = Leadership(etcd, group, {"name": name, "request": request,
                                           "publish": publish}, ttl_s=config.lease_s)
-    return EtcdJournal(etcd, leadership), leadership, (request, publish)
+    return EtcdJournal(etcd, leadership, follow=True), leadership, (request, publish)

@@ -10,6 +10,8 @@ cluster, and nothing faked.
   (`Compare.lease(key, id)`: the key is held under this lease, the fence of a leader's
   writes). The answer says whether it succeeded (the gateway leaves out a false one).
 - Leases: `grant(ttl)`, `keepalive(id)` (the TTL left; 0: the lease is gone), `revoke(id)`.
+- `watch(key, end, revision)`: the changes from `revision` on, batch by batch, on a stream of
+  its own (`Watch`), ended by a lost member or leader, silence, compaction or `close()`.
 - Every request carries `hasleader`: a member cut off from its cluster's leader answers at
   once that it has none (503) instead of waiting, and the call moves on to another member.
 
@@ -21,14 +23,16 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KV", "Compare", "Etcd", "EtcdError", "EtcdUnavailable", "prefix_end", "put_op",
-           "delete_op", "parse_endpoints"]
+__all__ = ["KV", "Compare", "Etcd", "EtcdCompacted", "EtcdError", "EtcdUnavailable", "Event",
+           "Watch", "WatchSilent", "prefix_end", "put_op", "range_op", "delete_op",
+           "parse_endpoints"]
 
 DEFAULT_TIMEOUT_S = 3.0
 
@@ -129,8 +133,111 @@ def put_op(key: bytes | str, value: bytes | str, lease: int = 0) -> dict:
     return {"request_put": put}
 
 
+def range_op(key: bytes | str, end: bytes | None = None, *, limit: int = 0,
+             last_first: bool = False, keys_only: bool = False) -> dict:
+    """A read of the keys from `key` to `end` (`key` alone without it), as a transaction's
+    operation (`Etcd.range` sends its body alone)."""
+    body: dict[str, Any] = {"key": _b64(key)}
+    if end is not None:
+        body["range_end"] = _b64(end)
+    if limit:
+        body["limit"] = str(limit)
+    if last_first:
+        body.update(sort_order="DESCEND", sort_target="KEY")
+    if keys_only:
+        body["keys_only"] = True
+    return {"request_range": body}
+
+
 def delete_op(key: bytes | str) -> dict:
     return {"request_delete_range": {"key": _b64(key)}}
+
+
+class EtcdCompacted(EtcdError):
+    """A watch asked from a revision etcd has compacted away: read the keys whole again."""
+
+    def __init__(self, message: str, revision: int):
+        super().__init__(message)
+        self.revision = revision
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change a watch saw: the key as written (`deleted`: its deletion, value empty)."""
+    kv: KV
+    deleted: bool = False
+
+
+class WatchSilent(EtcdUnavailable):
+    """A watch that said nothing for a while: the stream may have been cut without a word."""
+
+
+class Watch:
+    """A watch of the keys from `key` to `end` from `revision` on, on one member (a stream of
+    its own): iterate it for each batch of changes as (the store's revision, events); it ends
+    with EtcdUnavailable when the member is lost, has lost its leader (the watch asks with
+    `hasleader`) or said nothing for `silent_s` (a stream cut off without a word), with
+    EtcdCompacted when `revision` is compacted away. `close()` from another thread ends it."""
+
+    def __init__(self, member: tuple[str, int], key: bytes | str, end: bytes | None,
+                 revision: int, silent_s: float):
+        self.member = member
+        self._conn = http.client.HTTPConnection(*member, timeout=silent_s)
+        body: dict[str, Any] = {"key": _b64(key), "start_revision": str(revision)}
+        if end is not None:
+            body["range_end"] = _b64(end)
+        self._body = json.dumps({"create_request": body}).encode()
+        self._closed = False
+
+    def __iter__(self) -> Iterator[tuple[int, list[Event]]]:
+        where = f"etcd {self.member[0]}:{self.member[1]}"
+        if self._closed:
+            return
+        try:
+            self._conn.request("POST", "/v3/watch", self._body,
+                               {"Content-Type": "application/json",
+                                "Grpc-Metadata-hasleader": "true"})
+            r = self._conn.getresponse()
+            if r.status != 200:
+                raise EtcdUnavailable(f"{where} refused a watch (HTTP {r.status}): "
+                                      f"{r.read()[:200]!r}")
+            while not self._closed:
+                line = r.readline()
+                if not line:
+                    raise EtcdUnavailable(f"{where} ended the watch")
+                got = json.loads(line)
+                if "error" in got:
+                    raise EtcdUnavailable(f"{where}: the watch failed: "
+                                          f"{got['error'].get('message', got['error'])}")
+                result = got.get("result", {})
+                if int(result.get("compact_revision", 0)):
+                    raise EtcdCompacted(f"{where}: revisions up to {result['compact_revision']}"
+                                        " are compacted", int(result["compact_revision"]))
+                if result.get("canceled"):
+                    raise EtcdUnavailable(f"{where} canceled the watch: "
+                                          f"{result.get('cancel_reason', 'no reason given')}")
+                events = [Event(KV.of(e.get("kv", {})), e.get("type") == "DELETE")
+                          for e in result.get("events", ())]
+                yield int(result.get("header", {}).get("revision", 0)), events
+        except TimeoutError:
+            if not self._closed:
+                raise WatchSilent(f"{where}: the watch said nothing for "
+                                  f"{self._conn.timeout} s") from None
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            if not self._closed:
+                raise EtcdUnavailable(f"{where}: the watch was cut: {type(e).__name__}: {e}"
+                                      ) from None
+        finally:
+            self._conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class Etcd:
@@ -230,16 +337,8 @@ class Etcd:
               timeout: float | None = None) -> tuple[list[KV], int]:
         """The keys from `key` to `end` (`key` alone without it; the last ones first with
         `last_first`), and the store's revision."""
-        body: dict[str, Any] = {"key": _b64(key)}
-        if end is not None:
-            body["range_end"] = _b64(end)
-        if limit:
-            body["limit"] = str(limit)
-        if last_first:
-            body.update(sort_order="DESCEND", sort_target="KEY")
-        if keys_only:
-            body["keys_only"] = True
-        got = self.call("kv/range", body, timeout)
+        got = self.call("kv/range", range_op(key, end, limit=limit, last_first=last_first,
+                                             keys_only=keys_only)["request_range"], timeout)
         return [KV.of(d) for d in got.get("kvs", ())], int(got["header"]["revision"])
 
     def prefix(self, prefix: bytes | str, *, timeout: float | None = None
@@ -264,6 +363,15 @@ class Etcd:
     @staticmethod
     def revision_of(answer: Mapping[str, Any]) -> int:
         return int(answer["header"]["revision"])
+
+    def watch(self, key: bytes | str, end: bytes | None, revision: int, *,
+              silent_s: float = 5.0, avoid: tuple[str, int] | None = None) -> Watch:
+        """A watch of the keys from `key` to `end` from `revision` on (see `Watch`), on the
+        member that answered last, or the next if that is `avoid` (whose watch failed)."""
+        i = self._preferred % len(self.members)
+        if self.members[i] == avoid and len(self.members) > 1:
+            i = self._preferred = (i + 1) % len(self.members)
+        return Watch(self.members[i], key, end, revision, silent_s)
 
     # --- leases ---------------------------------------------------------------------------
     def grant(self, ttl: int, *, timeout: float | None = None) -> tuple[int, int]:
