@@ -323,3 +323,60 @@ def _until(cond, what: str, timeout: float = 30.0):
     while not cond():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.05)
+
+
+def test_a_standby_works_the_jobs_circuits_out_ahead_and_the_takeover_takes_them(
+        cluster, tmp_path):
+    """Two replicas in this process on the opus rig: the standby works the admitted job's
+    circuits out as the journal changes (a swap's new rank map too); the replica taking the lead
+    takes them, and its job is the one a replica working them out anew has (work_ahead off)."""
+    import dataclasses
+
+    from photonic_testbed.common.jobplan import dp_tp
+    from photonic_testbed.hil.agent.bus import AgentProcess
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    from photonic_testbed.hil.rig import free_ports
+    from tests.test_agent_bus import _rig_on_bus
+    from tests.test_bus_at_most_once import serving
+
+    with _rig_on_bus(tmp_path, "opus", "ocs", switching_s=0.0) as (emu, rig, _):
+        ports = iter(free_ports(6))
+        rig = dataclasses.replace(rig, replicas={
+            n: (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
+            for n in "abc"}, devices={"ocs": rig.devices["ocs"]})
+        url = f"etcd://{cluster.endpoints}/ahead{next(_groups)}"
+        a = AgentProcess(rig, url, replica="a", timeout=10)
+        b = AgentProcess(rig, url, replica="b", timeout=10)
+        won = []
+        standing = threading.Thread(target=lambda: won.append(b.campaign(threading.Event())))
+        try:
+            assert a.campaign(threading.Event())
+            a.start()
+            standing.start()
+            with serving(a.run):
+                fabric = Fabric(*rig.replicas["a"], replicas=rig.replicas, timeout=10)
+                try:
+                    fabric.admit(dp_tp(8))
+                    emu.rack.rack.faults.fail_gpu("server2")        # a swap: a new rank map
+                    new_map, _ = fabric.wait_restart(timeout=30)
+                finally:
+                    fabric.close()
+                _until(lambda: [dict(k[2]) for k in b.warm.ahead._kept] == [new_map],
+                       "the standby's circuits of the swapped job (only)")
+            a.close()
+            standing.join(30)
+            assert won == [True]
+            b.start()
+            assert b.warm.ahead.taken == 1 and b.agent.jobs["dp-tp"].rank_map == new_map
+            b.close()
+            cold = AgentProcess(rig, url, replica="c", timeout=10,
+                                config=dataclasses.replace(rig.agent, work_ahead=False))
+            assert cold.warm is None and cold.campaign(threading.Event())
+            cold.start()
+            mine, theirs = cold.agent.jobs["dp-tp"], b.agent.jobs["dp-tp"]
+            assert mine.circuits.targets == theirs.circuits.targets
+            assert (mine.phase, mine.rank_map) == (theirs.phase, theirs.rank_map)
+            cold.close()
+        finally:
+            for p in (a, b):
+                p.close()
