@@ -160,6 +160,12 @@ class Fabric:
             self._leading = i
             return got
 
+    @property
+    def rank_map(self) -> dict[int, str]:
+        """The job's rank map, as admitted or last ordered."""
+        with self._cond:
+            return dict(self._rank_map)
+
     # --- requests ---------------------------------------------------------------------------
     def admit(self, plan: Any, rank_map: Mapping[int, str] | None = None) -> dict[int, str]:
         """Announce the job (a JobPlan or its dict); returns the rank map the agent chose."""

@@ -16,6 +16,13 @@ a GPU fails and is swapped by the new leader, and the paused one is resumed (SIG
 failure and the new leader's changes waiting for it: the changes the switch's service takes
 after that (its state version) are counted; a deposed leader must make none.
 
+Then (`--partitions`, ptb/bench/partition.py) the leading replica, on a host of its own (a
+network namespace), is cut off while it runs; another takes the lead and swaps; with the link
+back, the moves and circuit changes the OCS makes after are counted (goal 0). Needs root.
+
+Then (`--takeovers`, on opus2048 with a heavy job) the leader is killed and the standby's
+takeover timed, with its work ahead (hil.agent.warm) and without, alternated.
+
 Then (`--phases`, on the opus rig: a DP/TP job on its OCS, one replica) phase switches with the
 etcd cluster whole, with one member of three killed (the cluster's leader among them, as chance
 has it), and with two killed: no phase is granted (nothing moves) until a member is back; the
@@ -24,6 +31,7 @@ grant then comes once, and no circuit is added twice.
 from __future__ import annotations
 
 import functools
+import pathlib
 import random
 import signal
 import time
@@ -54,6 +62,13 @@ def add_arguments(p) -> None:
     p.add_argument("--phases", type=integer(0, 100_000), default=200,
                    help="phase switches timed with etcd whole and with a member down "
                    "(default %(default)s; 0: skip)")
+    p.add_argument("--partitions", type=integer(0, 10_000), default=20,
+                   help="trials with the leader cut off in its own network namespace (needs "
+                   "root and iproute2; default %(default)s)")
+    p.add_argument("--takeovers", type=integer(0, 1000), default=10,
+                   help="on opus2048 with its heavy job: the leader killed, a standby taking "
+                   "over with its work ahead and without, alternated (default %(default)s; "
+                   "0: skip)")
 
 
 def _resumed_after(control: str, t: float) -> dict | None:
@@ -119,9 +134,14 @@ def run(args) -> dict:
     if paused:
         rows.append({"what": "leader paused past its lease, resumed: the switch's changes after",
                      "runs": len(paused), "p50_s": sum(paused), "p99_s": "", "max_s": ""})
+    cuts = _partitions(args.partitions, rnd) if args.partitions else {}
+    rows += cuts.pop("rows", [])
     quorum = _quorum(args.phases) if args.phases else {}
     rows += quorum.pop("rows", [])
+    takeovers = _takeovers(args.takeovers) if args.takeovers else {}
+    rows += takeovers.pop("rows", [])
     return {"rows": rows, "samples_s": samples, "terms": terms, "quorum": quorum,
+            "takeovers": takeovers, "partitions": cuts,
             "setup": "lumion, ideal chip, 0 ms switching; 3 etcd members; 2 replicas, "
                      "lease 1 s"}
 
@@ -185,6 +205,113 @@ def _quorum(phases: int) -> dict:
                  "p99_s": len(twice_after), "max_s": ""})
     return {"rows": rows, "whole_s": whole, "one_down_s": one_down, "held": held,
             "lost_for_s": round(time.monotonic() - t_lost, 3), "granted_s": granted}
+
+
+def _partitions(runs: int, rnd: random.Random) -> dict:
+    """`runs` trials of ptb/bench/partition.py: the leading replica cut off (its network
+    namespace's link down) while it runs; the other leads and swaps a failed GPU's spare in; the
+    link back, what the OCS does after (a deposed leader must move nothing)."""
+    import tempfile
+
+    from photonic_testbed.ptb.bench import partition
+    trials = []
+    with tempfile.TemporaryDirectory(prefix="ptb-cut-") as folder:
+        try:
+            with partition.cut_off(pathlib.Path(folder)) as setup:
+                fabric = partition.admitted(setup)
+                try:
+                    for _ in range(runs):
+                        trials.append(partition.cut_trial(setup, fabric, rnd))
+                finally:
+                    fabric.close()
+        except partition.Unavailable as e:
+            return {"rows": [{"what": f"leader cut off: not run ({e})", "runs": 0,
+                              "p50_s": "", "p99_s": "", "max_s": ""}]}
+    bad = [t for t in trials if t.moves_after or t.circuits_changed or t.order is None
+           or t.ocs_term != int(t.new["term"])]
+    return {"rows": [{"what": "leader cut off (own netns), another leads and swaps, link back: "
+                              "bad trials (a move after, no order, OCS not at the new term)",
+                      "runs": len(trials), "p50_s": len(bad), "p99_s": "", "max_s": ""}],
+            "moves_after": [t.moves_after for t in trials],
+            "terms": [[t.cut["term"], t.new["term"], t.ocs_term] for t in trials]}
+
+
+def _takeovers(runs: int) -> dict:
+    """opus2048 (64 OCSes) as processes, one agent group of 2 replicas on etcd (lease 1 s), the
+    heavy job admitted (1,024 ranks, 960 (phase, round)s on every OCS: 0.6 s of CPU to work its
+    circuits out). The leader is killed (kill -9) `runs` times; timed from the kill to the new
+    leader answering as leader (its takeover done: fenced, reconciled, the jobs read back).
+    Which replica stands by with its work ahead (`--work-ahead`) and which without alternates:
+    the killed one is started again in the other mode, and stands by 5 s (its reading ahead
+    done) before the next kill."""
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    from photonic_testbed.hil.rig import rig_spec
+    from photonic_testbed.ptb.bench.datacenter import heavy_admission
+    modes = ("--work-ahead", "--no-work-ahead")
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    with Stack() as stack:
+        stack.emulate("opus2048", "--switching-ms", "0", "--replicas", "2")
+        stack.serve("--one-process")
+        url = stack.etcd(3)
+        options = ("--quarantine", "0", "--lease", "1")
+        names = list(stack.rig.replicas)
+        stack.start_replica(names[0], url, *options)
+        reader = etcd_journal_reader(url)
+        leadership = reader.leadership
+        first = stack.wait("a leader", leadership.leader, 120)
+        stack.start_replica(names[1], url, *options, modes[0])
+        _standing_by(stack, names[1])
+        fabric = Fabric(*stack.rig.agent_endpoints(), replicas=stack.rig.agent_replicas(),
+                        timeout=120)
+        try:
+            plan, rank_map = heavy_admission(rig_spec("opus2048"))
+            fabric.admit(plan, rank_map)
+        finally:
+            fabric.close()
+        leader = first
+        seq = 0
+        after: dict[str, list[float]] = {m: [] for m in modes}  # from its start entry
+        for k in range(runs):
+            time.sleep(5.0)                     # the standby's reading ahead done
+            standby = next(n for n in names if n != leader["name"])
+            stack.kill(f"agent-{leader['name']}")
+            t, wall = time.perf_counter(), time.time()
+            got = _leading_answer(stack, standby)
+            samples[modes[k % 2]].append(got - t)
+            now = stack.wait("the new leader", functools.partial(_newer, leadership,
+                                                                 int(leader["term"])), 30)
+            start = reader.entries(since=seq, kinds=("start",))[-1]
+            seq = start.seq
+            after[modes[k % 2]].append(got - t - (start.ts - wall))
+            stack.start_replica(leader["name"], url, *options, modes[(k + 1) % 2])
+            _standing_by(stack, leader["name"])
+            leader = now
+    rows = [{"what": f"opus2048, heavy job: leader killed -> new leader answering, "
+                     f"{'work ahead' if m == modes[0] else 'no work ahead'}",
+             "runs": len(xs), "p50_s": round(percentile(xs, 0.5), 3),
+             "p99_s": round(percentile(xs, 0.99), 3), "max_s": round(max(xs), 3)}
+            for m, xs in samples.items() if xs]
+    rows += [{"what": f"... of which from the new leader's start entry (fenced) to answering, "
+                      f"{'work ahead' if m == modes[0] else 'no work ahead'}",
+              "runs": len(xs), "p50_s": round(percentile(xs, 0.5), 3),
+              "p99_s": round(percentile(xs, 0.99), 3), "max_s": round(max(xs), 3)}
+             for m, xs in after.items() if xs]
+    return {"rows": rows, "samples_s": samples, "from_start_entry_s": after}
+
+
+def _leading_answer(stack: Stack, name: str) -> float:
+    """When replica `name` first answers as the leader (perf_counter): asked again and again,
+    each request waited for (one sent while it takes over is answered once it has)."""
+    deadline = time.monotonic() + 60
+    with ServiceClient(stack.rig.replicas[name][0], timeout=30.0) as c:
+        while time.monotonic() < deadline:
+            try:
+                if c.call("snapshot")["state"].get("role") == "leader":
+                    return time.perf_counter()
+            except BusError:
+                pass
+            time.sleep(0.005)
+    raise CommandFailed(f"replica {name} did not take the lead within 60 s")
 
 
 def added_twice(entries: list) -> dict[tuple[str, int, int], int]:
