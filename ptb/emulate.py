@@ -183,8 +183,9 @@ def run(args) -> int:
                     bus_rig = _secure(bus_rig, args.keys)[0]
         if args.replicas:
             bus_rig = with_replicas(bus_rig, args.replicas, args.groups == "pods")
-            if rig.rack is not None and not bus_rig.groups:
-                rig.rack.agent_replicas = bus_rig.agent_replicas()
+            if rig.rack is not None:        # (with a group per pod: the job runs in the first)
+                rig.rack.agent_replicas = bus_rig.group_view(next(iter(bus_rig.groups))) \
+                    .agent_replicas() if bus_rig.groups else bus_rig.agent_replicas()
         if rig.chip_calibration is not None and bus_rig.chip is not None:
             bus_rig = dataclasses.replace(bus_rig, chip=dataclasses.replace(
                 bus_rig.chip, calibration=os.path.abspath(args.chip_from)))

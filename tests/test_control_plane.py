@@ -380,3 +380,93 @@ def test_a_standby_works_the_jobs_circuits_out_ahead_and_the_takeover_takes_them
         finally:
             for p in (a, b):
                 p.close()
+
+
+def test_a_copy_behind_or_on_a_hung_member_is_not_read(tmp_path, monkeypatch):
+    """The copy is read only when it holds the journal's head as etcd has it: a journal wiped
+    while the copy's watch was stopped is read from etcd (empty), not from the copy; a member
+    stopped (SIGSTOP) under the copy's watch is left for another, the reads going on meanwhile;
+    an idle journal's silent watch is asked again from the store's revision, so a compaction of
+    other keys' history sends it to no whole read."""
+    import signal
+
+    from photonic_testbed.hil.agent import journal_mirror
+    from photonic_testbed.hil.etcd.client import delete_op, prefix_end
+    monkeypatch.setattr(journal_mirror, "SILENT_S", 1.0)
+    with LocalCluster(3, tmp_path / "h") as q:
+        writer, jw = _replica(q, "hung", "w")
+        _, jf = _replica(q, "hung", "f", follow=True)
+        assert writer.campaign(threading.Event()) == 1
+        stopped = None
+        try:
+            for k in range(5):
+                jw.record(Note(job=f"n{k}"))
+            assert len(jf.entries()) == 5 and jf.mirror.entries_from(b"") is not None
+            # idle: the silent watch is asked again from the store's revision, not compacted
+            before = jf.mirror._from
+            head = jw.etcd.put("/elsewhere", "x")
+            for k in range(3):
+                head = jw.etcd.put("/elsewhere", str(k))
+            _until(lambda: jf.mirror._from > head, "the idle copy moved to the store's revision")
+            jw.etcd.call("kv/compaction", {"revision": str(head), "physical": True})
+            time.sleep(2.5)                          # (silent twice more)
+            assert jf.mirror.resyncs == 0 and jf.mirror._from > before
+            # a member stopped under the watch: reads go on, the watch moves
+            watched = jf.mirror._watch.member
+            stopped = next(m for m in q.nodes if m.client_port == watched[1])
+            stopped.proc.send_signal(signal.SIGSTOP)
+            jw.etcd._preferred = next(i for i, m in enumerate(q.nodes) if m is not stopped)
+            jw.record(Note(job="with a member stopped"))
+            t = time.monotonic()
+            assert jf.entries()[-1].details == Note(job="with a member stopped")
+            assert time.monotonic() - t < 10
+            _until(lambda: jf.mirror._watch is not None and jf.mirror._watch.member != watched
+                   and jf.mirror.entries_from(b"") is not None, "the watch on another member")
+            stopped.proc.send_signal(signal.SIGCONT)
+            stopped = None
+            # wiped while the copy's watch is stopped: etcd's word, not the copy's
+            jf.mirror._stop.set()
+            jf.mirror._watch.close()
+            jf.mirror._thread.join(10)
+            base = "/ptb/hung/journal/"
+            jw.etcd.txn([], [delete_op(base, prefix_end(base))])
+            assert jf.entries() == [] and jf.intended() == {}
+        finally:
+            if stopped is not None:
+                stopped.proc.send_signal(signal.SIGCONT)
+            writer.resign()
+            jf.close()
+
+
+def test_circuits_that_failed_ahead_are_worked_out_again():
+    """A failure while a standby worked a job's circuits out is not kept: the next reading and
+    the takeover work them out again."""
+    from photonic_testbed.common.jobplan import dp_ring
+    from photonic_testbed.common.rack_layout import layout
+    from photonic_testbed.hil.agent import policies, recovery
+    from photonic_testbed.hil.agent.entries import Admit
+    from photonic_testbed.hil.agent.failover import round_robin_matchings
+
+    lay = layout("opus")
+    plan = dp_ring(8)
+    rank_map = dict(enumerate(sorted(g for g in lay.gpus if g not in lay.spares)[:8]))
+    admit = Admit(plan=plan.to_dict(), rank_map=rank_map)
+    ahead = recovery.CircuitsAhead()
+    real = policies.JobCircuits
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("for a moment")
+        return real(*args)
+    ahead.reading(lay)
+    recovery.policies.JobCircuits = flaky
+    try:
+        with pytest.raises(MemoryError):
+            ahead.circuits("dp", admit, rank_map, lay, round_robin_matchings)
+        got = ahead.circuits("dp", admit, rank_map, lay, round_robin_matchings)  # again
+        mine = ahead.circuits("dp", admit, rank_map, lay, round_robin_matchings, mine=True)
+    finally:
+        recovery.policies.JobCircuits = real
+    assert len(calls) == 2 and mine is got and ahead.taken == 1

@@ -181,7 +181,9 @@ def test_a_replica_runs_only_in_its_groups_journal(tmp_path):
             (('"rail0-pod1", ', '"ocs9", '), "names from [devices]"),
             (('replicas = ["pod1-r0", "pod1-r1"]', 'replicas = ["pod1-r0"]'),
              "replicas.pod1-r1: expected a replica of one of the [groups]"),
-            (('replicas = ["pod1-r0", "pod1-r1"]', 'replicas = []'), "at least one replica")):
+            (('replicas = ["pod1-r0", "pod1-r1"]', 'replicas = []'), "at least one replica"),
+            (("[groups.pod1]", '[groups.""]'), "a group name of letters"),
+            (("[groups.pod1]", '[groups."a/b"]'), "a group name of letters")):
         bad = tmp_path / "bad.toml"
         bad.write_text(text.replace(*change))
         with pytest.raises(RigFileError, match=why.replace("[", "\\[").replace("(", "\\(")

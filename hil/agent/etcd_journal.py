@@ -3,6 +3,9 @@ entries as the SQLite file, kept by a replicated store, written only by the grou
 
 Keys, under the group's prefix (`/ptb/GROUP/`):
 
+- `journal/head`: the last entry's sequence number, put by every write (one key whose revision
+  says when the journal last changed: what a replica's copy of it waits for, hil.agent.
+  journal_mirror);
 - `journal/e/SEQ` (SEQ in 20 digits, so that keys sort as numbers): one entry, JSON of its time,
   kind, cause, latency and details (its kind's Struct as JSON, as written);
 - `journal/intended`: every switch's intended circuits and the entry that set them, one value
@@ -82,9 +85,11 @@ class EtcdJournal(Listeners):
     """The journal of agent group `leadership.group` on etcd (see the module's text). Reads work
     for any replica; writes only while `leadership` leads."""
 
-    def __init__(self, etcd: Etcd, leadership: Leadership, *, follow: bool = False):
+    def __init__(self, etcd: Etcd, leadership: Leadership, *, follow: bool = False,
+                 mirror: JournalMirror | None = None):
         """`follow` (a replica's journal): the journal is copied and followed by watch
-        (`JournalMirror`), and read from the copy once it has caught up."""
+        (`JournalMirror`), and read from the copy once it has caught up; `mirror`: that copy,
+        another journal's (`reader`)."""
         self.etcd = etcd
         self.leadership = leadership
         self.path = f"etcd://{','.join(f'{h}:{p}' for h, p in etcd.members)}/" \
@@ -92,6 +97,7 @@ class EtcdJournal(Listeners):
         base = leadership.prefix + "journal/"
         self._entries = base + "e/"
         self._intended = base + "intended"
+        self._head = base + "head"          # the last entry's seq, put by every write
         # every switch's row of `intended` as etcd holds it (the leader's: None until read)
         self._rows: dict[str, dict] | None = None
         self._shared = base + "shared/"
@@ -103,9 +109,11 @@ class EtcdJournal(Listeners):
         self._told: list[tuple[Entry, str]] = []
         self._next_seq: int | None = None
         self._listeners: list[Callable[[Entry, str], None]] = []
-        self.mirror = JournalMirror(etcd, base, self._entries, self._intended) if follow \
-            else None
-        self._decoded: dict[bytes, tuple[int, Entry]] = {}     # key -> (its revision, entry)
+        self.mirror = mirror if mirror is not None else \
+            JournalMirror(etcd, base, self._entries, self._head) if follow else None
+        self._owns_mirror = mirror is None
+        # key -> (its revision, the entry; or its kind alone, not decoded yet)
+        self._decoded: dict[bytes, tuple[int, Entry | str]] = {}
 
     def __enter__(self) -> EtcdJournal:
         return self
@@ -117,9 +125,14 @@ class EtcdJournal(Listeners):
         return f"{self._entries}{seq:0{SEQ_DIGITS}d}"
 
     def _seq(self) -> int:
-        """The next sequence number: one past the last entry's (asked of etcd once)."""
+        """The next sequence number: one past the last entry's (asked of etcd once: the head,
+        or in a journal written before it had one, the last entry's key)."""
         if self._next_seq is None:
             try:
+                head = self.etcd.get(self._head)
+                if head is not None and head.value.isdigit():
+                    self._next_seq = int(head.value) + 1
+                    return self._next_seq
                 kvs, _ = self.etcd.range(self._entries, prefix_end(self._entries), limit=1,
                                          last_first=True, keys_only=True)
             except EtcdError as e:
@@ -177,6 +190,7 @@ class EtcdJournal(Listeners):
         storing, self._storing = self._storing, set()
         if not ops:
             return
+        ops.append(put_op(self._head, str(self._seq() - 1)))   # (what a copy waits for)
         try:
             lease = self.leadership.check()
             won, _ = self.etcd.txn([self.leadership.fence(lease)], ops)
@@ -306,15 +320,20 @@ class EtcdJournal(Listeners):
         for kv in kvs:
             known = self._decoded.get(kv.key)
             if known is not None and known[0] == kv.mod_revision:
-                if not kinds or known[1].kind in kinds:
-                    out.append(known[1])
-                continue
+                if isinstance(known[1], Entry):
+                    if not kinds or known[1].kind in kinds:
+                        out.append(known[1])
+                    continue
+                if kinds and known[1] not in kinds:
+                    continue            # (an entry of another kind, not decoded yet)
             seq = int(kv.key[len(self._entries):])
             try:
                 row = orjson.loads(kv.value)
             except orjson.JSONDecodeError as e:
                 raise JournalError(f"{self.path}: entry {seq} is not JSON: {e}") from None
             if kinds and row.get("kind") not in kinds:
+                if self.mirror is not None:
+                    self._decoded[kv.key] = (kv.mod_revision, str(row.get("kind")))
                 continue
             if row.get("shares"):
                 references(row.get("details"), refs)
@@ -370,8 +389,17 @@ class EtcdJournal(Listeners):
                                    f"hold: {', '.join(gone[:3])}")
         return {d: self._texts[d] for d in digests}
 
+    def reader(self) -> EtcdJournal:
+        """The same journal to read from another thread: it never writes (a read of this one
+        writes its leader's deferred entries first), its copy this one's."""
+        reader = EtcdJournal(self.etcd, Leadership(
+            self.etcd, self.leadership.group,
+            {"name": f"{self.leadership.me.get('name')} (reader)"}), mirror=self.mirror)
+        reader._decoded, reader._texts = self._decoded, self._texts    # (read once, for both)
+        return reader
+
     def close(self) -> None:
-        if self.mirror is not None:
+        if self.mirror is not None and self._owns_mirror:
             self.mirror.close()
         with self._lock:
             if self._pending and self.leadership.leading():

@@ -6,10 +6,15 @@ revision it read them at: a standby is a watch event behind the leader at most, 
 that takes the lead reads the journal from memory, not again from etcd.
 
 A read is served from the copy only once the copy holds every write etcd had made to the
-journal when the read began: the last entry's and the intended circuits' revisions are asked
-of etcd (one linearizable round trip, two keys) and the copy waited for until it has applied
-them. A copy that cannot catch up in time (its watch cut, etcd compacted the revisions it
-needs) is not used: the read goes to etcd as before, and the copy reads the keys whole again.
+journal when the read began: every journal write (one transaction of the leader's) also puts the
+journal's `head` key, so the copy has caught up when it holds the `head` etcd holds (asked
+linearizably, one key; waited for a while). A copy that does not catch up in time has its watch
+moved to another member, and the read goes to etcd as before; so does one of a journal without a
+`head` (written before it had one, or wiped: a journal is written by its leader alone, and wiped
+only with every replica stopped). A watch silent for a while is checked the same way: the
+journal idle, it is asked again from the store's revision (so that an idle group is not sent
+back to revisions etcd has compacted meanwhile); the journal moved on without it, its member is
+left.
 """
 from __future__ import annotations
 
@@ -26,12 +31,12 @@ from photonic_testbed.hil.etcd.client import (
     Watch,
     WatchSilent,
     prefix_end,
-    range_op,
 )
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_S = 1.0            # how long a read waits for the copy before it reads etcd itself
+SILENT_S = 10.0             # a watch this long without a word is checked (module text)
 
 
 class JournalMirror:
@@ -40,11 +45,11 @@ class JournalMirror:
     None when it cannot be trusted now. `listeners` are called (on the thread) after each change
     applied."""
 
-    def __init__(self, etcd: Etcd, base: str, entries: str, intended: str):
+    def __init__(self, etcd: Etcd, base: str, entries: str, head: str):
         self.etcd = etcd
         self.base = base.encode()
         self._entries = entries.encode()            # the entries' key prefix
-        self._intended = intended.encode()
+        self._head = head.encode()
         self._kvs: dict[bytes, KV] = {}
         self._entry_keys: list[bytes] = []          # sorted
         self._applied = 0           # every write of the journal up to this revision is in here
@@ -52,6 +57,7 @@ class JournalMirror:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._watch: Watch | None = None
+        self._suspected: Watch | None = None        # a watch a reader found behind
         self.listeners: list[Callable[[], None]] = []
         self.resyncs = 0                            # whole reads after the first
         self._thread = threading.Thread(target=self._follow, name="journal-mirror",
@@ -76,7 +82,9 @@ class JournalMirror:
                     self._from = revision + 1
                     self._told()
                 watch = self._watch = self.etcd.watch(self.base, prefix_end(self.base),
-                                                      self._from, avoid=lost)
+                                                      self._from, avoid=lost,
+                                                      silent_s=SILENT_S)
+                lost = None
                 if self._stop.is_set():
                     break
                 for _, events in watch:
@@ -89,18 +97,41 @@ class JournalMirror:
                         self._cond.notify_all()
                     if events:
                         self._told()
+                if self._suspected is watch:
+                    lost = watch.member
             except EtcdCompacted as e:
                 log.warning("%s: %s; reading the journal whole again", self.base.decode(), e)
                 self._from = 0
                 self.resyncs += 1
+            except WatchSilent as e:
+                lost = self._idle_or_lost(e)
             except EtcdError as e:
-                # (a watch silent for a while ends too: asked again from where it was, at once;
-                # one cut or refused is asked of another member)
+                # a watch cut or refused: asked again of another member
                 log.debug("%s: watch: %s", self.base.decode(), e)
-                lost = None if isinstance(e, WatchSilent) or self._watch is None \
-                    else self._watch.member
+                lost = self._watch.member if self._watch is not None else None
                 self._stop.wait(quiet)
                 quiet = min(1.0, quiet * 2 or 0.05)
+
+    def _idle_or_lost(self, silent: WatchSilent) -> tuple[str, int] | None:
+        """A silent watch (see the module): the member to leave, or None (the journal is idle:
+        watched again from the store's revision)."""
+        member = self._watch.member if self._watch is not None else None
+        try:
+            kvs, revision = self.etcd.range(self._head)
+        except EtcdError as e:
+            log.debug("%s: %s; and etcd: %s", self.base.decode(), silent, e)
+            return member
+        with self._cond:
+            held = self._kvs.get(self._head)
+            if kvs and held is not None and held.mod_revision == kvs[0].mod_revision:
+                self._from = max(self._from, revision + 1)
+                self._applied = max(self._applied, revision)
+                return None
+        if not kvs:
+            return None                             # (no head: as it was)
+        log.info("%s: the watch on %s fell behind; asking another member",
+                 self.base.decode(), member)
+        return member
 
     def _apply(self, kv: KV, deleted: bool) -> None:
         is_entry = kv.key.startswith(self._entries)
@@ -126,21 +157,24 @@ class JournalMirror:
 
     # --- reading --------------------------------------------------------------------------
     def _caught_up(self) -> bool:
-        """Whether the copy holds every write etcd had made to the journal just now (asked of
-        etcd: the last entry's and the intended circuits' revisions), waiting a while for it."""
-        ops = [range_op(self._entries, prefix_end(self._entries), limit=1, last_first=True,
-                        keys_only=True),
-               range_op(self._intended, keys_only=True)]
+        """Whether the copy holds every write etcd had made to the journal just now (its
+        `head`, asked of etcd), waiting a while for it (see the module)."""
         try:
-            _, answer = self.etcd.txn([], ops)
+            kvs, _ = self.etcd.range(self._head, keys_only=True)
         except EtcdError:
             return False
-        target = 0
-        for r in answer.get("responses", ()):
-            for kv in r.get("response_range", {}).get("kvs", ()):
-                target = max(target, int(kv.get("mod_revision", 0)))
+        if not kvs:
+            return False
+        target = kvs[0].mod_revision
         with self._cond:
-            return self._cond.wait_for(lambda: self._applied >= target, CATCH_UP_S)
+            if self._cond.wait_for(lambda: (held := self._kvs.get(self._head)) is not None
+                                   and held.mod_revision >= target, CATCH_UP_S):
+                return True
+            watch = self._watch
+        if watch is not None:                       # behind: its member is left
+            self._suspected = watch
+            watch.close()
+        return False
 
     def entries_from(self, key: bytes) -> list[KV] | None:
         """The entries from `key` on, in order; None: read etcd."""

@@ -102,13 +102,23 @@ class CircuitsAhead:
                 if not mine:
                     self._kept[key] = made
         if ahead:                   # (worked out, or being worked out by another reading)
-            self.taken += mine
-            return made.result()
+            try:
+                got = made.result()
+            except Exception:
+                if not mine:
+                    raise
+            else:
+                self.taken += mine
+                return got
+        made = made if not ahead else Future()      # (what failed ahead is worked out again)
         try:
             made.set_result(policies.JobCircuits(JobPlan.from_dict(admit.plan), layout,
                                                  rank_map, matchings))
         except BaseException as e:
             made.set_exception(e)
+            with self._lock:                        # (a failure is not kept for the next)
+                if self._kept.get(key) is made:
+                    del self._kept[key]
         return made.result()
 
 

@@ -199,6 +199,9 @@ def replica_journal(rig: Rig, url: str, replica: str | None, config: AgentConfig
         raise AgentError(f"rig {rig.name} has no agent replica {name!r} (its [replicas]: "
                          f"{', '.join(replicas)})")
     request, publish = replicas[name]
-    leadership = Leadership(etcd, group, {"name": name, "request": request,
-                                          "publish": publish}, ttl_s=config.lease_s)
+    try:
+        leadership = Leadership(etcd, group, {"name": name, "request": request,
+                                              "publish": publish}, ttl_s=config.lease_s)
+    except ValueError as e:
+        raise AgentError(f"{url}: {e}") from None
     return EtcdJournal(etcd, leadership, follow=True), leadership, (request, publish)

@@ -25,6 +25,8 @@ from photonic_testbed.hil.rig import Rig, RigFileError
 
 log = logging.getLogger(__name__)
 
+READ_EVERY_S = 0.1          # a standby reads its journal ahead at most this often
+
 
 def layout_from_rig(rig: Rig, ports: Mapping[str, int]) -> RackLayout:
     """The rack from the rig's [[gpus]]: GPU on port p has TX on input p, RX on output N+p;
@@ -55,7 +57,7 @@ class Warm:
     def __init__(self, rig: Rig, journal: EtcdJournal, keys: ClientKeys | None,
                  timeout: float):
         self.rig = rig
-        self.journal = journal
+        self.journal = journal.reader()     # (its reads never write the leader's entries)
         self.keys = keys
         self.timeout = timeout
         self.ahead = CircuitsAhead()
@@ -80,12 +82,14 @@ class Warm:
             self._changed.clear()
             try:
                 self.read()
+                self._stop.wait(READ_EVERY_S)        # (a busy journal: one reading a while)
+                continue
             except (BusError, JournalError, RigFileError, KeyError, ValueError) as e:
                 log.debug("standby: nothing worked out ahead now: %s", e)
-                self._stop.wait(0.5)
             except Exception:               # (ahead of need only: the takeover works it out)
                 log.exception("standby: working the jobs' circuits out ahead")
-                self._stop.wait(0.5)
+            self._stop.wait(1.0)
+            self._changed.set()             # (tried again, the journal changed or not)
 
     def read(self) -> None:
         """One reading of the journal, as a new leader would read it."""

@@ -35,6 +35,7 @@ __all__ = ["KV", "Compare", "Etcd", "EtcdCompacted", "EtcdError", "EtcdUnavailab
            "parse_endpoints"]
 
 DEFAULT_TIMEOUT_S = 3.0
+ATTEMPT_S = 0.5             # a member is given at least this long before the next is asked
 
 
 class EtcdError(Exception):
@@ -149,8 +150,12 @@ def range_op(key: bytes | str, end: bytes | None = None, *, limit: int = 0,
     return {"request_range": body}
 
 
-def delete_op(key: bytes | str) -> dict:
-    return {"request_delete_range": {"key": _b64(key)}}
+def delete_op(key: bytes | str, end: bytes | None = None) -> dict:
+    """A deletion of `key` (the keys from `key` to `end`), as a transaction's operation."""
+    body = {"key": _b64(key)}
+    if end is not None:
+        body["range_end"] = _b64(end)
+    return {"request_delete_range": body}
 
 
 class EtcdCompacted(EtcdError):
@@ -273,8 +278,12 @@ class Etcd:
 
     def call(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> dict:
         """POST `body` to /v3/`path` on a member with a leader; its answer (JSON). Members are
-        tried in turn until `timeout` (the client's by default) has passed."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        tried in turn until `timeout` (the client's by default) has passed, each for its share
+        of it (at least `ATTEMPT_S`): a member that takes the connection but never answers
+        (stopped, its disk wedged) does not keep the call from the others."""
+        total = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
+        share = max(ATTEMPT_S, total / len(self.members))
         payload = json.dumps(body).encode()
         said: dict[str, str] = {}
         n = len(self.members)
@@ -289,7 +298,7 @@ class Etcd:
                                       f"({tried})")
             host, port = self.members[i]
             try:
-                c = self._connection(i, max(0.05, left))
+                c = self._connection(i, max(0.05, min(left, share)))
                 c.request("POST", f"/v3/{path}", payload,
                           {"Content-Type": "application/json",
                            "Grpc-Metadata-hasleader": "true"})

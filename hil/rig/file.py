@@ -34,6 +34,7 @@ from photonic_testbed.hil.rig.model import (
     RigFileError,
 )
 
+GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
 NVML_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 # A Linux interface name: at most 15 bytes, no slash or blank, not "." or "..".
@@ -341,6 +342,9 @@ def _groups(c: _Checker, data: dict, devices: dict[str, DeviceConfig],
     owner: dict[tuple[str, str], str] = {}
     for name, t in data.items():
         table = f"groups.{name}"
+        if not GROUP_NAME.fullmatch(name):
+            c.fail(table, None, "a group name of letters, digits and . _ - (its journal is "
+                   "etcd://MEMBERS/NAME)", name)
         t = c.table(t, table, {
             "devices": (list, True, "the names of the devices (switches) whose GPUs this "
                         "group's agent alone manages, its failure domain"),
@@ -356,6 +360,9 @@ def _groups(c: _Checker, data: dict, devices: dict[str, DeviceConfig],
                     c.fail(table, key, f"{key} of no other group ({item} is in group "
                            f"{owner[key, item]})", item)
                 owner[key, item] = name
+        if not any(g.switch in t["devices"] for g in gpus):
+            c.fail(table, "devices", "a switch some [[gpus]] are cabled to (a group manages "
+                   "GPUs)", t["devices"])
         out[name] = AgentGroup(tuple(t["devices"]), tuple(t["replicas"]))
     if out:
         for name in replicas:

@@ -20,6 +20,10 @@ Then (`--partitions`, ptb/bench/partition.py) the leading replica, on a host of 
 network namespace), is cut off while it runs; another takes the lead and swaps; with the link
 back, the moves and circuit changes the OCS makes after are counted (goal 0). Needs root.
 
+Then (`--pods`, on opus2048 with an agent group per pod) pod 0's leader is killed again and
+again while a job in pod 1 switches phases: its switches while pod 0 has no leader against the
+rest, and pod 1's term.
+
 Then (`--takeovers`, on opus2048 with a heavy job) the leader is killed and the standby's
 takeover timed, with its work ahead (hil.agent.warm) and without, alternated.
 
@@ -65,6 +69,9 @@ def add_arguments(p) -> None:
     p.add_argument("--partitions", type=integer(0, 10_000), default=20,
                    help="trials with the leader cut off in its own network namespace (needs "
                    "root and iproute2; default %(default)s)")
+    p.add_argument("--pods", type=integer(0, 1000), default=5,
+                   help="on opus2048 with an agent group per pod: pod 0's leader killed while "
+                   "pod 1's job switches phases (default %(default)s; 0: skip)")
     p.add_argument("--takeovers", type=integer(0, 1000), default=10,
                    help="on opus2048 with its heavy job: the leader killed, a standby taking "
                    "over with its work ahead and without, alternated (default %(default)s; "
@@ -138,10 +145,12 @@ def run(args) -> dict:
     rows += cuts.pop("rows", [])
     quorum = _quorum(args.phases) if args.phases else {}
     rows += quorum.pop("rows", [])
+    pods = _pods(args.pods) if args.pods else {}
+    rows += pods.pop("rows", [])
     takeovers = _takeovers(args.takeovers) if args.takeovers else {}
     rows += takeovers.pop("rows", [])
     return {"rows": rows, "samples_s": samples, "terms": terms, "quorum": quorum,
-            "takeovers": takeovers, "partitions": cuts,
+            "takeovers": takeovers, "partitions": cuts, "pods": pods,
             "setup": "lumion, ideal chip, 0 ms switching; 3 etcd members; 2 replicas, "
                      "lease 1 s"}
 
@@ -234,6 +243,90 @@ def _partitions(runs: int, rnd: random.Random) -> dict:
                       "runs": len(trials), "p50_s": len(bad), "p99_s": "", "max_s": ""}],
             "moves_after": [t.moves_after for t in trials],
             "terms": [[t.cut["term"], t.new["term"], t.ocs_term] for t in trials]}
+
+
+def _pods(runs: int) -> dict:
+    """opus2048 as processes with one agent group per pod (`ptb emulate --groups pods`), the
+    groups of pods 0 and 1 running (2 replicas each, lease 1 s; the other pods unmanaged), a
+    job on 8 servers of pod 1 switching phases (TP, DP ring, all-to-all; 5 ms apart) all along.
+    Pod 0's leader is killed `runs` times (its standby takes over, the killed one is started
+    again): pod 1's phase switches while pod 0 had no leader against the others, and pod 1's
+    term (a pod's leader loss must touch no other pod)."""
+    import threading
+
+    from photonic_testbed.common.jobplan import JobPlan, PhaseSpec
+    from photonic_testbed.hil.job.fabric_client import Fabric
+    options = ("--quarantine", "0", "--lease", "1")
+    with Stack() as stack:
+        stack.emulate("opus2048", "--switching-ms", "0", "--replicas", "2", "--groups", "pods")
+        stack.serve("--one-process")
+        url = stack.etcd(3)
+        leaders = {g: stack.replicas(url, *options, group=g) for g in ("pod0", "pod1")}
+        members = url.rpartition("/")[0]
+        pod0 = etcd_journal_reader(f"{members}/pod0").leadership
+        pod1 = etcd_journal_reader(f"{members}/pod1").leadership
+        view = stack.rig.group_view("pod1")
+        servers = sorted({g.server for g in view.gpus if not g.spare},
+                         key=lambda s: int(s[1:]))[:8]
+        gpus = [g.name for s in servers for g in view.gpus if g.server == s]
+        plan = JobPlan("pod1-job", len(gpus), (
+            PhaseSpec("tp", "ring", group=8, stride=1),
+            PhaseSpec("dp", "ring", group=len(servers), stride=8),
+            PhaseSpec("ep", "all_to_all", group=len(servers), stride=8)))
+        fabric = Fabric(*view.agent_endpoints(), replicas=view.agent_replicas(), timeout=30)
+        grants: list[tuple[float, float]] = []          # (asked at, seconds to the grant)
+        refused: list[str] = []
+        stop = threading.Event()
+
+        def switching() -> None:
+            keys = plan.sequence()
+            k = 0
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    fabric.phase(*keys[k % len(keys)])
+                    grants.append((t, time.perf_counter() - t))
+                except BusError as e:
+                    refused.append(str(e))
+                k += 1
+                time.sleep(0.005)
+        windows: list[tuple[float, float]] = []
+        try:
+            fabric.admit(plan, dict(enumerate(gpus)))
+            thread = threading.Thread(target=switching, name="pod1-job", daemon=True)
+            thread.start()
+            time.sleep(3.0)
+            leader = leaders["pod0"]
+            for _ in range(runs):
+                standby = next(n for n in stack.rig.groups["pod0"].replicas
+                               if n != leader["name"])
+                stack.kill(f"agent-{leader['name']}")
+                t = time.perf_counter()
+                windows.append((t, _leading_answer(stack, standby)))
+                now = stack.wait("pod 0's new leader", functools.partial(
+                    _newer, pod0, int(leader["term"])), 30)
+                stack.start_replica(leader["name"], f"{members}/pod0", *options)
+                _standing_by(stack, leader["name"])
+                leader = now
+                time.sleep(2.0)
+            stop.set()
+            thread.join(30)
+            term1 = int((pod1.leader() or {}).get("term", 0))
+        finally:
+            stop.set()
+            fabric.close()
+    during = [x for t, x in grants if any(a <= t <= b for a, b in windows)]
+    other = [x for t, x in grants if not any(a <= t <= b for a, b in windows)]
+    rows = [{"what": f"opus2048, a group per pod: pod 1's phase switch (64 ranks) {what}",
+             "runs": len(xs), "p50_s": round(percentile(xs, 0.5), 4),
+             "p99_s": round(percentile(xs, 0.99), 4), "max_s": round(max(xs), 4)}
+            for what, xs in (("while pod 0 had no leader", during),
+                             ("the rest of the time", other)) if xs]
+    rows.append({"what": "pod 0's leader killed: pod 1's requests refused; pod 1's term after "
+                         "(was 1)", "runs": runs, "p50_s": len(refused), "p99_s": term1,
+                 "max_s": ""})
+    return {"rows": rows, "windows_s": [b - a for a, b in windows],
+            "during_s": during, "other_s": other, "refused": refused[:5]}
 
 
 def _takeovers(runs: int) -> dict:
