@@ -428,9 +428,13 @@ def test_a_copy_behind_or_on_a_hung_member_is_not_read(tmp_path, monkeypatch):
             jf.mirror._stop.set()
             jf.mirror._watch.close()
             jf.mirror._thread.join(10)
+            assert not jf.mirror._thread.is_alive()
             base = "/ptb/hung/journal/"
             jw.etcd.txn([], [delete_op(base, prefix_end(base))])
+            assert jw.etcd.prefix(base)[0] == []
             assert jf.entries() == [] and jf.intended() == {}
+            time.sleep(1.0)             # (a write the stopped member held: it never applies)
+            assert jw.etcd.prefix(base)[0] == []
         finally:
             if stopped is not None:
                 stopped.proc.send_signal(signal.SIGCONT)
@@ -470,3 +474,34 @@ def test_circuits_that_failed_ahead_are_worked_out_again():
     finally:
         recovery.policies.JobCircuits = real
     assert len(calls) == 2 and mine is got and ahead.taken == 1
+
+
+def test_a_journal_write_applies_once_or_never(cluster):
+    """A write's transaction sent again (asked of another member after a timeout, whose first
+    attempt had committed) is taken as written, not refused; one sent late (a member stopped
+    with it, resumed after later writes) changes nothing."""
+    group = f"g{next(_groups)}"
+    lead, journal = _replica(cluster, group, "a")
+    assert lead.campaign(threading.Event())
+    etcd = journal.etcd
+    real = etcd.txn
+    sent = []
+
+    def twice(compare, success, failure=(), **kw):
+        sent.append((list(compare), list(success)))
+        real(compare, success, failure, **kw)            # the first attempt commits ...
+        return real(compare, success, failure, **kw)     # ... its answer lost: asked again
+    try:
+        journal.record(Note(job="one"))
+        etcd.txn = twice
+        journal.set_intended_many({"ocs": [(1, 18)]}, cause="written once")
+        etcd.txn = real
+        assert lead.leading()                           # (not refused: it was written)
+        journal.set_intended_many({"ocs": [(2, 17)]}, cause="later")
+        late, _ = real(*sent[0])                        # the first, sent late
+        assert not late
+        assert journal.intended() == {"ocs": [(2, 17)]}
+        assert [e.cause for e in journal.entries()] == ["", "written once", "later"]
+    finally:
+        etcd.txn = real
+        lead.resign()

@@ -3,9 +3,10 @@ entries as the SQLite file, kept by a replicated store, written only by the grou
 
 Keys, under the group's prefix (`/ptb/GROUP/`):
 
-- `journal/head`: the last entry's sequence number, put by every write (one key whose revision
-  says when the journal last changed: what a replica's copy of it waits for, hil.agent.
-  journal_mirror);
+- `journal/head`: `SEQ:NAME`, the last entry's sequence number and a name of the write, put by
+  every write, which is conditioned on it (a write applies once or never: `EtcdJournal._write`);
+  its revision says when the journal last changed (what a replica's copy waits for,
+  hil.agent.journal_mirror);
 - `journal/e/SEQ` (SEQ in 20 digits, so that keys sort as numbers): one entry, JSON of its time,
   kind, cause, latency and details (its kind's Struct as JSON, as written);
 - `journal/intended`: every switch's intended circuits and the entry that set them, one value
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -57,6 +59,7 @@ from photonic_testbed.hil.agent.sqlite_journal import (
 )
 from photonic_testbed.hil.etcd.client import (
     KV,
+    Compare,
     Etcd,
     EtcdError,
     EtcdUnavailable,
@@ -108,6 +111,7 @@ class EtcdJournal(Listeners):
         self._pending: list[dict] = []          # deferred puts, written with the next durable
         self._told: list[tuple[Entry, str]] = []
         self._next_seq: int | None = None
+        self._head_rev: int | None = None       # the head's revision as this replica wrote it
         self._listeners: list[Callable[[Entry, str], None]] = []
         self.mirror = mirror if mirror is not None else \
             JournalMirror(etcd, base, self._entries, self._head) if follow else None
@@ -130,8 +134,10 @@ class EtcdJournal(Listeners):
         if self._next_seq is None:
             try:
                 head = self.etcd.get(self._head)
-                if head is not None and head.value.isdigit():
-                    self._next_seq = int(head.value) + 1
+                self._head_rev = head.mod_revision if head is not None else 0
+                seq = head.value.split(b":")[0] if head is not None else b""
+                if seq.isdigit():
+                    self._next_seq = int(seq) + 1
                     return self._next_seq
                 kvs, _ = self.etcd.range(self._entries, prefix_end(self._entries), limit=1,
                                          last_first=True, keys_only=True)
@@ -182,43 +188,63 @@ class EtcdJournal(Listeners):
         return seq
 
     def _write(self, more: list[dict]) -> None:
-        """Everything pending and `more` in one transaction held by the leader's lease; the
+        """Everything pending and `more` in one transaction held by the leader's lease and
+        conditioned on the journal's head being the one this replica last wrote (or read); the
         listeners told once it is written. On failure nothing pending was written: it is
-        dropped (its effect never left this process) and the failure named."""
+        dropped (its effect never left this process) and the failure named.
+
+        The head's condition makes a write apply once or never: the same transaction asked of
+        another member after a timeout, or sent late by a member that was stopped with it, finds
+        the head moved and does nothing (the head names each write: a write that finds the head
+        moved to its own name was written, by its first attempt)."""
         ops, self._pending = self._pending + more, []
         told, self._told = self._told, []
         storing, self._storing = self._storing, set()
         if not ops:
             return
-        ops.append(put_op(self._head, str(self._seq() - 1)))   # (what a copy waits for)
         try:
+            seq = self._seq() - 1
+            head = f"{seq}:{secrets.token_hex(8)}"      # (what a copy waits for: module text)
+            ops.append(put_op(self._head, head))
             lease = self.leadership.check()
-            won, _ = self.etcd.txn([self.leadership.fence(lease)], ops)
+            won, answer = self.etcd.txn([self.leadership.fence(lease),
+                                         Compare.mod(self._head, self._head_rev or 0)], ops)
+            if won:
+                self._head_rev = Etcd.revision_of(answer)
+            else:
+                now = self.etcd.get(self._head)
+                won = now is not None and now.value.decode(errors="replace") == head
+                if won and now is not None:
+                    self._head_rev = now.mod_revision
         except NotLeading:
-            self._next_seq = None
+            self._forget()
             raise
         except EtcdUnavailable as e:
             # The outcome is unknown (the transaction may have committed after the timeout):
             # this replica steps down, so that the next leader works from what etcd holds.
-            self._next_seq = None
+            self._forget()
             self.leadership.lose(f"a journal write's outcome is unknown ({e})")
             raise NotLeading(f"agent {self.leadership.me.get('name')} stepped down from the "
                              f"lead of group {self.leadership.group}: a journal write of "
                              f"{len(told)} entries may or may not have been written ({e}); "
                              "the next leader reads what was") from None
         except EtcdError as e:         # refused (too big, ...): known not written
-            self._next_seq = None
+            self._forget()
             self._rows = None
             raise JournalError(f"{self.path}: etcd refused a write of {len(told)} entries "
                                f"(nothing of it written): {e}") from None
         if not won:
-            self._next_seq = None
+            self._forget()
             self.leadership.lose("its journal write was refused: its lease no longer holds "
-                                 "the leader key")
+                                 "the leader key, or another wrote the journal")
             self.leadership.check()        # (says so)
         self._stored |= storing
         for entry, text in told:
             self._tell(entry, text)
+
+    def _forget(self) -> None:
+        """What this replica knew of the journal's end, read again at its next write."""
+        self._next_seq = self._head_rev = None
 
     def flush(self) -> None:
         with self._lock:

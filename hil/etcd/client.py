@@ -36,6 +36,7 @@ __all__ = ["KV", "Compare", "Etcd", "EtcdCompacted", "EtcdError", "EtcdUnavailab
 
 DEFAULT_TIMEOUT_S = 3.0
 ATTEMPT_S = 0.5             # a member is given at least this long before the next is asked
+BIG_BYTES = 1 << 20         # ... a request larger than this, the whole deadline
 
 
 class EtcdError(Exception):
@@ -283,8 +284,9 @@ class Etcd:
         (stopped, its disk wedged) does not keep the call from the others."""
         total = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + total
-        share = max(ATTEMPT_S, total / len(self.members))
         payload = json.dumps(body).encode()
+        # (a big request's upload and parsing alone may take a share: it has the whole time)
+        share = total if len(payload) > BIG_BYTES else max(ATTEMPT_S, total / len(self.members))
         said: dict[str, str] = {}
         n = len(self.members)
         attempt = 0
