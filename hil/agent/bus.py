@@ -186,15 +186,15 @@ def rack_rows(a: Agent) -> list[dict]:
 
 
 def open_journal(rig: Rig, path: str, sync: str, replica: str | None, config: AgentConfig,
-                 timeout: float) -> tuple[Journal, Leadership | None, tuple[str, str],
-                                          Warm | None]:
+                 timeout: float, settle_heap: bool = False
+                 ) -> tuple[Journal, Leadership | None, tuple[str, str], Warm | None]:
     """The agent's journal at `path` (a SQLite file, or etcd://...: a replica's of a group,
-    with its part in the group's election and its work ahead while standing by), and the
-    agent's endpoints."""
+    with its part in the group's election and its work ahead while standing by, the heap
+    settled after it with `settle_heap`), and the agent's endpoints."""
     if path.startswith("etcd://"):
         journal, leadership, endpoints = replica_journal(rig, path, replica, config)
-        return journal, leadership, endpoints, Warm(rig, journal, rig.client_keys(), timeout) \
-            if config.work_ahead else None
+        return journal, leadership, endpoints, Warm(
+            rig, journal, rig.client_keys(), timeout, settle_heap) if config.work_ahead else None
     if replica is not None:
         raise AgentError("a replica of an agent group keeps its journal on etcd "
                          "(etcd://HOST:PORT/GROUP), not in a file")
@@ -218,7 +218,7 @@ class AgentProcess(NoEvents):
         self.keys = rig.client_keys()
         self.timeout = timeout
         self.journal, self.leadership, self.endpoints, self.warm = open_journal(
-            rig, journal_path, journal_sync, replica, config or rig.agent, timeout)
+            rig, journal_path, journal_sync, replica, config or rig.agent, timeout, settle_heap)
         # raises once a replica no longer leads: before every change sent to a device
         self._guard = self.leadership.check if self.leadership is not None else None
         self.clients: list[ServiceClient] = []

@@ -72,6 +72,7 @@ class CircuitsAhead:
         self._used: set[tuple] = set()
         self._layout: RackLayout | None = None
         self.taken = 0              # circuits `read_jobs` took from here
+        self.made = 0               # circuits worked out here
 
     def reading(self, layout: RackLayout) -> None:
         """A reading of the journal against `layout` begins (circuits of another rack go)."""
@@ -111,6 +112,7 @@ class CircuitsAhead:
                 self.taken += mine
                 return got
         made = made if not ahead else Future()      # (what failed ahead is worked out again)
+        self.made += 1
         try:
             made.set_result(policies.JobCircuits(JobPlan.from_dict(admit.plan), layout,
                                                  rank_map, matchings))

@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Mapping
 
+from photonic_testbed.common import heap
 from photonic_testbed.common.rack_layout import Attachment, RackLayout
 from photonic_testbed.hil.agent.etcd_journal import EtcdJournal
 from photonic_testbed.hil.agent.failover import round_robin_matchings
@@ -55,8 +56,12 @@ class Warm:
     `close`; `ahead` is what a takeover takes."""
 
     def __init__(self, rig: Rig, journal: EtcdJournal, keys: ClientKeys | None,
-                 timeout: float):
+                 timeout: float, settle_heap: bool = False):
+        """`settle_heap` (a `ptb agent` process): the heap is settled (`common.heap`) after a
+        reading that worked circuits out, so that the collector of the replica taking the lead
+        does not scan them again and again."""
         self.rig = rig
+        self.settle_heap = settle_heap
         self.journal = journal.reader()     # (its reads never write the leader's entries)
         self.keys = keys
         self.timeout = timeout
@@ -97,9 +102,12 @@ class Warm:
             self._layout = layout_from_rig(self.rig, switch_ports(self.rig, self.keys,
                                                                   self.timeout))
         self.ahead.reading(self._layout)
+        made = self.ahead.made
         read_jobs(self.journal, self._layout, round_robin_matchings, self.ahead, mine=False)
         self.ahead.read()
         self.readings += 1
+        if self.settle_heap and self.ahead.made > made:
+            heap.settle("circuits worked out ahead")
 
     def close(self) -> None:
         """Stop reading ahead (a reading under way ends by itself: what it works out is still

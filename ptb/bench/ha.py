@@ -364,8 +364,12 @@ def _takeovers(runs: int) -> dict:
         leader = first
         seq = 0
         after: dict[str, list[float]] = {m: [] for m in modes}  # from its start entry
+        rnd = random.Random(runs)
         for k in range(runs):
-            time.sleep(5.0)                     # the standby's reading ahead done
+            # the standby's reading ahead done; the kill at a random point of the lease's
+            # refresh and of etcd's expiry check (both periodic: a fixed wait would favour one
+            # mode)
+            time.sleep(5.0 + rnd.uniform(0.0, 1.0))
             standby = next(n for n in names if n != leader["name"])
             stack.kill(f"agent-{leader['name']}")
             t, wall = time.perf_counter(), time.time()
