@@ -368,6 +368,7 @@ def test_a_standby_works_the_jobs_circuits_out_ahead_and_the_takeover_takes_them
             assert won == [True]
             b.start()
             assert b.warm.ahead.taken == 1 and b.agent.jobs["dp-tp"].rank_map == new_map
+            assert b.journal.mirror is None     # (leading, it reads etcd: no copy kept)
             b.close()
             cold = AgentProcess(rig, url, replica="c", timeout=10,
                                 config=dataclasses.replace(rig.agent, work_ahead=False))

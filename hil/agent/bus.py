@@ -57,6 +57,7 @@ from photonic_testbed.hil.agent.entries import (
     Unread,
     builtins,
 )
+from photonic_testbed.hil.agent.etcd_journal import EtcdJournal
 from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.journal import Entry, Journal, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
@@ -199,6 +200,16 @@ def open_journal(rig: Rig, path: str, sync: str, replica: str | None, config: Ag
         raise AgentError("a replica of an agent group keeps its journal on etcd "
                          "(etcd://HOST:PORT/GROUP), not in a file")
     return SqliteJournal(path, sync), None, rig.agent_endpoints(), None
+
+
+def started(journal: Journal, settle_heap: bool) -> None:
+    """What follows an agent's start: a replica's copy of its journal is dropped (leading, it
+    is the journal's only writer: it reads etcd, and no watch competes with its writes for the
+    interpreter), and with `settle_heap` the heap is settled (`common.heap`)."""
+    if isinstance(journal, EtcdJournal):
+        journal.stop_following()
+    if settle_heap:
+        heap.settle("start-up")
 
 
 class AgentProcess(NoEvents):
@@ -357,8 +368,7 @@ class AgentProcess(NoEvents):
         agent.start(self.term, self.warm.ahead if self.warm else None)   # (reconcile, finish)
         manual.restore(self.journal)    # the operator's parts, as journaled
         self._publish()
-        if self._settle_heap:
-            heap.settle("start-up")
+        started(self.journal, self._settle_heap)
         log.info("agent of rig %s on %s, publishing on %s", self.rig.name, *bound)
         return bound
 

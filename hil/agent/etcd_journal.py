@@ -415,6 +415,13 @@ class EtcdJournal(Listeners):
                                    f"hold: {', '.join(gone[:3])}")
         return {d: self._texts[d] for d in digests}
 
+    def stop_following(self) -> None:
+        """Read etcd from now on, and drop the copy (a replica that leads: see `started` in
+        hil.agent.bus)."""
+        mirror, self.mirror = self.mirror, None
+        if mirror is not None and self._owns_mirror:
+            mirror.close()
+
     def reader(self) -> EtcdJournal:
         """The same journal to read from another thread: it never writes (a read of this one
         writes its leader's deferred entries first), its copy this one's."""
