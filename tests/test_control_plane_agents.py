@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import signal
-import socket
 import time
 
 import pytest
@@ -29,23 +28,13 @@ from tests.test_agent_bus import _ptb, _rig_on_bus, _stop, _until
 GROUP = "opus"
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @contextlib.contextmanager
 def _group(tmp_path, names=("a", "b")):
     """etcd (3 members), the opus rig on the bus with [replicas] for `names`, and a replica
     process each; yields (emu, rig, etcd cluster, start(name) -> process, processes)."""
     with LocalCluster(3, tmp_path / "etcd") as etcd, \
             _rig_on_bus(tmp_path, "opus", "ocs", switching_s=0.0) as (emu, rig, path):
-        ports = _free_ports(2 * len(names))
+        ports = rigfile.free_ports(2 * len(names))
         replicas = {n: (f"tcp://127.0.0.1:{ports[2 * i]}", f"tcp://127.0.0.1:{ports[2 * i + 1]}")
                     for i, n in enumerate(names)}
         rig = dataclasses.replace(rig, replicas=replicas)

@@ -284,3 +284,23 @@ def test_serve_one_process_with_any_ports_and_ipv6_loopback(tmp_path):
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=15)
     assert serve.returncode == 0, out
+
+
+def test_ports_handed_out_are_not_handed_out_again_by_another_process(tmp_path):
+    """free_ports: a port given to one process (a file under RESERVED) is not given to another
+    while it is held; once HOLD_S old it is taken back. Two processes, in turn: no port twice."""
+    import subprocess
+    import sys
+    code = ("from photonic_testbed.hil.rig import free_ports; "
+            "print(' '.join(map(str, free_ports(300))))")
+    got = [set(map(int, subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                       text=True, timeout=60, check=True).stdout.split()))
+           for _ in range(2)]
+    assert len(got[0]) == len(got[1]) == 300 and not got[0] & got[1]
+    from photonic_testbed.hil.rig import emulated
+    port = min(got[0])
+    assert not emulated._reserve(port)                      # held
+    old = emulated.RESERVED / str(port)
+    import os
+    os.utime(old, (0, 0))                                   # ... long ago
+    assert emulated._reserve(port) and not emulated._reserve(port)

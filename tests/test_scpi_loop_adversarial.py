@@ -24,6 +24,7 @@ from photonic_testbed.emulator.ocs import OCSInstrument, OCSPhysics
 from photonic_testbed.emulator.scpi import Instrument, Session
 from photonic_testbed.emulator.scpi_loop import SCPILoop
 from photonic_testbed.emulator.scpi_server import MAX_CLIENTS, SCPIServer
+from photonic_testbed.hil.rig import free_port
 
 WAIT_S = 30.0          # a bound for what normally takes milliseconds
 
@@ -102,11 +103,7 @@ def _nothing_yet(c: Client) -> bool:
 
 
 def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return free_port()
 
 
 class _Lab(Instrument):

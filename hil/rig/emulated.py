@@ -14,6 +14,8 @@ import os
 import pathlib
 import random
 import socket
+import tempfile
+import time
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
@@ -227,14 +229,47 @@ def _ephemeral_start() -> int:
 
 
 _GIVEN: collections.deque[int] = collections.deque(maxlen=4096)   # ports handed out lately
+# Ports handed out by any process of this user on this machine lately: a file per port, made
+# exclusively (the file system arbitrates), taken back once older than HOLD_S (by then its user
+# has bound it, or never will)
+RESERVED = pathlib.Path(tempfile.gettempdir()) / f"ptb-ports-{os.getuid()}"
+HOLD_S = 600.0
+
+
+def _reserve(port: int) -> bool:
+    """Whether `port` is this process's to hand out: no process of this user was given it in
+    the last HOLD_S (see RESERVED); a machine where the folder cannot be written reserves
+    nothing."""
+    try:
+        RESERVED.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return True
+    path = RESERVED / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime < HOLD_S:
+                    return False
+                path.unlink()                   # (stale: whoever unlinks first may take it)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        except OSError:
+            return True
+    return False
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` different TCP ports free now, for endpoints written into a rig file: drawn at
     random below the OS's ephemeral range (see PORTS_FROM) and each bound while the others are
     sought, so none repeats; from the OS's own choice (bind to port 0) if that range is full.
-    None is one this process was given lately (a port handed out is not bound until its user
-    binds it: two calls for one rig file must not name the same one)."""
+    None is one this process was given lately, nor (RESERVED) one another process of this user
+    was: a port handed out is not bound until its user binds it, and two rigs written at once
+    (by two tests, two `ptb emulate`) must not name the same one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     top = _ephemeral_start()
     draw = random.Random()
@@ -255,6 +290,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                 continue
             got = s.getsockname()[1]
             if got in given and tries <= 100 * count:
+                continue
+            if tries <= 100 * count and not _reserve(got):
                 continue
             ports.append(got)
         _GIVEN.extend(ports)
