@@ -122,12 +122,14 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    """Poll `cond` fast (a bench times what it waits for) until it gives a true value."""
+def wait_for(cond: Callable[[], T | None], what: str, timeout: float = 30.0,
+             every: float = 0.0005) -> T:
+    """Poll `cond` fast (a bench times what it waits for; `every` seconds apart) until it gives
+    a true value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()
         if got:
             return got
-        time.sleep(0.0005)
+        time.sleep(every)
     raise CommandFailed(f"{what} did not happen within {timeout:g} s")

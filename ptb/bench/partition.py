@@ -34,6 +34,7 @@ from photonic_testbed.hil.etcd.client import Etcd, EtcdError
 from photonic_testbed.hil.etcd.cluster import LocalCluster
 from photonic_testbed.hil.job.fabric_client import Fabric
 from photonic_testbed.hil.rig import rig_spec
+from photonic_testbed.ptb.bench.measure import wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GROUP = "opus"
@@ -220,16 +221,6 @@ def stop_process(proc: subprocess.Popen) -> str:
     return proc.communicate()[0] or ""
 
 
-def wait(what: str, cond, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise TimeoutError(f"{what}: not within {timeout:g} s")
-
-
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """One cut: who led (cut off) and who took the lead, the restart order the new leader
@@ -249,12 +240,13 @@ def cut_trial(setup: CutOff, fabric: Fabric, rnd: random.Random) -> Trial:
     physics = optics.physics if optics is not None else None
     if physics is None or rack is None:
         raise RuntimeError("the emulated opus rig has no OCS or no rack")
-    first = wait("a leader", setup.leader)
+    first = wait_for(setup.leader, "a leader", every=0.02)
     host = setup.hosts[first["name"]]
     host.cut()                                      # it keeps running, alone
     try:
-        now = wait("another replica leading", lambda: (lambda w: w if w and int(w["term"]) >
-                   int(first["term"]) else None)(setup.leader()))
+        now = wait_for(lambda: (lambda w: w if w and int(w["term"]) > int(first["term"])
+                                else None)(setup.leader()), "another replica leading",
+                       every=0.02)
         victim = rnd.choice(list(fabric.rank_map.values()))
         rack.rack.faults.fail_gpu(victim)
         order = fabric.wait_restart(timeout=30)
