@@ -369,6 +369,7 @@ def test_a_standby_works_the_jobs_circuits_out_ahead_and_the_takeover_takes_them
             b.start()
             assert b.warm.ahead.taken == 1 and b.agent.jobs["dp-tp"].rank_map == new_map
             assert b.journal.mirror is None     # (leading, it reads etcd: no copy kept)
+            assert b.warm.journal.mirror.entries_from(b"") is None  # (its reader's: stopped)
             b.close()
             cold = AgentProcess(rig, url, replica="c", timeout=10,
                                 config=dataclasses.replace(rig.agent, work_ahead=False))

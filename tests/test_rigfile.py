@@ -304,3 +304,19 @@ def test_ports_handed_out_are_not_handed_out_again_by_another_process(tmp_path):
     import os
     os.utime(old, (0, 0))                                   # ... long ago
     assert emulated._reserve(port) and not emulated._reserve(port)
+
+
+def test_a_reservation_folder_others_may_write_reserves_nothing(tmp_path, monkeypatch):
+    """RESERVED must be this user's alone: one that others may write (or a link) is not used."""
+    from photonic_testbed.hil.rig import emulated
+    folder = tmp_path / "ports"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setattr(emulated, "RESERVED", folder)
+    assert emulated._reserve(20001) and not emulated._reserve(20001)
+    folder.chmod(0o777)
+    assert emulated._reserve(20001) and emulated._reserve(20001)      # (not used)
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    folder.chmod(0o700)
+    monkeypatch.setattr(emulated, "RESERVED", link)
+    assert emulated._reserve(20002) and emulated._reserve(20002)

@@ -418,7 +418,8 @@ class EtcdJournal(Listeners):
     def stop_following(self) -> None:
         """Read etcd from now on, and drop the copy (a replica that leads: see `started` in
         hil.agent.bus)."""
-        mirror, self.mirror = self.mirror, None
+        with self._lock:
+            mirror, self.mirror = self.mirror, None
         if mirror is not None and self._owns_mirror:
             mirror.close()
 

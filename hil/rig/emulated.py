@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import os
 import pathlib
 import random
 import socket
+import stat
 import tempfile
 import time
 import tomllib
@@ -236,31 +238,41 @@ RESERVED = pathlib.Path(tempfile.gettempdir()) / f"ptb-ports-{os.getuid()}"
 HOLD_S = 600.0
 
 
-def _reserve(port: int) -> bool:
-    """Whether `port` is this process's to hand out: no process of this user was given it in
-    the last HOLD_S (see RESERVED); a machine where the folder cannot be written reserves
-    nothing."""
+def _reserved_folder() -> pathlib.Path | None:
+    """RESERVED, made if need be: a folder of this user's alone (not a link, mode 0700), or None
+    (ports are then not reserved across processes)."""
     try:
         RESERVED.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(RESERVED)
     except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return RESERVED
+
+
+def _reserve(port: int) -> bool:
+    """Whether `port` is this process's to hand out: no process of this user was given it in
+    the last HOLD_S (see RESERVED: the look, the taking back of a stale file and the making of
+    a new one under one lock of the folder); a machine where the folder cannot be used reserves
+    nothing."""
+    folder = _reserved_folder()
+    if folder is None:
         return True
-    path = RESERVED / str(port)
-    for _ in range(2):
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            return True
-        except FileExistsError:
+    path = folder / str(port)
+    try:
+        with open(folder / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if time.time() - path.stat().st_mtime < HOLD_S:
                     return False
-                path.unlink()                   # (stale: whoever unlinks first may take it)
             except FileNotFoundError:
                 pass
-            except OSError:
-                return False
-        except OSError:
+            path.write_bytes(b"")
+            os.utime(path)
             return True
-    return False
+    except OSError:
+        return True
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
