@@ -139,12 +139,12 @@ class Rig:
         """The agent group that manages every GPU of `gpus` (a job's): RigFileError if they
         span groups (a job lives inside one failure domain) or a GPU is not the rig's."""
         switch = {g.name: g.switch for g in self.gpus}
+        owner = {d: n for n, g in self.groups.items() for d in g.devices}
         found: dict[str, list[str]] = {}
         for gpu in gpus:
             if gpu not in switch:
                 raise RigFileError(f"rig {self.name} has no GPU {gpu!r}")
-            group = next((n for n, g in self.groups.items() if switch[gpu] in g.devices), "")
-            found.setdefault(group, []).append(gpu)
+            found.setdefault(owner.get(switch[gpu], ""), []).append(gpu)
         if len(found) > 1:
             raise RigFileError(
                 "a job's GPUs are managed by one agent group, each group its failure domain's: "
