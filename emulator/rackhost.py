@@ -35,6 +35,7 @@ from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.control import ControlError, ControlServer, Peer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
+from photonic_testbed.emulator.slowdown import SlowdownError, Slowdowns
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError
 from photonic_testbed.hil.bus.security import ClientKeys, ServerKeys
@@ -143,6 +144,7 @@ class RackHost:
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
         self._reporter: tuple[threading.Event, threading.Thread] | None = None   # while reporting
+        self.slowdowns: Slowdowns | None = None     # (with the control endpoint's handlers)
         self.job_events: collections.deque[dict] = collections.deque(maxlen=JOB_EVENTS_KEPT)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,6 +164,8 @@ class RackHost:
 
     def close(self) -> None:
         self._stop_job()
+        if self.slowdowns is not None:
+            self.slowdowns.close()          # no process left stopped
         self._stop.set()
         stopped = True
         if self._thread is not None:
@@ -230,14 +234,35 @@ class RackHost:
         on the endpoint's Unix socket), so no process can aim `fail_gpu` at another."""
         self._processes: dict[str, list[tuple[int, str]]] = {}
         self._processes_lock = threading.Lock()
-        fail = control.handlers["fail_gpu"]
+        fail, clear = control.handlers["fail_gpu"], control.handlers["clear_faults"]
+        slow = self.slowdowns = Slowdowns(lambda: self.layout.gpus, self._live_pids)
 
         def fail_and_kill(req: dict) -> Any:
             got = fail(req)
+            slow.end(str(req.get("gpu")))
             killed = self._kill_processes(str(req.get("gpu")))
             return {**got, "killed": killed} if isinstance(got, dict) else got
+
+        def slow_gpu(req: dict) -> dict:
+            args = {k: v for k, v in req.items() if k != "cmd"}
+            try:
+                return slow.slow(**args)
+            except SlowdownError as e:
+                raise ControlError(str(e)) from None
+
+        def clear_all(req: dict) -> Any:
+            slow.close()
+            return clear(req)
         control.register("fail_gpu", fail_and_kill)
+        control.register("slow_gpu", slow_gpu)
+        control.register("slowdowns", lambda req: slow.active())
+        control.register("clear_faults", clear_all)
         control.register_with_peer("register_process", self._register_process)
+
+    def _live_pids(self, gpu: str) -> list[int]:
+        """The processes registered on `gpu` that are still the ones registered."""
+        with self._processes_lock:
+            return [p for p, s in self._processes.get(gpu, ()) if _process_start(p) == s]
 
     def _register_process(self, req: dict, peer: Peer | None) -> dict:
         gpu, pid = req.get("gpu"), req.get("pid")

@@ -70,6 +70,10 @@ def add_parser(sub) -> None:
                    help="the training job: our emulated step loop (default), or a real "
                    "PyTorch job whose failed rank a spare replaces in place (needs torch; "
                    "ptb/demo_torch.py)")
+    p.add_argument("--slow", metavar="GPU[:FACTOR]",
+                   help="with --job torch on lumion: the GPU goes FACTOR times slower (default "
+                   "4) instead of failing; the agent finds it from the ranks' timings and "
+                   "swaps it for a spare at a step boundary (a planned swap)")
     p.add_argument("--secure", action="store_true",
                    help="CurveZMQ on the bus with roles: keys for the agent, the job's tenant, "
                    "the GUI's operator and an observer (WORKDIR/keys, made anew), each process "
@@ -128,6 +132,19 @@ def _gpu_to_fail(rig: str, gpu: str | None) -> str:
     return gpu
 
 
+def slow_argument(text: str) -> tuple[str, float]:
+    """`--slow GPU[:FACTOR]`: the GPU and the factor (4 when left out), checked."""
+    gpu, _, factor = text.partition(":")
+    try:
+        value = float(factor) if factor else 4.0
+    except ValueError:
+        raise CommandFailed(f"--slow {text!r}: the factor after ':' is a number, as in "
+                            "gpu3:2.5") from None
+    if not 1.0 < value <= 20.0:
+        raise CommandFailed(f"--slow {text!r}: the factor must be in (1, 20], not {value:g}")
+    return gpu, value
+
+
 def run(args) -> int:
     if not 0 < args.seconds <= 600:          # also refuses nan
         raise CommandFailed(f"--seconds must be in (0, 600], not {args.seconds:g}")
@@ -141,6 +158,11 @@ def run(args) -> int:
     if args.ha and (args.secure or args.job == "torch" or args.gui or args.keep_open):
         raise CommandFailed("--ha runs the emulated job, headless, without --secure")
     plan = RIG_JOBS[args.rig][0]
+    if args.slow is not None:
+        if args.job != "torch" or args.rig != "lumion" or args.gpu:
+            raise CommandFailed("--slow GPU[:FACTOR] goes with --job torch on --rig lumion "
+                                "(its spares take a slow GPU's place), without --gpu")
+        args.gpu, args.slow = slow_argument(args.slow)
     gpu = _gpu_to_fail(args.rig, args.gpu)
     if args.job == "torch":
         from photonic_testbed.ptb import demo_torch
@@ -288,13 +310,13 @@ def _demo(args, plan: str, gpu: str, stack: Stack, t0: float,
     return code
 
 
-def print_timeline(rows: list[tuple[str, float, str]], t_fail: float) -> None:
+def print_timeline(rows: list[tuple[str, float, str]], t_fail: float,
+                   start: str = "the failure") -> None:
     """A demo's timeline: (what, when, detail) rows in time order, each with its time since the
-    failure and since the row before."""
+    failure (`start`) and since the row before."""
     width = max((len(name) for name, _, _ in rows), default=0) + 2
     print()
-    print("timeline (from the failure; each line: time since the failure, since the line "
-          "before)")
+    print(f"timeline (from {start}; each line: time since {start}, since the line before)")
     last = t_fail
     for name, ts, what in sorted(rows, key=lambda r: r[1]):
         print(f"  {name:<{width}} +{1e3 * (ts - t_fail):8.1f} ms  (+{1e3 * (ts - last):7.1f} "

@@ -26,6 +26,10 @@ from photonic_testbed.ptb.stack import Stack
 
 PLANS = {"lumion": "dp", "opus": "dp-tp"}
 MODEL = ("--width", "64", "--layers", "2", "--batch", "4", "--block", "32")
+# --slow: steps whose compute outweighs their all-reduce, as on GPUs (a slow GPU is late to
+# the collective; with the small model a rank's time goes mostly to gloo's own work, where a
+# slow rank holds up everyone alike)
+SLOW_MODEL = ("--width", "128", "--layers", "2", "--batch", "8", "--block", "64")
 
 
 def check_torch() -> None:
@@ -51,7 +55,8 @@ def demo(args, gpu: str, stack: Stack, t0: float) -> int:
         job_dir = workdir / "torch-job"
         proc = stack.job("--workdir", str(job_dir), "--rig", str(stack.rig_path), "--control",
                          control, "--plan", plan, "--world", "8", "--steps", "1000000",
-                         "--restart-timeout", "10", *MODEL, name="torch-job")
+                         "--restart-timeout", "10",
+                         *(MODEL if args.slow is None else SLOW_MODEL), name="torch-job")
 
         def events():
             return torch_job.read_events(job_dir) if (job_dir / "events").exists() else []
@@ -70,6 +75,8 @@ def demo(args, gpu: str, stack: Stack, t0: float) -> int:
                    "no spare on this rig: no standby"))
         time.sleep(args.seconds)
         stack.check()
+        if args.slow is not None:
+            return _slow(args, gpu, stack, t0, events, agent, gui)
         t_fail = time.time()
         try:
             request(control, {"cmd": "fail_gpu", "gpu": gpu})
@@ -89,6 +96,79 @@ def demo(args, gpu: str, stack: Stack, t0: float) -> int:
     if gui is not None:
         gui.finish(keep_open=args.keep_open)
     return code
+
+
+def _slow(args, gpu: str, stack: Stack, t0: float, events, agent, gui) -> int:
+    """The GPU goes slow; the agent finds it and swaps it at a step boundary: the timeline,
+    the agent's reasons, the stall and the throughput before, while slow and after."""
+    from photonic_testbed.hil.job import torch_job
+    from photonic_testbed.hil.lab.control_client import ControlError, request
+    t_slow = time.time()
+    try:
+        request(stack.control, {"cmd": "slow_gpu", "gpu": gpu, "factor": args.slow,
+                                "period_s": 0.02})
+    except ControlError as e:
+        raise CommandFailed(f"cannot slow {gpu}: {e}") from None
+    say(t0, f"{gpu} goes {args.slow:g}x slower (its rank process stopped and continued by "
+            "the emulator): it does not fail")
+    stack.wait("the planned swap", lambda: any(e["kind"] == "handed_over"
+                                               for e in events()), 300, log="torch-job")
+    time.sleep(max(args.seconds, WINDOW_S))
+    ev = events()
+    state = agent.call("snapshot")["state"]
+    journal = [e for e in state["events"] if e["ts"] >= t_slow]
+
+    def first(kind, **match):
+        return next((e for e in journal if e["kind"] == kind and all(
+            e["details"].get(k) == v for k, v in match.items())), None)
+    hold = next(e for e in ev if e["kind"] == "hold")
+    over = next(e for e in ev if e["kind"] == "handed_over")
+    order = next(e for e in ev if e["kind"] == "order" and e["gen"] == over["gen"])
+    spare = next(g for g in order["rank_map"].values() if g != gpu and g not in next(
+        o for o in ev if o["kind"] == "order")["rank_map"].values())
+    rows = [("slowdown injected", t_slow, f"{gpu} {args.slow:g}x slower")]
+    for entry, name in ((first("slow", action="suspect"), "suspected by the agent"),
+                        (first("slow", action="swap"), "planned swap decided")):
+        if entry:
+            d = entry["details"]
+            rows.append((name, entry["ts"], f"{d.get('ratio', 0):.2f}x, {d.get('steps')} "
+                         f"steps, cost {d.get('lost_s', 0):.2f} s"))
+    held = [e for e in ev if e["kind"] == "held" and e["gen"] == hold["gen"]]
+    rows.append(("hold asked", hold["t"], f"every rank to stop after step {hold['step']}"))
+    if held:
+        rows.append(("every rank held", max(e["t"] for e in held), f"{len(held)} ranks at "
+                     f"step {hold['step']}, nothing in flight"))
+    for kind, name in (("applied", "circuits applied"), ("verified", "verified by light")):
+        entry = first(kind)
+        if entry:
+            rows.append((name, entry["ts"], ""))
+    rows.append(("job's new generation", order["t"], f"generation {order['gen']}: {gpu} -> "
+                 f"{spare}"))
+    step1 = next((e for e in ev if e["kind"] == "step" and e.get("gpu") == spare), None)
+    if step1:
+        rows.append(("first step on the spare", step1["t"], f"step {step1['step']} (none "
+                     "redone)"))
+    print_timeline(rows, t_slow, "the slowdown")
+    why = first("slow", action="swap")
+    if why:
+        print(f"  why: {why['cause']}")
+    print()
+    steps = [e for e in ev if e["kind"] == "step"]
+    t_first = min(e["t"] for e in steps)
+    t_end = max(e["t"] for e in steps)
+    before = torch_job.steps_per_s(ev, max(t_first, t_slow - WINDOW_S), t_slow)
+    during = torch_job.steps_per_s(ev, t_slow, hold["t"])
+    after = torch_job.steps_per_s(ev, step1["t"] if step1 else t_end, t_end)
+    print(f"throughput: {before:.2f} steps/s before, {during:.2f} while {gpu} was slow, "
+          f"{after:.2f} after the swap")
+    print(f"stall the job saw at the swap: {1e3 * over['stall_s']:.0f} ms beyond a step "
+          f"({1e3 * over['step_s']:.0f} ms)")
+    ok = gpu not in state["rank_map"].values() and spare in state["rank_map"].values()
+    print("demo " + (f"succeeded: {gpu} was found slow and {spare} took its rank at a step "
+                     "boundary" if ok else "FAILED: the slow GPU was not swapped"))
+    if gui is not None:
+        gui.finish(keep_open=args.keep_open)
+    return 0 if ok else 1
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:

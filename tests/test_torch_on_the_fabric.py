@@ -20,9 +20,10 @@ pytest.importorskip("torch")
 from test_torch_job import events_of, finish, launch  # noqa: E402
 
 from photonic_testbed.emulator.control import request  # noqa: E402
+from photonic_testbed.hil.agent.entries import Slow  # noqa: E402
 from photonic_testbed.hil.bus.client import ServiceClient  # noqa: E402
 from photonic_testbed.hil.job import torch_job  # noqa: E402
-from photonic_testbed.ptb.bench.measure import agent_stack  # noqa: E402
+from photonic_testbed.ptb.bench.measure import agent_stack, journal_reader  # noqa: E402
 
 SMALL = ("--width", "32", "--batch", "2", "--block", "16", "--layers", "1")
 TIMEOUT_S = 600
@@ -119,6 +120,11 @@ def test_lumion_swap_second_failure_spare_lost_mid_swap_then_seven_ranks(tmp_pat
         check_audits(ev, failures)
         loss = [e["loss"] for e in ev if e["kind"] == "step" and e["gpu"] == "gpu0"]
         assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.3, loss
+        # no GPU was slow: the ranks' timings (sent all along, on a machine the suite keeps
+        # busy) made the agent suspect none
+        assert any(e["kind"] == "step" for e in ev)
+        with journal_reader(stack) as j:
+            assert [e for e in j.entries() if isinstance(e.details, Slow)] == []
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -266,8 +266,7 @@ class Agent:
     def _choose(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None
                 ) -> RankMap:
         old = self.jobs.get(name)
-        return self.pool.choose(name, plan, rank_map,
-                                None if old is None else list(old.rank_map.values()))
+        return self.pool.choose(name, plan, rank_map, old.gpus() if old else None)
 
     def _reserve(self, name: str, plan: JobPlan, rank_map: Mapping[int, str] | None,
                  links: int) -> tuple[RankMap, list[str]]:
@@ -546,22 +545,23 @@ class Agent:
         with self._lock:
             return self.diagnosis.diagnose(dark, cause)
 
-    def swap_out(self, gpu: str, cause: str = "manual swap") -> SwapOutcome | None:
-        """An operator swaps `gpu` out now: it is replaced as if it had failed, and stays out
-        of the spares for the quarantine."""
+    def swap_out(self, gpu: str, cause: str = "manual swap", why: str = "",
+                 among: Collection[str] = ()) -> SwapOutcome | None:
+        """An operator (a planned swap: `why`, to one of `among` if free) swaps `gpu` out now:
+        it is replaced as if it had failed, and stays out of the spares for the quarantine."""
         with self._lock:
             if gpu not in self.layout.gpus:
-                raise AgentError(f"no GPU {gpu!r} in the rack; it has "
-                                 f"{', '.join(self.layout.gpus)}")
+                raise AgentError(f"no GPU {gpu!r} in the rack: {', '.join(self.layout.gpus)}")
             job = self.holder(gpu)
             if job is None:
                 raise AgentError(f"{gpu} holds no rank: there is nothing to swap")
-            self.journal.record(Detected(gpu=gpu), f"operator asked to swap {gpu} out")
+            self.journal.record(Detected(gpu=gpu), why or f"operator asked to swap {gpu} out")
             self.pool.hold_out(gpu)
-            return self._failover(job, [gpu], cause)
+            return self._failover(job, [gpu], cause, among)
 
-    def _failover(self, job: Job, failed: list[str], cause: str) -> SwapOutcome | None:
-        return self.failover.run(job, failed, cause, name_job=len(self.jobs) > 1)
+    def _failover(self, job: Job, failed: list[str], cause: str, among: Collection[str] = ()
+                  ) -> SwapOutcome | None:
+        return self.failover.run(job, failed, cause, name_job=len(self.jobs) > 1, among=among)
 
     def _announce(self, job: Job, cause: str, restart: bool = True,
                   changed: RankMap | None = None) -> None:

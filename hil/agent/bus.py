@@ -12,7 +12,8 @@
   goes to `on_health`) and every switch's service (circuits changed behind the agent are put
   back: `Agent.on_switches`).
 - The job (through `hil.job.fabric_client.Fabric`): requests `admit`, `phase` (answered once the
-  circuits are up: the answer is the grant), `job_failure`.
+  circuits are up: the answer is the grant), `job_failure`; `job_timings` and `handover`
+  (`hil.agent.gray`: a GPU found slow from the ranks' timings, swapped at a step boundary).
 - Its own state, published as device `agent` with `Server` (docs/agent.md "On the bus"):
   rack, rank_map, phase, events (the last 200 journal entries), alarms, and `restart`
   (the job's restart orders). Operator ops: `swap` `{"gpu": name}`, and the manual changes
@@ -59,6 +60,7 @@ from photonic_testbed.hil.agent.entries import (
 )
 from photonic_testbed.hil.agent.etcd_journal import EtcdJournal
 from photonic_testbed.hil.agent.events import NoEvents
+from photonic_testbed.hil.agent.gray import GrayWatch
 from photonic_testbed.hil.agent.journal import Entry, Journal, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
 from photonic_testbed.hil.agent.policies import RankMap
@@ -340,7 +342,8 @@ class AgentProcess(NoEvents):
                                        self.timeout)
         agent = self._agent = Agent(layout, self.switches, self.journal, self._received.read,
                                     config=self.config, events=self)
-        self._owners = JobOwners(agent)
+        owners = self._owners = JobOwners(agent)
+        gray = GrayWatch(agent, lambda job, what: owners.job_of(self.server.caller, job, what))
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
                                               self.term, guard=self._guard)
         agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
@@ -355,7 +358,7 @@ class AgentProcess(NoEvents):
             handlers={"swap": self._swap, "describe": self._describe, "admit": self._admit,
                       "phase": self._phase, "job_failure": self._job_failure,
                       "rejoin": self._rejoin, "release": self._release,
-                      "phase_done": self._phase_done,
+                      "phase_done": self._phase_done, **gray.handlers(),
                       "job_report": self._job_report, "relay_ping": self._relay_ping,
                       "manual_circuits": lambda a: manual.circuits(self.server.caller, a),
                       "manual_heaters": lambda a: manual.heaters(self.server.caller, a),

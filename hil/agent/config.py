@@ -76,6 +76,17 @@ class AgentConfig:
         True, "--work-ahead", "a standby replica works its jobs' circuits out from the journal "
         "it follows as it changes, not once it takes the lead",
         "true or false", lambda v: isinstance(v, bool))
+    gray_swaps: bool = _setting(
+        True, "--gray-swaps", "swap a GPU found slow for a spare at the job's next step "
+        "boundary, once the slowness has cost what the swap costs (hil/agent/gray.py)",
+        "true or false", lambda v: isinstance(v, bool))
+    gray_above: int = _setting(
+        23, "--gray-above", "of the last 24 steps, in how many a GPU computed longer than the "
+        "job's median makes it a suspect (a healthy GPU: about half)",
+        "a whole number 13..24", lambda v: _count(v) and 13 <= v <= 24)
+    gray_swap_cost_s: float = _setting(
+        0.2, "--gray-swap-cost", "seconds a planned swap is taken to cost the job until one "
+        "is measured", "a number of seconds >= 0", lambda v: _number(v) and v >= 0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -218,6 +218,19 @@ class Note(Details):
     rejoin: dict[str, Any] | None = None      # a job's rejoin request, as it came
 
 
+class Slow(Details):
+    """A GPU of a job computes slower than its peers (hil.agent.gray): a `suspect`, then what
+    was decided: a planned `swap`, or none (`no spare`, `watch`: planned swaps are off)."""
+    kind: ClassVar[str] = "slow"
+    action: str                      # (no default: written in every entry)
+    job: str | None = None
+    gpu: str = ""
+    ratio: float | None = None       # the job's step over its step without this GPU
+    steps: int | None = None         # steps since the slowness began
+    lost_s: float | None = None      # the job's time it cost since
+    price_s: float | None = None     # a planned swap's cost, as last measured
+
+
 class Loopback(Details):
     """A loopback test: whether each GPU hears its own light through the switch."""
     kind: ClassVar[str] = "diagnosis"
@@ -233,7 +246,7 @@ class Unread(Details):
 AnyDecision = Admit | Swap | Release | Manual | PhaseIntent
 _TYPES: dict[str, type[Details]] = {t.kind: t for t in (
     Start, JobFailure, Detected, Decision, Applied, Verified, VerifyFailed, RankMapAnnounced,
-    RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback)}
+    RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback, Slow)}
 KINDS = tuple(_TYPES)                # what the agent writes, in this order; the GUI filters on it
 
 

@@ -12,7 +12,7 @@ its new rank map last (`announce`), once the journal holds everything before it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from photonic_testbed.common.jobplan import round_robin_matchings
 from photonic_testbed.common.rack_layout import RackLayout
@@ -113,10 +113,11 @@ class Failover:
                 break
         return out
 
-    def run(self, job: Job, failed: list[str], cause: str, *, name_job: bool = False
-            ) -> SwapOutcome | None:
+    def run(self, job: Job, failed: list[str], cause: str, *, name_job: bool = False,
+            among: Collection[str] = ()) -> SwapOutcome | None:
         """Replace `job`'s `failed` GPUs (those it holds); None when it holds none of them.
-        `name_job`: the cause names the job (several jobs share the rack)."""
+        `name_job`: the cause names the job (several jobs share the rack). `among`: the spares
+        to choose from while any of them is free (where the job keeps a warm standby)."""
         failed = [g for g in failed if self.pool.holder(g) == job.name]
         if not failed:
             return None
@@ -127,8 +128,10 @@ class Failover:
         if name_job:
             cause = f"{job.name}: {cause}"
         while True:
+            free = self.pool.spares()
             swaps, left = policies.choose_spares(
-                failed, self.pool.spares(), lambda f, s: self.cost(job, f, s),
+                failed, [g for g in free if g in among] or free,
+                lambda f, s: self.cost(job, f, s),
                 lambda f, s: job.circuits.feasible({f: s}))
             if left and self.layout.servers:
                 moved = self.server_swaps(job, left, swaps)

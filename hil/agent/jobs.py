@@ -44,6 +44,10 @@ class Job:
     ready: Key | None = None        # the phase set up ahead, while the job computed
     owner: str | None = None        # the key that admitted it (None: no key's)
 
+    def gpus(self) -> list[str]:
+        """The GPUs its ranks are on."""
+        return list(self.rank_map.values())
+
     def next_key(self, key: Key) -> Key:
         """The (phase, round) a step runs after `key` (the first again after the last)."""
         keys = list(self.circuits.targets)

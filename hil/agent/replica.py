@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 # what an agent answers (its server's handlers in hil.agent.bus)
 AGENT_OPS = ("swap", "admit", "phase", "job_failure", "rejoin", "release", "phase_done",
-             "job_report", "relay_ping", "manual_circuits", "manual_heaters", "manual_laser")
+             "job_report", "relay_ping", "manual_circuits", "manual_heaters", "manual_laser",
+             "job_timings", "handover")
 
 
 def device_name(leadership: Leadership | None) -> str:

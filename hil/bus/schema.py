@@ -235,6 +235,29 @@ class GpuArgs(Args):
     gpu: Name
 
 
+Seconds = Annotated[float, _meta(ge=0.0, le=1e6)]
+# a rank's step: (its GPU, the job's generation, the step, seconds computing, seconds waiting)
+StepTiming = tuple[Name, Annotated[int, _meta(ge=0)], Annotated[int, _meta(ge=0)], Seconds,
+                   Seconds]
+MAX_TIMINGS = 16384
+
+
+class JobTimings(Args):
+    """Each rank's time per step, computing and waiting in collectives (hil/agent/gray.py),
+    and the stall of the job's last planned swap as it measured it."""
+    job: Name | None = None
+    rows: Annotated[list[StepTiming], _meta(max_length=MAX_TIMINGS)] = []
+    swap_stall_s: Seconds | None = None
+
+
+class Handover(Args):
+    """The job stands at a step boundary: swap the GPU the agent decided to, for one of `warm`
+    (where the job keeps a warm standby) while any of them is a free spare."""
+    gpu: Name
+    job: Name | None = None
+    warm: Annotated[list[Name], _meta(max_length=MAX_TIMINGS)] = []
+
+
 class ManualCircuits(Args):
     """An operator's circuits on one switch, the agent's part of its own beside the jobs':
     `connect` adds (or moves) circuits, `disconnect` takes the circuits of these inputs down."""
@@ -360,6 +383,11 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
               roles=JOB_OWNER),
     Operation("job_report", JobReport, False, "a job's own state, step, throughput, loss",
               roles=JOB_OWNER),
+    Operation("job_timings", JobTimings, False, "a job's per-rank compute and wait times; "
+              "the answer names a GPU to hand over when the agent decided a planned swap",
+              roles=JOB_OWNER),
+    Operation("handover", Handover, False, "a job at a step boundary: the GPU the agent "
+              "decided to swap is swapped now (its restart order follows)", roles=JOB_OWNER),
     Operation("manual_circuits", ManualCircuits, False, "an operator's circuits on a switch, "
               "journaled and kept by the agent beside the jobs' (ports no job holds)"),
     Operation("manual_heaters", ManualHeaters, False, "an operator's heater volts, journaled "

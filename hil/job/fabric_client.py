@@ -221,6 +221,19 @@ class Fabric:
         self._call("job_report", job=self.job, state=state, step=int(step),
                    throughput=throughput, loss=loss, detail=str(detail))
 
+    def timings(self, rows: list, swap_stall_s: float | None = None) -> dict | None:
+        """Each rank's step timings, `(gpu, generation, step, compute_s, wait_s)` rows
+        (hil.agent.gray), and the stall of the last planned swap as measured; the answer's
+        `handover` names a GPU the agent decided to swap at the next step boundary (or None)."""
+        got = self._call("job_timings", job=self.job, rows=[list(r) for r in rows],
+                         swap_stall_s=swap_stall_s)
+        return got.get("handover") if isinstance(got, dict) else None
+
+    def handover(self, gpu: str, warm: list[str] | tuple[str, ...] = ()) -> dict:
+        """The job stands at a step boundary: the agent swaps `gpu` now, for one of `warm` (its
+        warm standbys) if it can (its restart order follows, as after a failure)."""
+        return self._call("handover", job=self.job, gpu=gpu, warm=list(warm))
+
     def release(self) -> dict:
         """The job is done: its GPUs and circuits go back to the rack."""
         return self._call("release", job=self.job)

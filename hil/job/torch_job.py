@@ -38,12 +38,14 @@ from typing import Any
 
 from photonic_testbed.common import nesting
 from photonic_testbed.common.jobplan import JobPlan, PlanError, dp_ring, dp_tp
+from photonic_testbed.hil.job.handover import Handovers
 from photonic_testbed.hil.lab import control_client
 from photonic_testbed.hil.lab.control_client import ControlError, ControlTimeout
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005
+READ_S = 0.02               # the ranks' event files are read this often
 STANDBY_STARTS = 3          # a GPU whose standby failed to start this often gets no more
 DONE, STOPPED, SWAPPED_OUT, LOST_STATE = 0, 3, 4, 5      # the rank processes' exit codes
 PLANS = ("dp", "dp-tp")
@@ -154,24 +156,15 @@ def read_events(workdir: str | os.PathLike) -> list[dict]:
     return sorted(out, key=lambda e: e["t"])
 
 
-class Progress:
-    """What the job is doing, on the launcher's standard output while it runs: a line when rank
-    processes come up, at each new generation (a swap), and every `every_s` the step, the loss
-    (mean over the ranks' latest) and the steps a second. It reads the processes' event files
-    from where it left them, so a line costs what was written since the last."""
+class EventTail:
+    """The job's event files read from where the last read left them: a read costs what was
+    written since (a line still being written is left for the next)."""
 
-    def __init__(self, workdir: pathlib.Path, every_s: float, clock=time.monotonic):
-        self.folder = workdir / "events"
-        self.every_s = every_s
-        self.clock = clock
+    def __init__(self, folder: pathlib.Path):
+        self.folder = folder
         self._offsets: dict[pathlib.Path, int] = {}
-        self._loss: dict[int, float] = {}        # rank -> its latest step's loss
-        self._ready: set[str] = set()
-        self.step = 0
-        self._last: tuple[float, int] | None = None   # (when the last line was, the step then)
-        self.started = clock()
 
-    def _new_events(self) -> list[dict]:
+    def new(self) -> list[dict]:
         out = []
         for path in sorted(self.folder.glob("*.jsonl")):
             at = self._offsets.get(path, 0)
@@ -181,7 +174,7 @@ class Progress:
                     chunk = f.read()
             except OSError:
                 continue
-            whole = chunk[:chunk.rfind(b"\n") + 1]       # a line still being written: later
+            whole = chunk[:chunk.rfind(b"\n") + 1]
             self._offsets[path] = at + len(whole)
             for line in whole.decode("utf-8", "replace").splitlines():
                 try:
@@ -190,10 +183,33 @@ class Progress:
                     continue
         return out
 
+
+class Progress:
+    """What the job is doing, on the launcher's standard output while it runs: a line when rank
+    processes come up, at each new generation (a swap), and every `every_s` the step, the loss
+    (mean over the ranks' latest) and the steps a second. It reads the processes' event files
+    from where it left them, so a line costs what was written since the last."""
+
+    def __init__(self, workdir: pathlib.Path, every_s: float, clock=time.monotonic):
+        self.tail = EventTail(workdir / "events")
+        self.every_s = every_s
+        self.clock = clock
+        self.also: list = []          # more readers of the new events (Handovers.absorb)
+        self._read = float("-inf")
+        self._loss: dict[int, float] = {}        # rank -> its latest step's loss
+        self._ready: set[str] = set()
+        self.step = 0
+        self._last: tuple[float, int] | None = None   # (when the last line was, the step then)
+        self.started = clock()
+
     def tick(self, say=print) -> None:
+        now = self.clock()
+        if now - self._read < READ_S:
+            return
+        self._read = now
+        self._absorb(say)
         if self.every_s <= 0:
             return
-        self._absorb(say)
         now = self.clock()
         if self._last is None:
             if self._loss:
@@ -206,7 +222,12 @@ class Progress:
             self._line(now, t0, step0, say)
 
     def _absorb(self, say) -> None:
-        for e in self._new_events():
+        fresh = self.tail.new()
+        for f in self.also:
+            f(fresh)
+        if self.every_s <= 0:
+            return
+        for e in fresh:
             if e["kind"] == "step":
                 self.step = max(self.step, int(e["step"]))
                 self._loss[int(e["rank"])] = float(e["loss"])
@@ -224,9 +245,9 @@ class Progress:
 
     def final(self, what: str = "", say=print) -> None:
         """The last lines: where the job got to, and (`what`) how it ended."""
+        self._absorb(say)
         if self.every_s <= 0:
             return
-        self._absorb(say)
         if self._loss and self._last is not None:
             self._line(self.clock(), *self._last, say)
         if what:
@@ -282,6 +303,8 @@ class Controller:
         self.stopped: str | None = None
         self.interrupted = threading.Event()   # SIGTERM/SIGINT: stop the job cleanly
         self.progress = Progress(self.workdir, options.progress_s)
+        self.lock = threading.Lock()
+        self.handovers: Handovers | None = None     # with the agent: planned swaps
         self._logs: list = []
 
     # --- generations ------------------------------------------------------------------------
@@ -295,6 +318,8 @@ class Controller:
                           rank_map={str(r): g for r, g in rank_map.items()})
         log.info("generation %d: %s (%s)", self.gen, rank_map, cause)
         self.progress.order(self.gen, rank_map, cause)
+        if self.handovers is not None:
+            self.handovers.ordered(self.gen)
 
     def _publish_stop(self, reason: str) -> None:
         self.gen += 1
@@ -319,10 +344,16 @@ class Controller:
         if self.opt.standalone:
             return [f"spare{i}" for i in range(self.opt.standbys)]
         state = self.agent_state.states().get("agent", {}) if self.agent_state else {}
+        may = set(state.get("spares") or ())     # (not one held out: swapped out for slowness)
         free = [g for g in state.get("rack", ())
-                if g.get("rank") is None and g.get("health") == "ok"]
+                if g.get("rank") is None and g.get("health") == "ok" and g.get("name") in may]
         free.sort(key=lambda g: g.get("role") != "spare")
         return [g["name"] for g in free][:self.opt.standbys]
+
+    def warm_standbys(self) -> list[str]:
+        """The GPUs where a standby process runs now (no rank: ready to take one)."""
+        ranked = set(self.rank_map.values())
+        return [g for g, p in list(self.procs.items()) if g not in ranked and p.poll() is None]
 
     def _ensure(self) -> None:
         for gpu in self.rank_map.values():
@@ -425,6 +456,10 @@ class Controller:
             self._publish(rank_map, f"job {self.plan.name} admitted")
             if self.opt.torchrun:
                 return self._run_torchrun()
+            if self.fabric is not None:
+                self.handovers = Handovers(self)
+                self.progress.also.append(self.handovers.absorb)
+                self.handovers.start()
             self._ensure()
             while True:
                 self._reap()
@@ -432,6 +467,8 @@ class Controller:
                     self._standalone_orders()
                 else:
                     self._agent_orders()
+                if self.handovers is not None:
+                    self.handovers.poll()
                 if self.rank_map and all(g in self.done for g in self.rank_map.values()):
                     self._finish("job done")
                     self.events.write("done", gen=self.gen)
@@ -488,6 +525,8 @@ class Controller:
         return STOPPED
 
     def _close(self) -> None:
+        if self.handovers is not None:
+            self.handovers.close()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()

@@ -213,6 +213,7 @@ class Worker:
         self.completed = 0               # steps whose update this process's state holds
         self.granted: tuple[str, int] | None = None
         self._barriers = 0
+        self.hold_at: tuple[int, int] | None = None   # (generation, step): stop there
 
     # --- set-up -----------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -266,6 +267,30 @@ class Worker:
             with self._lock:
                 self.newest = max(self.newest, n)
             self._wake.set()
+
+    def _watch_hold(self, g: int) -> None:
+        """Wait for the controller to name the step at which generation g stops (a planned
+        swap: every rank holds at that step boundary until the next generation)."""
+        client = store_client(*self.spec.store)
+        try:
+            client.wait([f"pg{g}/hold"])
+            at = int(client.get(f"pg{g}/hold"))
+        except (DistError, ValueError) as e:
+            log.warning("generation %d's hold not read: %s", g, e)
+            return
+        with self._lock:
+            self.hold_at = (g, at)
+        self._wake.set()
+
+    def _hold(self) -> None:
+        """At a step boundary of a planned swap: no collective in flight, the state is that of
+        the last completed step; wait for the next generation (raises Aborted when it comes)."""
+        self.events.write("held", gen=self.gen, rank=self.rank, step=self.completed)
+        self.store.add(f"pg{self.gen}/held", 1)      # (the controller's key, no prefix)
+        while True:
+            self._wake.clear()
+            self._check(f"the hold at step {self.completed}")
+            self._wake.wait(1.0)
 
     def _check(self, what: str) -> None:
         if self._stop.is_set():
@@ -403,6 +428,8 @@ class Worker:
             return out
         self.groups = self._in_thread(groups, f"generation {g}'s groups")
         self._graveyard.append(self.groups)
+        threading.Thread(target=self._watch_hold, args=(g,), name=f"hold{g}",
+                         daemon=True).start()
         self.model.link.allreduce = self._tp_allreduce
         t1 = time.time()
         self.events.write("rebuilt", gen=g, seconds=t1 - t0)
@@ -525,6 +552,9 @@ class Worker:
     def _train(self) -> None:
         while self.completed < self.spec.steps:
             self._check("training")
+            hold = self.hold_at
+            if hold is not None and hold[0] == self.gen and self.completed >= hold[1]:
+                self._hold()
             self._step()
 
     def _finish(self) -> None:
@@ -605,6 +635,30 @@ class TorchrunWorker(Worker):
             if self.fabric is not None:
                 self.fabric.close()
         return DONE
+
+    def _watch_hold(self, g: int) -> None:
+        """Wait for the controller to name the step at which generation g stops (a planned
+        swap: every rank holds at that step boundary until the next generation)."""
+        client = store_client(*self.spec.store)
+        try:
+            client.wait([f"pg{g}/hold"])
+            at = int(client.get(f"pg{g}/hold"))
+        except (DistError, ValueError) as e:
+            log.warning("generation %d's hold not read: %s", g, e)
+            return
+        with self._lock:
+            self.hold_at = (g, at)
+        self._wake.set()
+
+    def _hold(self) -> None:
+        """At a step boundary of a planned swap: no collective in flight, the state is that of
+        the last completed step; wait for the next generation (raises Aborted when it comes)."""
+        self.events.write("held", gen=self.gen, rank=self.rank, step=self.completed)
+        self.store.add(f"pg{self.gen}/held", 1)      # (the controller's key, no prefix)
+        while True:
+            self._wake.clear()
+            self._check(f"the hold at step {self.completed}")
+            self._wake.wait(1.0)
 
     def _check(self, what: str) -> None:
         if self._stop.is_set():

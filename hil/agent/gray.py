@@ -1,0 +1,249 @@
+"""Gray failures: a GPU that goes slow without failing, found from the job's own timings and
+replaced by a planned swap at a step boundary, when that costs less than the slowness.
+
+A data-parallel step is as slow as its slowest rank: the others wait for it in the gradient
+all-reduce. The job sends the agent each rank's seconds a step computing and waiting in
+collectives (`job_timings`). Whatever makes a GPU late (its kernels slower, its process held
+between steps, its part of a collective slower), the sign is the same: it waits less than its
+peers, who wait for it. A whole job that gets slower (a bigger batch, a loaded host) moves
+every rank together: nobody waits for anyone more than before, nothing is done.
+
+Detection is an online change test per GPU that a loaded CPU cannot fool: each step, every
+GPU's wait is compared with the job's median wait for that step. A healthy GPU waits less than
+the median in half of the steps, whatever the load does to all of them (the ranks are alike); a
+slow one in nearly every step. Over the last WINDOW steps a GPU is a suspect when it waited
+less in at least ABOVE of them (a sign test: a healthy GPU does so by chance with probability
+about 1.5e-6 per window), or, for a milder slowdown, in LONG_ABOVE of the last LONG steps
+(about 5e-4), and when it made the job's steps at least MIN_RATIO longer than they would be
+without it (the step's time over the step less what the others waited for it; median over the
+window): a real slowdown, not a GPU a hair slower than its peers. The sign test ignores how far
+one step is off, so one rank descheduled for a step counts no more than a step of a slow GPU.
+In tests/test_gray.py's noise (25-35 % a step, stalls, the whole job slowing), a 2x GPU is
+found in 17-50 steps, a 1.5x one in 20-80, a 1.25x one in 22-250, a 1.2x one within 600 steps
+in 19 runs of 20; no healthy step of 120,000 makes a suspect, even at 55 % a step (the ranks of
+the PyTorch job, 8 on 2 CPU cores beside two CPU-bound processes, vary by 13 % a step).
+
+Acting is decided as a ski rental: the time the slowness has cost since its onset (what the
+others waited for it, summed over the steps) is the rent; the planned swap's stall, as last
+measured (the job reports each one), is the price. Once the rent paid reaches the price, and a
+spare is there, the agent decides to swap: it journals why (`Slow` entries: the suspect, then the
+decision or why not) and answers the job's next report with a `handover`. The job brings its
+ranks to a step boundary, then asks `handover` for that GPU: the failover runs then (circuits
+changed and verified while no collective is in flight), and the restart order starts the
+generation in which the spare holds the rank. The slow GPU stays out of the spares for the
+quarantine, as a failed one.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from photonic_testbed.hil.agent.entries import Slow
+
+if TYPE_CHECKING:
+    from photonic_testbed.hil.agent.agent import Agent
+
+log = logging.getLogger(__name__)
+
+WINDOW, ABOVE = 24, 23     # waited less than the step's median in ABOVE of WINDOW steps
+LONG, LONG_ABOVE = 96, 64  # or in LONG_ABOVE of the last LONG steps (a milder slowdown)
+MIN_RATIO = 1.1            # a suspect made the job's steps this much longer, at least
+MAX_RATIO = 100.0
+MIN_RANKS = 3              # fewer ranks give no median to judge one by
+KEPT_STEPS = 64            # steps waiting for their last rank's row, at most
+STALLS_KEPT = 5            # the price of a swap: the worst of the last few measured
+
+
+class GrayError(ValueError):
+    """A handover asked of a GPU the agent has not decided to swap."""
+
+
+def _kept() -> deque:
+    return deque(maxlen=LONG)
+
+
+@dataclass
+class _Gpu:
+    below: deque = field(default_factory=_kept)      # 1: waited less than the step's median
+    ratios: deque = field(default_factory=_kept)     # the job's step over the step without it
+    late: deque = field(default_factory=_kept)       # seconds the others waited for it
+    waits: deque = field(default_factory=_kept)
+    peers_wait: deque = field(default_factory=_kept)
+    lost_s: float = 0.0         # the job's time it cost since it became a suspect
+    steps: int = 0              # steps since then (the window's included)
+    said: str = ""              # the last action journaled for it
+
+
+@dataclass
+class Verdict:
+    """What one step's timings made of a GPU: a suspect, and whether to swap it now."""
+    gpu: str
+    ratio: float           # the job's step over the step it would take without it
+    steps: int             # steps since the onset
+    below: int             # steps of the window it waited less than the median in
+    lost_s: float
+    wait_s: float          # its median wait in collectives, recent steps
+    peers_wait_s: float    # the job's median wait, the same steps
+    window: int = WINDOW
+
+    def why(self, price_s: float) -> str:
+        return (f"the job waits for {self.gpu} in its collectives: it waits "
+                f"{self.wait_s * 1e3:.0f} ms a step where the job waits "
+                f"{self.peers_wait_s * 1e3:.0f} ms, less than the job in {self.below} of the "
+                f"last {self.window} steps (a healthy GPU: half); its steps take "
+                f"{self.ratio:.2f}x what they would without it: this GPU is slow, not the job; "
+                f"it has cost "
+                f"{self.lost_s:.2f} s since its onset, against "
+                f"{price_s:.3f} s for a planned swap")
+
+
+class Detector:
+    """The change test of one job's GPUs (no I/O: rows in, verdicts out)."""
+
+    def __init__(self, above: int = ABOVE):
+        self.needed = above
+        self.gpus: dict[str, _Gpu] = {}
+        self._steps: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}
+
+    def feed(self, rows: Iterable[Sequence[Any]], members: Sequence[str]) -> list[Verdict]:
+        """Rows `(gpu, generation, step, compute_s, wait_s)` of the GPUs in `members` (the
+        job's rank map now; others' rows are dropped); a verdict for each suspect of each
+        step that every member has reported."""
+        out: list[Verdict] = []
+        want = set(members)
+        for name in [g for g in self.gpus if g not in want]:
+            del self.gpus[name]               # swapped out: its series ends
+        for gpu, gen, step, compute, wait in rows:
+            if gpu in want:
+                self._steps.setdefault((int(gen), int(step)), {})[gpu] = (float(compute),
+                                                                         float(wait))
+        for key in sorted(self._steps):
+            got = self._steps[key]
+            if want <= set(got):
+                del self._steps[key]
+                out += self._judge({g: got[g] for g in want})
+        while len(self._steps) > KEPT_STEPS:         # a rank's rows never came: let go
+            del self._steps[min(self._steps)]
+        return out
+
+    def _judge(self, step: dict[str, tuple[float, float]]) -> list[Verdict]:
+        if len(step) < MIN_RANKS:
+            return []
+        waits = {g: w for g, (_, w) in step.items()}
+        median_wait = statistics.median(waits.values())
+        took = statistics.median(c + w for c, w in step.values())    # the job's step
+        if not took > 0:
+            return []
+        out = []
+        for gpu, wait in waits.items():
+            s = self.gpus.setdefault(gpu, _Gpu())
+            late = median_wait - wait           # what the others waited for it, this step
+            s.below.append(1 if wait < median_wait else 0)
+            s.ratios.append(took / max(took - late, took / MAX_RATIO))
+            s.late.append(late)
+            s.waits.append(wait)
+            s.peers_wait.append(median_wait)
+            n = self._window(s)
+            if n is None:
+                if s.steps:
+                    s.lost_s, s.steps, s.said = 0.0, 0, ""
+                continue
+            tail = slice(len(s.below) - n, None)
+            if s.steps == 0:                   # the window's cost is the rent paid so far
+                s.lost_s = sum(max(0.0, x) for x in list(s.late)[tail])
+                s.steps = n
+            else:
+                s.lost_s += max(0.0, late)
+                s.steps += 1
+            out.append(Verdict(gpu, statistics.median(list(s.ratios)[tail]), s.steps,
+                               sum(list(s.below)[tail]), s.lost_s,
+                               statistics.median(list(s.waits)[tail]),
+                               statistics.median(list(s.peers_wait)[tail]), window=n))
+        return out
+
+    def _window(self, s: _Gpu) -> int | None:
+        """The window (steps) over which `s` is a suspect, short first; None: it is not."""
+        for n, needed in ((WINDOW, self.needed), (LONG, LONG_ABOVE)):
+            if len(s.below) >= n and sum(list(s.below)[-n:]) >= needed and \
+                    statistics.median(list(s.ratios)[-n:]) >= MIN_RATIO:
+                return n
+        return None
+
+
+class GrayWatch:
+    """The agent's side: each job's detector, the ski-rental decision, the journal, and the
+    `job_timings` / `handover` operations (their callers checked by `job_of`)."""
+
+    def __init__(self, agent: Agent, job_of: Callable[[str | None, str], str | None]):
+        self.agent = agent
+        self.job_of = job_of
+        self.detectors: dict[str, Detector] = {}
+        self.decided: dict[str, tuple[str, str]] = {}     # job -> (gpu, why) to hand over
+        self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)
+
+    @property
+    def price_s(self) -> float:
+        """A planned swap's cost: the worst of the last stalls measured, or the setting."""
+        return max(self.stalls) if self.stalls else self.agent.config.gray_swap_cost_s
+
+    def handlers(self) -> dict[str, Callable[[Any], dict]]:
+        return {"job_timings": self.timings, "handover": self.handover}
+
+    def timings(self, args: Any) -> dict:
+        job = self.agent.job(self.job_of(args.job, "report the timings of"))
+        if args.swap_stall_s is not None:
+            self.stalls.append(float(args.swap_stall_s))
+        det = self.detectors.setdefault(job.name, Detector(self.agent.config.gray_above))
+        members = [g for _, g in sorted(job.rank_map.items())]
+        for v in det.feed(args.rows, members):
+            self._consider(job.name, det, v)
+        got = self.decided.get(job.name)
+        if got is not None and got[0] not in job.rank_map.values():
+            del self.decided[job.name]          # (swapped out by a failure meanwhile)
+            got = None
+        return {"job": job.name, "handover": {"gpu": got[0], "why": got[1]} if got else None}
+
+    def _consider(self, job: str, det: Detector, v: Verdict) -> None:
+        s = det.gpus[v.gpu]
+        why = v.why(self.price_s)
+        record = self.agent.journal.record
+        if s.said == "":
+            s.said = "suspect"
+            record(Slow(job=job, gpu=v.gpu, action="suspect", ratio=round(v.ratio, 3),
+                        steps=v.steps, lost_s=round(v.lost_s, 4)), why)
+        if job in self.decided or v.lost_s < self.price_s:
+            return
+        if not self.agent.config.gray_swaps:
+            action, text = "watch", f"{why}; planned swaps are off (--gray-swaps false)"
+        elif not self.agent.spares():
+            action, text = "no spare", f"{why}; no spare to take its place: the job runs slow"
+        else:
+            action, text = "swap", f"{why}: a planned swap at the job's next step boundary"
+            self.decided[job] = (v.gpu, text)
+        if s.said != action:
+            s.said = action
+            record(Slow(job=job, gpu=v.gpu, action=action, ratio=round(v.ratio, 3),
+                        steps=v.steps, lost_s=round(v.lost_s, 4),
+                        price_s=round(self.price_s, 4)), text)
+
+    def handover(self, args: Any) -> dict:
+        """The job stands at a step boundary: the GPU the agent decided to swap is swapped
+        now (circuits changed and verified; the restart order follows)."""
+        job = self.agent.job(self.job_of(args.job, "hand over a GPU of"))
+        got = self.decided.get(job.name)
+        if got is None or got[0] != args.gpu:
+            raise GrayError(f"{args.gpu} of job {job.name} is not to be swapped: the agent "
+                            "decided no planned swap of it" +
+                            (f" (it decided one of {got[0]})" if got else ""))
+        del self.decided[job.name]
+        gpu, why = got
+        out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why,
+                                  among=args.warm)
+        if out is None:
+            raise GrayError(f"{gpu} holds no rank of job {job.name} any more")
+        return {"job": job.name, "swaps": dict(out.swaps), "latency_s": out.latency_s,
+                "rank_map": {str(r): g for r, g in out.rank_map.items()}}
