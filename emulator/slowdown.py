@@ -3,12 +3,13 @@
 A fail-slow GPU (thermal or power throttling, a degraded HBM stack, a sick PCIe link) keeps
 answering and computes at a fraction of its speed. The emulated rack has no GPU to throttle, so
 the slowness is put on what runs on the GPU: the processes registered on it
-(`register_process`) are paced with SIGSTOP and SIGCONT. For every second they were runnable
-(on a CPU, or waiting for one: the kernel's /proc/PID/task/*/schedstat) they are then stopped
-for `factor - 1` seconds, so that their work takes `factor` times as long whether the machine's
-CPUs are idle or shared with many (a process blocked waiting for its peers is not runnable and
-is not paid for). The debt is paid in stops of at least `period_s`; time stopped beyond the
-debt (a late wake-up of this thread) is credited. Where the kernel keeps no schedstat, the
+(`register_process`) are paced with SIGSTOP and SIGCONT. For every second their busiest
+thread was runnable (on a CPU, or waiting for one: the kernel's /proc/PID/task/*/schedstat)
+they are then stopped for `factor - 1` seconds, so that their work takes `factor` times as long
+whether the machine's CPUs are idle or shared with many (a process blocked waiting for its
+peers is not runnable and is not paid for). The debt is paid in stops of `period_s` to
+MAX_STOPS periods (a longer one would look like a failure, not slowness); time stopped beyond
+the debt (a late wake-up of this thread) is credited. Where the kernel keeps no schedstat, the
 processes are duty-cycled instead: run `period_s / factor` of every `period_s`. No cooperation
 from the job's code is needed, and nothing in the job can tell this from a slow device but its
 own timings (a rank's step against its peers').
@@ -18,13 +19,17 @@ own timings (a rank's step against its peers').
     {"cmd": "slowdowns"}                                              {"gpu3": {"factor": 1.5, ...}}
 
 A stopped process is always continued: when its slowdown ends, when the GPU fails (its
-processes are killed anyway), and when the emulator closes.
+processes are killed anyway), when the emulator closes, and when it dies without closing (a
+watchdog process, started with the first slowdown, continues every process stopped so far once
+the emulator's end of their pipe closes).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -33,6 +38,24 @@ log = logging.getLogger(__name__)
 
 MAX_FACTOR = 20.0
 MIN_PERIOD_S, MAX_PERIOD_S = 0.002, 10.0
+MAX_STOPS = 4              # a stop lasts at most this many periods
+
+# The watchdog: reads "PID START" lines (a process stopped at least once, and its start time,
+# its identity); when the pipe closes it continues each one that is still that process.
+WATCHDOG = """
+import os, signal, sys
+seen = {}
+for line in sys.stdin:
+    pid, start = line.split()
+    seen[int(pid)] = start
+for pid, start in seen.items():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[19] == start:
+                os.kill(pid, signal.SIGCONT)
+    except (OSError, IndexError, ValueError):
+        pass
+"""
 
 
 class SlowdownError(ValueError):
@@ -57,6 +80,8 @@ class Slowdowns:
         self._pids = pids
         self._cycles: dict[str, _Cycle] = {}
         self._lock = threading.Lock()
+        self._watchdog: subprocess.Popen | None = None
+        self._told: set[int] = set()
 
     def slow(self, gpu: str, factor: float = 2.0, period_s: float = 0.02) -> dict:
         """Make `gpu` `factor` times slower (1 ends it); returns every slowdown now."""
@@ -95,6 +120,14 @@ class Slowdowns:
     def close(self) -> None:
         for gpu in list(self._cycles):
             self.end(gpu)
+        with self._lock:
+            dog, self._watchdog = self._watchdog, None
+        if dog is not None and dog.stdin is not None:
+            dog.stdin.close()              # (it continues what it knows, and exits)
+            try:
+                dog.wait(5)
+            except subprocess.TimeoutExpired:
+                dog.kill()
 
     def active(self) -> dict[str, dict]:
         with self._lock:
@@ -103,6 +136,8 @@ class Slowdowns:
 
     def _signal(self, gpu: str, sig: int) -> None:
         for pid in self._pids(gpu):
+            if sig == signal.SIGSTOP:
+                self._watched(pid)
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -110,11 +145,31 @@ class Slowdowns:
             except PermissionError as e:
                 log.warning("slowdown of %s: cannot signal process %d: %s", gpu, pid, e)
 
-    def _runnable_s(self, gpu: str) -> float | None:
-        """Seconds the GPU's processes were runnable so far (every thread's time on a CPU and
-        waiting for one); None where the kernel does not say."""
-        total = 0
-        for pid in self._pids(gpu):
+    def _watched(self, pid: int) -> None:
+        """The watchdog knows `pid` before it is first stopped."""
+        with self._lock:
+            if pid in self._told:
+                return
+            self._told.add(pid)
+            try:
+                if self._watchdog is None:
+                    self._watchdog = subprocess.Popen(
+                        [sys.executable, "-c", WATCHDOG], stdin=subprocess.PIPE, text=True,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                with open(f"/proc/{pid}/stat") as f:
+                    start = f.read().rsplit(")", 1)[1].split()[19]
+                assert self._watchdog.stdin is not None
+                self._watchdog.stdin.write(f"{pid} {start}\n")
+                self._watchdog.stdin.flush()
+            except (OSError, IndexError) as e:
+                log.warning("the slowdown's watchdog does not know process %d: %s", pid, e)
+
+    def _runnable(self, gpu: str) -> dict[tuple[int, str], int] | None:
+        """ns each thread of the GPU's processes was runnable so far (on a CPU and waiting
+        for one); None where the kernel does not say."""
+        out: dict[tuple[int, str], int] = {}
+        pids = self._pids(gpu)
+        for pid in pids:
             try:
                 tasks = os.listdir(f"/proc/{pid}/task")
             except OSError:
@@ -125,27 +180,30 @@ class Slowdowns:
                         on_cpu, waiting = f.read().split()[:2]
                 except (OSError, ValueError):
                     continue
-                total += int(on_cpu) + int(waiting)
-        return total / 1e9 if total or self._pids(gpu) == [] else None
+                out[(pid, tid)] = int(on_cpu) + int(waiting)
+        return out if out or not pids else None
 
     def _run(self, c: _Cycle) -> None:
         try:
-            last = self._runnable_s(c.gpu)
+            last = self._runnable(c.gpu)
             if last is None:
                 self._duty_cycle(c)
                 return
             debt = 0.0
-            while not c.stop.wait(c.period_s / 4):
-                now = self._runnable_s(c.gpu) or 0.0
-                debt += (c.factor - 1.0) * max(0.0, now - last)
+            while not c.stop.wait(c.period_s / 2):
+                now = self._runnable(c.gpu) or {}
+                # the busiest thread's runnable time: the process's critical path
+                ran = max((v - last.get(k, v) for k, v in now.items()), default=0) / 1e9
+                debt += (c.factor - 1.0) * max(0.0, ran)
                 last = now
                 if debt >= c.period_s:
+                    stop = min(debt, MAX_STOPS * c.period_s)
                     self._signal(c.gpu, signal.SIGSTOP)
                     t0 = time.monotonic()
-                    c.stop.wait(debt)
+                    c.stop.wait(stop)
                     self._signal(c.gpu, signal.SIGCONT)
                     debt -= time.monotonic() - t0           # (overslept: credited)
-                    last = self._runnable_s(c.gpu) or last
+                    last = self._runnable(c.gpu) or last
         finally:
             self._signal(c.gpu, signal.SIGCONT)      # never leave a process stopped
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -117,13 +118,21 @@ class FakeAgent:
     entries: list = field(default_factory=list)
     swapped: list = field(default_factory=list)
 
+    usable: set = field(default_factory=lambda: {"spare0", "spare1"})
+
     def __post_init__(self):
         self.journal = SimpleNamespace(record=lambda d, text, *a, **k: self.entries.append(
             (d, text)))
         self.the_job = SimpleNamespace(name="torch-dp", rank_map=dict(enumerate(GPUS)))
+        self.jobs = {"torch-dp": self.the_job}
+        self.failover = SimpleNamespace(
+            cost=lambda job, gpu, s: (1, 0.0) if s in self.usable else None)
 
     def job(self, name=None):
         return self.the_job
+
+    def holder(self, gpu):
+        return self.the_job if gpu in self.the_job.rank_map.values() else None
 
     def spares(self):
         return list(self.spare)
@@ -168,10 +177,11 @@ def test_a_slow_gpu_is_swapped_once_its_cost_reaches_the_swaps_and_says_why():
     assert "planned swap" in agent.swapped[0][1]
     with pytest.raises(GrayError):                  # once
         w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=[]))
-    # the stall the job measured is the price from then on (the worst of the last few)
+    # the stall the job measured after its handover is its price from then on; a stall it
+    # sends with no handover asked is not taken
     report(w, [], stall=0.04)
-    report(w, [], stall=0.03)
-    assert w.price_s == 0.04
+    report(w, [], stall=0.0)
+    assert w.price_s("torch-dp") == 0.04
 
 
 def test_no_spare_or_swaps_off_means_no_swap_and_the_journal_says_why():
@@ -183,6 +193,50 @@ def test_no_spare_or_swaps_off_means_no_swap_and_the_journal_says_why():
             assert report(w, step)["handover"] is None
         actions = [d.action for d, _ in agent.entries if isinstance(d, Slow)]
         assert actions == ["suspect", said]
+
+
+def _decided(agent, gpu="gpu5", factor=1.5, seed=3):
+    w = watch(agent)
+    rng = random.Random(seed)
+    for step in by_step(steps(rng, 300, {gpu: factor})):
+        if report(w, step)["handover"]:
+            return w
+    raise AssertionError("no swap decided")
+
+
+def test_a_handover_is_refused_unless_a_spare_can_take_the_place_alone_and_prefers_warm():
+    agent = FakeAgent()
+    w = _decided(agent)
+    agent.usable = set()                       # meanwhile no spare can take it alone
+    with pytest.raises(GrayError, match="no spare can take gpu5's place"):
+        w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=["spare1"]))
+    assert agent.swapped == []
+    agent = FakeAgent(usable={"spare0"})
+    w = _decided(agent)
+    w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=["spare1"]))    # warm, not usable
+    assert agent.swapped[0][3] == ("spare0",)
+
+
+def test_a_handover_of_a_gpu_no_longer_the_jobs_is_refused():
+    agent = FakeAgent()
+    w = _decided(agent)
+    agent.the_job.rank_map = {r: ("spare1" if g == "gpu5" else g)
+                              for r, g in agent.the_job.rank_map.items()}
+    with pytest.raises(GrayError):
+        w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=[]))
+    assert agent.swapped == []
+
+
+def test_what_the_journal_says_does_not_depend_on_how_the_rows_are_sent():
+    rows = steps(random.Random(9), 600, {"gpu5": 1.5})
+    said = []
+    for batches in ([rows], by_step(rows)):
+        agent = FakeAgent(config=AgentConfig(gray_swaps=False))
+        w = watch(agent)
+        for b in batches:
+            report(w, b)
+        said.append([(d.action, d.gpu) for d, _ in agent.entries])
+    assert said[0] == said[1] == [("suspect", "gpu5"), ("watch", "gpu5")]
 
 
 # --- the emulator's slowdown ---------------------------------------------------------------
@@ -221,3 +275,78 @@ def test_the_slowdown_stops_and_continues_the_gpus_processes_and_leaves_them_run
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+# --- the bench's report and the demo's argument ---------------------------------------------
+def test_the_bench_report_counts_misses_false_suspects_and_the_cost_removed():
+    from types import SimpleNamespace as NS
+
+    from photonic_testbed.ptb.bench.gray import _report
+    events = [
+        {"gpu": "gpu3", "factor": 1.5, "found": True, "others": 0, "steps_to_find": 30,
+         "stall_s": 0.03, "before": 10.0, "slow": 6.0, "after": 10.0, "steps_to_swap": 60,
+         "ratio": 1.4},
+        {"gpu": "gpu5", "factor": 1.5, "found": False, "others": 1, "steps_to_find": None,
+         "stall_s": None, "before": 10.0},
+    ]
+    got = _report(NS(factors=[1.5], load=2, horizon=1440.0),
+                  {"steps": 1000, "suspects": 0, "swaps": 0, "steps_s": 8.0}, events,
+                  (1.0, 1.0, 1.0), (2.0, 2.0, 2.0))
+    assert got["recall"] == 0.5 and got["precision"] == 0.5
+    assert got["rows"] == [{"factor": 1.5, "events": 2, "found": 1, "steps_p50": 30,
+                            "steps_max": 30, "measured_x": 1.4, "stall_p50_ms": 30.0,
+                            "stall_max_ms": 30.0}]
+    text = "\n".join(got["notes"])
+    # 1440 s at 4 steps/s lost without the loop; with it: 10 s slow (60 steps at 6/s) and 0.03 s
+    assert "5760 steps lost without the loop, 40 with it" in text
+    assert "99.3 % of the slowdown removed" in text
+    assert "0.0 false swaps per 10,000 steps" in text
+
+
+@pytest.mark.parametrize("text, said", [("gpu3:0.5", "must be in (1, 20]"),
+                                        ("gpu3:x", "is a number"), ("gpu3:30", "(1, 20]")])
+def test_the_demos_slow_argument_is_checked(text, said):
+    from photonic_testbed.ptb.cli import CommandFailed
+    from photonic_testbed.ptb.demo import slow_argument
+    with pytest.raises(CommandFailed, match=re.escape(said)):
+        slow_argument(text)
+    assert slow_argument("gpu3") == ("gpu3", 4.0)
+    assert slow_argument("gpu6:2.5") == ("gpu6", 2.5)
+
+
+HOST = """
+import subprocess, sys, time
+from photonic_testbed.emulator.slowdown import Slowdowns
+child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+print(child.pid, flush=True)
+s = Slowdowns(lambda: ["gpu0"], lambda g: [child.pid])
+s.slow("gpu0", 20.0, period_s=1.0)
+while True:
+    with open(f"/proc/{child.pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "T":
+            break
+    time.sleep(0.01)
+print("stopped", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_an_emulator_killed_while_a_process_is_stopped_leaves_it_running():
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(host.stdout.readline())
+        assert host.stdout.readline().strip() == "stopped"
+        host.kill()                          # no close(): the watchdog continues the process
+        host.wait(10)
+        deadline = time.monotonic() + 30
+        while _state(pid) == "T":
+            assert time.monotonic() < deadline, "the process was left stopped"
+            time.sleep(0.02)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(10)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from photonic_testbed.common.rack_layout import RECEIVER_SENSITIVITY_DBM
+from photonic_testbed.hil.agent import gray
 
 ALLOCATIONS = ("best-fit", "first-fit")
 
@@ -81,8 +82,8 @@ class AgentConfig:
         "boundary, once the slowness has cost what the swap costs (hil/agent/gray.py)",
         "true or false", lambda v: isinstance(v, bool))
     gray_above: int = _setting(
-        23, "--gray-above", "of the last 24 steps, in how many a GPU computed longer than the "
-        "job's median makes it a suspect (a healthy GPU: about half)",
+        gray.ABOVE, "--gray-above", "of the last 24 steps, in how many a GPU waited less than "
+        "the job's median makes it a suspect (a healthy GPU: about half)",
         "a whole number 13..24", lambda v: _count(v) and 13 <= v <= 24)
     gray_swap_cost_s: float = _setting(
         0.2, "--gray-swap-cost", "seconds a planned swap is taken to cost the job until one "

@@ -18,10 +18,9 @@ about 1.5e-6 per window), or, for a milder slowdown, in LONG_ABOVE of the last L
 without it (the step's time over the step less what the others waited for it; median over the
 window): a real slowdown, not a GPU a hair slower than its peers. The sign test ignores how far
 one step is off, so one rank descheduled for a step counts no more than a step of a slow GPU.
-In tests/test_gray.py's noise (25-35 % a step, stalls, the whole job slowing), a 2x GPU is
-found in 17-50 steps, a 1.5x one in 20-80, a 1.25x one in 22-250, a 1.2x one within 600 steps
-in 19 runs of 20; no healthy step of 120,000 makes a suspect, even at 55 % a step (the ranks of
-the PyTorch job, 8 on 2 CPU cores beside two CPU-bound processes, vary by 13 % a step).
+How many steps it takes, and how often a healthy GPU is suspected, on the PyTorch job and in
+tests/test_gray.py's noise (the ranks' steps varying by tens of percent, stalls, the whole job
+slowing): BENCHMARKS.md (`ptb bench gray`).
 
 Acting is decided as a ski rental: the time the slowness has cost since its onset (what the
 others waited for it, summed over the steps) is the rent; the planned swap's stall, as last
@@ -36,7 +35,9 @@ quarantine, as a failed one.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ MAX_RATIO = 100.0
 MIN_RANKS = 3              # fewer ranks give no median to judge one by
 KEPT_STEPS = 64            # steps waiting for their last rank's row, at most
 STALLS_KEPT = 5            # the price of a swap: the worst of the last few measured
+MAX_STALL_S = 60.0         # a stall reported longer is taken as this
+SAID_EVERY_S = 60.0        # a GPU's suspicion is journaled at most this often
 
 
 class GrayError(ValueError):
@@ -75,7 +78,7 @@ class _Gpu:
     peers_wait: deque = field(default_factory=_kept)
     lost_s: float = 0.0         # the job's time it cost since it became a suspect
     steps: int = 0              # steps since then (the window's included)
-    said: str = ""              # the last action journaled for it
+    episode: int = 0            # how many times it became a suspect
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Verdict:
     wait_s: float          # its median wait in collectives, recent steps
     peers_wait_s: float    # the job's median wait, the same steps
     window: int = WINDOW
+    episode: int = 0       # the GPU's how-manieth time as a suspect
 
     def why(self, price_s: float) -> str:
         return (f"the job waits for {self.gpu} in its collectives: it waits "
@@ -126,8 +130,9 @@ class Detector:
             if want <= set(got):
                 del self._steps[key]
                 out += self._judge({g: got[g] for g in want})
-        while len(self._steps) > KEPT_STEPS:         # a rank's rows never came: let go
-            del self._steps[min(self._steps)]
+        if len(self._steps) > KEPT_STEPS:            # a rank's rows never came: let go
+            for key in sorted(self._steps)[:-KEPT_STEPS]:
+                del self._steps[key]
         return out
 
     def _judge(self, step: dict[str, tuple[float, float]]) -> list[Verdict]:
@@ -150,19 +155,21 @@ class Detector:
             n = self._window(s)
             if n is None:
                 if s.steps:
-                    s.lost_s, s.steps, s.said = 0.0, 0, ""
+                    s.lost_s, s.steps = 0.0, 0
                 continue
             tail = slice(len(s.below) - n, None)
             if s.steps == 0:                   # the window's cost is the rent paid so far
                 s.lost_s = sum(max(0.0, x) for x in list(s.late)[tail])
                 s.steps = n
+                s.episode += 1
             else:
                 s.lost_s += max(0.0, late)
                 s.steps += 1
             out.append(Verdict(gpu, statistics.median(list(s.ratios)[tail]), s.steps,
                                sum(list(s.below)[tail]), s.lost_s,
                                statistics.median(list(s.waits)[tail]),
-                               statistics.median(list(s.peers_wait)[tail]), window=n))
+                               statistics.median(list(s.peers_wait)[tail]), window=n,
+                               episode=s.episode))
         return out
 
     def _window(self, s: _Gpu) -> int | None:
@@ -176,64 +183,101 @@ class Detector:
 
 class GrayWatch:
     """The agent's side: each job's detector, the ski-rental decision, the journal, and the
-    `job_timings` / `handover` operations (their callers checked by `job_of`)."""
+    `job_timings` / `handover` operations (their callers checked by `job_of`). Runs on the
+    agent's loop (the server's handlers)."""
 
     def __init__(self, agent: Agent, job_of: Callable[[str | None, str], str | None]):
         self.agent = agent
         self.job_of = job_of
-        self.detectors: dict[str, Detector] = {}
+        self.detectors: dict[str, tuple[Any, Detector]] = {}   # job -> (its Job, detector)
         self.decided: dict[str, tuple[str, str]] = {}     # job -> (gpu, why) to hand over
-        self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)
+        self.stalls: dict[str, deque[float]] = {}         # job -> its planned swaps' stalls
+        self.priced: set[str] = set()        # jobs whose last handover's stall is awaited
+        # (job, gpu) -> {action: (episode, when)}: what the journal said of a GPU's slowness
+        self.said: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
 
-    @property
-    def price_s(self) -> float:
-        """A planned swap's cost: the worst of the last stalls measured, or the setting."""
-        return max(self.stalls) if self.stalls else self.agent.config.gray_swap_cost_s
+    def price_s(self, job: str) -> float:
+        """A planned swap's cost to `job`: the worst of its last stalls measured, or the
+        setting until one is."""
+        got = self.stalls.get(job)
+        return max(got) if got else self.agent.config.gray_swap_cost_s
 
     def handlers(self) -> dict[str, Callable[[Any], dict]]:
         return {"job_timings": self.timings, "handover": self.handover}
 
+    def _detector(self, job: Any) -> Detector:
+        """The job's detector; a new one (and nothing decided) for a job admitted anew."""
+        got = self.detectors.get(job.name)
+        if got is None or got[0] is not job:
+            got = self.detectors[job.name] = (job, Detector(self.agent.config.gray_above))
+            self.decided.pop(job.name, None)
+            self.said = {k: v for k, v in self.said.items() if k[0] != job.name}
+        return got[1]
+
     def timings(self, args: Any) -> dict:
         job = self.agent.job(self.job_of(args.job, "report the timings of"))
-        if args.swap_stall_s is not None:
-            self.stalls.append(float(args.swap_stall_s))
-        det = self.detectors.setdefault(job.name, Detector(self.agent.config.gray_above))
+        if args.swap_stall_s is not None and job.name in self.priced:
+            self.priced.discard(job.name)        # (one stall per handover it asked for)
+            self.stalls.setdefault(job.name, deque(maxlen=STALLS_KEPT)).append(
+                min(float(args.swap_stall_s), MAX_STALL_S))
+        det = self._detector(job)
         members = [g for _, g in sorted(job.rank_map.items())]
         for v in det.feed(args.rows, members):
-            self._consider(job.name, det, v)
+            self._consider(job.name, v)
         got = self.decided.get(job.name)
         if got is not None and got[0] not in job.rank_map.values():
             del self.decided[job.name]          # (swapped out by a failure meanwhile)
             got = None
         return {"job": job.name, "handover": {"gpu": got[0], "why": got[1]} if got else None}
 
-    def _consider(self, job: str, det: Detector, v: Verdict) -> None:
-        s = det.gpus[v.gpu]
-        why = v.why(self.price_s)
-        record = self.agent.journal.record
-        if s.said == "":
-            s.said = "suspect"
-            record(Slow(job=job, gpu=v.gpu, action="suspect", ratio=round(v.ratio, 3),
-                        steps=v.steps, lost_s=round(v.lost_s, 4)), why)
-        if job in self.decided or v.lost_s < self.price_s:
+    def _say(self, job: str, v: Verdict, action: str, text: str, **extra: Any) -> None:
+        """Journal `action` for this GPU once an episode (a suspect only first), and the same
+        action but a swap at most once every SAID_EVERY_S (a slowness that comes and goes
+        says so once, not at every turn)."""
+        now = time.monotonic()
+        said = self.said.setdefault((job, v.gpu), {})
+        episode, when = said.get(action, (-1, -math.inf))
+        if episode == v.episode or action == "suspect" and any(
+                e == v.episode for e, _ in said.values()) or \
+                action != "swap" and now - when < SAID_EVERY_S:
+            return
+        said[action] = (v.episode, now)
+        self.agent.journal.record(Slow(job=job, gpu=v.gpu, action=action,
+                                       ratio=round(v.ratio, 3), steps=v.steps,
+                                       lost_s=round(v.lost_s, 4), **extra), text)
+
+    def _consider(self, job: str, v: Verdict) -> None:
+        price = self.price_s(job)
+        why = v.why(price)
+        self._say(job, v, "suspect", why)
+        if job in self.decided or v.lost_s < price:
             return
         if not self.agent.config.gray_swaps:
             action, text = "watch", f"{why}; planned swaps are off (--gray-swaps false)"
-        elif not self.agent.spares():
-            action, text = "no spare", f"{why}; no spare to take its place: the job runs slow"
+        elif not self._usable(job, v.gpu):
+            action, text = "no spare", f"{why}; no spare can take its place: the job runs slow"
         else:
             action, text = "swap", f"{why}: a planned swap at the job's next step boundary"
             self.decided[job] = (v.gpu, text)
-        if s.said != action:
-            s.said = action
-            record(Slow(job=job, gpu=v.gpu, action=action, ratio=round(v.ratio, 3),
-                        steps=v.steps, lost_s=round(v.lost_s, 4),
-                        price_s=round(self.price_s, 4)), text)
+        self._say(job, v, action, text, price_s=round(price, 4))
+
+    def _usable(self, job: str, gpu: str) -> list[str]:
+        """The spares that can take `gpu`'s place in `job` alone (no shrinking, no server
+        moved), in the agent's order."""
+        j = self.agent.jobs.get(job)
+        if j is None:
+            return []
+        return [s for s in self.agent.spares()
+                if self.agent.failover.cost(j, gpu, s) is not None]
 
     def handover(self, args: Any) -> dict:
         """The job stands at a step boundary: the GPU the agent decided to swap is swapped
-        now (circuits changed and verified; the restart order follows)."""
+        now, for a spare that can take its place alone (one where the job keeps a warm
+        standby first), circuits changed and verified; the restart order follows. Refused
+        when the GPU is not the one decided for this job, no longer this job's, or no spare
+        can take its place: the job then releases its ranks."""
         job = self.agent.job(self.job_of(args.job, "hand over a GPU of"))
+        self._detector(job)                      # (a job admitted anew decided nothing)
         got = self.decided.get(job.name)
         if got is None or got[0] != args.gpu:
             raise GrayError(f"{args.gpu} of job {job.name} is not to be swapped: the agent "
@@ -241,9 +285,18 @@ class GrayWatch:
                             (f" (it decided one of {got[0]})" if got else ""))
         del self.decided[job.name]
         gpu, why = got
-        out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why,
-                                  among=args.warm)
-        if out is None:
+        holder = self.agent.holder(gpu)
+        if holder is not job:
             raise GrayError(f"{gpu} holds no rank of job {job.name} any more")
+        usable = self._usable(job.name, gpu)
+        if not usable:
+            raise GrayError(f"no spare can take {gpu}'s place in job {job.name} now: the "
+                            "job runs on, slow")
+        warm = set(args.warm)
+        out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why,
+                                  among=[s for s in usable if s in warm] or usable)
+        if out is None or not out.swaps:
+            raise GrayError(f"{gpu} of job {job.name} was not swapped")
+        self.priced.add(job.name)
         return {"job": job.name, "swaps": dict(out.swaps), "latency_s": out.latency_s,
                 "rank_map": {str(r): g for r, g in out.rank_map.items()}}

@@ -237,8 +237,8 @@ class GpuArgs(Args):
 
 Seconds = Annotated[float, _meta(ge=0.0, le=1e6)]
 # a rank's step: (its GPU, the job's generation, the step, seconds computing, seconds waiting)
-StepTiming = tuple[Name, Annotated[int, _meta(ge=0)], Annotated[int, _meta(ge=0)], Seconds,
-                   Seconds]
+Count = Annotated[int, _meta(ge=0, le=10 ** 12)]
+StepTiming = tuple[Name, Count, Count, Seconds, Seconds]
 MAX_TIMINGS = 16384
 
 

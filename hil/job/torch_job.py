@@ -203,6 +203,8 @@ class Progress:
         self.started = clock()
 
     def tick(self, say=print) -> None:
+        if self.every_s <= 0 and not self.also:
+            return                  # (nobody reads the events)
         now = self.clock()
         if now - self._read < READ_S:
             return
@@ -314,12 +316,14 @@ class Controller:
         self.store.set(f"gen/{self.gen}", json.dumps(
             {"rank_map": {str(r): g for r, g in rank_map.items()}, "cause": cause}))
         self.store.set("gen/latest", str(self.gen))
+        if self.gen:                # the last generation's hold watchers end (no hold: -1)
+            self.store.set(f"pg{self.gen - 1}/hold", "-1")
         self.events.write("order", gen=self.gen, cause=cause,
                           rank_map={str(r): g for r, g in rank_map.items()})
         log.info("generation %d: %s (%s)", self.gen, rank_map, cause)
         self.progress.order(self.gen, rank_map, cause)
         if self.handovers is not None:
-            self.handovers.ordered(self.gen)
+            self.handovers.ordered(self.gen, rank_map)
 
     def _publish_stop(self, reason: str) -> None:
         self.gen += 1

@@ -214,6 +214,7 @@ class Worker:
         self.granted: tuple[str, int] | None = None
         self._barriers = 0
         self.hold_at: tuple[int, int] | None = None   # (generation, step): stop there
+        self._tp_wait = 0.0
 
     # --- set-up -----------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -270,13 +271,16 @@ class Worker:
 
     def _watch_hold(self, g: int) -> None:
         """Wait for the controller to name the step at which generation g stops (a planned
-        swap: every rank holds at that step boundary until the next generation)."""
+        swap: every rank holds at its first step boundary at or past it until the next
+        generation), or to end the generation (-1)."""
         client = store_client(*self.spec.store)
         try:
             client.wait([f"pg{g}/hold"])
             at = int(client.get(f"pg{g}/hold"))
         except (DistError, ValueError) as e:
             log.warning("generation %d's hold not read: %s", g, e)
+            return
+        if at < 0:                     # the generation is over: no hold
             return
         with self._lock:
             self.hold_at = (g, at)
@@ -516,7 +520,9 @@ class Worker:
             self._audit("tp", "tensor-parallel all-reduce")
             self._tp_audited = True
         self._check("a tensor-parallel all-reduce")
+        t0 = time.perf_counter()
         self._wait_work(self.groups["tp"].allreduce([t]), "a tensor-parallel all-reduce")
+        self._tp_wait += time.perf_counter() - t0
 
     def _step(self) -> None:
         step = self.completed
@@ -525,8 +531,10 @@ class Worker:
         x, y = (t.to(self.device) for t in
                 self.data.batch(step, self.roles.dp_index, self.spec.batch))
         self._tp_audited = False
+        self._tp_wait = 0.0          # seconds in tensor-parallel collectives (a wait too)
         if "tp" in self.groups:
             hook += self._enter("tp")
+            self._tp_wait += hook
         for p in self.params:
             p.grad = None
         logits = self.model(x)
@@ -547,7 +555,7 @@ class Worker:
         t1 = time.perf_counter()
         self.events.write("step", gen=self.gen, rank=self.rank, step=self.completed,
                           loss=round(loss.item(), 5), seconds=t1 - t0, comm_s=t1 - t_comm,
-                          hook_s=hook)
+                          hook_s=hook, wait_s=t1 - t_comm + self._tp_wait)
 
     def _train(self) -> None:
         while self.completed < self.spec.steps:
@@ -638,13 +646,16 @@ class TorchrunWorker(Worker):
 
     def _watch_hold(self, g: int) -> None:
         """Wait for the controller to name the step at which generation g stops (a planned
-        swap: every rank holds at that step boundary until the next generation)."""
+        swap: every rank holds at its first step boundary at or past it until the next
+        generation), or to end the generation (-1)."""
         client = store_client(*self.spec.store)
         try:
             client.wait([f"pg{g}/hold"])
             at = int(client.get(f"pg{g}/hold"))
         except (DistError, ValueError) as e:
             log.warning("generation %d's hold not read: %s", g, e)
+            return
+        if at < 0:                     # the generation is over: no hold
             return
         with self._lock:
             self.hold_at = (g, at)
