@@ -114,7 +114,7 @@ def test_rows_of_gpus_not_in_the_job_and_incomplete_steps_are_left():
 @dataclass
 class FakeAgent:
     config: AgentConfig = field(default_factory=AgentConfig)
-    spare: list = field(default_factory=lambda: ["spare0"])
+    spare: list = field(default_factory=lambda: ["spare0", "spare1"])
     entries: list = field(default_factory=list)
     swapped: list = field(default_factory=list)
 
@@ -149,8 +149,8 @@ def watch(agent):
     return GrayWatch(agent, lambda job, what: job)
 
 
-def report(w, rows, stall=None):
-    return w.timings(SimpleNamespace(job=None, rows=rows, swap_stall_s=stall))
+def report(w, rows, stall=None, warm=("spare1",)):
+    return w.timings(SimpleNamespace(job=None, rows=rows, swap_stall_s=stall, warm=list(warm)))
 
 
 def test_a_slow_gpu_is_swapped_once_its_cost_reaches_the_swaps_and_says_why():
@@ -163,7 +163,7 @@ def test_a_slow_gpu_is_swapped_once_its_cost_reaches_the_swaps_and_says_why():
         got = report(w, step)["handover"]
         if got:
             break
-    assert got and got["gpu"] == "gpu5"
+    assert got and got["gpu"] == "gpu5" and got["to"] == "spare1"     # the warm one
     kinds = [(d.action, d.gpu) for d, _ in agent.entries if isinstance(d, Slow)]
     assert kinds == [("suspect", "gpu5"), ("swap", "gpu5")]
     swap = [d for d, _ in agent.entries if isinstance(d, Slow) and d.action == "swap"][0]
@@ -171,9 +171,9 @@ def test_a_slow_gpu_is_swapped_once_its_cost_reaches_the_swaps_and_says_why():
     assert "1." in got["why"] and "not the job" in got["why"]
     with pytest.raises(GrayError, match="gpu4 of job torch-dp is not to be swapped"):
         w.handover(SimpleNamespace(job=None, gpu="gpu4", warm=[]))
-    out = w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=["spare0"]))
+    out = w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=["spare1"]))
     assert out["swaps"] == {"gpu5": "spare0"} and agent.swapped[0][0] == "gpu5"
-    assert agent.swapped[0][3] == ("spare0",)
+    assert agent.swapped[0][3] == ("spare1",)          # the spare named in the decision
     assert "planned swap" in agent.swapped[0][1]
     with pytest.raises(GrayError):                  # once
         w.handover(SimpleNamespace(job=None, gpu="gpu5", warm=[]))

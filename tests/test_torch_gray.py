@@ -1,10 +1,11 @@
 """A GPU that goes slow under the PyTorch job, found and swapped by a planned swap (issue 33):
-the stack as processes on lumion, the job on 4 ranks with one warm standby; the emulator
-duty-cycles the processes on gpu2 (`slow_gpu`: SIGSTOP/SIGCONT, no help from the job's code);
-the agent finds gpu2 from the ranks' timings, decides the swap once the slowness has cost what
-a swap costs, the job holds its ranks at a step boundary, the agent swaps, and the spare takes
-the rank from the held step on. The final weights are those of a run that was never slowed nor
-swapped (a standalone run beside it), bit for bit."""
+the stack as processes on lumion, the job on 4 ranks with one warm standby; the emulator paces
+the processes on gpu2 (`slow_gpu`: SIGSTOP/SIGCONT, no help from the job's code); the agent
+finds gpu2 from the ranks' timings and decides the swap once the slowness has cost what a swap
+costs; the job streams the state to the spare's standby and holds its ranks at a step
+boundary; the agent swaps, and the spare takes the rank from the held step on. The final
+weights are those of a run that was never slowed nor swapped (a standalone run beside it), bit
+for bit."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from photonic_testbed.hil.agent.entries import Detected, RestartOrder, Slow  # n
 from photonic_testbed.ptb.bench.measure import agent_stack, journal_reader  # noqa: E402
 
 MODEL = ("--width", "96", "--batch", "8", "--block", "48", "--layers", "2")
-STEPS = 90
+STEPS = 150
 
 
 def test_a_slow_gpu_is_swapped_at_a_step_boundary_and_nothing_is_lost(tmp_path):
@@ -34,9 +35,9 @@ def test_a_slow_gpu_is_swapped_at_a_step_boundary_and_nothing_is_lost(tmp_path):
         wait_event(run, work, lambda e: e["kind"] == "ready" and e["gpu"] == "spare0",
                    "a warm standby on spare0")
         wait_event(run, work, lambda e: e["kind"] == "step" and e["step"] >= 8, "step 8")
-        got = request(stack.control, {"cmd": "slow_gpu", "gpu": "gpu2", "factor": 5.0,
+        got = request(stack.control, {"cmd": "slow_gpu", "gpu": "gpu2", "factor": 8.0,
                                       "period_s": 0.02})
-        assert got["gpu2"]["factor"] == 5.0
+        assert got["gpu2"]["factor"] == 8.0
         out = finish(run)
         assert run.returncode == 0, out
         assert finish(ref) is not None and ref.returncode == 0
@@ -52,8 +53,13 @@ def test_a_slow_gpu_is_swapped_at_a_step_boundary_and_nothing_is_lost(tmp_path):
         assert {e["step"] for e in held} == {hold["step"]}
         moved = [e for e in ev if e["kind"] == "transferred" and e["gen"] == 1]
         assert {e["step"] for e in moved} == {hold["step"]}            # no step redone
+        # the spare's state came ahead, streamed while the job trained: at the swap it was at
+        # the held step already and received nothing more
+        streamed = next(e for e in ev if e["kind"] == "streamed" and e["gpu"] == "spare0")
+        assert streamed["step"] == hold["step"] and streamed["bytes_received"] > 0
+        assert streamed["t"] < next(e["t"] for e in ev if e["kind"] == "order" and e["gen"] == 1)
         spare = next(e for e in moved if e["gpu"] == "spare0")
-        assert spare["received"] and spare["bytes_received"] > 0
+        assert not spare["received"] and spare["bytes_received"] == 0
         first = next(e for e in ev if e["kind"] == "step" and e["gpu"] == "spare0")
         assert first["step"] == hold["step"] + 1
         assert any(e["kind"] == "swapped_out" and e["gpu"] == "gpu2" for e in ev)

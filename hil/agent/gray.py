@@ -190,7 +190,8 @@ class GrayWatch:
         self.agent = agent
         self.job_of = job_of
         self.detectors: dict[str, tuple[Any, Detector]] = {}   # job -> (its Job, detector)
-        self.decided: dict[str, tuple[str, str]] = {}     # job -> (gpu, why) to hand over
+        self.decided: dict[str, tuple[str, str, str]] = {}   # job -> (gpu, why, to whom)
+        self.warm: dict[str, set[str]] = {}       # job -> where it keeps warm standbys
         self.stalls: dict[str, deque[float]] = {}         # job -> its planned swaps' stalls
         self.priced: set[str] = set()        # jobs whose last handover's stall is awaited
         # (job, gpu) -> {action: (episode, when)}: what the journal said of a GPU's slowness
@@ -221,6 +222,7 @@ class GrayWatch:
             self.stalls.setdefault(job.name, deque(maxlen=STALLS_KEPT)).append(
                 min(float(args.swap_stall_s), MAX_STALL_S))
         det = self._detector(job)
+        self.warm[job.name] = set(args.warm)
         members = [g for _, g in sorted(job.rank_map.items())]
         for v in det.feed(args.rows, members):
             self._consider(job.name, v)
@@ -228,7 +230,8 @@ class GrayWatch:
         if got is not None and got[0] not in job.rank_map.values():
             del self.decided[job.name]          # (swapped out by a failure meanwhile)
             got = None
-        return {"job": job.name, "handover": {"gpu": got[0], "why": got[1]} if got else None}
+        return {"job": job.name,
+                "handover": {"gpu": got[0], "why": got[1], "to": got[2]} if got else None}
 
     def _say(self, job: str, v: Verdict, action: str, text: str, **extra: Any) -> None:
         """Journal `action` for this GPU once an episode (a suspect only first), and the same
@@ -254,11 +257,14 @@ class GrayWatch:
             return
         if not self.agent.config.gray_swaps:
             action, text = "watch", f"{why}; planned swaps are off (--gray-swaps false)"
-        elif not self._usable(job, v.gpu):
+        elif not (usable := self._usable(job, v.gpu)):
             action, text = "no spare", f"{why}; no spare can take its place: the job runs slow"
         else:
-            action, text = "swap", f"{why}: a planned swap at the job's next step boundary"
-            self.decided[job] = (v.gpu, text)
+            warm = self.warm.get(job, set())
+            to = next((g for g in usable if g in warm), usable[0])
+            action, text = "swap", f"{why}: a planned swap at the job's next step boundary, " \
+                f"to {to}"
+            self.decided[job] = (v.gpu, text, to)
         self._say(job, v, action, text, price_s=round(price, 4))
 
     def _usable(self, job: str, gpu: str) -> list[str]:
@@ -284,7 +290,7 @@ class GrayWatch:
                             "decided no planned swap of it" +
                             (f" (it decided one of {got[0]})" if got else ""))
         del self.decided[job.name]
-        gpu, why = got
+        gpu, why, to = got
         holder = self.agent.holder(gpu)
         if holder is not job:
             raise GrayError(f"{gpu} holds no rank of job {job.name} any more")
@@ -293,8 +299,8 @@ class GrayWatch:
             raise GrayError(f"no spare can take {gpu}'s place in job {job.name} now: the "
                             "job runs on, slow")
         warm = set(args.warm)
-        out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why,
-                                  among=[s for s in usable if s in warm] or usable)
+        among = [to] if to in usable else [s for s in usable if s in warm] or usable
+        out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why, among=among)
         if out is None or not out.swaps:
             raise GrayError(f"{gpu} of job {job.name} was not swapped")
         self.priced.add(job.name)

@@ -248,6 +248,7 @@ class JobTimings(Args):
     job: Name | None = None
     rows: Annotated[list[StepTiming], _meta(max_length=MAX_TIMINGS)] = []
     swap_stall_s: Seconds | None = None
+    warm: Annotated[list[Name], _meta(max_length=MAX_TIMINGS)] = []   # its warm standbys
 
 
 class Handover(Args):

@@ -221,12 +221,14 @@ class Fabric:
         self._call("job_report", job=self.job, state=state, step=int(step),
                    throughput=throughput, loss=loss, detail=str(detail))
 
-    def timings(self, rows: list, swap_stall_s: float | None = None) -> dict | None:
+    def timings(self, rows: list, swap_stall_s: float | None = None,
+                warm: list[str] | tuple[str, ...] = ()) -> dict | None:
         """Each rank's step timings, `(gpu, generation, step, compute_s, wait_s)` rows
-        (hil.agent.gray), and the stall of the last planned swap as measured; the answer's
-        `handover` names a GPU the agent decided to swap at the next step boundary (or None)."""
+        (hil.agent.gray), the stall of the last planned swap as measured, and where the job
+        keeps warm standbys; the answer's `handover` names a GPU the agent decided to swap at
+        the next step boundary and the spare it will take (`gpu`, `why`, `to`), or is None."""
         got = self._call("job_timings", job=self.job, rows=[list(r) for r in rows],
-                         swap_stall_s=swap_stall_s)
+                         swap_stall_s=swap_stall_s, warm=list(warm))
         return got.get("handover") if isinstance(got, dict) else None
 
     def handover(self, gpu: str, warm: list[str] | tuple[str, ...] = ()) -> dict:

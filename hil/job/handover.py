@@ -11,12 +11,17 @@ hand over, and a step of the current generation has been seen:
 1. the controller names the step at which the current generation stops (`pg<g>/hold` on the
    job's store: two steps past the newest step it has seen, so that the ranks read it before
    they get there); each rank stops at its first step boundary at or past it (no collective in
-   flight, its state that of its last completed step) and counts itself in `pg<g>/held`;
+   flight, its state that of its last completed step) and counts itself in `pg<g>/held`.
+   Meanwhile, when the spare the agent will take keeps a warm standby, the state is streamed
+   to it ahead (`stream/<g>`, `stream-to/<gpu>`): a donor (the slow rank's predecessor on its
+   ring) sends its state once, then each step's averaged gradients; the standby applies them as
+   the donor's optimizer does and holds the held step's state before the swap;
 2. once every rank holds (or one does and HOLD_GRACE_S passed: the others are blocked in the
    next step's collective, which cannot complete without it), it asks the agent `handover`:
    the agent changes and verifies the circuits now and orders the restart on the new rank map;
 3. the new generation starts as after a failure (hil.job.worker: groups rebuilt, the spare
-   given the state by its predecessor on its ring), from the held step: no step is redone.
+   given the state by its predecessor on its ring unless it streamed it already), from the
+   held step: no step is redone.
 
 The stall the job saw (the first step of the new generation done, less the end of the step the
 ranks held at, less a step's usual time) is written to the controller's events (`handed_over`)
@@ -27,6 +32,7 @@ map. A failure's order during a handover ends it unmeasured.
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import statistics
@@ -103,7 +109,7 @@ class Handovers:
             if self.holding is not None:
                 return
         try:
-            gpu, why = self.asked.get_nowait()
+            gpu, why, to = self.asked.get_nowait()
         except queue.Empty:
             return
         c = self.c
@@ -111,9 +117,11 @@ class Handovers:
             return
         seen = [s for g, s in self.ends if g == c.gen]
         if not seen:
-            self.asked.put((gpu, why))          # (asked again at the next look)
+            self.asked.put((gpu, why, to))      # (asked again at the next look)
             return
         at = max(seen) + HOLD_AHEAD
+        if isinstance(to, str) and to in c.warm_standbys():
+            self._stream(gpu, to, at)
         h = {"gen": c.gen, "gpu": gpu, "at": at, "why": why, "world": len(c.rank_map),
              "t": time.time(), "done_gen": None,
              "deadline": time.time() + c.spec.collective_timeout_s + c.spec.restart_timeout_s}
@@ -123,6 +131,21 @@ class Handovers:
         c.events.write("hold", gen=c.gen, gpu=gpu, step=at, why=why)
         threading.Thread(target=self._hand_over, args=(h,), name="handover",
                          daemon=True).start()
+
+    def _stream(self, gpu: str, to: str, at: int) -> None:
+        """The spare the agent will take is told to follow a donor (the slow rank's
+        predecessor on its data-parallel ring: the same shard) from now to the held step: it
+        then holds that step's state when the new generation starts (no transfer)."""
+        from photonic_testbed.hil.job import worker  # torch: the controller has it
+        c = self.c
+        rank = next(r for r, g in c.rank_map.items() if g == gpu)
+        roles = worker.roles(c.plan, len(c.rank_map), rank)
+        ring = roles.dp_group
+        order = json.dumps({"gen": c.gen, "at": at, "to": to, "tp": roles.tp_index,
+                            "donor": ring[(ring.index(rank) - 1) % len(ring)]})
+        c.store.set(f"stream/{c.gen}", order)
+        c.store.set(f"stream-to/{to}", order)
+        c.events.write("stream", gen=c.gen, gpu=gpu, to=to, step=at)
 
     def ordered(self, gen: int, rank_map: dict[int, str]) -> None:
         """The controller published generation `gen`: the handover under way is done when
@@ -148,7 +171,7 @@ class Handovers:
             if not rows and stall is None:
                 continue
             try:
-                got = self.c.fabric.timings(rows, stall)
+                got = self.c.fabric.timings(rows, stall, self.c.warm_standbys())
             except BusError as e:
                 log.warning("timings not taken by the agent (sent again): %s", e)
                 with self.lock:                # nothing lost: sent with the next report
@@ -156,7 +179,7 @@ class Handovers:
                     self.stall_s = stall if self.stall_s is None else self.stall_s
                 continue
             if got and isinstance(got.get("gpu"), str) and idle and self.asked.empty():
-                self.asked.put((got["gpu"], str(got.get("why", ""))))
+                self.asked.put((got["gpu"], str(got.get("why", "")), got.get("to")))
 
     def _hand_over(self, h: dict) -> None:
         from photonic_testbed.hil.job import worker  # torch: the controller has it
