@@ -36,14 +36,16 @@ from collections.abc import Callable, Collection
 
 log = logging.getLogger(__name__)
 
-MAX_FACTOR = 20.0
+MAX_FACTOR = 10.0          # (a stop of MAX_STOPS periods after half a period's run: 11x)
 MIN_PERIOD_S, MAX_PERIOD_S = 0.002, 10.0
-MAX_STOPS = 4              # a stop lasts at most this many periods
+MAX_STOPS = 5              # a stop lasts at most this many periods
 
 # The watchdog: reads "PID START" lines (a process stopped at least once, and its start time,
 # its identity); when the pipe closes it continues each one that is still that process.
 WATCHDOG = """
 import os, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
 seen = {}
 for line in sys.stdin:
     pid, start = line.split()
@@ -81,7 +83,7 @@ class Slowdowns:
         self._cycles: dict[str, _Cycle] = {}
         self._lock = threading.Lock()
         self._watchdog: subprocess.Popen | None = None
-        self._told: set[int] = set()
+        self._told: set[tuple[int, str]] = set()      # (pid, start time) the watchdog knows
 
     def slow(self, gpu: str, factor: float = 2.0, period_s: float = 0.02) -> dict:
         """Make `gpu` `factor` times slower (1 ends it); returns every slowdown now."""
@@ -122,6 +124,7 @@ class Slowdowns:
             self.end(gpu)
         with self._lock:
             dog, self._watchdog = self._watchdog, None
+            self._told.clear()
         if dog is not None and dog.stdin is not None:
             dog.stdin.close()              # (it continues what it knows, and exits)
             try:
@@ -146,22 +149,32 @@ class Slowdowns:
                 log.warning("slowdown of %s: cannot signal process %d: %s", gpu, pid, e)
 
     def _watched(self, pid: int) -> None:
-        """The watchdog knows `pid` before it is first stopped."""
+        """The watchdog knows `pid` (this process: its start time too) before it is first
+        stopped; a watchdog that died is started again, told every process so far."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                start = f.read().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError) as e:
+            log.warning("the slowdown's watchdog cannot tell process %d: %s", pid, e)
+            return
         with self._lock:
-            if pid in self._told:
+            if (pid, start) in self._told and self._watchdog is not None \
+                    and self._watchdog.poll() is None:
                 return
-            self._told.add(pid)
+            self._told.add((pid, start))
             try:
-                if self._watchdog is None:
+                if self._watchdog is None or self._watchdog.poll() is not None:
                     self._watchdog = subprocess.Popen(
                         [sys.executable, "-c", WATCHDOG], stdin=subprocess.PIPE, text=True,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                with open(f"/proc/{pid}/stat") as f:
-                    start = f.read().rsplit(")", 1)[1].split()[19]
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True)            # (a Ctrl-C to ours is not its)
+                    told = self._told
+                else:
+                    told = {(pid, start)}
                 assert self._watchdog.stdin is not None
-                self._watchdog.stdin.write(f"{pid} {start}\n")
+                self._watchdog.stdin.write("".join(f"{p} {s}\n" for p, s in told))
                 self._watchdog.stdin.flush()
-            except (OSError, IndexError) as e:
+            except OSError as e:
                 log.warning("the slowdown's watchdog does not know process %d: %s", pid, e)
 
     def _runnable(self, gpu: str) -> dict[tuple[int, str], int] | None:
@@ -198,6 +211,7 @@ class Slowdowns:
                 last = now
                 if debt >= c.period_s:
                     stop = min(debt, MAX_STOPS * c.period_s)
+                    debt = min(debt, 2 * MAX_STOPS * c.period_s)    # (none left to pay later)
                     self._signal(c.gpu, signal.SIGSTOP)
                     t0 = time.monotonic()
                     c.stop.wait(stop)

@@ -140,8 +140,8 @@ def slow_argument(text: str) -> tuple[str, float]:
     except ValueError:
         raise CommandFailed(f"--slow {text!r}: the factor after ':' is a number, as in "
                             "gpu3:2.5") from None
-    if not 1.0 < value <= 20.0:
-        raise CommandFailed(f"--slow {text!r}: the factor must be in (1, 20], not {value:g}")
+    if not 1.0 < value <= 10.0:
+        raise CommandFailed(f"--slow {text!r}: the factor must be in (1, 10], not {value:g}")
     return gpu, value
 
 

@@ -253,7 +253,7 @@ def test_the_slowdown_stops_and_continues_the_gpus_processes_and_leaves_them_run
         s = Slowdowns(lambda: GPUS, lambda g: [proc.pid] if g == "gpu3" else [])
         with pytest.raises(SlowdownError, match="no GPU 'gpu9'"):
             s.slow("gpu9", 2.0)
-        for bad in (0.5, 50, True, "2"):
+        for bad in (0.5, 11, True, "2"):
             with pytest.raises(SlowdownError, match="factor"):
                 s.slow("gpu3", bad)
         with pytest.raises(SlowdownError, match="period_s"):
@@ -268,7 +268,7 @@ def test_the_slowdown_stops_and_continues_the_gpus_processes_and_leaves_them_run
         assert s.slow("gpu3", 1) == {}     # ended: continued, and left so
         time.sleep(0.3)
         assert _state(proc.pid) != "T"
-        s.slow("gpu3", 20.0, period_s=1.0)
+        s.slow("gpu3", 10.0, period_s=1.0)
         s.close()
         time.sleep(0.1)
         assert _state(proc.pid) != "T" and s.active() == {}
@@ -303,8 +303,8 @@ def test_the_bench_report_counts_misses_false_suspects_and_the_cost_removed():
     assert "0.0 false swaps per 10,000 steps" in text
 
 
-@pytest.mark.parametrize("text, said", [("gpu3:0.5", "must be in (1, 20]"),
-                                        ("gpu3:x", "is a number"), ("gpu3:30", "(1, 20]")])
+@pytest.mark.parametrize("text, said", [("gpu3:0.5", "must be in (1, 10]"),
+                                        ("gpu3:x", "is a number"), ("gpu3:30", "(1, 10]")])
 def test_the_demos_slow_argument_is_checked(text, said):
     from photonic_testbed.ptb.cli import CommandFailed
     from photonic_testbed.ptb.demo import slow_argument
@@ -320,7 +320,7 @@ from photonic_testbed.emulator.slowdown import Slowdowns
 child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
 print(child.pid, flush=True)
 s = Slowdowns(lambda: ["gpu0"], lambda g: [child.pid])
-s.slow("gpu0", 20.0, period_s=1.0)
+s.slow("gpu0", 10.0, period_s=1.0)
 while True:
     with open(f"/proc/{child.pid}/stat") as f:
         if f.read().rsplit(")", 1)[1].split()[0] == "T":

@@ -56,7 +56,7 @@ MIN_RATIO = 1.1            # a suspect made the job's steps this much longer, at
 MAX_RATIO = 100.0
 MIN_RANKS = 3              # fewer ranks give no median to judge one by
 KEPT_STEPS = 64            # steps waiting for their last rank's row, at most
-STALLS_KEPT = 5            # the price of a swap: the worst of the last few measured
+STALLS_KEPT = 5            # the price of a swap: the median of the last few measured
 MAX_STALL_S = 60.0         # a stall reported longer is taken as this
 SAID_EVERY_S = 60.0        # a GPU's suspicion is journaled at most this often
 
@@ -198,10 +198,10 @@ class GrayWatch:
         self.said: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
 
     def price_s(self, job: str) -> float:
-        """A planned swap's cost to `job`: the worst of its last stalls measured, or the
-        setting until one is."""
+        """A planned swap's cost to `job`: the median of its last stalls measured (one swap
+        whose spare had to wait is not the price of the next), or the setting until one is."""
         got = self.stalls.get(job)
-        return max(got) if got else self.agent.config.gray_swap_cost_s
+        return statistics.median(got) if got else self.agent.config.gray_swap_cost_s
 
     def handlers(self) -> dict[str, Callable[[Any], dict]]:
         return {"job_timings": self.timings, "handover": self.handover}
@@ -299,7 +299,8 @@ class GrayWatch:
             raise GrayError(f"no spare can take {gpu}'s place in job {job.name} now: the "
                             "job runs on, slow")
         warm = set(args.warm)
-        among = [to] if to in usable else [s for s in usable if s in warm] or usable
+        among = [to] if to in usable and to in warm else \
+            [s for s in usable if s in warm] or usable
         out = self.agent.swap_out(gpu, f"planned swap of slow {gpu}", why=why, among=among)
         if out is None or not out.swaps:
             raise GrayError(f"{gpu} of job {job.name} was not swapped")

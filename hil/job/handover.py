@@ -62,6 +62,7 @@ class Handovers:
         self.rows: list[list] = []
         self.ends: dict[tuple[int, int], tuple[float, int]] = {}   # (gen, step) -> (t, ranks)
         self.held: dict[int, int] = {}            # generation -> the step its ranks held at
+        self.ready: set[int] = set()              # the processes that said they are ready
         self.asked: queue.Queue = queue.Queue()
         self.holding: dict | None = None          # the handover under way
         self.stall_s: float | None = None         # measured, not yet sent
@@ -81,6 +82,8 @@ class Handovers:
         the steps held at."""
         rows = []
         for e in events:
+            if e.get("kind") == "ready":
+                self.ready.add(int(e.get("pid", 0)))
             if e.get("kind") == "held":
                 self.held[int(e["gen"])] = int(e["step"])
             if e.get("kind") != "step" or "comm_s" not in e:
@@ -97,10 +100,17 @@ class Handovers:
         with self.lock:
             self.rows = (self.rows + rows)[-ROWS_KEPT:]
             h = self.holding
-        if h is not None and h.get("done_gen") is not None:
+        if h is None:
+            return
+        if h.get("done_gen") is not None:
             self._measure(h)
-        elif h is not None and time.time() > h["deadline"]:
-            self._release(h, "the handover did not end in time")
+        if time.time() > h["deadline"]:
+            if h.get("done_gen") is not None:      # done, but never measured: left so
+                with self.lock:
+                    if self.holding is h:
+                        self.holding = None
+            else:
+                self._release(h, "the handover did not end in time")
 
     def poll(self) -> None:
         """Start a handover the agent asked for (one at a time, once a step of the current
@@ -120,10 +130,11 @@ class Handovers:
             self.asked.put((gpu, why, to))      # (asked again at the next look)
             return
         at = max(seen) + HOLD_AHEAD
-        if isinstance(to, str) and to in c.warm_standbys():
+        streaming = isinstance(to, str) and to in c.warm_standbys()
+        if streaming:
             self._stream(gpu, to, at)
         h = {"gen": c.gen, "gpu": gpu, "at": at, "why": why, "world": len(c.rank_map),
-             "t": time.time(), "done_gen": None,
+             "t": time.time(), "done_gen": None, "to": to if streaming else None,
              "deadline": time.time() + c.spec.collective_timeout_s + c.spec.restart_timeout_s}
         with self.lock:
             self.holding = h
@@ -155,11 +166,28 @@ class Handovers:
             h = self.holding
             if h is None or h["done_gen"] is not None:
                 return
-            if h.get("released") or h["gpu"] in rank_map.values():
+            if h.get("released") or h["gpu"] in rank_map.values() or \
+                    h["gen"] not in self.held:     # (a failure's order, before any hold)
                 self.holding = None
             else:
                 h["done_gen"] = gen
                 h["world_after"] = len(rank_map)
+        self._forget_stream(h)
+
+    def _forget_stream(self, h: dict) -> None:
+        """A handover's stream keys are deleted once its generation is over (the spare
+        deletes what it read; this, whatever it did not)."""
+        to = h.get("to")
+        if not to:
+            return
+        store = self.c.store
+        for key in (f"stream/{h['gen']}", f"stream-to/{to}", f"stream{h['gen']}/step",
+                    f"stream{h['gen']}/state",
+                    *(f"stream{h['gen']}/grad/{k}" for k in range(h["at"] - 8, h["at"] + 8))):
+            try:
+                store.delete_key(key)
+            except (RuntimeError, ValueError):
+                pass
 
     # --- threads --------------------------------------------------------------------------
     def _report(self) -> None:

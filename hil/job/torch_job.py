@@ -355,9 +355,12 @@ class Controller:
         return [g["name"] for g in free][:self.opt.standbys]
 
     def warm_standbys(self) -> list[str]:
-        """The GPUs where a standby process runs now (no rank: ready to take one)."""
+        """The GPUs where a standby process runs now and has said it is ready (no rank: its
+        model built, ready to take one)."""
         ranked = set(self.rank_map.values())
-        return [g for g, p in list(self.procs.items()) if g not in ranked and p.poll() is None]
+        ready = self.handovers.ready if self.handovers is not None else set()
+        return [g for g, p in list(self.procs.items())
+                if g not in ranked and p.poll() is None and p.pid in ready]
 
     def _ensure(self) -> None:
         for gpu in self.rank_map.values():

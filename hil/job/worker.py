@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 # abandon runs on a thread with a client of its own.
 FOREVER_S = 7 * 24 * 3600.0
 
-STREAM_WAIT_S = 10.0   # a planned swap's spare waits this long for its streamed state
+STREAM_WAIT_S = 2.0    # a planned swap's spare waits this long for its streamed state
 
 # Exit codes of a rank process (the controller reads them).
 DONE, STOPPED, SWAPPED_OUT, LOST_STATE = 0, 3, 4, 5
@@ -198,6 +198,7 @@ class JobStopped(Exception):
 class Worker:
     """One process on one GPU: a rank while its GPU is in the current rank map, else a warm
     standby. `run()` returns the exit code."""
+    streams = True              # a standby may be streamed a planned swap's state
 
     def __init__(self, spec: torch_job.JobSpec, gpu: str):
         self.spec = spec
@@ -218,6 +219,7 @@ class Worker:
         self._barriers = 0
         self.hold_at: tuple[int, int] | None = None   # (generation, step): stop there
         self._tp_wait = 0.0
+        self.ranked = False                  # has held a rank (a standby's state is no step's)
         self.stream_out: dict | None = None  # a donor: the planned swap's spare to feed
         self._sender: Any = None             # (a thread's queue: the store sets, off the step)
         self._streamed = threading.Event()   # a standby: no state is being streamed to it
@@ -237,7 +239,6 @@ class Worker:
         self.newest = int(self.store.get("gen/latest"))
         self._watcher = threading.Thread(target=self._watch, name="generations", daemon=True)
         self._watcher.start()
-        threading.Thread(target=self._watch_stream, name="stream", daemon=True).start()
         if spec.rig:
             from photonic_testbed.hil import rig as rigfile
             from photonic_testbed.hil.job.fabric_client import Fabric
@@ -250,6 +251,8 @@ class Worker:
         # The model of the shard this GPU would hold in the current generation (a standby's
         # shard can change when it takes a rank: rebuilt then).
         self._build(0)
+        if self.streams:
+            threading.Thread(target=self._watch_stream, name="stream", daemon=True).start()
 
     def _build(self, tp_index: int) -> None:
         tp = max(len(g) for g in roles(self.plan, self.plan.world, 0).tp_groups)
@@ -310,7 +313,7 @@ class Worker:
         transfer then). Anything missing stops it there: the transfer does the rest."""
         client = store_client(*self.spec.store)
         key = f"stream-to/{self.gpu}"
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._stream_stop.is_set():
             try:
                 client.wait([key])
                 order = json.loads(client.get(key))
@@ -318,10 +321,12 @@ class Worker:
             except (DistError, ValueError) as e:
                 log.warning("%s: no stream order read: %s", self.gpu, e)
                 return
+            if not isinstance(order, dict) or int(order.get("gen", -1)) < self.newest:
+                continue                       # (an order of a generation already over)
             self._streamed.clear()
             try:
                 self._take_stream(order)
-            except (DistError, ValueError, RuntimeError, KeyError) as e:
+            except Exception as e:             # (anything: the transfer does the rest)
                 self.events.write("stream_failed", gen=order.get("gen"), reason=str(e)[:300],
                                   step=self.completed)
             finally:
@@ -340,6 +345,7 @@ class Worker:
                 raise RuntimeError("a rank already: the stream came too late")
             if int(order.get("tp", 0)) != self.tp_index:
                 self._build(int(order["tp"]))
+            self.completed = 0             # (a state half loaded is no step's)
             flat = torch.frombuffer(bytearray(data), dtype=torch.float32).to(self.device)
             unflatten_into(flat, state_tensors(self.model, self.opt))
             self.completed = step
@@ -359,40 +365,52 @@ class Worker:
                 self.opt.step()
                 self.completed = k
             got += len(data)
+        for name in ("step", "state", *(f"grad/{i}" for i in range(step + 1, at + 1))):
+            client.delete_key(prefix + name)   # (the store keeps nothing of it)
         self.events.write("streamed", gen=g, step=at, first=step, bytes_received=got,
                           seconds=time.time() - t0)
 
     def _send_stream(self, grad: torch.Tensor | None, last: bool = False) -> None:
         """A donor, after a step: its state the first time, then each step's averaged
-        gradients, to the planned swap's spare (by a thread: the step does not wait)."""
+        gradients, to the planned swap's spare (by a thread: the step does not wait on the
+        store); the last one (the held step, or `last`) closes the stream."""
         order = self.stream_out
-        if order is None or order["gen"] != self.gen:
+        if order is None:
             return
-        prefix = f"stream{self.gen}/"
+        if order["gen"] != self.gen:           # (a generation over: its stream too)
+            self._end_stream()
+            return
         if self._sender is None:
-            flat = flatten(state_tensors(self.model, self.opt)).detach().cpu()
-            self._sender = queue.Queue()
+            sender: queue.Queue = queue.Queue()
+            self._sender = sender
             client = store_client(*self.spec.store, self.spec.collective_timeout_s)
+            prefix = f"stream{self.gen}/"
 
             def send() -> None:
                 while True:
-                    item = self._sender.get()
+                    item = sender.get()
                     if item is None:
                         return
                     try:
                         for key, value in item:
-                            client.set(prefix + key, value)
+                            client.set(prefix + key, value() if callable(value) else value)
                     except DistError as e:
                         log.warning("stream to %s: %s", order["to"], e)
                         return
             threading.Thread(target=send, name="stream-out", daemon=True).start()
-            self._sender.put([("step", str(self.completed)),
-                              ("state", flat.numpy().tobytes())])
+            state = flatten(state_tensors(self.model, self.opt)).detach().cpu()
+            sender.put([("step", str(self.completed)),
+                        ("state", lambda: state.numpy().tobytes())])
         elif grad is not None:
-            self._sender.put([(f"grad/{self.completed}", grad.detach().cpu().numpy().tobytes())])
+            copy = grad.detach().cpu().clone()
+            self._sender.put([(f"grad/{self.completed}", lambda: copy.numpy().tobytes())])
         if last or self.completed >= int(order["at"]):
+            self._end_stream()
+
+    def _end_stream(self) -> None:
+        if self._sender is not None:
             self._sender.put(None)
-            self.stream_out, self._sender = None, None
+        self.stream_out, self._sender = None, None
 
     def _hold(self) -> None:
         """At a step boundary of a planned swap: no collective in flight, the state is that of
@@ -519,16 +537,18 @@ class Worker:
         world = len(rank_map)
         self.rank_map, self.rank, self.world = rank_map, rank, world
         self.roles = roles(self.plan, world, rank)
+        self._end_stream()                   # (a donor's stream of a generation over)
         if not self._streamed.is_set():      # the spare of a planned swap: its state first
             self._in_thread(lambda: self._streamed.wait(STREAM_WAIT_S), "the streamed state")
         with self._lock:                     # a rank now: nothing more is applied to it
             self._stream_stop.set()
         self.events.write("joined", gen=g, rank=rank, world=world, step=self.completed)
         if self.roles.tp_index != self.tp_index:
-            if self.completed:
+            if self.ranked:
                 raise JobStopped(f"{self.gpu} holds TP shard {self.tp_index} but rank {rank} "
                                  f"is shard {self.roles.tp_index}")
             self._build(self.roles.tp_index)     # a standby taking another shard's place
+        self.ranked = True
         store = store_client(*self.spec.store, self.spec.collective_timeout_s)
         self.gstore = PrefixStore(f"pg{g}/", store)
         self.gwait = PrefixStore(f"pg{g}/", store_client(*self.spec.store,
@@ -664,14 +684,15 @@ class Worker:
             self._wait_work(self.groups["dp"].allreduce([flat]), "the gradient all-reduce")
             flat.div_(len(self.roles.dp_group))
             unflatten_into(flat, grads)
+        t_waited = time.perf_counter()
         self.opt.step()                  # only now: an abandoned step changed nothing
         self.completed = step + 1
-        if self.stream_out is not None:
-            self._send_stream(flat if "dp" in self.groups else None)
         t1 = time.perf_counter()
         self.events.write("step", gen=self.gen, rank=self.rank, step=self.completed,
                           loss=round(loss.item(), 5), seconds=t1 - t0, comm_s=t1 - t_comm,
-                          hook_s=hook, wait_s=t1 - t_comm + self._tp_wait)
+                          hook_s=hook, wait_s=t_waited - t_comm + self._tp_wait)
+        if self.stream_out is not None:
+            self._send_stream(flat if "dp" in self.groups else None)
 
     def _train(self) -> None:
         while self.completed < self.spec.steps:
@@ -695,6 +716,7 @@ class TorchrunWorker(Worker):
     """The same training under torchrun: rank and world from its environment; after any loss
     torchrun restarts every worker, which waits for the agent's order for this restart, then
     reloads the last checkpoint."""
+    streams = False
 
     def __init__(self, spec: torch_job.JobSpec):
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -759,134 +781,6 @@ class TorchrunWorker(Worker):
             if self.fabric is not None:
                 self.fabric.close()
         return DONE
-
-    def _watch_hold(self, g: int) -> None:
-        """Wait for the controller to name the step at which generation g stops (a planned
-        swap: every rank holds at its first step boundary at or past it until the next
-        generation), or to end the generation (-1)."""
-        client = store_client(*self.spec.store)
-        try:
-            client.wait([f"pg{g}/hold"])
-            at = int(client.get(f"pg{g}/hold"))
-        except (DistError, ValueError) as e:
-            log.warning("generation %d's hold not read: %s", g, e)
-            return
-        if at < 0:                     # the generation is over: no hold
-            return
-        try:
-            if client.check([f"stream/{g}"]):
-                order = json.loads(client.get(f"stream/{g}"))
-                if order.get("donor") == self.rank and self.gen == g:
-                    self.stream_out = order
-        except (DistError, ValueError) as e:
-            log.warning("generation %d's stream order not read: %s", g, e)
-        with self._lock:
-            self.hold_at = (g, at)
-        self._wake.set()
-
-    # --- a planned swap's state, streamed ahead ------------------------------------------
-    def _watch_stream(self) -> None:
-        """A standby: wait to be named the spare of a planned swap (`stream-to/<gpu>`), then
-        take the donor's state and apply its steps' averaged gradients up to the held step,
-        as the donor's optimizer does: the new generation finds this process at that step (no
-        transfer then). Anything missing stops it there: the transfer does the rest."""
-        client = store_client(*self.spec.store)
-        key = f"stream-to/{self.gpu}"
-        while not self._stop.is_set():
-            try:
-                client.wait([key])
-                order = json.loads(client.get(key))
-                client.delete_key(key)
-            except (DistError, ValueError) as e:
-                log.warning("%s: no stream order read: %s", self.gpu, e)
-                return
-            self._streamed.clear()
-            try:
-                self._take_stream(order)
-            except (DistError, ValueError, RuntimeError, KeyError) as e:
-                self.events.write("stream_failed", gen=order.get("gen"), reason=str(e)[:300],
-                                  step=self.completed)
-            finally:
-                self._streamed.set()
-
-    def _take_stream(self, order: dict) -> None:
-        g, at = int(order["gen"]), int(order["at"])
-        client = store_client(*self.spec.store, self.spec.collective_timeout_s)
-        prefix = f"stream{g}/"
-        t0 = time.time()
-        client.wait([prefix + "state"])
-        step = int(client.get(prefix + "step"))
-        data = client.get(prefix + "state")
-        with self._lock:
-            if self._stream_stop.is_set():
-                raise RuntimeError("a rank already: the stream came too late")
-            if int(order.get("tp", 0)) != self.tp_index:
-                self._build(int(order["tp"]))
-            flat = torch.frombuffer(bytearray(data), dtype=torch.float32).to(self.device)
-            unflatten_into(flat, state_tensors(self.model, self.opt))
-            self.completed = step
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        got = len(data)
-        while self.completed < at:
-            k = self.completed + 1
-            client.wait([prefix + f"grad/{k}"])
-            data = client.get(prefix + f"grad/{k}")
-            with self._lock:
-                if self._stream_stop.is_set():
-                    raise RuntimeError(f"a rank already at step {self.completed}")
-                unflatten_into(torch.frombuffer(bytearray(data), dtype=torch.float32)
-                               .to(self.device), gradients(self.params))
-                self.opt.step()
-                self.completed = k
-            got += len(data)
-        self.events.write("streamed", gen=g, step=at, first=step, bytes_received=got,
-                          seconds=time.time() - t0)
-
-    def _send_stream(self, grad: torch.Tensor | None, last: bool = False) -> None:
-        """A donor, after a step: its state the first time, then each step's averaged
-        gradients, to the planned swap's spare (by a thread: the step does not wait)."""
-        order = self.stream_out
-        if order is None or order["gen"] != self.gen:
-            return
-        prefix = f"stream{self.gen}/"
-        if self._sender is None:
-            flat = flatten(state_tensors(self.model, self.opt)).detach().cpu()
-            self._sender = queue.Queue()
-            client = store_client(*self.spec.store, self.spec.collective_timeout_s)
-
-            def send() -> None:
-                while True:
-                    item = self._sender.get()
-                    if item is None:
-                        return
-                    try:
-                        for key, value in item:
-                            client.set(prefix + key, value)
-                    except DistError as e:
-                        log.warning("stream to %s: %s", order["to"], e)
-                        return
-            threading.Thread(target=send, name="stream-out", daemon=True).start()
-            self._sender.put([("step", str(self.completed)),
-                              ("state", flat.numpy().tobytes())])
-        elif grad is not None:
-            self._sender.put([(f"grad/{self.completed}", grad.detach().cpu().numpy().tobytes())])
-        if last or self.completed >= int(order["at"]):
-            self._sender.put(None)
-            self.stream_out, self._sender = None, None
-
-    def _hold(self) -> None:
-        """At a step boundary of a planned swap: no collective in flight, the state is that of
-        the last completed step; wait for the next generation (raises Aborted when it comes)."""
-        if self.stream_out is not None:      # a donor that held first: its state, then done
-            self._send_stream(None, last=True)
-        self.events.write("held", gen=self.gen, rank=self.rank, step=self.completed)
-        self.store.add(f"pg{self.gen}/held", 1)      # (the controller's key, no prefix)
-        while True:
-            self._wake.clear()
-            self._check(f"the hold at step {self.completed}")
-            self._wake.wait(1.0)
 
     def _check(self, what: str) -> None:
         if self._stop.is_set():
