@@ -252,7 +252,23 @@ class Worker:
         # shard can change when it takes a rank: rebuilt then).
         self._build(0)
         if self.streams:
+            self._warm_up()
             threading.Thread(target=self._watch_stream, name="stream", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        """One forward and backward pass on a batch, forgotten (no gradient kept, no optimizer
+        step, no random number drawn): the one-off costs of a process's first pass are paid
+        here, not in the first step a standby takes a rank for (a planned swap's stall)."""
+        x, y = (t.to(self.device) for t in self.data.batch(0, 0, self.spec.batch))
+        link = self.model.link.allreduce
+        self.model.link.allreduce = lambda t: None          # (alone: no group to sum over)
+        try:
+            logits = self.model(x)
+            F.cross_entropy(logits.reshape(-1, self.cfg.vocab), y.reshape(-1)).backward()
+        finally:
+            self.model.link.allreduce = link
+            for p in self.params:
+                p.grad = None
 
     def _build(self, tp_index: int) -> None:
         tp = max(len(g) for g in roles(self.plan, self.plan.world, 0).tp_groups)
