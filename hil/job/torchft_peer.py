@@ -80,7 +80,7 @@ from photonic_testbed.hil.job.model import (
     new_optimizer,
     unflatten_into,
 )
-from photonic_testbed.hil.job.torch_job import EventLog, JobSpec
+from photonic_testbed.hil.job.torch_job import EventLog, EventTail, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -390,8 +390,7 @@ class _Events:
     """The job's events read as they are written: each file from where it was left."""
 
     def __init__(self, folder: pathlib.Path):
-        self.folder = folder
-        self._offsets: dict[pathlib.Path, int] = {}
+        self.tail = EventTail(folder)
         self.all: list[dict] = []
         self.by_pid: dict[int, set[str]] = {}        # the kinds each process has written
         self.steps_by_pid: dict[int, int] = {}       # each process's latest completed step
@@ -399,22 +398,7 @@ class _Events:
         self.stopped: dict[int, str] = {}
 
     def read(self) -> list[dict]:
-        new = []
-        for path in sorted(self.folder.glob("*.jsonl")):
-            at = self._offsets.get(path, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(at)
-                    chunk = f.read()
-            except OSError:
-                continue
-            whole = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written: later
-            self._offsets[path] = at + len(whole)
-            for line in whole.decode("utf-8", "replace").splitlines():
-                try:
-                    new.append(json.loads(line))
-                except ValueError:
-                    continue
+        new = self.tail.new()
         for e in new:
             pid = e.get("pid")
             if pid is None:
