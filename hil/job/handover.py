@@ -167,7 +167,7 @@ class Handovers:
             if h is None or h["done_gen"] is not None:
                 return
             if h.get("released") or h["gpu"] in rank_map.values() or \
-                    h["gen"] not in self.held:     # (a failure's order, before any hold)
+                    "t_held" not in h:             # (a failure's order, before any hold)
                 self.holding = None
             else:
                 h["done_gen"] = gen
