@@ -117,9 +117,9 @@ def demo_folder(given: str | None) -> pathlib.Path:
                             f"--workdir") from None
 
 
-def _gpu_to_fail(rig: str, gpu: str | None) -> str:
-    """The GPU the demo fails: one the job runs on (a worker of the rig's rack, not a spare),
-    checked before anything starts."""
+def _gpu_to_fail(rig: str, gpu: str | None, flag: str = "--gpu") -> str:
+    """The GPU the demo fails (or slows: `flag` names the option that gave it): one the job
+    runs on (a worker of the rig's rack, not a spare), checked before anything starts."""
     from photonic_testbed.common.rack_layout import layout
     workers = layout(rig).workers
     gpu = RIG_JOBS[rig][1] if gpu is None else gpu
@@ -127,7 +127,7 @@ def _gpu_to_fail(rig: str, gpu: str | None) -> str:
         spares = layout(rig).spares
         why = "is a spare, which the job does not run on" if gpu in spares \
             else f"is not in the {rig} rack"
-        raise CommandFailed(f"--gpu {gpu!r} {why}; the job runs on {', '.join(workers)}"
+        raise CommandFailed(f"{flag} {gpu!r} {why}; the job runs on {', '.join(workers)}"
                             + (f" (spares: {', '.join(spares)})" if spares else ""))
     return gpu
 
@@ -163,7 +163,7 @@ def run(args) -> int:
             raise CommandFailed("--slow GPU[:FACTOR] goes with --job torch on --rig lumion "
                                 "(its spares take a slow GPU's place), without --gpu")
         args.gpu, args.slow = slow_argument(args.slow)
-    gpu = _gpu_to_fail(args.rig, args.gpu)
+    gpu = _gpu_to_fail(args.rig, args.gpu, "--gpu" if args.slow is None else "--slow")
     if args.job == "torch":
         from photonic_testbed.ptb import demo_torch
         demo_torch.check_torch()

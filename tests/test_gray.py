@@ -314,6 +314,13 @@ def test_the_demos_slow_argument_is_checked(text, said):
     assert slow_argument("gpu6:2.5") == ("gpu6", 2.5)
 
 
+def test_the_demo_names_the_option_that_gave_a_spare():
+    from photonic_testbed.ptb.cli import CommandFailed
+    from photonic_testbed.ptb.demo import _gpu_to_fail
+    with pytest.raises(CommandFailed, match=r"^--slow 'spare0' is a spare"):
+        _gpu_to_fail("lumion", "spare0", "--slow")
+
+
 HOST = """
 import subprocess, sys, time
 from photonic_testbed.emulator.slowdown import Slowdowns
