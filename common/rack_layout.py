@@ -185,15 +185,29 @@ class _LinkTable:
         return got
 
 
+CABLINGS = ("consecutive", "alternate")
+
+
 def duplex_rack(name: str, switch: str, ports: int, workers: int, spares: int = 0,
-                description: str = "", prefix: str = "gpu", spare_prefix: str = "spare"
-                ) -> RackLayout:
-    """GPUs on consecutive duplex ports 1, 2, ... of one switch, spares after the workers."""
+                description: str = "", prefix: str = "gpu", spare_prefix: str = "spare",
+                cabling: str = "consecutive") -> RackLayout:
+    """GPUs on duplex ports of one switch, spares after the workers: on consecutive ports 1,
+    2, ..., or ("alternate") on the odd ports 1, 3, ... first, then the even ones. On a Benes
+    chip the two differ: with the GPUs on the first ports, which waveguides carry their light
+    is the same for every routing (each cell of the first and last stages takes two of them,
+    and so on inwards), so no routing can take a link off a waveguide that fades; on
+    alternate ports each of those cells takes one, and every inner waveguide of a link's path
+    can be avoided (`drivers.routing.avoiding`)."""
+    if cabling not in CABLINGS:
+        raise LayoutError(f"cabling is one of {', '.join(CABLINGS)}, not {cabling!r}")
     names = [f"{prefix}{i}" for i in range(workers)] + [f"{spare_prefix}{i}" for i in range(spares)]
     if len(names) > ports:
         raise LayoutError(f"{len(names)} GPUs do not fit on a {ports} x {ports} switch")
+    order = list(range(1, ports + 1))
+    if cabling == "alternate":
+        order = order[::2] + order[1::2]
     gpus: dict[str, tuple[Attachment, ...]] = {
-        g: (Attachment(switch, i + 1, ports + i + 1),) for i, g in enumerate(names)}
+        g: (Attachment(switch, p, ports + p),) for g, p in zip(names, order, strict=False)}
     return RackLayout(name, {switch: ports}, gpus, tuple(names[workers:]), description)
 
 
@@ -231,18 +245,20 @@ def rail_rack(name: str, servers: int, rails: int = 8, spare_servers: int = 1,
                       owners)
 
 
-def lumion() -> RackLayout:
+def lumion(cabling: str = "consecutive") -> RackLayout:
     """8 GPUs and 2 spares on the 16 x 16 chip (LUMION's rack-scale failover set-up)."""
     return duplex_rack("lumion", "chip", 16, 8, 2,
-                       "8 GPUs + 2 spares, one duplex transceiver each on the 16 x 16 chip")
+                       f"8 GPUs + 2 spares, one duplex transceiver each on the 16 x 16 chip"
+                       f"{', on alternate ports' if cabling == 'alternate' else ''}",
+                       cabling=cabling)
 
 
-def opus() -> RackLayout:
+def opus(cabling: str = "consecutive") -> RackLayout:
     """8 servers with one rail port each on the 32 x 32 OCS (Opus's time-multiplexed rails),
     and 2 spare servers on the next ports."""
     return duplex_rack("opus", "ocs", 32, 8, 2,
                        "8 servers and 2 spares, one rail port each (ingress p, egress 32+p) on "
-                       "the 32 x 32 OCS", prefix="server")
+                       "the 32 x 32 OCS", prefix="server", cabling=cabling)
 
 
 LAYOUTS = {"lumion": lumion, "opus": opus}

@@ -29,7 +29,7 @@ import pathlib
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,12 +57,15 @@ from photonic_testbed.drivers.routing import (
     BAR,
     CROSS,
     RoutingError,
+    Segment,
+    avoiding,
     benes_cell_states,
     circuits_to_permutation,
     clements_decompose,
     mzi,
     permutation_matrix,
     route_waveguides,
+    trace_path,
     trace_states,
     trace_waveguides,
 )
@@ -156,6 +159,9 @@ class Mesh(CircuitSwitch):
         # the circuits asked for (None: none since the driver opened, and no memory of any)
         self.memory = pathlib.Path(memory) if memory is not None else None
         self._memory_fd: int | None = None      # open from the first apply on
+        # waveguides a circuit was moved off (`move`): every routing keeps the circuits asked
+        # off them as far as it can, until `forget`; kept in the memory with the circuits
+        self.avoid: frozenset[Segment] = frozenset()
         self._active: Circuits | None = self._recall()
 
     def _fitting(self, calibration: Calibration | str | os.PathLike) -> Calibration:
@@ -206,8 +212,76 @@ class Mesh(CircuitSwitch):
         perm = circuits_to_permutation(circuits, self.ports)
         if self.topology.kind == "benes":
             named = {BAR: math.pi, CROSS: 0.0}
-            return {cid: (named[s], 0.0) for cid, s in benes_cell_states(perm).items()}
+            return {cid: (named[s], 0.0) for cid, s in self._benes_states(circuits).items()}
         return clements_decompose(permutation_matrix(perm)).cell_phases()
+
+    def _benes_states(self, circuits: Mapping[int, int]) -> dict[str, str]:
+        """The looping algorithm's cell states; with waveguides to avoid, the routing of the
+        circuits (`drivers.routing.avoiding`) that crosses them least."""
+        perm = circuits_to_permutation(circuits, self.ports)
+        if not self.avoid:
+            return benes_cell_states(perm)
+        states, _, crossings = avoiding(self.topology, perm, circuits, self.avoid)
+        if crossings:
+            log.warning("%s: %d of the circuits' waveguides are ones they were moved off (no "
+                        "routing of these %d circuits avoids them all)", self.name, crossings,
+                        len(circuits))
+        return states
+
+    def move(self, inputs: Iterable[int]) -> dict:
+        """Take the circuits of these inputs off every waveguide they cross now, but the one
+        into their output port (a waveguide losing light), and keep every circuit off those
+        waveguides from then on (`avoid`, until `forget`): the same circuits, made by other
+        cells. Refused (SwitchError, nothing changed) on a chip that is not a Benes network,
+        for an input with no circuit asked, and when no routing keeps every circuit asked off
+        those waveguides (with the used ports side by side, every routing lights the same
+        waveguides: the move would only hand the loss to another circuit). Returns what was
+        avoided and the heaters changed."""
+        if self.topology.kind != "benes":
+            raise SwitchError(f"{self.name}: circuits are moved off waveguides on a Benes chip, "
+                              f"not a {self.topology.kind} one")
+        active = dict(self._active or {})
+        asked = sorted({int(i) for i in inputs})
+        missing = [i for i in asked if i not in active]
+        if not asked or missing:
+            raise SwitchError(f"{self.name}: no circuit asked from input(s) "
+                              f"{missing or asked} to move (circuits from inputs "
+                              f"{sorted(active)})")
+        states = {cid: c["state"] for cid, c in self.cell_states().items()}
+        try:
+            off = {seg for i in asked for seg in trace_path(self.topology, states, i)[0][:-1]}
+        except RoutingError as e:
+            raise SwitchError(f"{self.name}: the cells make no path to move ({e})") from None
+        before = self.avoid
+        self.avoid = before | off
+        try:
+            new = self._benes_states(active)
+            still = sorted(i for i in active
+                           if not off.isdisjoint(trace_path(self.topology, new, i)[0]))
+            if still:
+                raise SwitchError(
+                    f"{self.name}: no routing of the {len(active)} circuits keeps them all off "
+                    f"the waveguides of input(s) {asked} (input(s) {still} would cross them): "
+                    "with the ports in use side by side every routing lights the same "
+                    "waveguides; cable the GPUs to alternate ports")
+            lines = self.lines_sent
+            self.apply(active)
+        except BaseException:
+            self.avoid = before
+            raise
+        self._remember(active)
+        log.info("%s: input(s) %s moved off %d waveguides (%d avoided in all)", self.name,
+                 asked, len(off), len(self.avoid))
+        return {"moved": asked, "off": sorted(off), "avoid": sorted(self.avoid),
+                "lines": self.lines_sent - lines}
+
+    def forget(self) -> int:
+        """Stop avoiding waveguides (they were repaired); the circuits stay where they are
+        until the next change. Returns how many were avoided."""
+        n, self.avoid = len(self.avoid), frozenset()
+        if self._active is not None:
+            self._remember(self._active)
+        return n
 
     def heater_phases(self, cell_phases: Mapping[str, tuple[float, float]]) -> dict[int, float]:
         phases = {}
@@ -244,7 +318,7 @@ class Mesh(CircuitSwitch):
             except RoutingError as e:
                 raise SwitchError(f"{self.name}: {e}") from e
             return self.calibration.voltages(self.heater_phases(cells))
-        return self._keep("volts", tuple(sorted(circuits.items())), work)
+        return self._keep("volts", (tuple(sorted(circuits.items())), self.avoid), work)
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         t0 = time.perf_counter()
@@ -325,7 +399,8 @@ class Mesh(CircuitSwitch):
         if self.memory is None:
             return
         line = json.dumps({"chip": self.topology.name, "dac": self._dac_address(),
-                           "circuits": sorted(circuits.items())}).encode() + b"\n"
+                           "circuits": sorted(circuits.items()),
+                           "avoid": sorted(self.avoid)}).encode() + b"\n"
         try:
             if self._memory_fd is None:
                 self._memory_fd = os.open(self.memory, os.O_RDWR | os.O_CREAT, 0o600)
@@ -363,6 +438,7 @@ class Mesh(CircuitSwitch):
             if not isinstance(d, dict) or d.get("chip") != self.topology.name:
                 raise ValueError(f"not the memory of a {self.topology.name} chip")
             asked = self.check(d.get("circuits") or {})
+            avoid = frozenset(self._segment(x) for x in d.get("avoid") or ())
         except (ValueError, TypeError, SwitchError) as e:
             log.warning("%s: the memory %s is not used: %s", self.name, path, e)
             return None
@@ -375,7 +451,16 @@ class Mesh(CircuitSwitch):
             return None
         log.info("%s: %d circuits asked for before this driver opened, still made",
                  self.name, len(asked))
+        self.avoid = avoid
         return asked
+
+    def _segment(self, x) -> Segment:
+        """A waveguide as the memory names it: [cell id, output arm 2 | 3] of this chip."""
+        if not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                and x[1] in (2, 3) and not isinstance(x[1], bool)):
+            raise ValueError(f"{x!r} is not a waveguide [cell, arm 2 | 3]")
+        self.topology.cell(x[0])        # (TopologyError, a ValueError, for no such cell)
+        return x[0], x[1]
 
     def transfer_matrix(self, states: Mapping[str, dict] | None = None) -> np.ndarray:
         """The ideal field transfer matrix the cell phases make (Clements chips)."""

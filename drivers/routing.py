@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import cmath
 import math
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -54,21 +55,25 @@ def circuits_to_permutation(circuits: Mapping[int, int], n: int) -> list[int]:
 
 # ---- Benes: the looping algorithm ----------------------------------------------------------------
 
-def benes_route(perm: Sequence[int]) -> list[bytearray]:
+def benes_route(perm: Sequence[int], flips: random.Random | None = None) -> list[bytearray]:
     """Cell states for a Benes network routing input i to output perm[i] (0-based).
 
-    Returns one bytearray per stage, one byte per row: 1 = cross, 0 = bar.
+    Returns one bytearray per stage, one byte per row: 1 = cross, 0 = bar. The looping
+    algorithm is free to send each loop's first input to either subnetwork: by default the
+    upper one; with `flips`, as that generator draws (another routing of the same permutation,
+    the same for the same seed).
     """
     p = check_permutation(perm)
     n = len(p)
     if n < 2 or n & (n - 1):
         raise RoutingError(f"a Benes network has N = 2^k >= 2 ports, not {n}")
     state = [bytearray(n // 2) for _ in range(benes_stages(n))]
-    _loop(p, 0, 0, state)
+    _loop(p, 0, 0, state, flips)
     return state
 
 
-def _loop(p: list[int], s0: int, r0: int, state: list[bytearray]) -> None:
+def _loop(p: list[int], s0: int, r0: int, state: list[bytearray],
+          flips: random.Random | None = None) -> None:
     n = len(p)
     if n == 2:
         state[s0][r0] = p[0] != 0
@@ -79,10 +84,12 @@ def _loop(p: list[int], s0: int, r0: int, state: list[bytearray]) -> None:
     sub = [-1] * n                  # 0: upper subnetwork, 1: lower
     for start in range(0, n, 2):
         i = start
+        side = flips.getrandbits(1) if flips is not None and sub[i] < 0 else 0
         while sub[i] < 0:
-            sub[i] = 0
-            sub[i ^ 1] = 1
-            # the partner's output shares a cell with another output: that one goes upper
+            sub[i] = side
+            sub[i ^ 1] = 1 - side
+            # the partner's output shares a cell with another output: that one goes the way
+            # this one went
             i = q[p[i ^ 1] ^ 1]
     half = n // 2
     first, last = state[s0], state[s0 + 2 * int(math.log2(n)) - 2]
@@ -96,14 +103,16 @@ def _loop(p: list[int], s0: int, r0: int, state: list[bytearray]) -> None:
         else:
             up[c], lo[c] = p[a] >> 1, p[b] >> 1
         last[r0 + c] = sub[q[a]]     # output 2c fed from the lower half: cross
-    _loop(up, s0 + 1, r0, state)
-    _loop(lo, s0 + 1, r0 + half // 2, state)
+    _loop(up, s0 + 1, r0, state, flips)
+    _loop(lo, s0 + 1, r0 + half // 2, state, flips)
 
 
-def benes_cell_states(perm: Sequence[int]) -> dict[str, str]:
-    """{cell id: "bar" | "cross"} for a Benes network routing perm (0-based)."""
+def benes_cell_states(perm: Sequence[int], flips: random.Random | None = None
+                      ) -> dict[str, str]:
+    """{cell id: "bar" | "cross"} for a Benes network routing perm (0-based); `flips`: as
+    `benes_route`'s."""
     return {cell_id(s, r): CROSS if x else BAR
-            for s, row in enumerate(benes_route(perm)) for r, x in enumerate(row)}
+            for s, row in enumerate(benes_route(perm, flips)) for r, x in enumerate(row)}
 
 
 # ---- Clements decomposition ----------------------------------------------------------------------
@@ -352,25 +361,71 @@ def matching_schedule(topology: Topology, endpoints: int | None = None) -> list[
 def trace_states(topology: Topology, states: Mapping[str, str]) -> list[int]:
     """Follow each input through bar/cross cells of a feed-forward topology: the permutation
     (0-based) the cells make. A cell left out, or "partial", stops with a RoutingError."""
+    n = topology.ports
+    return [trace_path(topology, states, i)[1] - n - 1 for i in range(1, n + 1)]
+
+
+Segment = tuple[str, int]          # a waveguide leaving a cell: (cell id, output arm 2 | 3)
+
+
+def trace_path(topology: Topology, states: Mapping[str, str], port: int
+               ) -> tuple[list[Segment], int]:
+    """Where input `port` goes through bar/cross cells of a feed-forward topology: the
+    waveguides it leaves each cell by, in order, and the output port it reaches."""
     if topology.recirculating:
         raise RoutingError(f"{topology.name} is a recirculating mesh: no input/output order")
-    nxt = {a: b for a, b in topology.links}
-    n = topology.ports
-    perm = []
-    for i in range(1, n + 1):
-        end = nxt[("port", i)]
-        while end[0] == "cell":
-            _, cid, arm = end
-            state = states.get(cid)
-            if state == BAR:
-                out = arm + 2
-            elif state == CROSS:
-                out = 3 - arm
-            else:
-                raise RoutingError(f"cell {cid} is {state!r}, neither bar nor cross")
-            end = nxt[("cell", cid, out)]
-        perm.append(int(end[1]) - n - 1)
-    return perm
+    nxt = _links_of(topology)
+    end = nxt[("port", port)]
+    path: list[Segment] = []
+    while end[0] == "cell":
+        _, cid, arm = end
+        state = states.get(cid)
+        if state == BAR:
+            out = arm + 2
+        elif state == CROSS:
+            out = 3 - arm
+        else:
+            raise RoutingError(f"cell {cid} is {state!r}, neither bar nor cross")
+        path.append((cid, out))
+        end = nxt[("cell", cid, out)]
+    return path, int(end[1])
+
+
+_LINKS: dict[int, tuple[Topology, dict]] = {}
+
+
+def _links_of(topology: Topology) -> dict:
+    """The topology's links as {from: to}, worked out once per topology."""
+    kept = _LINKS.get(id(topology))
+    if kept is None or kept[0] is not topology:
+        kept = _LINKS[id(topology)] = (topology, {a: b for a, b in topology.links})
+    return kept[1]
+
+
+def avoiding(topology: Topology, perm: Sequence[int], inputs: Iterable[int],
+             avoid: Iterable[Segment], moved: Iterable[int] = (), tries: int = 256
+             ) -> tuple[dict[str, str], int, int]:
+    """A Benes routing of `perm` (0-based) in which the paths of `inputs` (ports 1..N) cross
+    the `avoid` waveguides as seldom as can be found, the paths of `moved` (some of `inputs`)
+    first: the looping algorithm's routing, then others drawn with seeds 0, 1, ... (`tries`
+    in all; the same answer every time). Returns the cell states, how many of the `moved`
+    paths still cross an avoided waveguide, and how many crossings all `inputs` make."""
+    avoid = frozenset(avoid)
+    inputs, moved = sorted(set(inputs) | set(moved)), frozenset(moved)
+    best: tuple[int, int, dict[str, str]] | None = None
+    for seed in range(-1, tries - 1):
+        states = benes_cell_states(perm, None if seed < 0 else random.Random(seed))
+        moved_crossing = crossings = 0
+        for i in inputs:
+            n = len(avoid.intersection(trace_path(topology, states, i)[0]))
+            crossings += n
+            moved_crossing += bool(n) and i in moved
+        if best is None or (moved_crossing, crossings) < best[:2]:
+            best = (moved_crossing, crossings, states)
+        if not crossings:
+            break
+    assert best is not None
+    return best[2], best[0], best[1]
 
 
 # ---- Recirculating meshes, waveguide by waveguide ---------------------------------------------

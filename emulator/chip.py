@@ -63,6 +63,31 @@ class ChipTruth:
     tau_s: np.ndarray             # (heaters,)
 
 
+FADE_STEP_DB = 0.01           # a fading waveguide's loss, as the light is worked out again
+MAX_FADE_DB = 60.0
+
+
+@dataclass(frozen=True)
+class Fade:
+    """A waveguide segment losing light: `db_per_s` more every second from `since` up to
+    `max_db` (a fade: a contaminated or cracked cladding, a bend relaxing), or, with
+    `period_s`, `max_db` lost for a period and nothing the next, starting lossy (a flap)."""
+    cell: str
+    arm: int
+    since: float
+    max_db: float
+    db_per_s: float = 0.0
+    period_s: float = 0.0
+
+    def loss_db(self, now: float) -> float:
+        t = max(0.0, now - self.since)
+        if self.period_s > 0:
+            return self.max_db if int(t // self.period_s) % 2 == 0 else 0.0
+        if self.db_per_s <= 0:
+            return self.max_db
+        return min(self.max_db, self.db_per_s * t)
+
+
 class EmulatedChip:
     """A feed-forward mesh of MZI cells (Benes, Clements) with seeded imperfections."""
 
@@ -97,7 +122,8 @@ class EmulatedChip:
         # or a heater is still warming up: a read of one port costs a lookup, not the chip.
         self._version = 0
         self._settled_at = 0.0            # when the last heater change has settled (clock)
-        self._cache: tuple[int, bool, np.ndarray] | None = None
+        self._cache: tuple[int, bool, np.ndarray, tuple] | None = None
+        self._fades: dict[int, Fade] = {}     # signal (a cell's output arm) -> its fade
 
     # ---- building ------------------------------------------------------------------------
 
@@ -365,20 +391,29 @@ class EmulatedChip:
 
     def _propagate(self) -> np.ndarray:
         """Fields on every signal for unit fields at each input: (signals, ports). Kept
-        while nothing changes and every heater has settled."""
+        while nothing changes, every heater has settled and no fading waveguide's loss has
+        moved by FADE_STEP_DB."""
         with self._lock:
             version, now = self._version, self._clock()
+            faded = self._faded(now) if self._fades else ()
             cached = self._cache
-            if cached is not None and cached[0] == version and cached[1]:
+            if cached is not None and cached[0] == version and cached[1] and \
+                    cached[3] == faded:
                 return cached[2]
             settled = now >= self._settled_at
-        f = self._compute_fields()
+        f = self._compute_fields(dict(faded))
         with self._lock:
             if self._version == version:
-                self._cache = (version, settled, f)
+                self._cache = (version, settled, f, faded)
         return f
 
-    def _compute_fields(self) -> np.ndarray:
+    def _faded(self, now: float) -> tuple[tuple[int, float], ...]:
+        """(signal, loss dB) of every fading waveguide now, in steps of FADE_STEP_DB."""
+        return tuple((sig, round(fd.loss_db(now) / FADE_STEP_DB) * FADE_STEP_DB)
+                     for sig, fd in sorted(self._fades.items()))
+
+    def _compute_fields(self, faded: Mapping[int, float]) -> np.ndarray:
+        """`faded`: {signal: dB} lost on fading waveguides (dims what they carry onwards)."""
         t = self.cell_matrices()
         n = self.ports
         f = np.zeros((n + 2 * len(self.cell_ids), n), dtype=complex)
@@ -388,7 +423,71 @@ class EmulatedChip:
             out = t[stage] @ e
             f[n + 2 * stage] = out[:, 0]
             f[n + 2 * stage + 1] = out[:, 1]
+            for k in stage.tolist() if faded else ():
+                for sig in (n + 2 * k, n + 2 * k + 1):
+                    if sig in faded:
+                        f[sig] *= 10 ** (-faded[sig] / 20)
         return f
+
+    # ---- fading waveguides (faults the emulator injects) -----------------------------------
+
+    def _signal(self, cell: str, arm: int) -> int:
+        if self.kind not in ("benes", "clements"):
+            raise ChipError(f"fading waveguides are modelled on feed-forward chips, not "
+                            f"{self.kind!r} meshes")
+        try:
+            k = self.cell_ids.index(cell)
+        except ValueError:
+            raise ChipError(f"no cell {cell!r} on this chip") from None
+        if arm not in (2, 3) or isinstance(arm, bool):
+            raise ChipError(f"a waveguide leaves a cell by its output arm 2 or 3, not {arm!r}")
+        return self.ports + 2 * k + arm - 2
+
+    def fade(self, cell: str, arm: int, *, max_db: float, db_per_s: float = 0.0,
+             period_s: float = 0.0) -> Fade:
+        """The waveguide leaving `cell` by output `arm` starts losing light (`Fade`)."""
+        for name, v, top in (("max_db", max_db, MAX_FADE_DB), ("db_per_s", db_per_s, 10.0),
+                             ("period_s", period_s, 3600.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= top:
+                raise ChipError(f"{name} must be a number in 0..{top:g}, not {v!r}")
+        if not max_db > 0:
+            raise ChipError("max_db must be above 0 dB: a fade loses some light")
+        signal = self._signal(str(cell), arm)
+        fd = Fade(str(cell), int(arm), self._clock(), float(max_db), float(db_per_s),
+                  float(period_s))
+        with self._lock:
+            self._fades[signal] = fd
+        log.info("chip: the waveguide out of %s arm %d fades (%s)", cell, arm, fd)
+        return fd
+
+    def clear_fades(self) -> None:
+        with self._lock:
+            self._fades.clear()
+
+    def fades(self) -> list[dict]:
+        """Every fading waveguide: its fade and the light it loses now (dB)."""
+        now = self._clock()
+        with self._lock:
+            fades = list(self._fades.values())
+        return [{**{k: getattr(fd, k) for k in ("cell", "arm", "max_db", "db_per_s",
+                                                 "period_s")},
+                 "age_s": round(now - fd.since, 3), "loss_db": round(fd.loss_db(now), 3)}
+                for fd in fades]
+
+    def path(self, port: int) -> list[tuple[str, int]]:
+        """The waveguides input `port`'s light leaves each stage by now: (cell, arm), the
+        stronger of the two arms of the cell it reaches at each stage."""
+        if self.kind not in ("benes", "clements"):
+            raise ChipError(f"a path through a {self.kind!r} mesh is not traced here")
+        if not 1 <= int(port) <= self.ports:
+            raise ChipError(f"inputs are ports 1..{self.ports}, not {port}")
+        f = np.abs(self._propagate()[:, int(port) - 1]) ** 2
+        n, out = self.ports, []
+        for stage in self._stages:
+            k = max(stage, key=lambda c: max(f[n + 2 * c], f[n + 2 * c + 1]))
+            arm = 2 if f[n + 2 * k] >= f[n + 2 * k + 1] else 3
+            out.append((self.cell_ids[k], arm))
+        return out
 
     def fields(self) -> np.ndarray:
         """Coherent transfer matrix (outputs x inputs) up to the output taps."""
@@ -428,10 +527,13 @@ class EmulatedChip:
                 self._lit += 1
 
     @property
-    def light_version(self) -> tuple[int, int]:
+    def light_version(self) -> tuple:
         """Changes whenever what the chip's light depends on changes (a heater, the truth, the
-        inputs): a reading kept under one version is still what the chip would give."""
-        return self._version, self._lit
+        inputs, a fading waveguide): a reading kept under one version is still what the chip
+        would give."""
+        with self._lock:
+            faded = self._faded(self._clock()) if self._fades else ()
+        return self._version, self._lit, faded
 
     @property
     def inputs(self) -> dict[int, float]:

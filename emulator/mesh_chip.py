@@ -94,9 +94,10 @@ class RecirculatingChip(EmulatedChip):
         return sparse.csr_array((np.concatenate([vals, vals]), (rows, cols)),
                                 shape=(4 * c, 4 * c))
 
-    def _compute_fields(self) -> np.ndarray:
+    def _compute_fields(self, faded: Mapping[int, float]) -> np.ndarray:
         """Fields leaving every cell arm for a unit field at each port: (4 cells, ports); the
-        base class's `_propagate` keeps them while nothing changes."""
+        base class's `_propagate` keeps them while nothing changes. (No waveguide of a
+        recirculating mesh fades: `fade` refuses it, so `faded` is empty.)"""
         t = self._scatter()
         m = (sparse.identity(t.shape[0], format="csc") - (t @ self._join)).tocsc()
         s = np.zeros((t.shape[0], self.ports), dtype=complex)

@@ -34,6 +34,7 @@ from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.control import ControlError, ControlServer, Peer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
+from photonic_testbed.emulator.link_fade import LinkFaults
 from photonic_testbed.emulator.rack import EmulatedRack, RackError
 from photonic_testbed.emulator.slowdown import SlowdownError, Slowdowns
 from photonic_testbed.hil.bus import schema
@@ -257,6 +258,7 @@ class RackHost:
         control.register("slow_gpu", slow_gpu)
         control.register("slowdowns", lambda req: slow.active())
         control.register("clear_faults", clear_all)
+        LinkFaults(self.rack).register(control, clear_all)
         control.register_with_peer("register_process", self._register_process)
 
     def _live_pids(self, gpu: str) -> list[int]:

@@ -60,7 +60,7 @@ def _on_the_bus(emu, name: str, device: str, path):
     """Rig file, rack and the switch's service for an emulated rig. Endpoints are free ports
     picked before binding (as `ptb emulate --write-rig` does): another process on the machine
     may take one first, so a failed bind picks new ones (at most 3 tries)."""
-    lay = layout(name)
+    lay = emu.spec.rack_layout() or layout(name)
     gpus = tuple(rigfile.GpuConfig(g, a[0].switch, a[0].tx, g in lay.spares)
                  for g, a in lay.gpus.items())
     for attempt in range(3):
@@ -95,10 +95,11 @@ def _serve(service):
 
 
 @contextlib.contextmanager
-def _rig_on_bus(tmp_path, name, device, **options):
+def _rig_on_bus(tmp_path, name, device, spec=None, **options):
     """An emulated rig (instruments + rack in this process) with its switch `device` served on
-    a thread; yields (rig, rig file, its path)."""
-    rig = EmulatedRig(rig_spec(name), **options)
+    a thread; yields (rig, rig file, its path). `spec`: the rig's RigSpec (named `name`), if
+    not the named one."""
+    rig = EmulatedRig(spec or rig_spec(name), **options)
     rig.start()
     path = tmp_path / "rig.toml"
     try:

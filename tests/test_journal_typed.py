@@ -22,6 +22,7 @@ from photonic_testbed.hil.agent.entries import (
     Detected,
     Intent,
     JobFailure,
+    LinkFade,
     Loopback,
     Note,
     PhaseSwitched,
@@ -62,7 +63,9 @@ ONE_OF_EACH = [
     Alarm(switch="ocs", during="phase tp round 1"), Reconcile(moves={"ocs": 2}),
     Note(job="a", rejoin={"job": "a", "state": "failed", "restart_seq": 2}),
     Loopback(loopback={"gpu3": False, "spare0": True}),
-    Slow(action="swap", job="a", gpu="gpu3", ratio=1.5, steps=30, lost_s=0.4, price_s=0.03)]
+    Slow(action="swap", job="a", gpu="gpu3", ratio=1.5, steps=30, lost_s=0.4, price_s=0.03),
+    LinkFade(action="moved", switch="chip", circuit=(3, 21), src="gpu1", dst="gpu2", dbm=-6.5,
+             db_per_s=-0.2, avoided=[("s3r2", 2), ("s4r2", 3)])]
 
 
 def test_every_kind_is_written_and_read_back_as_the_same_struct(tmp_path):
@@ -101,8 +104,8 @@ def _journal_0_2(tmp_path) -> SqliteJournal:
 def test_a_journal_written_by_0_2_reads_in_todays_types(tmp_path):
     with _journal_0_2(tmp_path) as j:
         entries = {e.seq: e for e in j.entries()}
-    # it has one of every kind 0.2 wrote (a slow GPU's entries came in 0.3)
-    assert {e.kind for e in entries.values()} == set(KINDS) - {"slow"}
+    # it has one of every kind 0.2 wrote (a slow GPU's and a fading link's came in 0.3)
+    assert {e.kind for e in entries.values()} == set(KINDS) - {"slow", "link"}
     assert entries[1].details == Start() and entries[1].cause == "agent started"
     admit = entries[3].details
     assert isinstance(admit, Admit) and admit.name() == "dp-tp" and admit.rank_map == RANKS

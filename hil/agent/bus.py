@@ -63,6 +63,7 @@ from photonic_testbed.hil.agent.events import NoEvents
 from photonic_testbed.hil.agent.gray import GrayWatch
 from photonic_testbed.hil.agent.journal import Entry, Journal, JournalError
 from photonic_testbed.hil.agent.leadership import Leadership, NotLeading
+from photonic_testbed.hil.agent.linkwatch import LinkWatch
 from photonic_testbed.hil.agent.policies import RankMap
 from photonic_testbed.hil.agent.received import ReceivedPower
 from photonic_testbed.hil.agent.replica import (
@@ -260,6 +261,7 @@ class AgentProcess(NoEvents):
         # whose each job is, and the operator's manual changes (made by `start`)
         self._owners: JobOwners | None = None
         self._manual: ManualChanges | None = None
+        self._links: LinkWatch | None = None      # circuits that fade or flap, moved
 
     @property
     def agent(self) -> Agent:
@@ -281,13 +283,6 @@ class AgentProcess(NoEvents):
         if self._owners is None:
             raise self._not_started()
         return self._owners
-
-    @property
-    def manual(self) -> ManualChanges:
-        """The operator's manual changes (once started)."""
-        if self._manual is None:
-            raise self._not_started()
-        return self._manual
 
     @property
     def sub(self) -> StateSubscriber:
@@ -347,6 +342,7 @@ class AgentProcess(NoEvents):
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
                                               self.term, guard=self._guard)
         agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
+        self._links = LinkWatch(agent)
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on
@@ -427,6 +423,8 @@ class AgentProcess(NoEvents):
             self._received.clear()          # received power is read afresh for each event
         while self._taking_on:
             self._taking_on.popleft()()
+        if self._links is not None:
+            self._links.tick()
         sub, server = self.sub, self.server
         sub.poll(0)
         if self._noticed:
@@ -607,7 +605,8 @@ class AgentProcess(NoEvents):
     def _describe(self, args: schema.Args) -> dict:
         a = self.agent
         return {"kind": "agent", "rig": self.rig.name, "term": self.term,
-                "manual": {s: schema.circuits_to_wire(c) for s, c in self.manual.parts.items()},
+                "manual": {s: schema.circuits_to_wire(c) for s, c in
+                           (self._manual.parts if self._manual else {}).items()},
                 "layout": a.layout.to_dict(),
                 "switches": {n: s.describe() for n, s in self.switches.items()},
                 "journal": str(self.journal_path), "plan": a.plan.to_dict() if a.plan else None,

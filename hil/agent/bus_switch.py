@@ -97,6 +97,7 @@ class BusSwitch(CircuitSwitch):
         self.version = snap["state"]["version"]
         self._regroup_at: float | None = None
         self.group: tuple[str, frozenset] | None = None
+        self.can_move = False
         # the circuits, in wire form, the agent last wrote or read (None: not known)
         self.wire: list | None = None
         self._learn_group()
@@ -105,6 +106,9 @@ class BusSwitch(CircuitSwitch):
         """The switches served with this one, which one apply_circuits_together sent here may
         change (describe's `together`); None: none, or a service that does not say."""
         described = self.client.call("describe")
+        ops = described.get("operations") if isinstance(described, dict) else None
+        # a chip's service routes a circuit by other cells (`move`); an OCS's does not
+        self.can_move = isinstance(ops, list) and "move_circuits" in ops
         together = described.get("together") if isinstance(described, dict) else None
         self.group = None
         if together is None:
@@ -136,6 +140,21 @@ class BusSwitch(CircuitSwitch):
     @property
     def ports(self) -> int:
         return self._ports
+
+    def move(self, inputs: list[int]) -> dict:
+        """The circuits from these inputs moved off the waveguides they cross now (the chip
+        service's `move_circuits`, with the version last seen): the same circuits, by other
+        cells. SwitchError if the service cannot or refuses (it says why)."""
+        if not self.can_move:
+            raise SwitchError(f"{self.name} cannot route a circuit by other paths (its service "
+                              "offers no move_circuits)")
+        try:
+            got = self.client.call("move_circuits", inputs=list(inputs), expect=self.version)
+        except BusError as e:
+            raise SwitchError(f"{self.name}: {e}") from None
+        finally:
+            self.version = self.client.version
+        return got
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         got = self.apply_together([(self, circuits)])[0]

@@ -88,6 +88,10 @@ class AgentConfig:
     gray_swap_cost_s: float = _setting(
         0.2, "--gray-swap-cost", "seconds a planned swap is taken to cost the job until one "
         "is measured", "a number of seconds >= 0", lambda v: _number(v) and v >= 0)
+    link_moves: bool = _setting(
+        True, "--link-moves", "move a circuit whose light fades or flaps to other cells of "
+        "its chip, with no rank changed (hil/agent/linkwatch.py)",
+        "true or false", lambda v: isinstance(v, bool))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -231,6 +231,23 @@ class Slow(Details):
     price_s: float | None = None     # a planned swap's cost, as last measured
 
 
+class LinkFade(Details):
+    """A circuit whose received light fades or flaps (hil.agent.linkwatch), and what was done:
+    `moved` (the chip routes it by other cells: no rank changes), `not moved` (the switch
+    cannot, or refused), `still fading` (moved, and the light did not come back: the loss is
+    not on the chip's path)."""
+    kind: ClassVar[str] = "link"
+    action: str                      # (no default: written in every entry)
+    switch: str = ""
+    circuit: tuple[int, int] | None = None
+    src: str = ""                    # the GPUs at its ends
+    dst: str = ""
+    dbm: float | None = None         # the received power, as fitted now
+    db_per_s: float | None = None    # its trend (negative: fading)
+    flaps: int | None = None         # dark <-> light changes in the flap window
+    avoided: list[tuple[str, int]] = []   # the waveguides the circuit was moved off
+
+
 class Loopback(Details):
     """A loopback test: whether each GPU hears its own light through the switch."""
     kind: ClassVar[str] = "diagnosis"
@@ -246,7 +263,7 @@ class Unread(Details):
 AnyDecision = Admit | Swap | Release | Manual | PhaseIntent
 _TYPES: dict[str, type[Details]] = {t.kind: t for t in (
     Start, JobFailure, Detected, Decision, Applied, Verified, VerifyFailed, RankMapAnnounced,
-    RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback, Slow)}
+    RestartOrder, PhaseSwitched, Alarm, Reconcile, Note, Loopback, Slow, LinkFade)}
 KINDS = tuple(_TYPES)                # what the agent writes, in this order; the GUI filters on it
 
 

@@ -157,6 +157,13 @@ class ApplyCircuits(Args):
     circuits: Annotated[list[Circuit], _meta(max_length=MAX_CIRCUITS)]
 
 
+class MoveCircuits(Args):
+    """A chip's circuits from these inputs taken off the waveguides they cross (drivers.mesh
+    `Mesh.move`); `forget`: stop avoiding the waveguides of earlier moves (repaired) instead."""
+    inputs: Annotated[list[Port], _meta(max_length=MAX_CIRCUITS)] = []
+    forget: bool = False
+
+
 class SwitchChange(msgspec.Struct, forbid_unknown_fields=True):
     """One switch's part of `apply_circuits_together`: its circuits, and the state version
     they were computed from (compare-and-set for that switch alone)."""
@@ -358,6 +365,9 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("read_heaters", Args, True, "heater volts read back from the board"),
     Operation("set_heaters", SetHeaters, False, "set heater volts from channel `first` on",
               roles=DEVICE_WRITER),
+    Operation("move_circuits", MoveCircuits, False,
+              "a chip: the circuits from these inputs moved off the waveguides they cross "
+              "now (a fading path), or `forget` the waveguides avoided", roles=DEVICE_WRITER),
     Operation("load_calibration", LoadCalibration, False,
               "a chip: use this calibration file from now on (circuits re-set with it)",
               roles=DEVICE_WRITER),

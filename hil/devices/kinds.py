@@ -21,7 +21,7 @@ from typing import Any
 
 from photonic_testbed import moved
 from photonic_testbed.common.calibration import CalibrationError
-from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch
+from photonic_testbed.drivers.circuit_switch import ApplyReport, CircuitSwitch, SwitchError
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.errors import BadRequest
 from photonic_testbed.hil.bus.server import Answer
@@ -158,7 +158,8 @@ def _chip_state(mesh) -> dict:
     cal = mesh.calibration
     return {"circuits": schema.circuits_to_wire(mesh.circuits()), "ports": mesh.ports,
             "cells": mesh.cell_states(volts), "volts": volts,
-            "calibration": {"chip_id": cal.chip_id, "date": cal.date}}
+            "calibration": {"chip_id": cal.chip_id, "date": cal.date},
+            "avoid": [list(x) for x in sorted(getattr(mesh, "avoid", ()))]}
 
 
 def _chip_apply(mesh: Any, args: schema.ApplyCircuits) -> tuple[dict, dict]:
@@ -167,6 +168,27 @@ def _chip_apply(mesh: Any, args: schema.ApplyCircuits) -> tuple[dict, dict]:
     # the cells' states are worked out after the reply has gone (DeviceService.publish)
     return result, {**changes, "cells": functools.partial(mesh.cell_states, volts),
                     "volts": volts}
+
+
+def _chip_move(mesh: Any, args: schema.MoveCircuits) -> tuple[dict, dict]:
+    """`move_circuits`: the circuits from `inputs` moved off the waveguides they cross (or,
+    with `forget`, the waveguides avoided forgotten): the circuits stay the same, the cells
+    making them change."""
+    if args.forget == bool(args.inputs):
+        raise BadRequest("move_circuits takes the `inputs` whose circuits to move, or "
+                         "`forget`: true (and no inputs)")
+    if args.forget:
+        result = {"forgot": mesh.forget()}
+    else:
+        try:
+            result = mesh.move(args.inputs)
+        except SwitchError as e:
+            raise BadRequest(str(e)) from None
+        result = {**result, "off": [list(x) for x in result["off"]],
+                  "avoid": [list(x) for x in result["avoid"]]}
+    volts = list(mesh.dac.commanded)
+    return result, {"volts": volts, "cells": functools.partial(mesh.cell_states, volts),
+                    "avoid": [list(x) for x in sorted(mesh.avoid)]}
 
 
 def _chip_set_heaters(mesh: Any, args: schema.SetHeaters) -> tuple[dict, dict]:
@@ -267,6 +289,7 @@ KINDS: dict[str, DeviceKind] = {
         "chip", "photonic_testbed.drivers.mesh:open_chip",
         ops={"apply_circuits": _chip_apply, "read_circuits": _read_circuits,
              "set_heaters": _chip_set_heaters, "load_calibration": _chip_load_calibration,
+             "move_circuits": _chip_move,
              "read_heaters": lambda mesh, args: _read_heaters(mesh.dac, args),
              "ping_device": _ping_device},
         state=_chip_state, describe=_chip_describe,

@@ -23,7 +23,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from photonic_testbed.common import nesting
-from photonic_testbed.common.rack_layout import LAYOUTS, LayoutError, RackLayout, rail_rack
+from photonic_testbed.common.rack_layout import (
+    CABLINGS,
+    LAYOUTS,
+    LayoutError,
+    RackLayout,
+    rail_rack,
+)
 from photonic_testbed.common.topology import TopologyError, build
 from photonic_testbed.hil.rig.model import (
     PROCESSES,
@@ -57,6 +63,9 @@ class RigSpec:
     rails: int = 8
     pod: int = 0
     spare_servers: int = 0
+    # the GPUs of a named rack (lumion, opus) on its switch's ports: "consecutive" (1, 2, ...)
+    # or "alternate" (1, 3, ... then 2, 4, ...: common.rack_layout.duplex_rack says why)
+    cabling: str = "consecutive"
 
     @property
     def chip_topology(self) -> str:
@@ -68,7 +77,7 @@ class RigSpec:
         built-in rack of a named rig that has one (lumion, opus), else None."""
         if self.servers:
             return self.rail_layout()
-        return LAYOUTS[self.name]() if self.name in LAYOUTS else None
+        return LAYOUTS[self.name](self.cabling) if self.name in LAYOUTS else None
 
     def rail_layout(self) -> RackLayout:
         """The rail rack of a datacenter rig (one with `servers`)."""
@@ -164,6 +173,9 @@ def rig_spec_from_file(path: str | os.PathLike) -> RigSpec:
     spec_fields.setdefault("name", path.stem)
     spec_fields.setdefault("description", f"emulated rig from {path.name}")
     spec = RigSpec(**spec_fields)
+    if spec.cabling not in CABLINGS:
+        raise RigFileError(f"{path}: emulator.cabling is one of {', '.join(CABLINGS)}, not "
+                           f"{spec.cabling!r}")
     if spec.servers:
         _check_rails(spec, path)
     if spec.chip_kind:
