@@ -182,6 +182,7 @@ class TrainingJob:
         self.restarts = 0
         self.steps_done = 0           # steps completed in all (redone ones count again)
         self.down_communications = 0  # communications that ran over a down link, in all
+        self.slow_communications = 0  # ... over a link slower than the round's fastest
         self._failure: tuple[float, str] | None = None    # the last failure, not yet answered
         self._listeners: list[Callable[[JobEvent], None]] = []
         self._lock = threading.Lock()
@@ -308,6 +309,8 @@ class TrainingJob:
             self.communications.append(comm_record)
             if not comm_record.all_up:
                 self.down_communications += 1
+            if comm_record.slow:
+                self.slow_communications += 1
             self.clock.sleep(seconds)
             comm += seconds
             # done with this round's links: the fabric may set the next round up while the

@@ -21,6 +21,7 @@ import collections
 import logging
 import os
 import pathlib
+import random
 import signal
 import threading
 import time
@@ -35,7 +36,7 @@ from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.control import ControlError, ControlServer, Peer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
 from photonic_testbed.emulator.link_fade import LinkFaults
-from photonic_testbed.emulator.rack import EmulatedRack, RackError
+from photonic_testbed.emulator.rack import DARK_DBM, EmulatedRack, RackError
 from photonic_testbed.emulator.slowdown import SlowdownError, Slowdowns
 from photonic_testbed.hil.bus import schema
 from photonic_testbed.hil.bus.client import BusError
@@ -132,6 +133,9 @@ class RackHost:
         self.clock = WallClock()
         self.rack = EmulatedRack(layout, physics, self.clock)
         self.agent_endpoints = agent_endpoints
+        # the received powers' spread, read to read (DDM), dB; 0: what the optics give exactly
+        self.ddm_noise_db = 0.0
+        self._ddm_rng = random.Random(0xDD)
         # every replica of a replicated agent (the rig's [replicas]): the job finds the leader
         self.agent_replicas: dict[str, tuple[str, str]] | None = None
         self.job_keys = job_keys              # the job's key on a bus with CURVE (a tenant's)
@@ -211,6 +215,10 @@ class RackHost:
             raise RackError(f"rx_power takes a switch of {sorted(self.layout.switches)}, not "
                             f"{switch!r}")
         got = self.rack.port_powers_dbm(switch, ports)
+        if self.ddm_noise_db > 0:       # a transceiver's report varies a little, read to read
+            spread = self.ddm_noise_db
+            got = {p: v if v <= DARK_DBM else round(v + self._ddm_rng.gauss(0, spread), 2)
+                   for p, v in got.items()}
         return {"dbm": {str(p): v for p, v in got.items()}}
 
     # --- control endpoint -------------------------------------------------------------------
@@ -407,6 +415,7 @@ class RackHost:
                 "steps": [[r.step, r.world, r.t_start + self._offset, r.t_end + self._offset]
                           for r in records],
                 "down_communications": job.down_communications,
+                "slow_communications": job.slow_communications,
                 "events": events}
 
     def _stop_job(self) -> dict:

@@ -12,6 +12,7 @@ import threading
 import zmq
 
 from photonic_testbed.common import heap
+from photonic_testbed.common.rack_layout import CABLINGS, LAYOUTS
 from photonic_testbed.emulator.chip import ChipError
 from photonic_testbed.emulator.rack import RackError
 from photonic_testbed.emulator.rig import EmulatedRig
@@ -54,6 +55,13 @@ def add_parser(sub) -> None:
                    help="with --replicas: one group of them (default), or, on a datacenter rig, "
                    "one agent group per pod ([groups.podK]: the pod's rail OCSes and N replicas "
                    "podK-r0 ..., each group's journal its own)")
+    p.add_argument("--cabling", choices=CABLINGS,
+                   help="the rack's GPUs on its switch's consecutive ports (the default) or "
+                   "on alternate ones (1, 3, ..., then 2, 4, ...): on a Benes chip only the "
+                   "latter leaves a fading link other waveguides to be moved to")
+    p.add_argument("--ddm-noise-db", type=float, default=0.0, metavar="DB",
+                   help="the standard deviation of the received powers the GPUs' transceivers "
+                   "report (their DDM), dB (default 0: exact)")
     p.add_argument("--write-rig", metavar="FILE",
                    help="also write a rig file (TOML) pointing at the emulated instruments")
     p.add_argument("--keys", metavar="DIR",
@@ -143,6 +151,13 @@ def run(args) -> int:
         spec = rig_spec(args.rig)
     except ValueError as e:
         raise CommandFailed(str(e)) from None
+    if args.cabling:
+        if spec.name not in LAYOUTS or spec.servers:
+            raise CommandFailed(f"--cabling: the rig {spec.name} has no rack of GPUs on one "
+                                f"switch's ports (those of {', '.join(sorted(LAYOUTS))})")
+        spec = dataclasses.replace(spec, cabling=args.cabling)
+    if not 0 <= args.ddm_noise_db <= 3:
+        raise CommandFailed(f"--ddm-noise-db must be in 0..3 dB, not {args.ddm_noise_db:g}")
     if not 0 <= args.switching_ms <= 10_000:
         raise CommandFailed(f"--switching-ms must be in 0..10000, not {args.switching_ms:g}")
     if args.port_base is not None and not 1024 <= args.port_base <= 65532:
@@ -173,9 +188,10 @@ def run(args) -> int:
             bus_rig, keys, job_keys = _secure(bus_rig, args.keys)
         if gpus:
             try:
-                rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints(), keys=keys,
-                               job_keys=job_keys)
+                host = rig.start_rack(bus_rig.gpus_endpoints(), bus_rig.agent_endpoints(),
+                                      keys=keys, job_keys=job_keys)
                 rig.endpoints["gpus"] = bus_rig.gpus_endpoints()[1]
+                host.ddm_noise_db = args.ddm_noise_db
             except RackError as e:
                 log.warning("no rack of GPUs: %s", e)
                 bus_rig = rigfile.for_emulator(spec, rig.endpoints)

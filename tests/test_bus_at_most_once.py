@@ -140,6 +140,8 @@ def _device_args(service: DeviceService, op: str) -> dict:
     if op == "load_calibration":
         from photonic_testbed.common.calibration import Calibration
         return {"calibration": Calibration.ideal(range(56), chip="benes16").dumps()}
+    if op == "move_circuits":
+        return {"forget": True}
     raise AssertionError(f"no example arguments for {op}")
 
 

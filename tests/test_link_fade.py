@@ -33,6 +33,7 @@ from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.entries import LinkFade, Swap
 from photonic_testbed.hil.agent.linkwatch import LinkWatch
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
+from photonic_testbed.hil.bus.client import ServiceClient
 from photonic_testbed.hil.lab.control_client import ControlError, request
 from photonic_testbed.hil.rig import rig_spec
 from tests.timeouts import DEVICE_S, wait_until
@@ -228,7 +229,7 @@ def watched(tmp_path):
         thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
         thread.start()
         try:
-            yield emu, journal
+            yield emu, rig, journal
         finally:
             stop.set()
             thread.join(10)
@@ -243,11 +244,14 @@ def entries(journal, *kinds):
 @pytest.mark.parametrize("fault", ["fade", "flap"])
 def test_a_fading_or_flapping_link_is_moved_while_the_job_runs_with_no_rank_changed(
         tmp_path, fault):
-    with watched(tmp_path) as (emu, journal):
+    with watched(tmp_path) as (emu, rig, journal):
         host = emu.rack
         control = emu.endpoints["control"]
         rank_map = host.start_job("dp", 100_000, checkpoint_every=1000)["rank_map"]
         wait_until(lambda: host.job.steps_done >= 5, "the job's first steps", WAIT_S)
+        with ServiceClient(rig.endpoints()["chip"][0], timeout=TIMEOUT_S) as chip:
+            chip.call("move_circuits", forget=True)     # the chip's version moves: the agent's
+            #                                             move is sent on an older one, once
         cmd = ({"cmd": "fade_link", "db_per_s": 0.7, "max_db": 20.0} if fault == "fade" else
                {"cmd": "flap_link", "period_s": 1.5, "db": 30.0})
         where = request(control, {**cmd, "src": "gpu2", "dst": "gpu3"})

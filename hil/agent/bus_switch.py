@@ -148,13 +148,23 @@ class BusSwitch(CircuitSwitch):
         if not self.can_move:
             raise SwitchError(f"{self.name} cannot route a circuit by other paths (its service "
                               "offers no move_circuits)")
+        def send() -> dict:
+            try:
+                return self.client.call("move_circuits", inputs=list(inputs),
+                                        expect=self.version)
+            finally:
+                self.version = self.client.version
         try:
-            got = self.client.call("move_circuits", inputs=list(inputs), expect=self.version)
+            try:
+                return send()
+            except StaleState:       # changed since the agent last looked: read it, once more
+                self.client.call("read_circuits")
+                self.version = self.client.version
+                return send()
+        except StaleState:
+            raise SwitchError(f"{self.name} keeps changing under the agent") from None
         except BusError as e:
             raise SwitchError(f"{self.name}: {e}") from None
-        finally:
-            self.version = self.client.version
-        return got
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         got = self.apply_together([(self, circuits)])[0]
