@@ -228,15 +228,17 @@ class Mesh(CircuitSwitch):
                         len(circuits))
         return states
 
-    def move(self, inputs: Iterable[int]) -> dict:
+    def move(self, inputs: Iterable[int], healthy: Iterable[int] = ()) -> dict:
         """Take the circuits of these inputs off every waveguide they cross now, but the one
-        into their output port (a waveguide losing light), and keep every circuit off those
+        into their output port (one of them loses light), and keep every circuit off those
         waveguides from then on (`avoid`, until `forget`): the same circuits, made by other
-        cells. Refused (SwitchError, nothing changed) on a chip that is not a Benes network,
-        for an input with no circuit asked, and when no routing keeps every circuit asked off
-        those waveguides (with the used ports side by side, every routing lights the same
-        waveguides: the move would only hand the loss to another circuit). Returns what was
-        avoided and the heaters changed."""
+        cells. `healthy`: inputs whose circuits carry their full light now: the waveguides
+        they cross are cleared of suspicion (dropped from `avoid`), so that what is avoided
+        narrows to where the loss can be. Refused (SwitchError, nothing changed) on a chip
+        that is not a Benes network, for an input with no circuit asked, and when no routing
+        found keeps every circuit asked off every waveguide avoided (with the used ports side
+        by side every routing lights the same waveguides: the move would only hand the loss to
+        another circuit). Returns what was avoided and the heater lines sent."""
         if self.topology.kind != "benes":
             raise SwitchError(f"{self.name}: circuits are moved off waveguides on a Benes chip, "
                               f"not a {self.topology.kind} one")
@@ -247,33 +249,37 @@ class Mesh(CircuitSwitch):
             raise SwitchError(f"{self.name}: no circuit asked from input(s) "
                               f"{missing or asked} to move (circuits from inputs "
                               f"{sorted(active)})")
+        fine = sorted({int(i) for i in healthy} & set(active) - set(asked))
         states = {cid: c["state"] for cid, c in self.cell_states().items()}
         try:
-            off = {seg for i in asked for seg in trace_path(self.topology, states, i)[0][:-1]}
+            paths = {i: trace_path(self.topology, states, i)[0] for i in asked + fine}
         except RoutingError as e:
             raise SwitchError(f"{self.name}: the cells make no path to move ({e})") from None
+        off = {seg for i in asked for seg in paths[i][:-1]}
+        cleared = {seg for i in fine for seg in paths[i]}
         before = self.avoid
-        self.avoid = before | off
+        self.avoid = (before - cleared) | off
         try:
             new = self._benes_states(active)
             still = sorted(i for i in active
-                           if not off.isdisjoint(trace_path(self.topology, new, i)[0]))
+                           if not self.avoid.isdisjoint(trace_path(self.topology, new, i)[0]))
             if still:
                 raise SwitchError(
-                    f"{self.name}: no routing of the {len(active)} circuits keeps them all off "
-                    f"the waveguides of input(s) {asked} (input(s) {still} would cross them): "
-                    "with the ports in use side by side every routing lights the same "
-                    "waveguides; cable the GPUs to alternate ports")
+                    f"{self.name}: no routing found of the {len(active)} circuits keeps them "
+                    f"all off the {len(self.avoid)} waveguides avoided (input(s) {still} would "
+                    "cross some): with the ports in use side by side every routing lights the "
+                    "same waveguides (cable the GPUs to alternate ports); otherwise `forget` "
+                    "what a repair has cleared")
             lines = self.lines_sent
             self.apply(active)
         except BaseException:
             self.avoid = before
             raise
         self._remember(active)
-        log.info("%s: input(s) %s moved off %d waveguides (%d avoided in all)", self.name,
-                 asked, len(off), len(self.avoid))
-        return {"moved": asked, "off": sorted(off), "avoid": sorted(self.avoid),
-                "lines": self.lines_sent - lines}
+        log.info("%s: input(s) %s moved off %d waveguides (%d avoided in all, %d cleared)",
+                 self.name, asked, len(off), len(self.avoid), len(before & cleared))
+        return {"moved": asked, "off": sorted(off), "cleared": sorted(before & cleared),
+                "avoid": sorted(self.avoid), "lines": self.lines_sent - lines}
 
     def forget(self) -> int:
         """Stop avoiding waveguides (they were repaired); the circuits stay where they are
@@ -438,7 +444,6 @@ class Mesh(CircuitSwitch):
             if not isinstance(d, dict) or d.get("chip") != self.topology.name:
                 raise ValueError(f"not the memory of a {self.topology.name} chip")
             asked = self.check(d.get("circuits") or {})
-            avoid = frozenset(self._segment(x) for x in d.get("avoid") or ())
         except (ValueError, TypeError, SwitchError) as e:
             log.warning("%s: the memory %s is not used: %s", self.name, path, e)
             return None
@@ -451,7 +456,11 @@ class Mesh(CircuitSwitch):
             return None
         log.info("%s: %d circuits asked for before this driver opened, still made",
                  self.name, len(asked))
-        self.avoid = avoid
+        try:
+            self.avoid = frozenset(self._segment(x) for x in d.get("avoid") or ())
+        except (ValueError, TypeError) as e:
+            log.warning("%s: the waveguides to avoid in the memory %s are not used: %s",
+                        self.name, path, e)
         return asked
 
     def _segment(self, x) -> Segment:
@@ -460,7 +469,7 @@ class Mesh(CircuitSwitch):
                 and x[1] in (2, 3) and not isinstance(x[1], bool)):
             raise ValueError(f"{x!r} is not a waveguide [cell, arm 2 | 3]")
         self.topology.cell(x[0])        # (TopologyError, a ValueError, for no such cell)
-        return x[0], x[1]
+        return x[0], int(x[1])
 
     def transfer_matrix(self, states: Mapping[str, dict] | None = None) -> np.ndarray:
         """The ideal field transfer matrix the cell phases make (Clements chips)."""

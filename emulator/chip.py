@@ -475,18 +475,22 @@ class EmulatedChip:
                 for fd in fades]
 
     def path(self, port: int) -> list[tuple[str, int]]:
-        """The waveguides input `port`'s light leaves each stage by now: (cell, arm), the
-        stronger of the two arms of the cell it reaches at each stage."""
+        """The waveguides input `port`'s light leaves its cells by: (cell, arm), at each cell
+        the output arm its input arm sends the more power to, as the heaters set the cell now
+        (not the light itself: a waveguide that fades does not move the path)."""
         if self.kind not in ("benes", "clements"):
             raise ChipError(f"a path through a {self.kind!r} mesh is not traced here")
         if not 1 <= int(port) <= self.ports:
             raise ChipError(f"inputs are ports 1..{self.ports}, not {port}")
-        f = np.abs(self._propagate()[:, int(port) - 1]) ** 2
-        n, out = self.ports, []
-        for stage in self._stages:
-            k = max(stage, key=lambda c: max(f[n + 2 * c], f[n + 2 * c + 1]))
-            arm = 2 if f[n + 2 * k] >= f[n + 2 * k + 1] else 3
-            out.append((self.cell_ids[k], arm))
+        t = np.abs(self.cell_matrices()) ** 2                  # (cells, out arm, in arm)
+        into = {int(s): (k, a) for k, arms in enumerate(self._src.tolist())
+                for a, s in enumerate(arms)}                   # signal -> (cell, input arm)
+        n, out, sig = self.ports, [], int(port) - 1
+        while sig in into:
+            k, a = into[sig]
+            arm = 0 if t[k, 0, a] >= t[k, 1, a] else 1
+            out.append((self.cell_ids[k], 2 + arm))
+            sig = n + 2 * k + arm
         return out
 
     def fields(self) -> np.ndarray:

@@ -152,10 +152,10 @@ def test_a_move_that_would_hand_the_loss_to_another_circuit_is_refused(tmp_path)
 
 class _Switch:
     def __init__(self):
-        self.moves: list[list[int]] = []
+        self.moves: list[tuple[list[int], list[int]]] = []
 
-    def move(self, inputs):
-        self.moves.append(list(inputs))
+    def move(self, inputs, healthy=()):
+        self.moves.append((list(inputs), list(healthy)))
         return {"off": [("s3r2", 2)]}
 
 
@@ -167,52 +167,95 @@ class _Journal:
         self.said.append((details, cause))
 
 
-def _watch(power):
-    """A LinkWatch over one chip circuit 3 -> 21 whose power at time t is power(t)."""
+def _watch(power, circuits=lambda t: {3: 21, 5: 23}):
+    """A LinkWatch over chip circuits (3 -> 21 and 5 -> 23 by default): the power of 3 -> 21 at
+    time t, after n moves, is power(t, n); the other's is -2 dBm."""
     now = [0.0]
     sw, journal = _Switch(), _Journal()
     agent = type("A", (), {})()
     agent.config = AgentConfig()
     agent.switches = {"chip": sw}
-    agent.writer = type("W", (), {"current": staticmethod(lambda s: {3: 21})})()
-    agent.diagnosis = type("D", (), {"read_power": staticmethod(lambda s, o: power(now[0]))})()
+    agent.writer = type("W", (), {"current": staticmethod(lambda s: circuits(now[0]))})()
     agent.journal = journal
     agent.layout = ALTERNATE.rack_layout()
-    watch = LinkWatch(agent, clock=lambda: now[0])
 
-    def run(seconds):
-        for _ in range(int(seconds)):
-            now[0] += 1.0
+    def read(s, o):
+        return power(now[0], len(sw.moves)) if o == 21 else -2.0
+    watch = LinkWatch(agent, read, clock=lambda: now[0])
+
+    def run(seconds):              # (the watch reads when it is due: about every second)
+        for _ in range(int(seconds * 10)):
+            now[0] += 0.1
             watch.tick()
     return run, sw, journal
 
 
-def test_noise_and_a_steady_weak_link_are_not_moved_a_fade_and_a_flap_are():
+def test_noise_steps_a_steady_weak_link_and_unanswered_reads_are_not_moved():
     rng = random.Random(7)
-    run, sw, journal = _watch(lambda t: -2.0 + rng.gauss(0, 0.15))     # DDM's noise, an hour
-    run(3600)
-    assert sw.moves == [] and journal.said == []
-    run, sw, journal = _watch(lambda t: -10.5 + rng.gauss(0, 0.1))     # weak, but steady
-    run(600)
-    assert sw.moves == []
-    run, sw, journal = _watch(lambda t: -2.0 - 0.1 * t + rng.gauss(0, 0.1))   # 0.1 dB/s
-    run(30)
-    assert sw.moves == [[3]]
+    cases = {"DDM's noise, an hour": (lambda t, n: -2.0 + rng.gauss(0, 0.15), 3600),
+             "weak, steady": (lambda t, n: -10.5 + rng.gauss(0, 0.1), 600),
+             "at the threshold": (lambda t, n: -12.0 + rng.gauss(0, 0.3), 600),
+             "a 0.8 dB step": (lambda t, n: -5.0 - 0.8 * (t > 60) + rng.gauss(0, 0.1), 300),
+             "a 4 dB step": (lambda t, n: -2.0 - 4.0 * (t > 60) + rng.gauss(0, 0.1), 300),
+             "no answer now and then": (lambda t, n: None if int(t) % 7 == 0 else -2.0, 600),
+             "nonsense read": (lambda t, n: 1e308 if int(t) == 50 else -2.0, 120)}
+    for what, (power, seconds) in cases.items():
+        run, sw, journal = _watch(power)
+        run(seconds)
+        assert sw.moves == [] and journal.said == [], what
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.1, 1.0])
+def test_a_fade_slow_or_fast_is_moved_before_the_link_loses_rate(rate):
+    rng = random.Random(3)
+    run, sw, journal = _watch(lambda t, n: -2.0 - rate * max(0.0, t - 20) * (n == 0)
+                              + rng.gauss(0, 0.1))
+    run(20 + 8 / rate)
+    assert [m for m, _ in sw.moves] == [[3]]
+    assert sw.moves[0][1] == [5]                  # the healthy circuit's waveguides: cleared
     entry, text = journal.said[0]
     assert entry.action == "moved" and entry.circuit == (3, 21) and entry.src == "gpu1"
-    assert entry.db_per_s == pytest.approx(-0.1, abs=0.03) and entry.dbm > -9.0
+    assert entry.db_per_s == pytest.approx(-rate, rel=0.3) and entry.dbm > -9.0
     assert "fading" in text and "no rank changed" in text
-    run, sw, journal = _watch(lambda t: -3.0 if int(t // 2) % 2 else -40.0)      # flapping
-    run(30)
-    assert sw.moves == [[3]] and journal.said[0][0].flaps >= 3
+    run(120)
+    assert len(sw.moves) == 1 and len(journal.said) == 1      # it helped: nothing more said
+
+
+@pytest.mark.parametrize("period", [0.5, 2.0])
+def test_a_flap_is_moved_whatever_its_period(period):
+    run, sw, journal = _watch(lambda t, n: -3.0 if n or int(t // period) % 2 else -40.0)
+    run(60)
+    assert [m for m, _ in sw.moves] == [[3]] and journal.said[0][0].flaps >= 3
+
+
+def test_a_second_fade_after_a_move_that_helped_is_moved_again_even_as_phases_change():
+    def power(t, n):           # fades from 10 s, and again from 200 s once moved
+        return -2.0 - 0.3 * max(0.0, t - (10 if n == 0 else 200)) if n < 2 else -2.0
+    run, sw, journal = _watch(power, circuits=lambda t: {3: 21} if int(t) % 2 else {3: 21, 5: 23})
+    run(300)
+    assert len(sw.moves) == 2 and [e.action for e, _ in journal.said] == ["moved", "moved"]
 
 
 def test_a_move_that_does_not_bring_the_light_back_is_said_once_and_left_to_the_fail_path():
-    run, sw, journal = _watch(lambda t: -2.0 - 0.2 * t)        # a fibre: no routing helps
+    run, sw, journal = _watch(lambda t, n: -2.0 - 0.2 * t)        # a fibre: no routing helps
     run(120)
-    assert sw.moves == [[3]]
+    assert len(sw.moves) == 1
     assert [e.action for e, _ in journal.said] == ["moved", "still fading"]
     assert "not on the switch's path" in journal.said[1][1]
+
+
+def test_a_refused_move_is_said_and_a_watch_that_fails_does_not_stop_the_agent():
+    run, sw, journal = _watch(lambda t, n: -2.0 - 0.5 * t)
+
+    def refuse(inputs, healthy=()):
+        raise SwitchError("chip: no routing found")
+    sw.move = refuse
+    run(60)
+    assert [e.action for e, _ in journal.said] == ["not moved"]
+    assert "no routing found" in journal.said[0][1]
+    run, sw, journal = _watch(lambda t, n: 1 / 0)                  # a reader that raises
+    run(10)
+    assert journal.said == []
 
 
 # ---- the whole loop: a job on the chip, a link fading and flapping ---------------------------

@@ -342,7 +342,7 @@ class AgentProcess(NoEvents):
         manual = self._manual = ManualChanges(self.rig, agent, self.keys, self.timeout,
                                               self.term, guard=self._guard)
         agent.take_on = self._taking_on.append      # on this loop: the switches' clients are its
-        self._links = LinkWatch(agent)
+        self._links = LinkWatch(agent, self._received.reading)
         self._orders = restart_orders(self.journal)
         self._events += [published_event(e) for e in self.journal.entries()[-EVENTS_KEPT:]]
         self.journal.listen(self._recorded)        # what is written from now on

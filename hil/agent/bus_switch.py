@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -141,30 +141,39 @@ class BusSwitch(CircuitSwitch):
     def ports(self) -> int:
         return self._ports
 
-    def move(self, inputs: list[int]) -> dict:
+    def move(self, inputs: Sequence[int], healthy: Sequence[int] = ()) -> dict:
         """The circuits from these inputs moved off the waveguides they cross now (the chip
-        service's `move_circuits`, with the version last seen): the same circuits, by other
-        cells. SwitchError if the service cannot or refuses (it says why)."""
+        service's `move_circuits`, with the version last seen; `healthy`: inputs whose light is
+        full): the same circuits, by other cells. SwitchError if the service cannot or refuses
+        (it says why). A switch changed since the agent looked (StaleState) is read: if its
+        circuits are still what the agent last wrote (a heater or routing change), the move is
+        sent once more on the version read; if not, it is not (the change is the agent's to
+        put back, which it does once it sees it published)."""
         if not self.can_move:
             raise SwitchError(f"{self.name} cannot route a circuit by other paths (its service "
                               "offers no move_circuits)")
-        def send() -> dict:
+        for attempt in (0, 1):
             try:
-                return self.client.call("move_circuits", inputs=list(inputs),
-                                        expect=self.version)
-            finally:
+                got = self.client.call("move_circuits", inputs=list(inputs),
+                                       healthy=list(healthy), expect=self.version)
+            except StaleState as e:
+                if attempt:
+                    raise SwitchError(f"{self.name} keeps changing under the agent") from e
+                try:
+                    read = self.client.call("read_circuits")
+                except BusError as e2:
+                    raise SwitchError(f"{self.name}: {e2}") from e2
+                if self.wire is None or {tuple(c) for c in read.get("circuits", ())} != \
+                        {tuple(c) for c in self.wire}:
+                    raise SwitchError(f"{self.name}: its circuits changed under the agent: "
+                                      "not moved before they are put back") from e
                 self.version = self.client.version
-        try:
-            try:
-                return send()
-            except StaleState:       # changed since the agent last looked: read it, once more
-                self.client.call("read_circuits")
-                self.version = self.client.version
-                return send()
-        except StaleState:
-            raise SwitchError(f"{self.name} keeps changing under the agent") from None
-        except BusError as e:
-            raise SwitchError(f"{self.name}: {e}") from None
+                continue
+            except BusError as e:
+                raise SwitchError(f"{self.name}: {e}") from e
+            self.version = self.client.version
+            return got
+        raise SwitchError(f"{self.name}: not moved")      # (not reached: the loop returns)
 
     def apply(self, circuits: Mapping[int, int]) -> ApplyReport:
         got = self.apply_together([(self, circuits)])[0]

@@ -26,6 +26,7 @@ class ReceivedPower:
         self.monitors, self.receivers = monitors, receivers
         self.switches, self.timeout = switches, timeout
         self._rx: dict[str, tuple[str | None, dict]] = {}
+        self._unread: dict[str, set[int]] = {}     # switch -> ports no monitor answered for
 
     def clear(self) -> None:
         self._rx.clear()
@@ -43,13 +44,20 @@ class ReceivedPower:
                                   {"switch": switch, "ports": sorted(asks[m])})
                                  for m in monitors], self.timeout)
             dbm: dict[int, float] = {}
+            unread = self._unread[switch] = set()
             for m, got in zip(monitors, answers, strict=True):
                 if isinstance(got, BusError):
                     # its ports read dark for this event, asked again at the next
                     log.warning("no received power from %s for %s %s: %s", m, switch,
                                 sorted(asks[m]), got)
                     dbm.update(dict.fromkeys(asks[m], DARK_DBM))
+                    unread.update(asks[m])
                 else:
                     dbm.update(got["dbm"])
             cached = self._rx[switch] = (sw.version if sw else None, dbm)
         return float(cached[1].get(port, DARK_DBM))
+
+    def reading(self, switch: str, port: int) -> float | None:
+        """`read`, but None where no monitor answered (not a dark receiver: no reading)."""
+        got = self.read(switch, port)
+        return None if int(port) in self._unread.get(switch, ()) else got

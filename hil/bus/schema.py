@@ -161,6 +161,8 @@ class MoveCircuits(Args):
     """A chip's circuits from these inputs taken off the waveguides they cross (drivers.mesh
     `Mesh.move`); `forget`: stop avoiding the waveguides of earlier moves (repaired) instead."""
     inputs: Annotated[list[Port], _meta(max_length=MAX_CIRCUITS)] = []
+    # inputs whose circuits carry their full light: the waveguides they cross are not at fault
+    healthy: Annotated[list[Port], _meta(max_length=MAX_CIRCUITS)] = []
     forget: bool = False
 
 

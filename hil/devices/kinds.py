@@ -181,11 +181,11 @@ def _chip_move(mesh: Any, args: schema.MoveCircuits) -> tuple[dict, dict]:
         result = {"forgot": mesh.forget()}
     else:
         try:
-            result = mesh.move(args.inputs)
+            result = mesh.move(args.inputs, args.healthy)
         except SwitchError as e:
             raise BadRequest(str(e)) from None
-        result = {**result, "off": [list(x) for x in result["off"]],
-                  "avoid": [list(x) for x in result["avoid"]]}
+        result = {**result, **{k: [list(x) for x in result[k]]
+                               for k in ("off", "cleared", "avoid")}}
     volts = list(mesh.dac.commanded)
     return result, {"volts": volts, "cells": functools.partial(mesh.cell_states, volts),
                     "avoid": [list(x) for x in sorted(mesh.avoid)]}
