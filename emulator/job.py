@@ -52,6 +52,7 @@ RECORDS_KEPT = 2000          # steps (what throughput() and job_status read)
 COMMS_KEPT = 1000            # communications, each with its links' state
 EVENTS_KEPT = 2000           # job events
 RESTARTS_KEPT = 100          # restart records
+TIMED_RANKS = 256            # a job of up to this many ranks says each rank's step timings
 
 EVENT_KINDS = ("phase", "released", "stall", "step", "checkpoint", "failure", "restarted",
                "restart_refused", "aborted", "done")
@@ -187,7 +188,12 @@ class TrainingJob:
         self._listeners: list[Callable[[JobEvent], None]] = []
         self._lock = threading.Lock()
         self._granted: tuple[str, int] | None = None
-        self._pending: tuple[dict[int, str], str] | None = None
+        self._pending: tuple[dict[int, str], str, bool] | None = None
+        # GPU -> how many times slower it computes (the emulator's slow_gpu); the step waits
+        # for the slowest rank at each collective, and (up to TIMED_RANKS ranks) each rank's
+        # compute and wait go with the step's event (`timings`: {gpu: [compute_s, wait_s]})
+        self.slowdown: dict[str, float] = {}
+        self.generation = 0           # of the rank map: one more at each restart
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -213,10 +219,13 @@ class TrainingJob:
         with self._lock:
             self._granted = (phase, int(round))
 
-    def restart(self, rank_map: dict[int, str], cause: str = "") -> None:
-        """Restart from the last checkpoint on this rank map (taken at the next safe point)."""
+    def restart(self, rank_map: dict[int, str], cause: str = "", planned: bool = False
+                ) -> None:
+        """Restart from the last checkpoint on this rank map (taken at the next safe point);
+        `planned`: a planned swap at a step boundary, the spare already holding the state: on
+        from the step reached, nothing reloaded."""
         with self._lock:
-            self._pending = (dict(rank_map), cause)
+            self._pending = (dict(rank_map), cause, planned)
 
     def subscribe(self, listener: Callable[[JobEvent], None]) -> None:
         self._listeners.append(listener)
@@ -259,6 +268,12 @@ class TrainingJob:
         for name, _ in self._links:
             counts[name] = counts.get(name, 0) + 1
         phases = {p.name: p for p in self.plan.phases}
+        gpus = list(self.rank_map.values())
+        timed = len(gpus) <= TIMED_RANKS
+        slow = dict(self.slowdown)
+        factor = {g: slow.get(g, 1.0) for g in gpus} if timed or slow else {}
+        slowest = max(factor.values(), default=1.0)
+        ranks = {g: [0.0, 0.0] for g in gpus} if timed else {}    # gpu -> [compute, wait]
         for (name, rnd), rank_links in self._links.items():
             if self._pending is not None:
                 raise _Restart()
@@ -269,8 +284,11 @@ class TrainingJob:
                 raise _Failure(f"GPU(s) {', '.join(dead)} failed", gpus=dead)
             spec = phases[name]
             c = spec.compute_s / counts[name]
-            self.clock.sleep(c)
-            compute += c
+            self.clock.sleep(c * slowest)          # the collective waits for the slowest rank
+            compute += c * slowest
+            for g, cw in ranks.items():
+                cw[0] += c * factor[g]
+                cw[1] += c * (slowest - factor[g])
             with self._lock:
                 self._granted = None
             t0 = self.clock.now()
@@ -313,6 +331,8 @@ class TrainingJob:
                 self.slow_communications += 1
             self.clock.sleep(seconds)
             comm += seconds
+            for cw in ranks.values():               # in the collective: waiting, for each rank
+                cw[1] += self.clock.now() - t0
             # done with this round's links: the fabric may set the next round up while the
             # job computes (Opus)
             self._emit("released", name, rnd)
@@ -325,7 +345,11 @@ class TrainingJob:
         if last is not None and last.resumed_t is None:
             last.resumed_step, last.resumed_steps_done = self.step, self.steps_done
             last.resumed_t = t_end            # last: a reader that sees it sees the rest
-        self._emit("step", seconds=self.clock.now() - t_start)
+        if timed:
+            self._emit("step", seconds=self.clock.now() - t_start, generation=self.generation,
+                       timings=ranks)
+        else:
+            self._emit("step", seconds=self.clock.now() - t_start)
         if self.step % self.checkpoint_every == 0:
             self.checkpoint = self.step
             self._emit("checkpoint")
@@ -335,7 +359,7 @@ class TrainingJob:
             pending, self._pending = self._pending, None
         # _Restart is raised only while one is pending, and only this thread takes it
         assert pending is not None
-        rank_map, cause = pending
+        rank_map, cause, planned = pending
         try:
             new = self._checked(rank_map)
             links = self.plan.links(len(new), self.matchings)
@@ -344,15 +368,18 @@ class TrainingJob:
             self._emit("restart_refused", reason=str(e))
             raise _Failure(f"restart refused: {e}") from None
         self.state = "restarting"
-        self.clock.sleep(self.restart_s)          # reload the checkpoint
-        lost = self.step - self.checkpoint
+        lost = 0 if planned else self.step - self.checkpoint
+        if not planned:
+            self.clock.sleep(self.restart_s)      # reload the checkpoint
+            self.step = self.checkpoint
         self.rank_map, self._links = new, links
-        self.step = self.checkpoint
+        self.generation += 1
         self.restarts += 1
         failed_t, failure = self._failure or (None, "")
         self._failure = None
         self.restart_records.append(RestartRecord(self.clock.now(), cause, dict(new), lost,
-                                                  self.checkpoint, failed_t, failure))
+                                                  self.step if planned else self.checkpoint,
+                                                  failed_t, failure))
         self.state = "running"
         self._emit("restarted", rank_map=dict(new), cause=cause, lost_steps=lost)
 

@@ -35,6 +35,7 @@ from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.emulator.clock import WallClock
 from photonic_testbed.emulator.control import ControlError, ControlServer, Peer
 from photonic_testbed.emulator.job import JobEvent, TrainingJob
+from photonic_testbed.emulator.job_gray import JobTimings
 from photonic_testbed.emulator.link_fade import LinkFaults
 from photonic_testbed.emulator.rack import DARK_DBM, EmulatedRack, RackError
 from photonic_testbed.emulator.slowdown import SlowdownError, Slowdowns
@@ -148,6 +149,7 @@ class RackHost:
         self.endpoints: tuple[str, str] | None = None
         self.job: TrainingJob | None = None
         self.fabric: Fabric | None = None
+        self.timings: JobTimings | None = None      # the job's step timings, to the agent
         self._reporter: tuple[threading.Event, threading.Thread] | None = None   # while reporting
         self.slowdowns: Slowdowns | None = None     # (with the control endpoint's handlers)
         self.job_events: collections.deque[dict] = collections.deque(maxlen=JOB_EVENTS_KEPT)
@@ -249,18 +251,22 @@ class RackHost:
         def fail_and_kill(req: dict) -> Any:
             got = fail(req)
             slow.end(str(req.get("gpu")))
+            self._slow_job()
             killed = self._kill_processes(str(req.get("gpu")))
             return {**got, "killed": killed} if isinstance(got, dict) else got
 
         def slow_gpu(req: dict) -> dict:
             args = {k: v for k, v in req.items() if k != "cmd"}
             try:
-                return slow.slow(**args)
+                got = slow.slow(**args)
             except SlowdownError as e:
                 raise ControlError(str(e)) from None
+            self._slow_job()
+            return got
 
         def clear_all(req: dict) -> Any:
             slow.close()
+            self._slow_job()
             return clear(req)
         control.register("fail_gpu", fail_and_kill)
         control.register("slow_gpu", slow_gpu)
@@ -268,6 +274,18 @@ class RackHost:
         control.register("clear_faults", clear_all)
         LinkFaults(self.rack).register(control, clear_all)
         control.register_with_peer("register_process", self._register_process)
+
+    def _slowed(self) -> dict[str, float]:
+        """GPU -> how many times slower it runs (`slow_gpu`), for the emulated job."""
+        return {g: float(c["factor"]) for g, c in self.slowdowns.active().items()} \
+            if self.slowdowns is not None else {}
+
+    def _slow_job(self) -> None:
+        """The emulated job's GPUs run as slow as `slow_gpu` says (its own processes, if any,
+        are paced by the Slowdowns)."""
+        job = self.job
+        if job is not None:
+            job.slowdown = self._slowed()
 
     def _live_pids(self, gpu: str) -> list[int]:
         """The processes registered on `gpu` that are still the ones registered."""
@@ -368,10 +386,15 @@ class RackHost:
                               grant_timeout_s=5.0, link_timeout_s=2.0, restart_timeout_s=30.0)
             self.job_events = collections.deque(maxlen=JOB_EVENTS_KEPT)
             job.subscribe(lambda ev: self._on_event(ev, job, fabric))
-            fabric.on_restart = lambda rmap, cause: job.restart(rmap, cause)
+            timings = self.timings = JobTimings(job, fabric)
+            job.subscribe(timings.on_event)
+            fabric.on_restart = lambda rmap, cause: job.restart(
+                rmap, cause, planned=timings.planned(rmap))
+            job.slowdown = self._slowed()
             self.job, self.fabric = job, fabric
             job.start(steps)
             self._start_reporter(job, fabric)
+            timings.start()
         return {"plan": job_plan.name, "rank_map": {str(r): g for r, g in rank_map.items()},
                 "steps": steps}
 
@@ -422,6 +445,8 @@ class RackHost:
         job, fabric = self.job, self.fabric
         if fabric is not None:
             fabric.cancel()          # the job's calls give up: an agent gone answers none
+        if self.timings is not None:
+            self.timings.close()
         if job is not None:
             job.close()
         self._stop_reporter()
