@@ -28,9 +28,10 @@ power and its slope, or the flaps counted). SETTLE_S after the move the readings
 whether it helped: if so the circuit is watched afresh; if not (the loss is in a fibre or a
 transceiver, which no routing avoids) the journal says so (`still fading`) and the circuit is
 left to the fail-stop path for GIVE_UP_S, as after a move refused (`not moved`: the cabling
-leaves no other path); a move that got no answer is asked again at the next reading, MOVE_TRIES
-times in all. Only switches that can move a circuit are watched (a chip's service offers
-`move_circuits`; an OCS's does not).
+leaves no other path), and as when a circuit would be moved a third time within LATELY_S (a
+flap in a fibre can look helped for a while); a move that got no answer is asked again at the
+next reading, MOVE_TRIES times in all. Only switches that can move a circuit are watched (a
+chip's service offers `move_circuits`; an OCS's does not).
 
 Everything runs on the agent's loop (`tick`, called each step, works about every PERIOD_S and
 never raises: what goes wrong is logged, the agent goes on).
@@ -69,6 +70,7 @@ FLAPS, FLAP_S = 3, 30.0   # this many dark <-> light changes within this long: a
 HYSTERESIS_DB = 1.0       # dark below the threshold less this, lit above it plus this
 SETTLE_S = 3.0            # after a move, the readings this long after tell whether it helped
 GIVE_UP_S = 600.0         # a circuit a move did not help (or was refused for) is left this long
+LATELY_S = 120.0          # a third move of a circuit within this long is not made
 MOVE_TRIES = 3            # a move that got no answer is asked again, this many times in all
 BACKOFF_S = 10.0          # a switch whose monitor did not answer is not read for this long
 FLOOR_DBM, CEILING_DBM = -60.0, 10.0     # readings are read as dark below; above: not readings
@@ -233,7 +235,7 @@ class LinkWatch:
     def _move(self, p: Point, now: float, seen: dict[Point, float],
               flaps: int | None = None, fade: tuple[float, float, float] | None = None) -> None:
         switch, i, _ = p
-        lately = self.moves[p] = [t for t in self.moves.get(p, []) if t > now - GIVE_UP_S]
+        lately = self.moves[p] = [t for t in self.moves.get(p, []) if t > now - LATELY_S]
         if len(lately) >= 2:          # moved twice lately and at it again: not the chip's path
             self.given_up[p] = now + GIVE_UP_S
             self._say(p, "still fading", now, flaps=flaps, fade=fade)

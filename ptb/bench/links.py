@@ -9,7 +9,8 @@ throughout. Then:
    journals is a false move.
 2. Events in a seeded order: fades at each of `--rates` dB/s (up to 20 dB) and flaps of each of
    `--periods` s (30 dB lost every other period), each on a link of the job's ring drawn at
-   random. Per event: found or not (recall: a `moved` entry for that link within `--give-up`
+   random (not one of the last two events'). A flap dark for longer than the job's collective
+   timeout (2 s) is a failure to the job, taken by the failure path before a flap can be seen. Per event: found or not (recall: a `moved` entry for that link within `--give-up`
    seconds), the seconds from the injection to the move, the received power when moved (a fade
    moved above the half-rate threshold cost the job no bandwidth), whether the job ran a
    communication over a slowed or dark link meanwhile, and whether its rank map changed (it
@@ -35,11 +36,13 @@ HALF_RATE_DBM = -9.0          # the receivers' sensitivity (-12 dBm) + 3 dB (emu
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--rates", type=number(0.001, 10.0), nargs="+",
+    p.add_argument("--rates", type=number(0.001, 10.0), nargs="*",
                    default=[0.05, 0.1, 0.2, 0.5, 1.0], metavar="DB_PER_S",
                    help="fades injected, dB/s (default 0.05 0.1 0.2 0.5 1)")
-    p.add_argument("--periods", type=number(0.1, 60.0), nargs="+", default=[0.5, 1.0, 2.0, 4.0],
-                   metavar="S", help="flaps injected, their period (default 0.5 1 2 4)")
+    p.add_argument("--periods", type=number(0.1, 60.0), nargs="*", default=[0.5, 1.0, 1.5],
+                   metavar="S", help="flaps injected, their period (default 0.5 1 1.5: a link "
+                   "dark longer than the emulated job's 2 s collective timeout fails the job "
+                   "before it can be seen to flap, and the failure path takes it)")
     p.add_argument("--healthy-s", type=number(0.0, 86400.0), default=120.0,
                    help="seconds of the job with nothing injected (default 120)")
     p.add_argument("--ddm-noise", type=number(0.0, 3.0), default=0.15, metavar="DB",
@@ -47,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--give-up", type=integer(10, 3600), default=180, metavar="S",
                    help="an event not moved within this many seconds is a miss (default 180)")
     p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--workdir", help="keep the stack's logs and journal here")
 
 
 def _links(stack: Stack, t0: float) -> list:
@@ -77,7 +81,7 @@ def _event(stack: Stack, kind: str, value: float, src: str, dst: str, args) -> d
     moved = next((e for e in mine if e.details.action == "moved"), None)
     with ServiceClient(stack.rig.endpoints()["chip"][0], timeout=10) as chip:
         chip.call("move_circuits", forget=True)
-    time.sleep(2.0)        # the watch's readings of the cleared link: not the next event's
+    time.sleep(5.0)        # the watch's readings of the cleared link: not the next event's
     return {"event": f"{kind} {value:g}{' dB/s' if kind == 'fade' else ' s'}",
             "link": f"{src}->{dst}", "found": moved is not None,
             "said": mine[0].details.action if mine else "-",
@@ -94,7 +98,8 @@ def run(args) -> dict:
     rng = random.Random(args.seed)
     events = [("fade", r) for r in args.rates] + [("flap", p) for p in args.periods]
     rng.shuffle(events)
-    stack = agent_stack("lumion", cabling="alternate", ddm_noise_db=args.ddm_noise)
+    stack = agent_stack("lumion", cabling="alternate", ddm_noise_db=args.ddm_noise,
+                        workdir=args.workdir)
     rows: list[dict] = []
     try:
         started = request(stack.control, {"cmd": "job_start", "plan": "dp", "steps": 10**7,
@@ -104,8 +109,10 @@ def run(args) -> dict:
         t0 = time.time()
         time.sleep(args.healthy_s)
         false_healthy = len(_links(stack, t0))
-        for kind, value in events:
-            src, dst = rng.choice(ring)
+        recent: list[tuple[str, str]] = []
+        for kind, value in events:     # each on a link not among the last two events'
+            src, dst = rng.choice([link for link in ring if link not in recent] or ring)
+            recent = [*recent[-1:], (src, dst)]
             rows.append(_event(stack, kind, value, src, dst, args))
     finally:
         stack.close()

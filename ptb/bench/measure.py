@@ -17,15 +17,15 @@ T = TypeVar("T")
 
 def agent_stack(rig: str, *, switching_ms: float = 0.0, quarantine_s: float = 0.0,
                 journal_sync: str = "full", one_process: bool = False,
-                journal: str = "sqlite", cabling: str = "", ddm_noise_db: float = 0.0
-                ) -> Stack:
+                journal: str = "sqlite", cabling: str = "", ddm_noise_db: float = 0.0,
+                workdir: str | None = None) -> Stack:
     """The rig's emulator (its chip ideal: no calibration), device services (`one_process`:
     as threads of one `ptb serve --one-process`, for a rig of 64 OCSes) and agent, in a
     temporary folder; `stack.started` holds each one's start-up (launch to ready). The caller
     closes it. `journal` "etcd": the agent is the one replica of a group on a local 3-member
     etcd cluster (its endpoints are the rig's `agent_endpoints()`). `cabling`, `ddm_noise_db`:
     `ptb emulate`'s."""
-    stack = Stack()
+    stack = Stack(workdir)
     try:
         stack.emulate(rig, "--ideal-chip", "--switching-ms", str(switching_ms),
                       *(["--replicas", "1"] if journal == "etcd" else []),
