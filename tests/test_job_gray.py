@@ -55,9 +55,7 @@ def test_a_slow_gpu_of_the_emulated_job_is_swapped_at_a_step_boundary_with_no_st
                        "steps after the swap", WAIT_S)
             assert job.restarts == 1 and job.state == "running"
             assert 0 <= host.timings.stalls[0] < WAIT_S
-            assert request(control, {"cmd": "slowdowns"}) == {"gpu3": {
-                "factor": 2.0, "period_s": 0.02,
-                "since": request(control, {"cmd": "slowdowns"})["gpu3"]["since"]}}
+            assert request(control, {"cmd": "slowdowns"})["gpu3"]["factor"] == 2.0
         finally:
             stop.set()
             thread.join(10)
