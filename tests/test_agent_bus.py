@@ -82,6 +82,23 @@ def _on_the_bus(emu, name: str, device: str, path):
         return service
 
 
+@contextlib.contextmanager
+def agent_on_thread(rig, journal, timeout: float = 10.0):
+    """The rig's agent (an AgentProcess of this process) running its loop on a thread."""
+    from photonic_testbed.hil.agent.bus import AgentProcess
+    agent = AgentProcess(rig, str(journal), timeout=timeout)
+    agent.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield agent
+    finally:
+        stop.set()
+        thread.join(10)
+        agent.close()
+
+
 def _serve(service):
     stop = threading.Event()
     t = threading.Thread(target=service.serve, args=(stop,), daemon=True)

@@ -8,14 +8,12 @@ process on its own loop, checked on the emulator's own switch truth."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import pytest
-from test_agent_bus import _rig_on_bus
+from test_agent_bus import _rig_on_bus, agent_on_thread
 
 from photonic_testbed.common.jobplan import dp_tp
-from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.bus.client import RemoteError, ServiceClient
 from photonic_testbed.hil.lab.control_client import request as control
@@ -31,17 +29,8 @@ def watched(tmp_path):
     process, the journal's path)."""
     with _rig_on_bus(tmp_path, "opus", "ocs") as (emu, rig, _):
         journal = tmp_path / "journal.db"
-        agent = AgentProcess(rig, str(journal), timeout=TIMEOUT_S)
-        agent.start()
-        stop = threading.Event()
-        thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-        thread.start()
-        try:
+        with agent_on_thread(rig, journal, TIMEOUT_S) as agent:
             yield emu, rig, agent, journal
-        finally:
-            stop.set()
-            thread.join(10)
-            agent.close()
 
 
 def truth(emu) -> dict[int, int]:

@@ -5,11 +5,8 @@ its place, no step redone. Through real parts: the lumion rig on the bus, the ag
 process on its own loop, the emulated job talking to it through the Fabric client."""
 from __future__ import annotations
 
-import threading
+from test_agent_bus import _rig_on_bus, agent_on_thread
 
-from test_agent_bus import _rig_on_bus
-
-from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.entries import Slow
 from photonic_testbed.hil.agent.sqlite_journal import SqliteJournal
 from photonic_testbed.hil.lab.control_client import request
@@ -27,12 +24,7 @@ def slow_entries(journal) -> list[Slow]:
 def test_a_slow_gpu_of_the_emulated_job_is_swapped_at_a_step_boundary_with_no_step_lost(tmp_path):
     with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, _):
         journal = tmp_path / "journal.db"
-        agent = AgentProcess(rig, str(journal), timeout=TIMEOUT_S)
-        agent.start()
-        stop = threading.Event()
-        thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-        thread.start()
-        try:
+        with agent_on_thread(rig, journal, TIMEOUT_S):
             host, control = emu.rack, emu.endpoints["control"]
             rank_map = host.start_job("dp", 10**6, checkpoint_every=1000)["rank_map"]
             job = host.job
@@ -56,7 +48,3 @@ def test_a_slow_gpu_of_the_emulated_job_is_swapped_at_a_step_boundary_with_no_st
             assert job.restarts == 1 and job.state == "running"
             assert 0 <= host.timings.stalls[0] < WAIT_S
             assert request(control, {"cmd": "slowdowns"})["gpu3"]["factor"] == 2.0
-        finally:
-            stop.set()
-            thread.join(10)
-            agent.close()

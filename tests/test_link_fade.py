@@ -8,10 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import threading
 
 import pytest
-from test_agent_bus import _rig_on_bus
+from test_agent_bus import _rig_on_bus, agent_on_thread
 
 from photonic_testbed.common.rack_layout import layout
 from photonic_testbed.common.topology import build
@@ -28,7 +27,6 @@ from photonic_testbed.drivers.routing import (
 from photonic_testbed.emulator.chip import ChipError
 from photonic_testbed.emulator.mesh_chip import make_chip
 from photonic_testbed.emulator.rig import EmulatedRig
-from photonic_testbed.hil.agent.bus import AgentProcess
 from photonic_testbed.hil.agent.config import AgentConfig
 from photonic_testbed.hil.agent.entries import LinkFade, Swap
 from photonic_testbed.hil.agent.linkwatch import LinkWatch
@@ -266,17 +264,8 @@ def watched(tmp_path):
     with _rig_on_bus(tmp_path, "lumion", "chip", spec=ALTERNATE, ideal_chip=True) as \
             (emu, rig, _):
         journal = tmp_path / "journal.db"
-        agent = AgentProcess(rig, str(journal), timeout=TIMEOUT_S)
-        agent.start()
-        stop = threading.Event()
-        thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-        thread.start()
-        try:
+        with agent_on_thread(rig, journal, TIMEOUT_S):
             yield emu, rig, journal
-        finally:
-            stop.set()
-            thread.join(10)
-            agent.close()
 
 
 def entries(journal, *kinds):
