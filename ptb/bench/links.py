@@ -5,22 +5,25 @@ One stack (emulator with `--cabling alternate` and the transceivers' reports spr
 `--ddm-noise` dB, the chip service, the agent), the emulated job (dp ring of 8) running
 throughout. Then:
 
-1. Healthy: `--healthy-s` seconds of the job with nothing injected: every `link` entry the agent
-   journals is a false move.
+1. Healthy: `--healthy-s` seconds of the job with nothing injected, beside `--load` CPU-bound
+   processes: every `link` entry the agent journals is a false move.
 2. Events in a seeded order: fades at each of `--rates` dB/s (up to 20 dB) and flaps of each of
    `--periods` s (30 dB lost every other period), each on a link of the job's ring drawn at
    random (not one of the last two events'). A flap dark for longer than the job's collective
-   timeout (2 s) is a failure to the job, taken by the failure path before a flap can be seen. Per event: found or not (recall: a `moved` entry for that link within `--give-up`
-   seconds), the seconds from the injection to the move, the received power when moved (a fade
-   moved above the half-rate threshold cost the job no bandwidth), whether the job ran a
-   communication over a slowed or dark link meanwhile, and whether its rank map changed (it
-   must not). A `link` entry naming another link is a false one (precision). After each event
-   the fault is cleared and the chip told to forget the waveguides it avoided.
+   timeout (2 s) is a failure to the job, taken by the failure path before a flap can be seen.
+   Per event: found or not (recall: a `moved` entry for that link within `--give-up` seconds),
+   the seconds from the injection to the move, the received power when moved (a fade moved
+   above the half-rate threshold cost the job no bandwidth), whether the job ran a communication
+   over a slowed or dark link meanwhile, and whether its rank map changed (it must not). A
+   `link` entry naming another link is a false one (precision). After each event the fault is
+   cleared and the chip told to forget the waveguides it avoided.
 """
 from __future__ import annotations
 
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 from photonic_testbed.hil.bus.client import ServiceClient
@@ -45,6 +48,8 @@ def add_arguments(p) -> None:
                    "before it can be seen to flap, and the failure path takes it)")
     p.add_argument("--healthy-s", type=number(0.0, 86400.0), default=120.0,
                    help="seconds of the job with nothing injected (default 120)")
+    p.add_argument("--load", type=integer(0, 64), default=2,
+                   help="CPU-bound processes beside the healthy seconds (default 2)")
     p.add_argument("--ddm-noise", type=number(0.0, 3.0), default=0.15, metavar="DB",
                    help="the spread of the transceivers' power reports (default 0.15 dB)")
     p.add_argument("--give-up", type=integer(10, 3600), default=180, metavar="S",
@@ -107,7 +112,14 @@ def run(args) -> dict:
         ranks = {int(r): g for r, g in started["rank_map"].items()}
         ring = [(ranks[r], ranks[(r + 1) % len(ranks)]) for r in sorted(ranks)]
         t0 = time.time()
-        time.sleep(args.healthy_s)
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(args.load)]
+        try:
+            time.sleep(args.healthy_s)
+        finally:
+            for b in burners:
+                b.kill()
+                b.wait(10)
         false_healthy = len(_links(stack, t0))
         recent: list[tuple[str, str]] = []
         for kind, value in events:     # each on a link not among the last two events'
@@ -120,7 +132,9 @@ def run(args) -> dict:
     fades = [r for r in found if r["event"].startswith("fade")]
     others = sum(r["others"] for r in rows)
     notes = [
-        f"healthy: {args.healthy_s:g} s of the job, {false_healthy} false moves",
+        f"healthy: {args.healthy_s:g} s of the job beside {args.load} CPU-bound processes "
+        f"({args.healthy_s:g} s x 8 circuits read about once a second): {false_healthy} false "
+        "moves",
         f"recall {len(found)}/{len(rows)}; precision {len(found)}/{len(found) + others}",
         f"seconds to move: median {statistics.median([r['seconds'] for r in found]):g}"
         if found else "nothing moved",
@@ -131,4 +145,5 @@ def run(args) -> dict:
     return {"rows": rows, "notes": notes,
             "config": {"rates": args.rates, "periods": args.periods, "seed": args.seed,
                        "healthy_s": args.healthy_s, "ddm_noise_db": args.ddm_noise,
+                       "load": args.load,
                        "false_healthy": false_healthy}}
