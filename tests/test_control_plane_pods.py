@@ -61,11 +61,11 @@ def _pods(tmp_path):
         rig, path = _pod_rig(tmp_path, spec, emu.endpoints)
         emu.start_rack(rig.gpus_endpoints(), None)
 
-        def start(replica):
+        def start(replica, lease=1):
             group = replica.partition("-")[0]
             procs[replica] = _ptb("agent", "--rig", str(path), "--replica", replica,
                                   "--journal", f"etcd://{etcd.endpoints}/{group}",
-                                  "--quarantine", "0", "--lease", "1")
+                                  "--quarantine", "0", "--lease", str(lease))
             return procs[replica]
         try:
             for s in rig.service_specs():
@@ -110,7 +110,9 @@ def test_a_pod_without_agents_holds_its_circuits_and_touches_no_other_pod(tmp_pa
         assert set(rig.groups) == {"pod0", "pod1"}
         assert rig.groups["pod1"].devices == tuple(f"rail{k}-pod1" for k in range(8))
         first = start("pod0-r0")
-        start("pod1-r0")
+        # pod 1 must lead at term 1 throughout: a lease long enough that a loaded machine
+        # does not let it lapse (pod 0's, short: its replica takes over within the test)
+        start("pod1-r0", lease=10)
         for group in ("pod0", "pod1"):
             _until(lambda g=group: _leader(etcd, g), timeout=TIMEOUT_S, what=f"{group} led")
         a, b = _fabric(rig, "pod0", "a"), _fabric(rig, "pod1", "b")
