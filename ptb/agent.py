@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
             settings.add_argument(f.metadata["flag"], dest=name, default=None, help=help,
                                   type=_setting(name, type(f.default)),
                                   metavar="S" if name.endswith("_s") else
-                                  "DBM" if name.endswith("_dbm") else "N")
+                                  "DBM" if name.endswith("_dbm") else
+                                  "HOST" if name.endswith("_host") else "N")
     p.add_argument("--journal-sync", choices=("full", "normal"), default="full",
                    help="full: every journal entry synced to disk (default); normal: survives "
                    "a kill -9 of the agent but not a power loss, one fsync less per event")
@@ -80,6 +81,25 @@ def config_of(rig: Rig, args: argparse.Namespace) -> AgentConfig:
     return dataclasses.replace(rig.agent, **given)
 
 
+def _metrics(config: AgentConfig) -> Any:
+    """The agent's Prometheus metrics served where the settings say (None: not asked)."""
+    if not config.metrics_port:
+        return None
+    try:
+        from photonic_testbed.hil.agent.metrics import AgentMetrics
+    except ImportError as e:
+        raise CommandFailed(f"--metrics-port needs prometheus-client (pip install "
+                            f"'photonic-testbed[metrics]'): {e}") from None
+    metrics = AgentMetrics()
+    try:
+        host, port = metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as e:
+        raise CommandFailed(f"cannot serve the metrics on {config.metrics_host}:"
+                            f"{config.metrics_port}: {e.strerror or e}") from None
+    print(f"metrics on http://{host}:{port}/metrics", flush=True)
+    return metrics
+
+
 def run(args) -> int:
     replicated = args.journal.startswith("etcd://")
     if not replicated:
@@ -94,13 +114,17 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    config = config_of(rig, args)
+    metrics = _metrics(config)
     while not stop.is_set():
         try:
-            proc = AgentProcess(rig, args.journal, config=config_of(rig, args),
+            proc = AgentProcess(rig, args.journal, config=config,
                                 journal_sync=args.journal_sync.upper(), settle_heap=True,
                                 replica=args.replica)
         except (AgentError, JournalError, RigFileError) as e:
             raise CommandFailed(str(e)) from None
+        if metrics is not None:
+            metrics.attach(proc)
         lead = proc.leadership
         try:
             try:

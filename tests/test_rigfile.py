@@ -167,7 +167,7 @@ def test_the_agent_table_is_read_and_written_back(tmp_path):
      "agent.quarantine: expected one of the keys verify_dbm, quarantine_s, prestage, "
      "verify_phases, allocation, diagnosed_per_incident, diagnosed_per_window, "
      "eviction_window_s, lease_s, etcd_timeout_s, work_ahead, gray_swaps, gray_above, "
-     "gray_swap_cost_s, link_moves, got 'quarantine'"),
+     "gray_swap_cost_s, metrics_port, metrics_host, link_moves, got 'quarantine'"),
 ])
 def test_bad_agent_settings_say_where_and_what(tmp_path, edit, message):
     text = GOOD + AGENT

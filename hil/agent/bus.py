@@ -244,7 +244,7 @@ class AgentProcess(NoEvents):
         self._sub: StateSubscriber | None = None
         self.config = config if config is not None else rig.agent
         self._health_seen: dict[str, str] = {}
-        self._alarms: list[str] = []
+        self.alarms: list[str] = []
         self._orders: dict[str, dict] = {}         # job -> its last restart order
         self._reports: dict[str, dict] = {}        # job -> what it last said of itself
         self._events: list[dict] = []
@@ -625,8 +625,8 @@ class AgentProcess(NoEvents):
         self._publish()          # the job is waiting for this: send it now
 
     def on_alarm(self, text: str, about: Alarm) -> None:
-        self._alarms.append(text)
-        del self._alarms[:-50]
+        self.alarms.append(text)
+        del self.alarms[:-50]
 
     def _rack(self) -> list[dict]:
         """Every GPU's row, rebuilt only when a job's ranks or a GPU's health changed (a phase
@@ -674,7 +674,7 @@ class AgentProcess(NoEvents):
                  "rank_map": self._wire_ranks(first, a.rank_map) if first else {},
                  "phase": a.phase[0] if a.phase else None,
                  "round": a.phase[1] if a.phase else 0,
-                 "alarms": list(self._alarms), "spares": a.spares(),
+                 "alarms": list(self.alarms), "spares": a.spares(),
                  "restart": self._order(first) if first else dict(NO_ORDER),
                  "jobs": self._jobs()}
         if events:

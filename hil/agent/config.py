@@ -88,6 +88,13 @@ class AgentConfig:
     gray_swap_cost_s: float = _setting(
         0.2, "--gray-swap-cost", "seconds a planned swap is taken to cost the job until one "
         "is measured", "a number of seconds >= 0", lambda v: _number(v) and v >= 0)
+    metrics_port: int = _setting(
+        0, "--metrics-port", "serve the agent's Prometheus metrics on this TCP port "
+        "(hil/agent/metrics.py; 0: none)", "a port 0..65535",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 65535)
+    metrics_host: str = _setting(
+        "127.0.0.1", "--metrics-host", "the address the metrics are served on",
+        "an IP address or host name", lambda v: isinstance(v, str) and 0 < len(v) <= 255)
     link_moves: bool = _setting(
         True, "--link-moves", "move a circuit whose light fades or flaps to other cells of "
         "its chip, with no rank changed (hil/agent/linkwatch.py)",

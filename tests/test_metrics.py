@@ -1,0 +1,78 @@
+"""The agent's Prometheus metrics (hil/agent/metrics.py): a live lumion stack scraped during a
+failover, read back with prometheus-client's own parser; the Grafana dashboard in docs/ names
+only metrics the agent exports."""
+from __future__ import annotations
+
+import json
+import pathlib
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+from test_agent_bus import _rig_on_bus, agent_on_thread
+
+from photonic_testbed.common.jobplan import dp_ring
+from photonic_testbed.hil.agent.metrics import AgentMetrics
+from photonic_testbed.hil.job.fabric_client import Fabric
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT_S = 10.0
+
+
+def scrape(port: int) -> dict[str, list]:
+    """{sample name: [(labels, value)]} of what the endpoint serves now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as r:
+        text = r.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
+
+
+def test_a_failover_is_counted_timed_and_its_link_powers_exported(tmp_path):
+    with _rig_on_bus(tmp_path, "lumion", "chip", ideal_chip=True) as (emu, rig, _):
+        with agent_on_thread(rig, tmp_path / "journal.db", TIMEOUT_S) as agent:
+            metrics = AgentMetrics()
+            metrics.attach(agent)
+            _, port = metrics.serve("127.0.0.1", 0)
+            fabric = Fabric(*rig.agent_endpoints(), timeout=TIMEOUT_S)
+            try:
+                rank_map = fabric.admit(dp_ring(8))
+                fabric.phase("dp")
+                before = scrape(port)
+                assert value(before, "ptb_agent_failovers_total") == 0
+                assert value(before, "ptb_agent_phase_switches_total") >= 1
+                assert value(before, "ptb_agent_leading") == 1
+                assert value(before, "ptb_agent_term") >= 1
+                emu.rack.rack.faults.fail_gpu(rank_map[3])
+                assert fabric.wait_restart(timeout=20) is not None
+                after = scrape(port)
+            finally:
+                fabric.close()
+    assert value(after, "ptb_agent_failovers_total", outcome="swapped") == 1
+    # the failover's decision and its verification, timed
+    assert value(after, "ptb_agent_latency_seconds_count", kind="decision") >= 1
+    assert value(after, "ptb_agent_latency_seconds_count", kind="verified") >= 1
+    assert value(after, "ptb_agent_latency_seconds_sum", kind="decision") > 0
+    # the phase's 8 circuits, and those the swap added (the spare's)
+    assert value(after, "ptb_agent_circuits_moved_total", switch="chip", change="added") >= 10
+    powers = after["ptb_link_received_power_dbm"]
+    assert powers and all(got["switch"] == "chip" and -12.0 <= v <= 1.0 for got, v in powers)
+    assert value(after, "ptb_agent_alarms_active") == 0
+
+
+def test_the_grafana_dashboard_is_grafana_json_over_the_agents_metrics():
+    board = json.loads((ROOT / "docs" / "grafana-agent.json").read_text(encoding="utf-8"))
+    assert isinstance(board["title"], str) and isinstance(board["schemaVersion"], int)
+    assert board["panels"] and len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    names = {f.name for f in AgentMetrics().registry.collect()}
+    for panel in board["panels"]:
+        assert {"type", "title", "gridPos", "targets"} <= set(panel)
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
+        for target in panel["targets"]:
+            used = {n for n in names if n in target["expr"]}
+            assert used, f"panel {panel['title']!r} names no metric the agent exports"
