@@ -1,6 +1,7 @@
 """`ptb serve`: put a rig's devices on the bus, each behind its own service."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -35,6 +36,12 @@ def add_parser(sub) -> None:
                    "all, each device's calls in turn (no restarts)")
     p.add_argument("--endpoints", metavar="FILE",
                    help="write {device: [request, publish]} as JSON once every service is up")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the services' Prometheus metrics (docs/metrics.md): every "
+                   "service on PORT with --one-process, else the n-th device on PORT + n "
+                   "(default 0: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the metrics are served on (default 127.0.0.1)")
     p.add_argument("--state-dir", metavar="DIR",
                    help="where each device keeps the highest agent term it has taken, across "
                    "restarts (default: NAME-state/ beside the rig file NAME.toml)")
@@ -55,6 +62,21 @@ def run(args) -> int:
         keys = rig.client_keys()
     except (RigFileError, KeyFileError) as e:
         raise CommandFailed(str(e)) from None
+    if not 0 <= args.metrics_port <= 65535 - len(specs):
+        raise CommandFailed(f"--metrics-port must leave a port for each of the {len(specs)} "
+                            f"services below 65536, not {args.metrics_port}")
+    if args.metrics_port:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError as e:
+            raise CommandFailed(f"--metrics-port needs prometheus-client (pip install "
+                                f"'photonic-testbed[metrics]'): {e}") from None
+        if not args.one_process:            # each service's process serves its own
+            specs = [dataclasses.replace(s, metrics=f"{args.metrics_host}:"
+                                                    f"{args.metrics_port + n}")
+                     for n, s in enumerate(specs)]
+            for s in specs:
+                print(f"  {s.name:<12} metrics on http://{s.metrics}/metrics")
     if state_dir is not None:
         try:
             pathlib.Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -107,6 +129,15 @@ def _run_in_process(specs, stop: threading.Event, args) -> int:
             except (ServiceError, KeyFileError, OSError) as e:
                 raise CommandFailed(f"{spec.name}: {e}") from None
             services.append(service)
+        if args.metrics_port:
+            from photonic_testbed.hil.devices.metrics import ServiceMetrics
+            try:
+                host, port = ServiceMetrics(services).serve(args.metrics_host,
+                                                            args.metrics_port)
+            except OSError as e:
+                raise CommandFailed(f"cannot serve the metrics on {args.metrics_host}:"
+                                    f"{args.metrics_port}: {e.strerror or e}") from None
+            print(f"metrics of every service on http://{host}:{port}/metrics")
         loop = threading.Thread(target=serve_together, args=(services, stop), name="services",
                                 daemon=True)
         heap.settle("start-up")

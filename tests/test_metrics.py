@@ -29,8 +29,8 @@ def scrape(port: int) -> dict[str, list]:
     return out
 
 
-def value(samples: dict, name: str, **labels) -> float:
-    return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
+def value(samples: dict, metric: str, **labels) -> float:
+    return sum(v for got, v in samples.get(metric, []) if labels.items() <= got.items())
 
 
 def test_a_failover_is_counted_timed_and_its_link_powers_exported(tmp_path):
@@ -76,3 +76,73 @@ def test_the_grafana_dashboard_is_grafana_json_over_the_agents_metrics():
         for target in panel["targets"]:
             used = {n for n in names if n in target["expr"]}
             assert used, f"panel {panel['title']!r} names no metric the agent exports"
+
+
+def test_device_services_count_their_requests_refusals_and_failures_and_report_heater_power(
+        tmp_path):
+    """A switch service with CURVE (an observer's change refused, a bad request failed) and the
+    lumion chip's service (its heater power and budget), scraped through one ServiceMetrics."""
+    import threading
+
+    import pytest
+    import zmq
+    from test_roles import keys_of, make_keys
+
+    from photonic_testbed.emulator.rig import EmulatedRig
+    from photonic_testbed.hil.bus.client import RemoteError, ServiceClient, Unauthorized
+    from photonic_testbed.hil.devices.metrics import ServiceMetrics
+    from photonic_testbed.hil.devices.service import DeviceService, ServiceSpec
+    from photonic_testbed.hil.devices.together import serve_together
+    from photonic_testbed.hil.rig import rig_spec
+
+    keys = make_keys(tmp_path / "keys")
+    context = zmq.Context()
+    stop = threading.Event()
+    with EmulatedRig(rig_spec("lumion"), ideal_chip=True) as emu:
+        services = [
+            DeviceService(ServiceSpec("ocs", "switch", "mem", driver="tests.bus_doubles:"
+                                      "MemorySwitch", options={"ports": 8},
+                                      curve_secret=str(keys / "server.key_secret"),
+                                      curve_authorized=str(keys / "authorized")),
+                          context=context),
+            DeviceService(ServiceSpec("chip", "chip", emu.endpoints["dac"], telemetry_hz=20.0,
+                                      options={"topology": "benes16"}), context=context)]
+        thread = None
+        try:
+            endpoints = [s.bind() for s in services]
+            thread = threading.Thread(target=serve_together, args=(services, stop),
+                                      daemon=True)
+            thread.start()
+            _, port = ServiceMetrics(services).serve("127.0.0.1", 0)
+            with ServiceClient(endpoints[0][0], keys=keys_of(keys, "agent"),
+                               timeout=TIMEOUT_S, term=1) as c:
+                c.call("apply_circuits", circuits=[[1, 9]])
+                with pytest.raises(RemoteError, match="CircuitConflict"):
+                    c.call("apply_circuits", circuits=[[1, 9], [2, 9]])
+            with ServiceClient(endpoints[0][0], keys=keys_of(keys, "observer"),
+                               timeout=TIMEOUT_S) as c:
+                c.call("read_circuits")
+                with pytest.raises(Unauthorized):
+                    c.call("apply_circuits", circuits=[])
+            with ServiceClient(endpoints[1][0], timeout=TIMEOUT_S) as c:
+                c.call("set_heaters", volts=[2.0, 3.0], first=0)
+            from tests.timeouts import wait_until
+            got = wait_until(lambda: (s := scrape(port)).get("ptb_heater_power_mw") and s,
+                             "the chip's telemetry", TIMEOUT_S)
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join(5)
+            for s in services:
+                s.close()
+            context.term()
+    assert value(got, "ptb_device_operations_total", device="ocs", op="apply_circuits") == 2
+    assert value(got, "ptb_device_operations_total", device="ocs", op="read_circuits") == 1
+    assert value(got, "ptb_device_refused_total", device="ocs", op="apply_circuits",
+                 role="observer") == 1
+    assert value(got, "ptb_device_failures_total", device="ocs", error="CircuitConflict") == 1
+    assert value(got, "ptb_device_failures_total", device="ocs", error="Unauthorized") == 1
+    # 2 V and 3 V on two heaters of about 1 kOhm: about 13 mW, against the board's budget
+    assert 10 < value(got, "ptb_heater_power_mw", device="chip") < 16
+    assert value(got, "ptb_heater_power_budget_mw", device="chip") > 0
+    assert value(got, "ptb_device_telemetry", device="chip", name="total_power_mw") > 10

@@ -248,6 +248,11 @@ class Server:
         self.beating = True
         self.changes = 0                      # changing requests run: the version's N
         self.requests = 0
+        # what was asked and refused, for metrics (hil.devices.metrics): requests run by
+        # operation, refused by (operation, the key's role), failed by error type
+        self.served: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._seen_empty = time.monotonic()   # when the request socket was last seen empty
         self._next_beat = 0.0
@@ -562,6 +567,7 @@ class Server:
                                        f"it offers: {', '.join(self.operations)}")
             op, handler = entry
             self.caller = self._authorise(op, user)
+            self.served[op.name] += 1
             # A retry (the same id, on the client's new socket) gets the first answer: a change
             # is never run twice, and a slow read is not run again for each retry its client
             # sent while it ran (which would answer, each time, a socket already given up).
@@ -669,6 +675,7 @@ class Server:
                                f"{self.name} (taken out of {self._table.folder}, or listed "
                                f"there with another public key): {op.name} refused")
         if not who.may(op.roles):
+            self.refused[(op.name, who.role or "trusted")] += 1
             raise Unauthorized(f"{who} may not call {op.name} on {self.name}: it is for "
                                f"{' and '.join(sorted(op.roles))} keys")
         return who
@@ -693,6 +700,7 @@ class Server:
                 self._unpublished["version"] = self.version
 
     def _log_failure(self, rid: str | None, e: Exception) -> None:
+        self.failures[type(e).__name__] += 1
         if not isinstance(e, RemoteError):
             log.info("%s: request %s failed: %s: %s", self.name, rid, type(e).__name__, e)
 

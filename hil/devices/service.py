@@ -75,6 +75,9 @@ class ServiceSpec:
     # where the device's highest agent term is kept across restarts (NAME.term); None: in
     # memory only (a service in a test, or run in-process)
     state_dir: str | None = None
+    # "HOST:PORT" where the service's Prometheus metrics are served (hil.devices.metrics);
+    # "": none
+    metrics: str = ""
 
 
 class DeviceService:
@@ -99,6 +102,7 @@ class DeviceService:
         self.calls: DeviceCalls | None = None
         self._group: Loop | None = None
         self._facts: dict = {}                   # read from the device when opened (describe)
+        self.telemetry: dict = {}                # the last telemetry pass's values
         # a health check or a turn of a telemetry pass, on the device's thread
         self._background: tuple[str, Future] | None = None
         self._pass: Generator[None, None, dict] | None = None    # (the device's thread's)
@@ -178,6 +182,11 @@ class DeviceService:
             raise ServiceError(f"service {self.name} is not bound (bind() it first) or is "
                                "closed")
         return self._server
+
+    @property
+    def facts(self) -> dict:
+        """What was read from the device when it opened (its power budget, ...)."""
+        return self._facts
 
     @property
     def is_switch(self) -> bool:
@@ -434,6 +443,7 @@ class DeviceService:
         if not values:
             return                          # this driver has nothing to report
         self._telemetry_seq += 1
+        self.telemetry = values              # (the last pass's: read by the metrics)
         self.server.pub.send(schema.telemetry(self.name, self._telemetry_seq, time.time(),
                                               values))
 
@@ -481,6 +491,17 @@ def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = No
             raise
         ready.send(("error", f"{type(e).__name__}: {e}"))     # the parent says it, once
         return
+    if spec.metrics:
+        try:
+            from photonic_testbed.hil.devices.metrics import ServiceMetrics
+            host, _, port = spec.metrics.rpartition(":")
+            ServiceMetrics([service]).serve(host, int(port))
+        except (ImportError, OSError, ValueError) as e:
+            service.close()
+            if ready is None:
+                raise
+            ready.send(("error", f"its metrics on {spec.metrics}: {e}"))
+            return
     if ready is not None:
         ready.send(("ready", endpoints))
     if threading.current_thread() is threading.main_thread():
