@@ -65,17 +65,19 @@ def test_a_failover_is_counted_timed_and_its_link_powers_exported(tmp_path):
     assert value(after, "ptb_agent_alarms_active") == 0
 
 
-def test_the_grafana_dashboard_is_grafana_json_over_the_agents_metrics():
+def test_the_grafana_dashboard_is_grafana_json_over_the_stacks_metrics():
     board = json.loads((ROOT / "docs" / "grafana-agent.json").read_text(encoding="utf-8"))
     assert isinstance(board["title"], str) and isinstance(board["schemaVersion"], int)
     assert board["panels"] and len({p["id"] for p in board["panels"]}) == len(board["panels"])
-    names = {f.name for f in AgentMetrics().registry.collect()}
+    from photonic_testbed.hil.devices.metrics import ServiceMetrics
+    names = {f.name for f in AgentMetrics().registry.collect()} | \
+        {f.name for f in ServiceMetrics([]).registry.collect()}
     for panel in board["panels"]:
         assert {"type", "title", "gridPos", "targets"} <= set(panel)
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
         for target in panel["targets"]:
             used = {n for n in names if n in target["expr"]}
-            assert used, f"panel {panel['title']!r} names no metric the agent exports"
+            assert used, f"panel {panel['title']!r} names no metric the stack exports"
 
 
 def test_device_services_count_their_requests_refusals_and_failures_and_report_heater_power(
