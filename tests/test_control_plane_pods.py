@@ -141,7 +141,7 @@ def test_a_pod_without_agents_holds_its_circuits_and_touches_no_other_pod(tmp_pa
             assert on_the_switches(control, pod0) == held               # pod 0's: held
             assert _leader(etcd, "pod1")["term"] == 1
             # pod 0's other replica starts, leads, fences pod 0's switches and swaps
-            start("pod0-r1")
+            start("pod0-r1", lease=10)      # (it leads at term 2 throughout: a long lease)
             order = a.wait_restart(TIMEOUT_S)
             assert order is not None, "pod 0's new leader gave no restart order"
             new_map, _ = order
