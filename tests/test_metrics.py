@@ -129,8 +129,10 @@ def test_device_services_count_their_requests_refusals_and_failures_and_report_h
             with ServiceClient(endpoints[1][0], timeout=TIMEOUT_S) as c:
                 c.call("set_heaters", volts=[2.0, 3.0], first=0)
             from tests.timeouts import wait_until
-            got = wait_until(lambda: (s := scrape(port)).get("ptb_heater_power_mw") and s,
-                             "the chip's telemetry", TIMEOUT_S)
+            # a telemetry pass after the heaters were set (one before reports 0 mW)
+            got = wait_until(lambda: value(s := scrape(port), "ptb_heater_power_mw",
+                                           device="chip") > 10 and s,
+                             "the chip's telemetry of the heaters set", TIMEOUT_S)
         finally:
             stop.set()
             if thread is not None:
