@@ -31,6 +31,7 @@ COMMANDS = {
     "replay": "replay a recorded session against devices, or as the devices",
     "status": "ask every process of a rig's bus (or every instrument) whether it answers",
     "etcd": "run a local etcd cluster for a replicated agent group",
+    "leco": "the rig's instruments as LECO actors (PyMoDAQ, pyleco)",
 }
 
 
