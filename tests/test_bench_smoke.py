@@ -54,3 +54,10 @@ def test_watch_bench_puts_back_both_changes(tmp_path):
     got = _bench(tmp_path, "watch", "--runs", "1")
     assert [r["change"] for r in got["rows"]] == ["apply_circuits []", "power cycle"]
     assert all(len(v) == 1 for v in got["samples_ms"].values())
+
+
+def test_bridges_bench_reads_through_every_path(tmp_path):
+    got = _bench(tmp_path, "bridges", "--readings", "20", "--rounds", "2")
+    assert [r["path"] for r in got["rows"]] == [
+        "bus", "facade", "ophyd", "bluesky", "leco", "metrics scrape", "bus, scraped at 10 Hz"]
+    assert all(len(v) >= 18 for v in got["samples_us"].values())

@@ -180,7 +180,7 @@ def test_on_a_rig_with_an_agent_the_moves_are_the_operators_journaled_changes(tm
         def as_role(role: str):
             return dataclasses.replace(s.rig, bus=dataclasses.replace(
                 s.rig.bus, client_key=str(keys / f"{role}.key_secret")))
-        operator = bridge.rig_devices(as_role("operator"), ["chip", "laser"])
+        operator = bridge.rig_devices(as_role("operator"), ["chip", "laser", "ocs"])
         observer = bridge.rig_devices(as_role("observer"), ["chip"])
         try:
             chip, laser = operator["chip"], operator["laser"]
@@ -196,6 +196,12 @@ def test_on_a_rig_with_an_agent_the_moves_are_the_operators_journaled_changes(tm
                 RE(bps.mv(observer["chip"].channel[20], 0.5))
             assert "Unauthorized" in str(e.value.__cause__)
             assert s.truth()["heaters"][20] == pytest.approx(1.5, abs=0.01)
+            # the input selector is no switch of the GPUs: the agent does not drive it, and
+            # its service takes changes from the agent's key alone
+            RE(ensure_connected(operator["ocs"]))
+            with pytest.raises(FailedStatus) as e:
+                RE(bps.mv(operator["ocs"].port_map, [17] + [0] * 15))
+            assert "ocs: apply_circuits: Unauthorized" in str(e.value.__cause__)
         finally:
             bridge.close(operator)
             bridge.close(observer)

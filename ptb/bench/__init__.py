@@ -19,7 +19,7 @@ from photonic_testbed.hil.files import write_atomic
 from photonic_testbed.ptb.cli import CommandFailed, check_output
 
 BENCHMARKS = ("dac", "ocs", "bus", "mesh", "gui", "failover", "phase", "calibrate", "scale", "ha",
-              "swap", "gray", "links", "soak", "record", "datacenter", "job", "watch")
+              "swap", "gray", "links", "soak", "record", "datacenter", "job", "watch", "bridges")
 
 
 def integer(lo: int, hi: int):
