@@ -225,7 +225,23 @@ def create_file(path: str) -> None:
 
 def check_contents(db: sqlite3.Connection, path: str) -> int:
     """Integrity (quick_check: every page readable and well formed), then the journal's own
-    tables and schema version, and the columns that version has; returns the version."""
+    tables and schema version, and the columns that version has; returns the version. Read in
+    one transaction: another process bringing the journal to a new schema meanwhile is seen
+    wholly or not at all (its version and its columns never from two moments)."""
+    own = not db.in_transaction
+    try:
+        if own:
+            db.execute("BEGIN")
+        return _check_contents(db, path)
+    except FAILURES as e:
+        raise refuse(path, f"damaged ({said(e)})") from None
+    finally:
+        if own and db.in_transaction:           # (it only read: nothing to keep)
+            with contextlib.suppress(*FAILURES):
+                db.execute("ROLLBACK")
+
+
+def _check_contents(db: sqlite3.Connection, path: str) -> int:
     try:
         problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
         tables = {r[0] for r in db.execute(
