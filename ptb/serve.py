@@ -77,6 +77,10 @@ def run(args) -> int:
                      for n, s in enumerate(specs)]
             for s in specs:
                 print(f"  {s.name:<12} metrics on http://{s.metrics}/metrics")
+    elif not args.one_process:               # where the rig file says, if it does
+        for s in specs:
+            if s.metrics:
+                print(f"  {s.name:<12} metrics on http://{s.metrics}/metrics")
     if state_dir is not None:
         try:
             pathlib.Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -114,6 +118,21 @@ def _announce(name: str, endpoints: dict, args) -> None:
     print("running; Ctrl-C to stop", flush=True)
 
 
+def _serve_metrics(service, where: str) -> None:
+    """One service's metrics on `where` (HOST:PORT, the rig file's `metrics`)."""
+    try:
+        from photonic_testbed.hil.devices.metrics import ServiceMetrics
+        host, _, at = where.rpartition(":")
+        host, port = ServiceMetrics([service]).serve(host.strip("[]"), int(at))
+    except ImportError as e:
+        raise CommandFailed(f"{service.spec.name}: its metrics need prometheus-client (pip "
+                            f"install 'photonic-testbed[metrics]'): {e}") from None
+    except OSError as e:
+        raise CommandFailed(f"{service.spec.name}: cannot serve its metrics on {where}: "
+                            f"{e.strerror or e}") from None
+    print(f"  {service.spec.name:<12} metrics on http://{host}:{port}/metrics")
+
+
 def _run_in_process(specs, stop: threading.Event, args) -> int:
     services, endpoints = [], {}
     # One ZeroMQ context (one I/O thread) for every service, and one thread answering every
@@ -138,6 +157,10 @@ def _run_in_process(specs, stop: threading.Event, args) -> int:
                 raise CommandFailed(f"cannot serve the metrics on {args.metrics_host}:"
                                     f"{args.metrics_port}: {e.strerror or e}") from None
             print(f"metrics of every service on http://{host}:{port}/metrics")
+        else:                               # each where the rig file says, if it does
+            for service, spec in zip(services, specs, strict=True):
+                if spec.metrics:
+                    _serve_metrics(service, spec.metrics)
         loop = threading.Thread(target=serve_together, args=(services, stop), name="services",
                                 daemon=True)
         heap.settle("start-up")

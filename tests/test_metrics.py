@@ -150,3 +150,64 @@ def test_device_services_count_their_requests_refusals_and_failures_and_report_h
     assert 10 < value(got, "ptb_heater_power_mw", device="chip") < 16
     assert value(got, "ptb_heater_power_budget_mw", device="chip") > 0
     assert value(got, "ptb_device_telemetry", device="chip", name="total_power_mw") > 10
+
+
+def test_the_rig_file_names_where_each_device_service_serves_its_metrics(tmp_path):
+    """`metrics = "HOST:PORT"` in a device's table: `ptb serve` serves that service's metrics
+    there, in its own process and with --one-process alike; a value that is no address is
+    refused with the rig file's line."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from photonic_testbed.emulator.rig import EmulatedRig
+    from photonic_testbed.hil import rig as rigfile
+    from photonic_testbed.hil.bus.client import ServiceClient
+    from photonic_testbed.hil.rig import RigFileError, rig_spec
+    from photonic_testbed.hil.rig.emulated import free_ports
+
+    with EmulatedRig(rig_spec("opus"), seed=1) as emu:
+        rig = rigfile.for_emulator("opus", emu.endpoints)
+        for one_process in (False, True):
+            ports = free_ports(2)
+            devices = dict(rig.devices)
+            for name, port in zip(("laser", "powermeter"), ports, strict=True):
+                devices[name] = dataclasses.replace(devices[name], metrics=f"127.0.0.1:{port}")
+            path = tmp_path / f"rig{int(one_process)}.toml"
+            rigfile.write(path, dataclasses.replace(rig, devices=devices))
+            assert rigfile.load(path).service_specs(["laser"])[0].metrics == \
+                f"127.0.0.1:{ports[0]}"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "photonic_testbed.ptb", "serve", "--rig", str(path),
+                 "--device", "laser", "--device", "powermeter",
+                 *(["--one-process"] if one_process else [])],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                said = []
+                for line in proc.stdout:
+                    said.append(line)
+                    if "Ctrl-C" in line:
+                        break
+                assert any(f"metrics on http://127.0.0.1:{ports[1]}/metrics" in s
+                           for s in said), "".join(said)
+                with ServiceClient(devices["laser"].request, timeout=TIMEOUT_S) as c:
+                    c.call("read_laser")
+                laser, meter = scrape(ports[0]), scrape(ports[1])
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            assert value(laser, "ptb_device_operations_total", device="laser",
+                         op="read_laser") == 1
+            assert [s[0] for s in meter["ptb_device_requests_total"]] == [
+                {"device": "powermeter"}]
+            assert not [s for s in laser.get("ptb_device_requests_total", [])
+                        if s[0].get("device") != "laser"]      # its own service's alone
+    text = path.read_text().replace(f'metrics = "127.0.0.1:{ports[0]}"',
+                                    'metrics = "9464"')
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(RigFileError, match=r"devices\.laser.*metrics.*HOST:PORT"):
+        rigfile.load(tmp_path / "bad.toml")

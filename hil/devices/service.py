@@ -495,7 +495,7 @@ def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = No
         try:
             from photonic_testbed.hil.devices.metrics import ServiceMetrics
             host, _, port = spec.metrics.rpartition(":")
-            ServiceMetrics([service]).serve(host, int(port))
+            ServiceMetrics([service]).serve(host.strip("[]"), int(port))
         except (ImportError, OSError, ValueError) as e:
             service.close()
             if ready is None:

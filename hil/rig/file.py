@@ -112,6 +112,12 @@ def _check_endpoint(c: _Checker, table: str, key: str, value: str) -> str:
     return value
 
 
+def _host_port(text: str) -> bool:
+    """`HOST:PORT`, a port 1..65535 (an IPv6 host in brackets)."""
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def _is_loopback(endpoint: str) -> bool:
     m = ENDPOINT.match(endpoint)
     if m is None:                   # (checked before: not an endpoint is not a loopback one)
@@ -196,6 +202,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             "publish": (str, False, "the publish endpoint tcp://HOST:PORT"),
             "options": (dict, False, "a table of keyword arguments for the driver"),
             "telemetry_hz": ((int, float), False, "telemetry messages per second (>= 0)"),
+            "metrics": (str, False, "where its service serves Prometheus metrics, HOST:PORT"),
         })
         if d["kind"] not in KINDS:
             c.fail(table, "kind", f"one of {', '.join(sorted(KINDS))}", d["kind"])
@@ -205,13 +212,15 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             c.fail(table, "driver", "'module:Class'", d["driver"])
         if d.get("telemetry_hz", 0) < 0:
             c.fail(table, "telemetry_hz", "a rate >= 0", d["telemetry_hz"])
+        if "metrics" in d and not _host_port(d["metrics"]):
+            c.fail(table, "metrics", "HOST:PORT (a port 1..65535)", d["metrics"])
         request = d.get("request") or f"tcp://{bus.host}:{bus.base_port + 2 * i}"
         publish = d.get("publish") or f"tcp://{bus.host}:{bus.base_port + 2 * i + 1}"
         _check_endpoint(c, table, "request", request)
         _check_endpoint(c, table, "publish", publish)
         devices[name] = DeviceConfig(name, d["kind"], d["address"], d.get("driver", ""),
                                      request, publish, d.get("options", {}),
-                                     d.get("telemetry_hz"))
+                                     d.get("telemetry_hz"), d.get("metrics", ""))
     used: dict[str, str] = {}
 
     def claim(table: str, key: str, ep: str) -> None:
@@ -490,6 +499,8 @@ def dumps(rig: Rig) -> str:
             out.append(f"options = {_toml_value(d.options)}")
         if d.telemetry_hz is not None:
             out.append(f"telemetry_hz = {d.telemetry_hz!r}")
+        if d.metrics:
+            out.append(f"metrics = {_toml_value(d.metrics)}")
     if rig.chip:
         out += ["", "[chip]", f"topology = {_toml_value(rig.chip.topology)}"]
         for key in ("calibration", "heaters", "switch"):

@@ -30,6 +30,7 @@ class DeviceConfig:
     publish: str = ""            # endpoint subscribers connect to
     options: dict = field(default_factory=dict)
     telemetry_hz: float | None = None
+    metrics: str = ""            # "HOST:PORT" where its service serves Prometheus metrics
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class Rig:
                 name=d.name, kind=d.kind, address=d.address, driver=d.driver,
                 request=self._bind(d.request), publish=self._bind(d.publish),
                 options=options, heartbeat=self.bus.heartbeat_s,
-                telemetry_hz=d.telemetry_hz,
+                telemetry_hz=d.telemetry_hz, metrics=d.metrics,
                 curve_secret=self.bus.server_key if self.bus.curve else None,
                 curve_authorized=self.bus.authorized_keys if self.bus.curve else None,
                 state_dir=None if state_dir is None else str(state_dir)))

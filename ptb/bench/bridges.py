@@ -74,7 +74,9 @@ class _Paths:
         self.client = ServiceClient(endpoint, timeout=10)
         self.facade = bridged.Meter(open_rig(rig, ["powermeter"])["powermeter"])
         self.devices = bridge.rig_devices(rig, ["powermeter"])
-        self.port = self.devices["powermeter"].port[1]
+        meter = self.devices["powermeter"]
+        assert isinstance(meter, bridge.PowerMeter)
+        self.port = meter.port[1]
         self.RE = RunEngine({})
         self.RE(ensure_connected(self.devices["powermeter"]))
         self.count = bp.count
