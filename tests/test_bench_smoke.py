@@ -59,5 +59,6 @@ def test_watch_bench_puts_back_both_changes(tmp_path):
 def test_bridges_bench_reads_through_every_path(tmp_path):
     got = _bench(tmp_path, "bridges", "--readings", "20", "--rounds", "2")
     assert [r["path"] for r in got["rows"]] == [
-        "bus", "facade", "ophyd", "bluesky", "leco", "metrics scrape", "bus, scraped at 10 Hz"]
+        "bus", "facade", "ophyd", "bluesky", "leco", "bluesky, no device", "leco, no device",
+        "metrics scrape", "bus, scraped at 10 Hz"]
     assert all(len(v) >= 18 for v in got["samples_us"].values())

@@ -8,7 +8,9 @@ opus rig (its averaging time 0, so that the path is what is timed) read through
     leco       a pyleco Director's `call_action("read", 1)` through a LECO coordinator to
                `ptb leco` (its own process, the coordinator in it) and on to the bus
 
-in alternating rounds (a load that comes and goes meets every path alike). The device services
+in alternating rounds (a load that comes and goes meets every path alike), and beside them each
+ecosystem's own cost with no device behind it: a RunEngine `count` of an ophyd-async soft
+signal, and a LECO `get_parameters` of a value the actor holds (the meter's port count). The device services
 run in their own processes, as `ptb serve` runs them, the meter's with its Prometheus metrics
 on; the metrics' own cost: a scrape's time, and `read_power` while a scraper asks 10 times a
 second against none.
@@ -42,7 +44,7 @@ NAME = "bridges"
 HELP = ("a meter reading through the bus alone, the bridges' facade, ophyd-async, a Bluesky "
         "RunEngine and LECO (ptb leco): p50/p99 and the overhead over the bus; the metrics' "
         "own cost")
-PATHS = ("bus", "facade", "ophyd", "bluesky", "leco")
+PATHS = ("bus", "facade", "ophyd", "bluesky", "leco", "bluesky, no device", "leco, no device")
 ASK_S = 30.0            # a LECO request's deadline (pyleco's default, 0.1 s, is no deadline)
 
 
@@ -65,6 +67,7 @@ class _Paths:
     def __init__(self, rig, endpoint: str, leco_port: int):
         from bluesky import RunEngine
         from bluesky import plans as bp
+        from ophyd_async.core import soft_signal_r_and_setter
         from ophyd_async.plan_stubs import ensure_connected
         from pyleco.directors.director import Director
 
@@ -80,6 +83,8 @@ class _Paths:
         self.RE = RunEngine({})
         self.RE(ensure_connected(self.devices["powermeter"]))
         self.count = bp.count
+        self.soft, _ = soft_signal_r_and_setter(float, 1.0, name="soft")
+        self.RE(ensure_connected(self.soft))
         self.loop = asyncio.new_event_loop()
         self.director = Director(actor="powermeter", name="bench-bridges", host="127.0.0.1",
                                  port=leco_port, timeout=ASK_S)
@@ -89,16 +94,17 @@ class _Paths:
         await self.port.read()
 
     def timed(self, path: str, n: int) -> list[float]:
-        if path == "bluesky":          # one run of n events: the time per event
+        if path.startswith("bluesky"):      # one run of n events: the time per event
             events: list[float] = []
-            self.RE(self.count([self.port], num=n),
+            self.RE(self.count([self.port if path == "bluesky" else self.soft], num=n),
                     lambda name, doc: events.append(time.perf_counter())
                     if name == "event" else None)
             return list(np.diff(events))
         read = {"bus": lambda: self.client.call("read_power", channels=[1]),
                 "facade": lambda: self.facade.read(1),
                 "ophyd": lambda: self.loop.run_until_complete(self._ophyd()),
-                "leco": lambda: self.director.call_action("read", 1)}[path]
+                "leco": lambda: self.director.call_action("read", 1),
+                "leco, no device": lambda: self.director.get_parameters(["ports"])}[path]
         out = []
         for _ in range(n):
             t = time.perf_counter()
@@ -206,9 +212,10 @@ def run(args) -> dict:
     rows = []
     for p in PATHS:
         p50, p99 = _us(samples[p])
+        alone = p.endswith("no device")
         rows.append({"path": p, "readings": len(samples[p]), "p50_us": f"{p50:.0f}",
-                     "p99_us": f"{p99:.0f}", "over_bus_us": f"{p50 - bus50:+.0f}",
-                     "ratio": f"{p50 / bus50:.2f}x"})
+                     "p99_us": f"{p99:.0f}", "over_bus_us": "" if alone else f"{p50 - bus50:+.0f}",
+                     "ratio": "" if alone else f"{p50 / bus50:.2f}x"})
     s50, s99 = _us(cost["scrape"])
     q50, q99 = _us(cost["quiet"])
     b50, b99 = _us(cost["scraped"])
