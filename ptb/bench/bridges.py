@@ -10,10 +10,11 @@ opus rig (its averaging time 0, so that the path is what is timed) read through
 
 in alternating rounds (a load that comes and goes meets every path alike), and beside them each
 ecosystem's own cost with no device behind it: a RunEngine `count` of an ophyd-async soft
-signal, and a LECO `get_parameters` of a value the actor holds (the meter's port count). The device services
-run in their own processes, as `ptb serve` runs them, the meter's with its Prometheus metrics
-on; the metrics' own cost: a scrape's time, and `read_power` while a scraper asks 10 times a
-second against none.
+signal, and a LECO `get_parameters` of a value the actor holds (the meter's port count).
+
+The device services run in their own processes, as `ptb serve` runs them, the meter's with its
+Prometheus metrics on; the metrics' own cost: a scrape's time, and `read_power` while a scraper
+asks 10 times a second against none.
 """
 from __future__ import annotations
 
