@@ -67,8 +67,11 @@ def run(args) -> int:
             leco.start_coordinator(host, port, args.namespace, routing)
         except Exception as e:            # the address taken, a host not ours
             raise CommandFailed(f"cannot run a LECO coordinator on {host}:{port}: {e}") from None
-    if not leco.coordinator_answers(host, port, args.wait):
+    if not leco.coordinator_answers(host, port, args.wait, stop):
         routing.set()
+        if stop.is_set():
+            print("stopped before the actors were up", flush=True)
+            return 0
         raise CommandFailed(f"no LECO coordinator answers at {host}:{port} (start one, e.g. "
                             "pyleco's `coordinator`, or give --serve-coordinator)")
     try:
@@ -82,19 +85,27 @@ def run(args) -> int:
     actors = None
     try:
         try:
-            wait_until_up(devices, args.wait)
+            if not wait_until_up(devices, args.wait, stop):
+                print("stopped before the actors were up", flush=True)
+                return 0
             actors = leco.Actors(devices, host, port)
         except BridgeError as e:
             raise CommandFailed(f"{e} (are the rig's services up? `ptb serve --rig "
                                 f"{args.rig}`, or --direct)") from None
-        missing = actors.not_signed_in(args.wait)
+        missing = actors.not_signed_in(args.wait, stop)
+        if stop.is_set():
+            print("stopped before the actors were up", flush=True)
+            return 0
         if missing:
             raise CommandFailed(f"the coordinator at {host}:{port} did not take "
                                 f"{', '.join(missing)} (a component of that name is signed "
                                 "in already?)")
         print(f"LECO actors {', '.join(actors.actors)} signed in at {host}:{port}; "
               "Ctrl-C to stop", flush=True)
-        stop.wait()
+        while not stop.wait(0.2):
+            if actors.ended.is_set():
+                raise CommandFailed(f"the LECO actor {', '.join(actors.lost)} stopped (see "
+                                    "the log): ptb leco stops with it")
     finally:
         if actors is not None:              # (they sign out before the coordinator stops)
             actors.close()

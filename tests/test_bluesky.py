@@ -210,3 +210,54 @@ def test_on_a_rig_with_an_agent_the_moves_are_the_operators_journaled_changes(tm
               if isinstance(e.details, Manual)]
     assert manual == [("chip", "operator", [1.5], None),
                       ("laser", "operator", None, {"power_mw": 2.0})]
+
+
+def test_detectors_moves_and_values_as_plans_give_them(lumion_on_bus, run_engine):
+    """The meter and a heater bank as detectors of their own; numpy numbers; a refused move
+    that leaves the last setpoint; port maps checked whole; mock mode asks no device."""
+    emulated, rig, _, devices = lumion_on_bus
+    RE = run_engine
+    chip, meter, laser, ocs = (devices[n] for n in ("chip", "powermeter", "laser", "ocs"))
+    RE(ensure_connected(chip, meter, laser, ocs))
+    # the meter: every port measured by one trigger; the bank: every channel's volts
+    docs = _docs(RE, bp.count([meter, chip], num=2))
+    events = [d["data"] for n, d in docs if n == "event"]
+    assert len(events) == 2
+    assert {f"powermeter-port-{p}-power_mw" for p in range(1, 17)} <= set(events[0])
+    assert len(events[0]["chip-volts"]) == 56
+    keys = next(d for n, d in docs if n == "descriptor")["data_keys"]
+    assert keys["chip-volts"]["units"] == "V" and keys["chip-volts"]["shape"] == [56]
+    # a port never triggered has no measurement to give
+    fresh = bridge.rig_devices(rig, ["powermeter"])
+    try:
+        with pytest.raises(ValueError, match="nothing measured yet"):
+            RE(bps.rd(fresh["powermeter"].port[3].power_mw))
+    finally:
+        bridge.close(fresh)
+    # numpy's numbers are numbers
+    docs = _docs(RE, bp.list_scan([meter.port[1]], chip.channel[2], np.arange(0, 3)))
+    assert [d["data"]["chip-channel-2-volts"] for n, d in docs if n == "event"] == \
+        pytest.approx([0, 1, 2], abs=2e-3)
+    # a move the device refuses leaves the setpoint of the last move it took
+    RE(bps.mv(laser.power_mw, 2.0))
+    with pytest.raises(FailedStatus):
+        RE(bps.mv(laser.power_mw, 500.0))
+    RE(bps.mvr(laser.power_mw, 1.0))
+    assert RE(bps.rd(laser.power_mw)).plan_result == pytest.approx(3.0)
+    # a port map is whole numbers, one per input
+    RE(bps.mv(ocs.port_map, [17] + [0] * 15))
+    for bad in ([17.5] + [0] * 15, "0" * 16, [17] * 3, [[17] * 16], [float("nan")] * 16):
+        with pytest.raises(FailedStatus) as e:
+            RE(bps.mv(ocs.port_map, bad))
+        assert str(e.value.__cause__).startswith("ocs: "), e.value.__cause__
+    assert list(RE(bps.rd(ocs.port_map)).plan_result) == [17] + [0] * 15
+    # mock mode: triggers and reads ask no device
+    mocked = bridge.rig_devices(rig, ["powermeter"])
+    try:
+        RE(ensure_connected(mocked["powermeter"], mock=True))
+        access = mocked["powermeter"].meter.access
+        before = access.calls
+        docs = _docs(RE, bp.count([mocked["powermeter"].port[1], mocked["powermeter"]], num=3))
+        assert [n for n, _ in docs].count("event") == 3 and access.calls == before
+    finally:
+        bridge.close(mocked)

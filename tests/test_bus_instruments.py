@@ -78,4 +78,8 @@ def test_the_lumion_meter_serves_all_sixteen_ports_and_refuses_hostile_channels(
                 meter.call("read_power", channels=list(range(1, 100_001)))
             with pytest.raises(RemoteError, match="not in 1..16"):
                 meter.call("read_power", channels=[17])
+            # one channel named thousands of times would hold the meter for minutes: refused
+            # before any is read
+            with pytest.raises(BadRequest, match="channel 1 named twice"):
+                meter.call("read_power", channels=[1] * 4096)
             assert meter.call("ping")["device"] == "powermeter"

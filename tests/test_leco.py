@@ -130,6 +130,65 @@ def test_a_leco_client_sets_the_laser_and_reads_the_meter(opus_over_leco):
     assert proc.poll() is None
 
 
+def test_what_a_leco_client_may_not_do_to_ptb_leco(opus_over_leco):
+    """Bytes that are no message, pyleco's own `shut_down` and polling, settings of which one
+    is refused, a port read thousands of times: refused or dropped; every actor serves on."""
+    from pyleco.core.message import MessageTypes
+    rig, supervised, port, proc = opus_over_leco
+    laser, ocs, meter = (_director(n, port) for n in ("laser", "ocs", "powermeter"))
+    with laser, ocs, meter:
+        laser.set_parameters({"power_mw": 2.0, "wavelength_nm": 1550.0})
+        for payload in (b"\xff\xfe{", b"[" * 100_000 + b"]" * 100_000, b"5"):
+            ocs.send(data=payload, message_type=MessageTypes.JSON)
+        for ask, says in (
+                (lambda: laser.ask_rpc("shut_down"), "shut_down (stop it with Ctrl-C"),
+                (lambda: meter.ask_rpc("start_polling", polling_interval=0.001), "polling"),
+                (lambda: meter.ask_rpc("set_log_level", level="DEBUG"), "set_log_level"),
+                # one setting refused: none made
+                (lambda: laser.set_parameters({"power_mw": 1.5, "wavelength_nm": 5}),
+                 "wavelength_nm"),
+                (lambda: meter.call_action("read_power", [1] * 4096), "4096 ports asked"),
+                (lambda: meter.call_action("read_power", [1, 1]), "port 1 asked twice"),
+                (lambda: ocs.call_action("apply", {"1": 33.5}),
+                 "ocs: an output must be a whole number from 1, not 33.5"),
+                (lambda: laser.call_action("set_power_dbm", 1e6), "beyond any laser"),
+        ):
+            with pytest.raises(JSONRPCError) as e:
+                ask()
+            assert says in str(e.value.rpc_error), (says, e.value.rpc_error)
+        assert laser.get_parameters(["power_mw", "wavelength_nm"]) == {
+            "power_mw": pytest.approx(2.0), "wavelength_nm": pytest.approx(1550.0)}
+        assert ocs.get_parameters(["ports"]) == {"ports": 32}
+        assert len(meter.get_parameters(["power_mw"])["power_mw"]) == 4
+    assert proc.poll() is None
+
+
+def test_ptb_leco_stops_at_once_when_asked_while_it_waits_for_the_devices(tmp_path):
+    """Ctrl-C (SIGINT) or SIGTERM while it waits for services that are not up: it stops
+    then, not at the end of --wait."""
+    import signal
+    import time
+    path = tmp_path / "opus.toml"
+    with EmulatedRig(rig_spec("opus"), seed=6) as emulated:
+        rigfile.write(path, rigfile.for_emulator("opus", emulated.endpoints))
+    port = free_port()
+    routing = threading.Event()
+    leco.start_coordinator("127.0.0.1", port, "lab", routing)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            proc = _ptb("leco", "--rig", str(path), "--coordinator", f"127.0.0.1:{port}",
+                        "--wait", "600")
+            time.sleep(2.0)                  # it waits for the services (none runs)
+            t = time.monotonic()
+            proc.send_signal(sig)
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+            assert "stopped before the actors were up" in out
+            assert time.monotonic() - t < 60     # not the 600 s of --wait
+    finally:
+        routing.set()
+
+
 def test_ptb_leco_says_what_is_missing(tmp_path):
     path = tmp_path / "opus.toml"
     with EmulatedRig(rig_spec("opus"), seed=6) as emulated:

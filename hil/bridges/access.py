@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from photonic_testbed.hil.bus import schema
-from photonic_testbed.hil.bus.client import BusError, NotLeader, ServiceClient, ServiceUnavailable
-from photonic_testbed.hil.devices.kinds import KINDS, DeviceKind, ServiceError, open_driver
+from photonic_testbed.hil.bus.client import NotLeader, ServiceClient, ServiceUnavailable
+from photonic_testbed.hil.devices.kinds import KINDS, DeviceKind, open_driver
 from photonic_testbed.hil.rig import Rig, RigFileError
 
 TIMEOUT_S = 5.0          # one request's deadline (a meter read takes its averaging time)
@@ -75,7 +75,7 @@ class Access:
             return fn()
         except BridgeError:
             raise
-        except (BusError, ServiceError, OSError, ValueError, RuntimeError) as e:
+        except Exception as e:     # the bus's, the schema's, a driver's own (DACError, SCPI)
             said = str(e)
             raise BridgeError(f"{self.name}: {said if said.startswith(op) else f'{op}: {said}'}"
                               ) from e
@@ -217,16 +217,19 @@ def agent_changes(rig: Rig, name: str) -> bool:
     return name in {g.switch for g in rig.gpus}
 
 
-def wait_until_up(devices: Mapping[str, Access], within_s: float) -> None:
+def wait_until_up(devices: Mapping[str, Access], within_s: float,
+                  stop: threading.Event | None = None) -> bool:
     """Each device described (its service answers) within `within_s`, else BridgeError naming
-    those that did not answer."""
+    the first that did not answer; False when `stop` was set meanwhile."""
     deadline = time.monotonic() + within_s
+    stop = stop or threading.Event()
     for a in devices.values():
-        while True:
+        while not stop.is_set():
             try:
                 a.describe()
                 break
             except BridgeError:
                 if time.monotonic() >= deadline:
                     raise
-                time.sleep(0.2)
+                stop.wait(0.2)
+    return not stop.is_set()

@@ -13,9 +13,10 @@
 Devices (each signal's source is `ptb://DEVICE/...`; units and limits are `hil.bridges.devices`'):
 
     HeaterBank      .channel[k]: a HeaterChannel, Movable; its `volts` (V, 0..vfull) read back
-                    from the board at each read
+                    from the board at each read; the bank reads as `volts`, every channel's
     PowerMeter      .port[p]: a MeterPort, Triggerable: one measurement per trigger, read as
-                    `power_mw` and `power_dbm` (the same measurement)
+                    `power_mw` and `power_dbm` (the same measurement; NaN before the first);
+                    the meter itself: every port measured by one trigger
     LaserSource     `on`, `power_mw`, `wavelength_nm`: each Movable, read from the laser
     CircuitSwitch   `port_map` (output per input, 0 = none; set = make exactly these circuits),
                     `ports` (configuration)
@@ -27,6 +28,7 @@ before anything is sent; a device's refusal fails it with the device's reason.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +52,7 @@ except ImportError as e:              # an optional extra
     raise ImportError(f"the Bluesky bridge needs ophyd-async and bluesky ({e.name} is not "
                       "installed): pip install 'photonic-testbed[bluesky]'") from None
 
+from photonic_testbed.drivers.power_meter import mw_to_dbm
 from photonic_testbed.hil.bridges import devices as bridged
 from photonic_testbed.hil.bridges.access import Access, open_rig
 from photonic_testbed.hil.rig import Rig
@@ -64,28 +67,32 @@ class BridgeBackend(SignalBackend):
 
     def __init__(self, datatype: type, source: str, *, get: Callable[[], Any] | None = None,
                  put: Callable[[Any], Any] | None = None,
-                 quantity: bridged.Quantity | None = None, initial: Any = None):
+                 quantity: bridged.Quantity | None = None, initial: Any = None,
+                 dtype: type = np.int64):
         super().__init__(datatype)
         self._source, self._get, self._put = source, get, put
         self.quantity = quantity
+        self._dtype = dtype                     # an array signal's elements
         self._setpoint = initial
+        self._held = initial is not None        # a value to read (a measurement, a fact)
         self.reading: Reading = self._reading(initial)
         self.callback: Callback[Reading] | None = None
 
     def _convert(self, value: Any) -> Any:
         if self.datatype is bool:
             return bool(value)
-        if self.datatype is float:
-            return float(value) if value is not None else 0.0
+        if self.datatype is float:            # NaN: nothing measured yet
+            return float(value) if value is not None else math.nan
         if self.datatype is int:
             return int(value) if value is not None else 0
-        return np.asarray(value if value is not None else [], dtype=np.int64)
+        return np.asarray(value if value is not None else [], dtype=self._dtype)
 
     def _reading(self, value: Any) -> Reading:
         return Reading(value=self._convert(value), timestamp=time.time(), alarm_severity=0)
 
     def hold(self, value: Any) -> None:
         """A new value, read elsewhere (a trigger's measurement)."""
+        self._held = True
         self.reading = self._reading(value)
         if self.callback is not None:
             self.callback(self.reading)
@@ -107,8 +114,8 @@ class BridgeBackend(SignalBackend):
             raise TypeError(f"{self._source} is read-only")
         if self.quantity is not None:
             value = self.quantity.check(value, self._source)
-        self._setpoint = value
         await asyncio.to_thread(self._put, value)
+        self._setpoint = value           # (a refused move leaves the last one taken)
         if self._get is not None:
             await self._fetch()
         else:
@@ -133,6 +140,8 @@ class BridgeBackend(SignalBackend):
     async def get_reading(self) -> Reading:
         if self._get is not None:
             await self._fetch()
+        elif not self._held:
+            raise ValueError(f"{self._source}: nothing measured yet (trigger it first)")
         return self.reading
 
     async def get_value(self) -> Any:
@@ -178,6 +187,12 @@ class HeaterBank(StandardReadable):
         self.heaters = heaters
         self.channel = DeviceVector({k: HeaterChannel(heaters, k)
                                      for k in range(heaters.channels)})
+        q = heaters.quantity("volts")
+        with self.add_children_as_readables(Format.UNCACHED_SIGNAL):
+            self.volts = SignalR(BridgeBackend(
+                Array1D[np.float64], _source(heaters.name, "heaters"), get=heaters.voltages,
+                quantity=bridged.Quantity(q.name, q.units, precision=q.precision),
+                dtype=np.float64))
         super().__init__(name=name)
 
 
@@ -197,20 +212,36 @@ class MeterPort(StandardReadable):
             self.power_dbm = SignalR(self._dbm)
         super().__init__(name=name)
 
+    def hold(self, mw: float) -> None:
+        """A measurement of this port, made here or by the meter's trigger."""
+        self._mw.hold(mw)
+        self._dbm.hold(mw_to_dbm(mw))
+
     @AsyncStatus.wrap
     async def trigger(self) -> None:
-        mw, dbm = await asyncio.to_thread(self._meter.read, self._port)
-        self._mw.hold(mw)
-        self._dbm.hold(dbm)
+        if self._mock is not None:        # connected in mock mode: the meter is not asked
+            return
+        mw, _ = await asyncio.to_thread(self._meter.read, self._port)
+        self.hold(mw)
 
 
 class PowerMeter(StandardReadable):
-    """A power meter's ports: `.port[p]`, p from 1."""
+    """A power meter's ports: `.port[p]`, p from 1. As a detector itself, a trigger measures
+    every port (one request) and a read gives each port's."""
 
     def __init__(self, meter: bridged.Meter, name: str = ""):
         self.meter = meter
         self.port = DeviceVector({p: MeterPort(meter, p) for p in range(1, meter.ports + 1)})
+        self.add_readables(list(self.port.values()), Format.CHILD)
         super().__init__(name=name)
+
+    @AsyncStatus.wrap
+    async def trigger(self) -> None:
+        if self._mock is not None:
+            return
+        power = await asyncio.to_thread(self.meter.read_power)
+        for p, mw in power.items():
+            self.port[p].hold(mw)
 
 
 class LaserSource(StandardReadable):
@@ -239,7 +270,7 @@ class CircuitSwitch(StandardReadable):
         with self.add_children_as_readables(Format.UNCACHED_SIGNAL):
             self.port_map = SignalRW(BridgeBackend(
                 Array1D[np.int64], _source(switch.name, "port_map"),
-                get=switch.port_map, put=lambda v: switch.apply_port_map([int(x) for x in v])))
+                get=switch.port_map, put=switch.apply_port_map))
         with self.add_children_as_readables(Format.CONFIG_SIGNAL):
             self.ports = SignalR(BridgeBackend(int, _source(switch.name, "ports"),
                                                initial=switch.ports))

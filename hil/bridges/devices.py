@@ -14,9 +14,12 @@ comes back as a `BridgeError` with its reason.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from photonic_testbed.drivers.power_meter import mw_to_dbm
 from photonic_testbed.hil.bridges.access import Access, BridgeError
@@ -32,11 +35,13 @@ class Quantity:
     precision: int = 3
 
     def check(self, value: Any, where: str) -> float:
-        """`value` as a float within the limits, else ValueError saying which."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
+        """`value` (a real number: numpy's too, never a bool) as a float within the limits,
+        else ValueError saying which."""
+        number = real(value)
+        if number is None or not math.isfinite(number):
             raise ValueError(f"{where}: {self.name} must be a finite number of {self.units}, "
                              f"not {value!r}")
+        value = number
         if (self.low is not None and value < self.low) or \
                 (self.high is not None and value > self.high):
             raise ValueError(f"{where}: {self.name} {value:g} {self.units}: it must be "
@@ -49,6 +54,35 @@ class Quantity:
         if self.low is None:
             return f"at most {self.high:g} {self.units}"
         return f"in {self.low:g}..{self.high:g} {self.units}"
+
+
+def real(value: Any) -> float | None:
+    """A real number as a float (inf where too large for one); None for anything else, a
+    bool among them."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:                     # an integer too large for a float
+        return math.inf if str(value)[:1] != "-" else -math.inf
+
+
+def whole(value: Any, where: str, lowest: int = 1) -> int:
+    """A port or channel number: a whole number (numpy's too, the digits of a JSON key) from
+    `lowest`, else ValueError saying which."""
+    if isinstance(value, str) and value.isdigit() and len(value) < 10:
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or value < lowest:
+        raise ValueError(f"{where} must be a whole number from {lowest}, not {value!r}")
+    return int(value)
+
+
+def flag(value: Any, where: str) -> bool:
+    """On or off: a bool (numpy's too), else ValueError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{where} must be true or false, not {value!r}")
+    return bool(value)
 
 
 # The quantities of each kind of instrument; a limit of None is the device's to enforce alone.
@@ -94,9 +128,13 @@ class Heaters(Instrument):
         return Quantity(q.name, q.units, q.low, self.vfull, q.precision)
 
     def _channel(self, ch: Any) -> int:
-        if isinstance(ch, bool) or not isinstance(ch, int) or not 0 <= ch < self.channels:
+        try:
+            k = whole(ch, self.name, 0)
+        except ValueError:
+            k = -1
+        if not 0 <= k < self.channels:
             raise ValueError(f"{self.name}: channel {ch!r} is not in 0..{self.channels - 1}")
-        return ch
+        return k
 
     def voltages(self) -> list[float]:
         """Every channel's volts, read back from the board."""
@@ -109,22 +147,41 @@ class Heaters(Instrument):
         self.set_voltages({ch: volts})
 
     def set_voltages(self, values: Mapping[int, float] | Sequence[float]) -> None:
-        """Channels' volts ({channel: volts}, or a list from channel 0), in one change per run
-        of consecutive channels."""
-        items = dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
+        """Channels' volts ({channel: volts}, or a list from channel 0), every value checked
+        before anything is sent, then one change per run of consecutive channels (a device that
+        refuses a later run: the error says which channels were set before it)."""
+        if isinstance(values, Mapping):
+            items = dict(values)
+        elif isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+            raise ValueError(f"{self.name}: volts are {{channel: volts}} or a list from channel "
+                             f"0, not {values!r}")
+        else:
+            items = dict(enumerate(values))
+        if len(items) > self.channels:
+            raise ValueError(f"{self.name}: {len(items)} values for {self.channels} channels")
         q = self.quantity("volts")
-        checked = {self._channel(ch): q.check(v, f"{self.name} channel {ch}")
-                   for ch, v in items.items()}
-        run: list[float] = []
-        first = None
+        checked: dict[int, float] = {}
+        for ch, v in items.items():
+            k = self._channel(ch)
+            if k in checked:
+                raise ValueError(f"{self.name}: channel {k} named twice")
+            checked[k] = q.check(v, f"{self.name} channel {k}")
+        runs: list[tuple[int, list[float]]] = []
         for ch in sorted(checked):
-            if first is not None and ch != first + len(run):
+            if runs and ch == runs[-1][0] + len(runs[-1][1]):
+                runs[-1][1].append(checked[ch])
+            else:
+                runs.append((ch, [checked[ch]]))
+        done: list[str] = []
+        for first, run in runs:
+            try:
                 self.access.change("set_heaters", volts=run, first=first)
-                run, first = [], None
-            first = ch if first is None else first
-            run.append(checked[ch])
-        if run:
-            self.access.change("set_heaters", volts=run, first=first)
+            except BridgeError as e:
+                if not done:
+                    raise
+                raise BridgeError(f"{e} (channels {', '.join(done)} were set before it)") \
+                    from e
+            done.append(f"{first}..{first + len(run) - 1}" if len(run) > 1 else str(first))
 
 
 class Meter(Instrument):
@@ -137,14 +194,28 @@ class Meter(Instrument):
         self.ports = int(access.describe().get("ports", 1))
 
     def _port(self, port: Any) -> int:
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= self.ports:
+        try:
+            p = whole(port, self.name)
+        except ValueError:
+            p = 0
+        if not 1 <= p <= self.ports:
             raise ValueError(f"{self.name}: port {port!r} is not in 1..{self.ports}")
-        return port
+        return p
 
     def read_power(self, ports: Sequence[int] | None = None) -> dict[int, float]:
-        """New measurements of `ports` (all by default), mW."""
-        wanted = list(range(1, self.ports + 1)) if ports is None else \
-            [self._port(p) for p in ports]
+        """New measurements of `ports` (all by default; each port once), mW."""
+        if ports is None:
+            wanted = list(range(1, self.ports + 1))
+        elif isinstance(ports, (str, bytes)) or not isinstance(ports, (Sequence, np.ndarray)):
+            raise ValueError(f"{self.name}: ports are a list, not {ports!r}")
+        else:
+            if len(ports) > self.ports:
+                raise ValueError(f"{self.name}: {len(ports)} ports asked of {self.ports}")
+            wanted = [self._port(p) for p in ports]
+            twice = sorted({p for p in wanted if wanted.count(p) > 1})
+            if twice:
+                raise ValueError(f"{self.name}: port {twice[0]} asked twice (each read takes "
+                                 "the meter's averaging time)")
         power = self.access.read("read_power", channels=wanted)["power"]
         return {int(p): float(v) for p, v in power.items()}
 
@@ -168,9 +239,7 @@ class Laser(Instrument):
         """Any of the settings at once; the laser's state after."""
         args: dict[str, Any] = {}
         if on is not None:
-            if not isinstance(on, bool):
-                raise ValueError(f"{self.name}: on must be true or false, not {on!r}")
-            args["on"] = on
+            args["on"] = flag(on, f"{self.name}: on")
         if power_mw is not None:
             args["power_mw"] = self.quantity("power_mw").check(power_mw, self.name)
             if args["power_mw"] <= 0:
@@ -199,9 +268,13 @@ class Switch(Instrument):
         return schema.circuits_from_wire(self.access.read("read_circuits")["circuits"])
 
     def apply(self, circuits: Mapping[int, int]) -> dict:
-        """Make the circuits exactly these; what was added and removed."""
-        pairs = [[int(a), int(b)] for a, b in sorted(dict(circuits).items())]
-        return self.access.change("apply_circuits", circuits=pairs)
+        """Make the circuits exactly these ({input: output}: whole numbers); what was added and
+        removed."""
+        if not isinstance(circuits, Mapping):
+            raise ValueError(f"{self.name}: circuits are {{input: output}}, not {circuits!r}")
+        pairs = sorted((whole(a, f"{self.name}: an input"), whole(b, f"{self.name}: an output"))
+                       for a, b in circuits.items())
+        return self.access.change("apply_circuits", circuits=[list(p) for p in pairs])
 
     def port_map(self) -> list[int]:
         """The circuits as a list: the output of input k at k - 1, 0 for none."""
@@ -212,10 +285,14 @@ class Switch(Instrument):
         return out
 
     def apply_port_map(self, outputs: Sequence[int]) -> dict:
-        if len(outputs) != self.ports:
-            raise ValueError(f"{self.name}: a port map has one output per input ({self.ports}),"
-                             f" not {len(outputs)}")
-        return self.apply({k + 1: int(b) for k, b in enumerate(outputs) if int(b)})
+        """The circuits as a port map: the output of input k at k - 1, 0 for none."""
+        if isinstance(outputs, (str, bytes)) or not isinstance(outputs, (Sequence, np.ndarray)) \
+                or np.ndim(outputs) != 1 or len(outputs) != self.ports:
+            raise ValueError(f"{self.name}: a port map is a list of one output per input "
+                             f"({self.ports}), 0 for none; not {outputs!r}")
+        checked = [whole(b, f"{self.name}: the output of input {k + 1}", 0)
+                   for k, b in enumerate(outputs)]
+        return self.apply({k + 1: b for k, b in enumerate(checked) if b})
 
 
 FAMILIES: dict[str, type[Instrument]] = {

@@ -22,16 +22,23 @@ device's refusal answers the caller with an error saying which; the actor keeps 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 try:
     import zmq
     from pyleco.actors.actor import Actor
     from pyleco.coordinators.coordinator import Coordinator
+    from pyleco.json_utils.errors import (
+        INVALID_PARAMS,
+        INVALID_REQUEST,
+        JSONRPCError,
+        JsonRpcError,
+    )
     from pyleco.utils.communicator import Communicator
     from pyleco.utils.coordinator_utils import ZmqMultiSocket
 except ImportError as e:             # an optional extra
@@ -40,12 +47,14 @@ except ImportError as e:             # an optional extra
 
 from photonic_testbed.drivers.power_meter import dbm_to_mw, mw_to_dbm
 from photonic_testbed.hil.bridges import devices as bridged
-from photonic_testbed.hil.bridges.access import Access
+from photonic_testbed.hil.bridges.access import Access, BridgeError
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_PORT = 12300            # LECO's default
 SIGN_IN_S = 5.0                     # how long the coordinator may take to answer a sign-in
+# the device refused or failed what was asked (a JSON-RPC server error, -32000..-32099)
+DEVICE_ERROR = JsonRpcError(code=-32000, message="Device error")
 
 
 class LecoHeaters(bridged.Heaters):
@@ -55,11 +64,13 @@ class LecoHeaters(bridged.Heaters):
     def get_voltages(self) -> list[float]:
         return self.voltages()
 
-    def set_voltages_param(self, value: Sequence[float]) -> None:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ValueError(f"{self.name}: voltages is a list of volts from channel 0, "
-                             f"not {value!r}")
-        self.set_voltages(list(value))
+    def set_many(self, values: Mapping[str, Any]) -> None:
+        if "voltages" in values:
+            v = values["voltages"]
+            if isinstance(v, Mapping):
+                raise ValueError(f"{self.name}: voltages is a list of volts from channel 0 "
+                                 "(set_voltages takes {channel: volts})")
+            self.set_voltages(v)
 
 
 class LecoMeter(bridged.Meter):
@@ -73,6 +84,9 @@ class LecoMeter(bridged.Meter):
     def get_power_dbm(self) -> list[float]:
         return [mw_to_dbm(mw) for mw in self.get_power_mw()]
 
+    def set_many(self, values: Mapping[str, Any]) -> None:
+        """(nothing of a meter is set)"""
+
 
 class LecoLaser(bridged.Laser):
     PARAMETERS = {"output": True, "power_mw": True, "power_dbm": True, "wavelength_nm": True}
@@ -80,9 +94,6 @@ class LecoLaser(bridged.Laser):
 
     def get_output(self) -> bool:
         return self.state()["on"]
-
-    def set_output(self, on: bool) -> None:
-        self.set(on=on)
 
     def on(self) -> None:
         self.set(on=True)
@@ -99,14 +110,39 @@ class LecoLaser(bridged.Laser):
     def get_power_dbm(self) -> float:
         return mw_to_dbm(self.get_power_mw())
 
+    def _dbm_as_mw(self, dbm: Any) -> float:
+        value = bridged.Quantity("power_dbm", "dBm").check(dbm, self.name)
+        try:
+            return dbm_to_mw(value)
+        except OverflowError:
+            raise ValueError(f"{self.name}: power_dbm {value:g} dBm is beyond any laser's") \
+                from None
+
     def set_power_dbm(self, dbm: float) -> None:
-        self.set(power_mw=dbm_to_mw(bridged.Quantity("power_dbm", "dBm").check(dbm, self.name)))
+        self.set(power_mw=self._dbm_as_mw(dbm))
 
     def get_wavelength_nm(self) -> float:
         return self.state()["wavelength_nm"]
 
     def set_wavelength_nm(self, nm: float) -> None:
         self.set(wavelength_nm=nm)
+
+    def set_many(self, values: Mapping[str, Any]) -> None:
+        """The settings in one change of the laser (each checked first: one refused, none
+        made)."""
+        if "power_mw" in values and "power_dbm" in values:
+            raise ValueError(f"{self.name}: power_mw or power_dbm, not both")
+        args: dict[str, Any] = {}
+        if "output" in values:
+            args["on"] = values["output"]
+        if "power_mw" in values:
+            args["power_mw"] = values["power_mw"]
+        if "power_dbm" in values:
+            args["power_mw"] = self._dbm_as_mw(values["power_dbm"])
+        if "wavelength_nm" in values:
+            args["wavelength_nm"] = values["wavelength_nm"]
+        if args:
+            self.set(**args)
 
 
 class LecoSwitch(bridged.Switch):
@@ -116,36 +152,30 @@ class LecoSwitch(bridged.Switch):
     def get_circuits(self) -> dict[str, int]:
         return {str(a): b for a, b in sorted(self.circuits().items())}
 
-    def set_circuits(self, value: Mapping[str, int]) -> None:
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{self.name}: circuits are {{input: output}}, not {value!r}")
-        self.apply({_port(a): _port(b) for a, b in value.items()})
-
     def get_port_map(self) -> list[int]:
         return self.port_map()
 
-    def set_port_map(self, value: Sequence[int]) -> None:
-        self.apply_port_map([_port(b, zero=True) for b in value])
+    def set_many(self, values: Mapping[str, Any]) -> None:
+        if "circuits" in values and "port_map" in values:
+            raise ValueError(f"{self.name}: circuits or port_map, not both")
+        if "circuits" in values:
+            self.apply(values["circuits"])
+        elif "port_map" in values:
+            self.apply_port_map(values["port_map"])
 
     def connect(self, ingress: int, egress: int) -> dict:
+        a = bridged.whole(ingress, f"{self.name}: an input")
+        b = bridged.whole(egress, f"{self.name}: an output")
         now = self.circuits()
-        now[_port(ingress)] = _port(egress)
+        now[a] = b
         return self.apply(now)
 
     def disconnect(self, ingress: int) -> dict:
+        a = bridged.whole(ingress, f"{self.name}: an input")
         now = self.circuits()
-        if now.pop(_port(ingress), None) is None:
+        if now.pop(a, None) is None:
             raise ValueError(f"{self.name}: input {ingress} has no circuit")
         return self.apply(now)
-
-
-def _port(value: Any, zero: bool = False) -> int:
-    """A port number as JSON carries it (an integer, or a dict key's digits)."""
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        raise ValueError(f"a port is a whole number from {0 if zero else 1}, not {value!r}")
-    return value
 
 
 LECO_FAMILIES: dict[str, type[bridged.Instrument]] = {
@@ -153,12 +183,44 @@ LECO_FAMILIES: dict[str, type[bridged.Instrument]] = {
     "laser": LecoLaser, "switch": LecoSwitch}
 
 
+def _answering(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An actor's RPC method whose refusals answer as JSON-RPC errors saying why: bad input
+    as "Invalid params" (-32602), the device's refusal or failure as -32000; each logged in
+    one line. The actor goes on serving either way."""
+    @functools.wraps(method)
+    def answer(self: DeviceActor, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ValueError as e:
+            log.info("%s: refused: %s", self.name, e)
+            raise JSONRPCError(INVALID_PARAMS.with_data(f"ValueError: {e}")) from None
+        except BridgeError as e:
+            log.info("%s: %s", self.name, e)
+            raise JSONRPCError(DEVICE_ERROR.with_data(f"BridgeError: {e}")) from None
+    return answer
+
+
+def _refuse(actor: DeviceActor, what: str) -> JSONRPCError:
+    return JSONRPCError(INVALID_REQUEST.with_data(
+        f"{actor.name}: {what} is not offered by `ptb leco`"))
+
+
 class DeviceActor(Actor):
-    """A LECO actor serving one instrument: only the parameters and actions it declares."""
+    """A LECO actor serving one instrument: only the parameters and actions it declares.
+    pyleco's own `shut_down`, `set_log_level`, polling and `connect` are refused (a client of
+    the coordinator stops nothing and changes no logging of the command); a message that cannot
+    be read is logged and dropped, never the end of the actor."""
 
     def __init__(self, name: str, device: Any, **kwargs: Any):
         super().__init__(name, device_class=type(device), **kwargs)
         self.device = device
+
+    def read_and_handle_message(self) -> None:
+        try:
+            super().read_and_handle_message()
+        except Exception as e:            # malformed bytes, JSON nested too deep, ...
+            log.warning("%s: a message dropped: %s: %s", self.name, type(e).__name__,
+                        str(e)[:200])
 
     def _parameter(self, key: Any, setting: bool) -> str:
         declared = self.device.PARAMETERS
@@ -173,21 +235,24 @@ class DeviceActor(Actor):
         getter = getattr(self.device, f"get_{key}", None)
         return getter() if callable(getter) else getattr(self.device, key)
 
+    @_answering
     def get_parameters(self, parameters: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if isinstance(parameters, str) or not isinstance(parameters, (list, tuple)):
             raise ValueError(f"{self.name}: parameters are a list of names, not {parameters!r}")
         return {k: self._value(self._parameter(k, False)) for k in parameters}
 
+    @_answering
     def set_parameters(self, parameters: dict[str, Any]) -> None:
+        """Every name checked, then the values set at once (`set_many`): one refused, none
+        set."""
         if not isinstance(parameters, dict):
             raise ValueError(f"{self.name}: parameters to set are {{name: value}}, "
                              f"not {parameters!r}")
-        for k, v in parameters.items():
+        for k in parameters:
             self._parameter(k, True)
-            setter = getattr(self.device, f"set_{k}_param", None) or \
-                getattr(self.device, f"set_{k}")
-            setter(v)
+        self.device.set_many(parameters)
 
+    @_answering
     def call_action(self, action: str, args: Sequence | None = None,
                     kwargs: dict[str, Any] | None = None) -> Any:
         if not isinstance(action, str) or action not in self.device.ACTIONS:
@@ -202,9 +267,20 @@ class DeviceActor(Actor):
         except TypeError as e:             # wrong number or names of arguments
             raise ValueError(f"{self.name}.{action}: {e}") from None
 
+    def shut_down(self) -> None:
+        raise _refuse(self, "shut_down (stop it with Ctrl-C where it runs)")
+
+    def set_log_level(self, level: str) -> None:
+        raise _refuse(self, "set_log_level")
+
+    def start_polling(self, polling_interval: float | None = None) -> None:
+        raise _refuse(self, "polling")
+
+    def set_polling_interval(self, polling_interval: float) -> None:
+        raise _refuse(self, "polling")
+
     def connect(self, *args: Any, **kwargs: Any) -> None:
-        """LECO's `connect` opens nothing here: the device is the bridge's, opened already."""
-        raise ValueError(f"{self.name} is connected to its device by `ptb leco`")
+        raise _refuse(self, "connect (its device is opened by `ptb leco`)")
 
     def disconnect(self) -> None:
         """LECO's `disconnect` stops nothing here: the device is the bridge's to release."""
@@ -239,24 +315,37 @@ def start_coordinator(host: str, port: int, namespace: str, stop: threading.Even
     return thread
 
 
-def coordinator_answers(host: str, port: int, within_s: float = SIGN_IN_S) -> bool:
-    """Whether a LECO coordinator at host:port answers a sign-in within `within_s`."""
-    probe = Communicator(name="ptb-leco-probe", host=host, port=port, timeout=within_s)
-    try:
-        probe.sign_in()
-    except ConnectionRefusedError:      # no answer (pyleco logs the sign-in's time-out)
-        probe.socket.close(linger=0)    # nobody to sign out from
-        return False
-    probe.close()
-    return True
+def coordinator_answers(host: str, port: int, within_s: float = SIGN_IN_S,
+                        stop: threading.Event | None = None) -> bool:
+    """Whether a LECO coordinator at host:port answers a sign-in within `within_s` (asked
+    every second until then, or until `stop` is set)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        ask_s = max(0.1, min(1.0, deadline - time.monotonic()))
+        probe = Communicator(name="ptb-leco-probe", host=host, port=port, timeout=ask_s)
+        try:
+            probe.sign_in()
+        except ConnectionRefusedError:      # no answer (pyleco logs the sign-in's time-out)
+            probe.socket.close(linger=0)    # nobody to sign out from
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                return False
+            continue
+        probe.close()
+        return True
 
 
 class Actors:
-    """Every device's actor, each listening on a thread of its own until `close`."""
+    """Every device's actor, each listening on a thread of its own until `close`. An actor
+    whose loop ends otherwise sets `ended` (its name in `lost`): the command stops with it."""
 
     def __init__(self, devices: Mapping[str, Access], host: str, port: int):
-        self.stop = threading.Event()
+        # pyleco logs every refusal with its traceback; the actors log each in one line
+        logging.getLogger("pyleco.json_utils.rpc_server").setLevel(logging.CRITICAL)
+        self.ended = threading.Event()
+        self.lost: list[str] = []
+        self._closing = False
         self.actors: dict[str, DeviceActor] = {}
+        self._stops: dict[str, threading.Event] = {}
         self.threads: list[threading.Thread] = []
         for name, access in devices.items():
             family = LECO_FAMILIES.get(access.kind)
@@ -264,28 +353,37 @@ class Actors:
                 continue
             actor = DeviceActor(name, family(access), host=host, port=port)
             self.actors[name] = actor
+            self._stops[name] = threading.Event()
             t = threading.Thread(target=self._listen, args=(actor,), name=f"leco-{name}",
                                  daemon=True)
             self.threads.append(t)
             t.start()
 
-    def not_signed_in(self, within_s: float = SIGN_IN_S) -> list[str]:
+    def not_signed_in(self, within_s: float = SIGN_IN_S,
+                      stop: threading.Event | None = None) -> list[str]:
         """The actors the coordinator has not taken within `within_s` (another component
-        signed in under the same name, or no coordinator answers)."""
+        signed in under the same name, or no coordinator answers), or by `stop`."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline and any(
                 a.namespace is None for a in self.actors.values()):
-            self.stop.wait(0.05)
+            if (stop is not None and stop.is_set()) or self.ended.is_set():
+                break
+            time.sleep(0.05)
         return [n for n, a in self.actors.items() if a.namespace is None]
 
     def _listen(self, actor: DeviceActor) -> None:
         try:
-            actor.listen(stop_event=self.stop)
+            actor.listen(stop_event=self._stops[actor.name])
         except Exception:
             log.exception("LECO actor %s stopped", actor.name)
+        if not self._closing:
+            self.lost.append(actor.name)
+            self.ended.set()
 
     def close(self) -> None:
-        self.stop.set()
+        self._closing = True
+        for stop in self._stops.values():
+            stop.set()
         for t in self.threads:
             t.join(5)
         for actor in self.actors.values():

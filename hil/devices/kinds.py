@@ -133,6 +133,11 @@ def _read_circuits(switch: CircuitSwitch, args: schema.Args) -> tuple[dict, dict
 
 
 def _read_power(meter: Any, args: schema.ReadPower) -> tuple[dict, dict]:
+    # each channel once: every read takes the meter's averaging time, and a list naming one
+    # channel thousands of times would hold the meter from every other client for minutes
+    if args.channels is not None and len(set(args.channels)) < len(args.channels):
+        twice = next(c for c in args.channels if args.channels.count(c) > 1)
+        raise BadRequest(f"read_power: channel {twice} named twice")
     power = meter.read_power(args.channels)
     return {"power": {str(k): float(v) for k, v in power.items()}}, {}
 
