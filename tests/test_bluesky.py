@@ -144,6 +144,11 @@ def test_the_laser_and_an_ocs_through_their_drivers_without_a_bus(run_engine):
             assert 0.5 < loss.min() and loss.max() / loss.min() < 1.02
             config = next(d for n, d in docs if n == "descriptor")
             assert "laser-power_mw" in config["data_keys"]
+            # the laser's own refusal, from its driver, names the laser
+            with pytest.raises(FailedStatus) as e:
+                RE(bps.mv(laser.power_mw, 500.0))
+            assert str(e.value.__cause__).startswith("laser: "), e.value.__cause__
+            assert "500" in str(e.value.__cause__)
             RE(bps.mv(laser.on, False))
             RE(bp.count([meter.port[1]]))
             assert RE(bps.rd(meter.port[1].power_mw)).plan_result < 1e-4     # dark
