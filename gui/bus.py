@@ -23,13 +23,15 @@ without the operator doing anything.
 
 As `Commands`, it sends the operator's commands from one worker thread, each through a
 `ServiceClient` (one per service, used only on that thread). On a rig with an agent (one that
-lists GPUs) every command goes to the agent: a swap, and the manual changes (`manual_circuits`,
-`manual_heaters`), which the agent journals and makes itself, the circuits as the operator's
-part of the switch beside the jobs' (devices take changes from the agent alone). On a rig
-without one, a change goes to the device's service. A heater change carries the state version
-the GUI shows (`expect`, compare-and-set), and so does a circuit change sent to a device, so a
-command computed from a stale picture is refused (`StaleState`) rather than applied; every
-refusal comes back with its reason (`Unauthorized` for a key whose role may not ask it).
+lists GPUs) every command of a device the agent drives goes to it (`Rig.agent_changes`): a
+swap, and the manual changes (`manual_circuits`, `manual_heaters`), which the agent journals
+and makes itself, the circuits as the operator's part of the switch beside the jobs' (devices
+take changes from the agent alone). A switch no GPU is on (an input selector), and every device
+of a rig without an agent, takes a change at its own service. A heater change carries the state
+version the GUI shows (`expect`, compare-and-set), and so does a circuit change sent to a
+device, so a command computed from a stale picture is refused (`StaleState`) rather than
+applied; every refusal comes back with its reason (`Unauthorized` for a key whose role may not
+ask it).
 """
 from __future__ import annotations
 
@@ -413,7 +415,7 @@ class BusFabric(Commands):
             if self.kinds[device] != "chip":
                 return False, f"{device} has no heaters (it is not a chip)", {}
             ch, volts = int(p["channel"]), float(p["volts"])
-            if self.has_agent:
+            if self.has_agent and self.rig.agent_changes(device):
                 result = self._client(AGENT).call("manual_heaters", device=device,
                                                   volts=[volts], first=ch, version=version)
             else:
@@ -433,7 +435,8 @@ class BusFabric(Commands):
             circuits[a] = b
             what = f"{device}: input {a} connected to output {b}"
             change = {"connect": [[a, b]]}
-        if self.has_agent:          # the operator's part of the switch, kept by the agent
+        if self.has_agent and self.rig.agent_changes(device):
+            # the operator's part of a switch of the GPUs, kept by the agent
             result = self._client(AGENT).call("manual_circuits", switch=device, **change)
             return True, f"{what} (by the agent, journaled)", result
         result = self._client(device).call(

@@ -490,3 +490,39 @@ def test_the_gui_follows_the_leading_replica_and_says_when_none_leads(qtbot, tmp
     finally:
         win.close()
         fabric.close()
+
+
+def test_a_switch_no_gpu_is_on_is_changed_at_its_service_on_a_rig_with_an_agent(
+        qtbot, tmp_path):
+    """The agent drives the GPUs' switches; an input selector beside them (no GPU on it) takes
+    the operator's circuit at its own service, not through an agent that does not drive it."""
+    from photonic_testbed.hil.devices.service import DeviceService
+    from tests.test_agent_bus import _serve
+    rig = _one_switch_rig(tmp_path, "with-selector")
+    sel = rigfile.DeviceConfig("sel", "switch", "mem", "tests.bus_doubles:MemorySwitch",
+                               _ep(), _ep(), options={"ports": 8})
+    rig = dataclasses.replace(rig, devices={**rig.devices, "sel": sel})
+    rigfile.write(rig.path, rig)
+    rig = rigfile.load(rig.path)
+    assert rig.agent_changes("ocs") and not rig.agent_changes("sel")
+    service = DeviceService(rig.service_specs(["sel"])[0])
+    service.bind()
+    stop_service = _serve(service)
+    win = None
+    try:
+        settings = QSettings(str(tmp_path / "gui.ini"), QSettings.Format.IniFormat)
+        win, bus = rig_window(rig, settings, down_after_s=0.5)
+        qtbot.addWidget(win)
+        bus.start()
+        qtbot.waitUntil(lambda: "sel" in win.model.switches, timeout=WAIT_MS)
+        done: queue.Queue = queue.Queue()
+        bus.submit(Command("connect", {"switch": "sel", "input": 2, "output": 11}), done.put)
+        result = done.get(timeout=30)
+        assert result.ok and "by the agent" not in result.reason, result.reason
+        with ServiceClient(rig.devices["sel"].request, timeout=5) as c:
+            assert c.call("read_circuits")["circuits"] == [[2, 11]]
+    finally:
+        if win is not None:
+            win.close()
+            win.runner.backend.close()
+        stop_service()

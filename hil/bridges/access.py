@@ -6,7 +6,7 @@ answers, so a bridge works the same on a bench without the bus as on a rig:
 
 - `BusAccess`: requests to the device's service (`ServiceClient`, at most once, CURVE keys from
   the rig). On a rig with an agent (one that lists GPUs) the devices the agent drives (heaters,
-  lasers, the GPUs' switches: `agent_changes`) take changes from it alone, so a change goes to
+  lasers, the GPUs' switches: `Rig.agent_changes`) take changes from it alone, so a change goes to
   the agent as an operator's manual change (`manual_heaters`, `manual_laser`,
   `manual_circuits`), which the agent journals and makes itself; reads still go to the device.
 - `DriverAccess`: the same operations run on a driver this process opened (`hil.devices.kinds`,
@@ -198,23 +198,12 @@ def open_rig(rig: Rig, names: list[str] | None = None, *, direct: bool = False,
             for n in wanted:
                 d = rig.devices[n]
                 out[n] = BusAccess(n, d.kind, d.request, keys=keys, timeout=timeout,
-                                   agent=agent if agent_changes(rig, n) else None)
+                                   agent=agent if rig.agent_changes(n) else None)
     except BaseException:
         for a in out.values():
             a.close()
         raise
     return out
-
-
-def agent_changes(rig: Rig, name: str) -> bool:
-    """Whether the agent makes the changes of device `name`: on a rig with GPUs, every heater
-    DAC, chip and laser, and the switches the GPUs' links cross (a switch of the lab's own, an
-    input selector, is changed at its service, by a key whose role may)."""
-    if not rig.gpus:
-        return False
-    if rig.devices[name].kind != "switch":
-        return True
-    return name in {g.switch for g in rig.gpus}
 
 
 def wait_until_up(devices: Mapping[str, Access], within_s: float,

@@ -153,6 +153,18 @@ class Rig:
                             f"{k or 'none'}" for k, v in found.items()))
         return next(iter(found), "")
 
+    def agent_changes(self, device: str) -> bool:
+        """Whether the agent makes the changes of `device` (an operator's go to it as manual
+        changes): on a rig with GPUs, every device but a switch none of them is on (a lab's
+        own switch, an input selector, is changed at its service, by a key whose role may)."""
+        if not self.gpus:
+            return False
+        d = self.devices.get(device)
+        if d is None:
+            raise RigFileError(f"no device named {device!r} in the rig; it has: "
+                               f"{', '.join(self.devices)}")
+        return d.kind != "switch" or device in {g.switch for g in self.gpus}
+
     def endpoints(self) -> dict[str, tuple[str, str]]:
         """Device name -> (request endpoint, publish endpoint)."""
         return {d.name: (d.request, d.publish) for d in self.devices.values()}
