@@ -141,9 +141,16 @@ def test_what_a_leco_client_may_not_do_to_ptb_leco(opus_over_leco):
         for payload in (b"\xff\xfe{", b"[" * 100_000 + b"]" * 100_000, b"5"):
             ocs.send(data=payload, message_type=MessageTypes.JSON)
         for ask, says in (
-                (lambda: laser.ask_rpc("shut_down"), "shut_down (stop it with Ctrl-C"),
-                (lambda: meter.ask_rpc("start_polling", polling_interval=0.001), "polling"),
-                (lambda: meter.ask_rpc("set_log_level", level="DEBUG"), "set_log_level"),
+                (lambda: laser.ask_rpc("shut_down"), "Method not found"),
+                (lambda: meter.ask_rpc("start_polling", polling_interval=0.001),
+                 "Method not found"),
+                (lambda: meter.ask_rpc("set_log_level", level="DEBUG"), "Method not found"),
+                (lambda: meter.ask_rpc("get_parameters", parameters=["ports"], bogus=1),
+                 "unexpected keyword argument 'bogus'"),
+                (lambda: laser.set_parameters({"power_mw": 3.0, "output": None}),
+                 "output needs a value"),
+                (lambda: ocs.call_action("apply", {"\uff11": 17}), "must be a whole number"),
+                (lambda: laser.set_parameters({"wavelength_nm": 5.0}), "Invalid params"),
                 # one setting refused: none made
                 (lambda: laser.set_parameters({"power_mw": 1.5, "wavelength_nm": 5}),
                  "wavelength_nm"),

@@ -45,13 +45,13 @@ class Access:
         self._described: dict | None = None
         self.calls = 0                  # operations run (the bench counts them)
 
-    def read(self, op: str, **args: Any) -> Any:
-        """A read-only operation's answer."""
-        return self._run(op, args, change=False)
+    def read(self, op: str, *, within_s: float | None = None, **args: Any) -> Any:
+        """A read-only operation's answer (`within_s`: its deadline, if not the access's)."""
+        return self._run(op, args, False, within_s)
 
     def change(self, op: str, **args: Any) -> Any:
         """A changing operation's answer."""
-        return self._run(op, args, change=True)
+        return self._run(op, args, True, None)
 
     def describe(self) -> dict:
         """What the device is (its service's description: ports, channels, full scale), asked
@@ -61,14 +61,14 @@ class Access:
                 self._described = self._guarded("describe", lambda: self._describe())
         return dict(self._described)
 
-    def _run(self, op: str, args: dict, change: bool) -> Any:
+    def _run(self, op: str, args: dict, change: bool, within_s: float | None) -> Any:
         declared = schema.OPERATIONS.get(op)
         if declared is None or declared.read_only == change:
             raise BridgeError(f"{self.name}: {op!r} is not a {'changing' if change else 'read'}"
                               " operation of the bus")
         with self._lock:
             self.calls += 1
-            return self._guarded(op, lambda: self._call(op, args, change))
+            return self._guarded(op, lambda: self._call(op, args, change, within_s))
 
     def _guarded(self, op: str, fn) -> Any:
         try:
@@ -80,14 +80,19 @@ class Access:
             raise BridgeError(f"{self.name}: {said if said.startswith(op) else f'{op}: {said}'}"
                               ) from e
 
-    def _call(self, op: str, args: dict, change: bool) -> Any:
+    def _call(self, op: str, args: dict, change: bool, within_s: float | None) -> Any:
         raise NotImplementedError
 
     def _describe(self) -> dict:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release the connection (or the driver)."""
+        """Release the connection (or the driver), once the operation under way is done."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        raise NotImplementedError
 
 
 class BusAccess(Access):
@@ -104,9 +109,9 @@ class BusAccess(Access):
     def _describe(self) -> dict:
         return dict(self.client.call("describe").get("device", {}))
 
-    def _call(self, op: str, args: dict, change: bool) -> Any:
+    def _call(self, op: str, args: dict, change: bool, within_s: float | None) -> Any:
         if not change or not self._agents:
-            return self.client.call(op, **args)
+            return self.client.call(op, timeout=within_s, **args)
         return self._by_agent(*self._manual(op, args))
 
     def _manual(self, op: str, args: dict) -> tuple[str, dict]:
@@ -140,7 +145,7 @@ class BusAccess(Access):
             return got
         raise BridgeError(f"{self.name}: no agent replica took {op} ({last})")
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for c in (self.client, *self._agents):
             c.close()
 
@@ -155,7 +160,7 @@ class DriverAccess(Access):
     def _describe(self) -> dict:
         return dict(self._kind.describe(self.driver, self._kind.facts(self.driver)))
 
-    def _call(self, op: str, args: dict, change: bool) -> Any:
+    def _call(self, op: str, args: dict, change: bool, within_s: float | None) -> Any:
         fn = self._kind.ops.get(op)
         if fn is None:
             raise BridgeError(f"{self.name} (a {self.kind}) has no operation {op!r}; it has "
@@ -163,7 +168,7 @@ class DriverAccess(Access):
         result, _ = fn(self.driver, schema.check_args(schema.OPERATIONS[op], args))
         return schema.read_result(op, result)      # as the bus client reads an answer
 
-    def close(self) -> None:
+    def _close(self) -> None:
         close = getattr(self.driver, "close", None)
         if callable(close):
             close()

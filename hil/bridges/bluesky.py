@@ -74,7 +74,6 @@ class BridgeBackend(SignalBackend):
         self.quantity = quantity
         self._dtype = dtype                     # an array signal's elements
         self._setpoint = initial
-        self._held = initial is not None        # a value to read (a measurement, a fact)
         self.reading: Reading = self._reading(initial)
         self.callback: Callback[Reading] | None = None
 
@@ -92,7 +91,6 @@ class BridgeBackend(SignalBackend):
 
     def hold(self, value: Any) -> None:
         """A new value, read elsewhere (a trigger's measurement)."""
-        self._held = True
         self.reading = self._reading(value)
         if self.callback is not None:
             self.callback(self.reading)
@@ -140,9 +138,7 @@ class BridgeBackend(SignalBackend):
     async def get_reading(self) -> Reading:
         if self._get is not None:
             await self._fetch()
-        elif not self._held:
-            raise ValueError(f"{self._source}: nothing measured yet (trigger it first)")
-        return self.reading
+        return self.reading             # (a measurement not made yet: NaN)
 
     async def get_value(self) -> Any:
         return (await self.get_reading())["value"]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from photonic_testbed.drivers.power_meter import mw_to_dbm
-from photonic_testbed.hil.bridges.access import Access, BridgeError
+from photonic_testbed.hil.bridges.access import TIMEOUT_S, Access, BridgeError
 from photonic_testbed.hil.bus import schema
 
 
@@ -70,7 +70,7 @@ def real(value: Any) -> float | None:
 def whole(value: Any, where: str, lowest: int = 1) -> int:
     """A port or channel number: a whole number (numpy's too, the digits of a JSON key) from
     `lowest`, else ValueError saying which."""
-    if isinstance(value, str) and value.isdigit() and len(value) < 10:
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 10:
         value = int(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
             or value < lowest:
@@ -83,6 +83,11 @@ def flag(value: Any, where: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{where} must be true or false, not {value!r}")
     return bool(value)
+
+
+# The longest averaging time of a power meter port: an N774x's (and `ptb calibrate
+# --averaging-s`'s bound); a read of n ports may take n times it
+METER_AVERAGING_MAX_S = 10.0
 
 
 # The quantities of each kind of instrument; a limit of None is the device's to enforce alone.
@@ -216,7 +221,9 @@ class Meter(Instrument):
             if twice:
                 raise ValueError(f"{self.name}: port {twice[0]} asked twice (each read takes "
                                  "the meter's averaging time)")
-        power = self.access.read("read_power", channels=wanted)["power"]
+        # each port takes its averaging time (up to METER_AVERAGING_MAX_S), one after another
+        power = self.access.read("read_power", channels=wanted, within_s=TIMEOUT_S + len(
+            wanted) * METER_AVERAGING_MAX_S)["power"]
         return {int(p): float(v) for p, v in power.items()}
 
     def read(self, port: int) -> tuple[float, float]:

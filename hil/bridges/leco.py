@@ -23,7 +23,10 @@ device's refusal answers the caller with an error saying which; the actor keeps 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,12 +36,8 @@ try:
     import zmq
     from pyleco.actors.actor import Actor
     from pyleco.coordinators.coordinator import Coordinator
-    from pyleco.json_utils.errors import (
-        INVALID_PARAMS,
-        INVALID_REQUEST,
-        JSONRPCError,
-        JsonRpcError,
-    )
+    from pyleco.core.serialization import JsonContentTypes, get_json_content_type
+    from pyleco.json_utils.errors import INVALID_PARAMS, JSONRPCError, JsonRpcError
     from pyleco.utils.communicator import Communicator
     from pyleco.utils.coordinator_utils import ZmqMultiSocket
 except ImportError as e:             # an optional extra
@@ -48,6 +47,7 @@ except ImportError as e:             # an optional extra
 from photonic_testbed.drivers.power_meter import dbm_to_mw, mw_to_dbm
 from photonic_testbed.hil.bridges import devices as bridged
 from photonic_testbed.hil.bridges.access import Access, BridgeError
+from photonic_testbed.hil.bus.errors import BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +185,20 @@ LECO_FAMILIES: dict[str, type[bridged.Instrument]] = {
 
 def _answering(method: Callable[..., Any]) -> Callable[..., Any]:
     """An actor's RPC method whose refusals answer as JSON-RPC errors saying why: bad input
-    as "Invalid params" (-32602), the device's refusal or failure as -32000; each logged in
-    one line. The actor goes on serving either way."""
+    (arguments the method does not take, values out of their limits, what the bus's schema
+    refuses) as "Invalid params" (-32602), the device's refusal or failure as -32000; each
+    logged in one line. Anything else is a fault of ours: logged with its traceback, answered
+    "Internal error". The actor goes on serving either way."""
+    signature = inspect.signature(method)
+
     @functools.wraps(method)
     def answer(self: DeviceActor, *args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(self, *args, **kwargs)
+        except TypeError as e:
+            log.info("%s: refused %s: %s", self.name, method.__name__, e)
+            raise JSONRPCError(INVALID_PARAMS.with_data(
+                f"TypeError: {self.name}.{method.__name__}: {e}")) from None
         try:
             return method(self, *args, **kwargs)
         except ValueError as e:
@@ -196,31 +206,59 @@ def _answering(method: Callable[..., Any]) -> Callable[..., Any]:
             raise JSONRPCError(INVALID_PARAMS.with_data(f"ValueError: {e}")) from None
         except BridgeError as e:
             log.info("%s: %s", self.name, e)
-            raise JSONRPCError(DEVICE_ERROR.with_data(f"BridgeError: {e}")) from None
+            bad_input = isinstance(e.__cause__, BadRequest)
+            raise JSONRPCError((INVALID_PARAMS if bad_input else DEVICE_ERROR).with_data(
+                f"BridgeError: {e}")) from None
+        except Exception:
+            log.exception("%s: %s failed", self.name, method.__name__)
+            raise
     return answer
 
 
-def _refuse(actor: DeviceActor, what: str) -> JSONRPCError:
-    return JSONRPCError(INVALID_REQUEST.with_data(
-        f"{actor.name}: {what} is not offered by `ptb leco`"))
+# pyleco's own RPC methods of an actor that `ptb leco` does not offer: a client of the
+# coordinator stops nothing, polls nothing, changes no logging and opens no device
+NOT_OFFERED = ("shut_down", "set_log_level", "start_polling", "stop_polling",
+               "get_polling_interval", "set_polling_interval", "connect", "disconnect")
+
+LOGGED_CHARACTERS = 200      # of a message dropped: what is logged of it
 
 
 class DeviceActor(Actor):
     """A LECO actor serving one instrument: only the parameters and actions it declares.
-    pyleco's own `shut_down`, `set_log_level`, polling and `connect` are refused (a client of
-    the coordinator stops nothing and changes no logging of the command); a message that cannot
-    be read is logged and dropped, never the end of the actor."""
+    pyleco's own `shut_down`, `set_log_level`, polling, `connect` and `disconnect` are not
+    offered (`NOT_OFFERED`: a client of the coordinator stops nothing and changes no logging of
+    the command); a message that cannot be read, or is no request, is logged in one short line
+    and dropped, never the end of the actor."""
 
     def __init__(self, name: str, device: Any, **kwargs: Any):
         super().__init__(name, device_class=type(device), **kwargs)
         self.device = device
+
+    def register_rpc_methods(self) -> None:
+        super().register_rpc_methods()
+        for name in NOT_OFFERED:          # (answered "Method not found")
+            self.rpc.unregister_method(name)
 
     def read_and_handle_message(self) -> None:
         try:
             super().read_and_handle_message()
         except Exception as e:            # malformed bytes, JSON nested too deep, ...
             log.warning("%s: a message dropped: %s: %s", self.name, type(e).__name__,
-                        str(e)[:200])
+                        str(e)[:LOGGED_CHARACTERS])
+
+    def handle_json_message(self, message: Any) -> None:
+        """A request is answered; anything else (a result, an error, JSON that is no
+        request) is dropped, logged in one short line."""
+        data = message.data
+        if JsonContentTypes.REQUEST in get_json_content_type(data):
+            self.handle_json_request(message=message)
+        else:
+            log.warning("%s: a message that is no request dropped: %s", self.name,
+                        repr(data)[:LOGGED_CHARACTERS])
+
+    def handle_unknown_message_type(self, message: Any) -> None:
+        log.warning("%s: a message of an unknown type dropped: %s", self.name,
+                    repr(message.payload)[:LOGGED_CHARACTERS])
 
     def _parameter(self, key: Any, setting: bool) -> str:
         declared = self.device.PARAMETERS
@@ -243,13 +281,15 @@ class DeviceActor(Actor):
 
     @_answering
     def set_parameters(self, parameters: dict[str, Any]) -> None:
-        """Every name checked, then the values set at once (`set_many`): one refused, none
-        set."""
+        """Every name and value checked, then the values set at once (`set_many`): one
+        refused, none set."""
         if not isinstance(parameters, dict):
             raise ValueError(f"{self.name}: parameters to set are {{name: value}}, "
                              f"not {parameters!r}")
-        for k in parameters:
+        for k, v in parameters.items():
             self._parameter(k, True)
+            if v is None:
+                raise ValueError(f"{self.name}: {k} needs a value (null given)")
         self.device.set_many(parameters)
 
     @_answering
@@ -262,25 +302,12 @@ class DeviceActor(Actor):
             raise ValueError(f"{self.name}.{action}: args are a list, not {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"{self.name}.{action}: kwargs are an object, not {kwargs!r}")
+        do = getattr(self.device, action)
         try:
-            return getattr(self.device, action)(*(args or ()), **(kwargs or {}))
+            inspect.signature(do).bind(*(args or ()), **(kwargs or {}))
         except TypeError as e:             # wrong number or names of arguments
             raise ValueError(f"{self.name}.{action}: {e}") from None
-
-    def shut_down(self) -> None:
-        raise _refuse(self, "shut_down (stop it with Ctrl-C where it runs)")
-
-    def set_log_level(self, level: str) -> None:
-        raise _refuse(self, "set_log_level")
-
-    def start_polling(self, polling_interval: float | None = None) -> None:
-        raise _refuse(self, "polling")
-
-    def set_polling_interval(self, polling_interval: float) -> None:
-        raise _refuse(self, "polling")
-
-    def connect(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse(self, "connect (its device is opened by `ptb leco`)")
+        return do(*(args or ()), **(kwargs or {}))
 
     def disconnect(self) -> None:
         """LECO's `disconnect` stops nothing here: the device is the bridge's to release."""
@@ -322,7 +349,10 @@ def coordinator_answers(host: str, port: int, within_s: float = SIGN_IN_S,
     deadline = time.monotonic() + within_s
     while True:
         ask_s = max(0.1, min(1.0, deadline - time.monotonic()))
-        probe = Communicator(name="ptb-leco-probe", host=host, port=port, timeout=ask_s)
+        # (a name of its own: another component signed in as the probe would look like no
+        # coordinator)
+        probe = Communicator(name=f"ptb-leco-probe-{os.getpid()}-{secrets.token_hex(4)}",
+                             host=host, port=port, timeout=ask_s)
         try:
             probe.sign_in()
         except ConnectionRefusedError:      # no answer (pyleco logs the sign-in's time-out)
@@ -339,7 +369,8 @@ class Actors:
     whose loop ends otherwise sets `ended` (its name in `lost`): the command stops with it."""
 
     def __init__(self, devices: Mapping[str, Access], host: str, port: int):
-        # pyleco logs every refusal with its traceback; the actors log each in one line
+        # pyleco logs every error answered with its traceback: the actors log each refusal
+        # in one line, and a fault of theirs with its traceback, themselves
         logging.getLogger("pyleco.json_utils.rpc_server").setLevel(logging.CRITICAL)
         self.ended = threading.Event()
         self.lost: list[str] = []
