@@ -176,6 +176,7 @@ def _watch(power, circuits=lambda t: {3: 21, 5: 23}):
     agent.writer = type("W", (), {"current": staticmethod(lambda s: circuits(now[0]))})()
     agent.journal = journal
     agent.layout = ALTERNATE.rack_layout()
+    agent.diagnosis = type("D", (), {"on_moved": None})()     # (told of the failure path's)
 
     def read(s, o):
         return power(now[0], len(sw.moves)) if o == 21 else -2.0
@@ -311,6 +312,31 @@ def test_a_fading_or_flapping_link_is_moved_while_the_job_runs_with_no_rank_chan
             assert not [c for c in host.job.communications if c.slow or c.down]
         request(control, {"cmd": "clear_faults"})
         assert request(control, {"cmd": "link_fades"}) == {"chip": []}
+
+
+def test_a_link_dark_longer_than_the_job_waits_is_moved_by_the_failure_path(tmp_path):
+    """A flap of 4 s: dark longer than the job's timeout, so the job fails before the watch has
+    seen it flap. Both ends hear themselves in the loopback test: the chip's path is at fault,
+    and the circuit is moved off it; the job restarts on the same GPUs, nobody swapped."""
+    with watched(tmp_path) as (emu, rig, journal):
+        host = emu.rack
+        control = emu.endpoints["control"]
+        rank_map = host.start_job("dp", 100_000, checkpoint_every=1000)["rank_map"]
+        wait_until(lambda: host.job.steps_done >= 5, "the job's first steps", WAIT_S)
+        request(control, {"cmd": "flap_link", "period_s": 4.0, "db": 30.0, "src": "gpu2",
+                          "dst": "gpu3"})
+        wait_until(lambda: host.job_status()["restarts"] >= 1, "the job's restart", WAIT_S)
+        at = host.job.steps_done
+        wait_until(lambda: host.job.steps_done >= at + 20, "steps after it", WAIT_S)
+        moved = entries(journal, "link")
+        assert [(e.details.action, e.details.src, e.details.dst) for e in moved][:1] == [
+            ("moved", "gpu2", "gpu3")] and moved[0].cause.startswith("job failure")
+        status = host.job_status()
+        assert status["state"] == "running" and status["rank_map"] == rank_map
+        assert not [x for x in entries(journal, "decision") if isinstance(x.details, Swap)]
+        assert not entries(journal, "alarm")
+        assert host.rack.link("gpu2", "gpu3").up
+        request(control, {"cmd": "clear_faults"})
 
 
 def test_fading_commands_say_what_is_wrong(tmp_path):

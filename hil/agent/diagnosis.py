@@ -5,17 +5,21 @@ meter or the receiving transceiver): at least the verification threshold. A dark
 diagnosed end by end with a loopback test (each end's own light sent back to it through the
 switch): an end that cannot hear itself is at fault; both ends hearing themselves blame the
 switch's path; every GPU deaf, an idle control GPU included, blames the switch or the light.
-Evictions on the fabric's evidence alone are bounded, per incident and per window: beyond
-the bounds nobody is evicted and a person is called, so a fault of the fabric cannot cascade
-through the rack.
+A dark circuit whose ends both hear themselves is the switch path's fault: on a switch that
+routes a circuit by other paths (a chip) it is moved off the waveguides it crossed, no rank
+changed (a link that flaps darker for longer than the job waits fails the job before the link
+watch sees it flap). Evictions on the fabric's evidence alone are bounded, per incident and
+per window: beyond the bounds nobody is evicted and a person is called, so a fault of the
+fabric cannot cascade through the rack.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from photonic_testbed.common.rack_layout import RackLayout
 from photonic_testbed.hil.agent.config import AgentConfig
-from photonic_testbed.hil.agent.entries import Alarm, Loopback, Verified, VerifyFailed
+from photonic_testbed.hil.agent.entries import Alarm, LinkFade, Loopback, Verified, VerifyFailed
 from photonic_testbed.hil.agent.journal import Journal
 from photonic_testbed.hil.agent.policies import Targets
 from photonic_testbed.hil.agent.pool import GpuPool
@@ -42,6 +46,8 @@ class Diagnosis:
         self.per_window = config.diagnosed_per_window
         self.window_s = config.eviction_window_s
         self._diagnosed_at: list[float] = []      # when GPUs were evicted on diagnosis alone
+        # told of each circuit moved off its path here (the link watch starts it afresh)
+        self.on_moved: Callable[[Point], None] | None = None
 
     def points(self, targets: Targets, gpus: list[str] | None) -> list[Point]:
         """Circuits to verify: those touching `gpus` (all circuits when None), found from the
@@ -132,10 +138,38 @@ class Diagnosis:
         for s, i, o in dark:
             src, dst = self.layout.owner(s, i), self.layout.owner(s, o)
             if src is not None and dst is not None and heard.get(src) and heard.get(dst):
-                self.alarm(f"{cause}: {src} -> {dst} is dark on {s} ({i} -> {o}) although "
-                           "both hear themselves: the switch's path is at fault",
-                           Alarm(switch=s, circuit=[i, o]))
+                why = self.move_off_path(s, i, o, f"{cause}: {src} -> {dst} is dark on {s} "
+                                         f"({i} -> {o}) although both hear themselves")
+                if why is not None:
+                    self.alarm(f"{cause}: {src} -> {dst} is dark on {s} ({i} -> {o}) although "
+                               f"both hear themselves: the switch's path is at fault{why}",
+                               Alarm(switch=s, circuit=[i, o]))
         return self.bound_evictions(blamed, cause)
+
+    def move_off_path(self, s: str, i: int, o: int, cause: str) -> str | None:
+        """A dark circuit whose ends are sound, moved off every waveguide it crosses where the
+        switch routes by other paths (a chip: `move`), set again first (the loopback test took
+        its ends); journaled as the link watch journals a move. None when moved, else what to
+        add to the alarm ("" for a switch that cannot move a circuit). No circuit is taken as
+        healthy: a loopback that heard itself may have crossed a flapping waveguide in a light
+        phase."""
+        sw: Any = self.writer.switches.get(s)      # (a chip's BusSwitch can `move`)
+        if not callable(getattr(sw, "move", None)) or not getattr(sw, "can_move", True):
+            return ""
+        try:
+            now = self.writer.current(s)
+            self.writer.probe(s, {**{a: b for a, b in now.items() if a != i and b != o}, i: o})
+            done = sw.move([i], [])
+        except Exception as e:            # no other path, or no answer
+            return f" (not moved by other cells: {e})"
+        off = done.get("off", []) if isinstance(done, dict) else []
+        src, dst = self.layout.owner(s, i) or "?", self.layout.owner(s, o) or "?"
+        self.journal.record(LinkFade(action="moved", switch=s, circuit=(i, o), src=src,
+                                     dst=dst, avoided=[(str(c), int(a)) for c, a in off]),
+                            f"{cause}: moved to other cells, no rank changed", defer=True)
+        if self.on_moved is not None:
+            self.on_moved((s, i, o))
+        return None
 
     def bound_evictions(self, blamed: list[str], cause: str) -> list[str]:
         """At most `diagnosed_per_incident` GPUs per incident and `diagnosed_per_window` in

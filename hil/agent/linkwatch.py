@@ -98,6 +98,15 @@ class LinkWatch:
         self.tries: dict[Point, int] = {}            # moves that got no answer, in a row
         self.skip_until: dict[str, float] = {}       # switch -> not read before
         self._next = 0.0
+        agent.diagnosis.on_moved = self.moved_elsewhere   # a job's failure moved one
+
+    def moved_elsewhere(self, p: Point) -> None:
+        """A circuit the diagnosis of a job's failure moved off its path: judged from now on
+        as a move of the watch's own (steady light after it, or it is said and left)."""
+        now = self.clock()
+        got = self.readings.get(p)
+        self.moved[p] = (now, got[-1][1] if got else FLOOR_DBM, None)
+        self.moves.setdefault(p, []).append(now)
 
     @property
     def half_rate_dbm(self) -> float:
