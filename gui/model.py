@@ -187,6 +187,7 @@ class Job:
     round: int
     restart_seq: int
     restart_cause: str
+    restart_t: float | None       # when the agent gave its last restart order (Unix time)
     report: JobReport
     report_seen: float            # when the newest report reached the GUI
     state_since: float            # since when the report's state holds
@@ -202,6 +203,8 @@ class Job:
             rnd = int(d.get("round") or 0)
             restart = d.get("restart") or {}
             seq = int(restart.get("seq", 0))
+            ordered = restart.get("t")
+            ordered = None if ordered is None else float(ordered)
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelError(f"{what}: {e}") from None
         report = JobReport.from_dict(d.get("report"), what)
@@ -217,7 +220,7 @@ class Job:
         phase = d.get("phase")
         return cls(name, str(d.get("plan", name)), world, rank_map,
                    None if phase is None else str(phase), rnd, seq,
-                   str(restart.get("cause", "")), report, seen, since)
+                   str(restart.get("cause", "")), ordered, report, seen, since)
 
 
 def to_entry(e: Entry | Mapping[str, Any]) -> Entry:
@@ -472,6 +475,12 @@ class FabricModel(QObject):
         for job in jobs.values():
             old = self.jobs.get(job.name)
             r = job.report
+            if old is not None and job.restart_seq > old.restart_seq and \
+                    job.restart_t is not None and \
+                    self.trends.add(f"throughput/{job.name}", job.restart_t, 0.0):
+                # a restart ordered: the job stood still then, whichever of its reports came
+                # through (the agent publishes its latest; a busy machine merges them)
+                added.add(f"throughput/{job.name}")
             if r.t is None or (old is not None and old.report.t == r.t):
                 continue
             # A report is a sample of the job's throughput and loss trends, at its own time.

@@ -91,6 +91,22 @@ def jobs(model, **by_name) -> None:
     model.apply_change("agent", [Set(["jobs"], by_name)])
 
 
+def test_a_restart_order_is_a_stop_in_the_throughput_trend_whichever_reports_came(qtbot):
+    """The agent publishes a job's latest report: on a busy machine its "restarting" report and
+    the "running" one after it reach the GUI as one change. The restart order's time is a
+    sample of no steps all the same."""
+    model = FabricModel()
+    model.apply_snapshot("agent", "agent", agent_state())
+    t0 = time.time()
+    jobs(model, dp=job_dict(t=t0))
+    ordered = {"seq": 2, "rank_map": {}, "cause": "job failure: gpu3", "t": t0 + 1.0}
+    jobs(model, dp={**job_dict(t=t0 + 2.0, throughput=9.0), "restart": ordered})
+    t, v = model.trends.series["throughput/dp"].since(t0)
+    assert list(zip(t, v, strict=True)) == [(t0, 9.5), (t0 + 1.0, 0.0), (t0 + 2.0, 9.0)]
+    jobs(model, dp={**job_dict(t=t0 + 3.0, throughput=9.0), "restart": ordered})
+    assert len(model.trends.series["throughput/dp"]) == 4          # the same order: no stop
+
+
 def test_jobs_and_their_reports_reach_the_model_and_the_throughput_trend(qtbot):
     model = FabricModel()
     model.apply_snapshot("agent", "agent", agent_state())

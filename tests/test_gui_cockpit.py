@@ -328,8 +328,10 @@ def test_the_throughput_trend_shows_a_failover(qtbot, window, rig, tmp_path):
     win = window
     emu = rig[0]
     win.trends.set_window(60.0)
-    until(qtbot, lambda: running(win), f"job {JOB} running")
-    series = win.model.trends.series[f"throughput/{JOB}"]
+    name = f"throughput/{JOB}"
+    until(qtbot, lambda: running(win) and name in win.model.trends.series,
+          f"job {JOB} running, its throughput reported")
+    series = win.model.trends.series[name]
     # A steady rate before the failure: three reports of the job making progress, however
     # long a busy machine makes that take (not a fixed time: one starved reports 0 steps/s).
     t_steady = time.time()

@@ -161,7 +161,9 @@ class AsItWas:
 def test_the_agent_takes_up_a_job_and_its_orders_from_a_0_2_journal(tmp_path):
     with _journal_0_2(tmp_path) as j:
         assert read_jobs(j, lumion(), round_robin_matchings) == []     # released at the end
-        assert restart_orders(j) == {"dp-tp": {
+        orders = restart_orders(j)
+        assert isinstance(orders["dp-tp"].pop("t"), float)      # when it was journaled
+        assert orders == {"dp-tp": {
             "seq": 2, "cause": "job failure: gpu5",
             "rank_map": {str(r): g for r, g in AFTER.items()}}}
         (job,) = read_jobs(AsItWas(j, 33), lumion(), round_robin_matchings)

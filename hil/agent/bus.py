@@ -156,10 +156,11 @@ def _brief_details(details: dict) -> dict:
 
 
 def restart_orders(journal: Journal) -> dict[str, dict]:
-    """Each job's last restart order, whole, from the journal: {job: {seq, rank_map,
-    cause}}, seq counting the orders that job was given. A restarted agent publishes exactly
-    what its predecessor did, so a job that missed its order still finds it. (An order
-    journaled without a job's name is the job admitted last before it.)"""
+    """Each job's last restart order, whole, from the journal: {job: {seq, rank_map, cause,
+    t}}, seq counting the orders that job was given, t when it was given (Unix time). A
+    restarted agent publishes exactly what its predecessor did, so a job that missed its order
+    still finds it. (An order journaled without a job's name is the job admitted last before
+    it.)"""
     orders: dict[str, dict] = {}
     admitted = ""
     for e in journal.entries(kinds=("decision", "restart")):
@@ -170,7 +171,7 @@ def restart_orders(journal: Journal) -> dict[str, dict]:
             orders[name] = {"seq": orders.get(name, NO_ORDER)["seq"] + 1,
                             "rank_map": {str(r): g for r, g in
                                          sorted(e.details.rank_map.items())},
-                            "cause": e.cause}
+                            "cause": e.cause, "t": e.ts}
     return orders
 
 
@@ -621,7 +622,7 @@ class AgentProcess(NoEvents):
         # the same order a restarted agent derives from the journal (`restart_orders`)
         self._orders[job] = {"seq": self._order(job)["seq"] + 1,
                              "rank_map": {str(r): g for r, g in sorted(rank_map.items())},
-                             "cause": cause}
+                             "cause": cause, "t": time.time()}
         self._publish()          # the job is waiting for this: send it now
 
     def on_alarm(self, text: str, about: Alarm) -> None:

@@ -179,8 +179,16 @@ class Failover:
             spares_blamed = [g for g in blamed if g in swaps.values() and g not in rejected]
             lost = [g for g in blamed if self.pool.holder(g) == job.name and g not in failed]
             if not spares_blamed and not lost:
-                self.alarm(f"{cause}: circuits do not verify and no GPU is to blame",
-                           Alarm(dark=[list(b[:3]) for b in bad]))
+                # the job's circuits set again (the loopback test took their ends) and
+                # verified once more: a path the diagnosis moved them off is lit now
+                self.writer.apply(job.name, circuits.targets[key], cause)
+                bad = self.diagnosis.verify(self.diagnosis.points(
+                    circuits.targets[key], list(swaps.values())), cause, t0)
+                if bad:
+                    self.alarm(f"{cause}: circuits do not verify and no GPU is to blame",
+                               Alarm(dark=[list(b[:3]) for b in bad]))
+                else:
+                    steps["verified"] = self.clock() - t0
                 break
             if undo is not None:
                 circuits.undo(undo)         # decided again below, from the same job
