@@ -39,15 +39,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise CommandFailed(f"--coordinator is HOST:PORT (a port 1..65535), not {text!r}")
-    return host.strip("[]"), int(port)
-
-
 def run(args) -> int:
-    host, port = _host_port(args.coordinator)
+    from photonic_testbed.hil.rig.model import host_port
+    where = host_port(args.coordinator)
+    if where is None:
+        raise CommandFailed(f"--coordinator is HOST:PORT (a port 1..65535), not "
+                            f"{args.coordinator!r}")
+    host, port = where
     if not 0 < args.wait <= 3600:
         raise CommandFailed(f"--wait must be in (0, 3600] s, not {args.wait:g}")
     try:

@@ -122,14 +122,13 @@ def _serve_metrics(service, where: str) -> None:
     """One service's metrics on `where` (HOST:PORT, the rig file's `metrics`)."""
     try:
         from photonic_testbed.hil.devices.metrics import ServiceMetrics
-        host, _, at = where.rpartition(":")
-        host, port = ServiceMetrics([service]).serve(host.strip("[]"), int(at))
+        host, port = ServiceMetrics([service]).serve_at(where)
     except ImportError as e:
         raise CommandFailed(f"{service.spec.name}: its metrics need prometheus-client (pip "
                             f"install 'photonic-testbed[metrics]'): {e}") from None
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise CommandFailed(f"{service.spec.name}: cannot serve its metrics on {where}: "
-                            f"{e.strerror or e}") from None
+                            f"{getattr(e, 'strerror', None) or e}") from None
     print(f"  {service.spec.name:<12} metrics on http://{host}:{port}/metrics")
 
 

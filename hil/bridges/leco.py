@@ -277,7 +277,8 @@ class DeviceActor(Actor):
     def get_parameters(self, parameters: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if isinstance(parameters, str) or not isinstance(parameters, (list, tuple)):
             raise ValueError(f"{self.name}: parameters are a list of names, not {parameters!r}")
-        return {k: self._value(self._parameter(k, False)) for k in parameters}
+        # each name once: a list naming `power_mw` a thousand times is one measurement
+        return {k: self._value(self._parameter(k, False)) for k in dict.fromkeys(parameters)}
 
     @_answering
     def set_parameters(self, parameters: dict[str, Any]) -> None:

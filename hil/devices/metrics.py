@@ -84,6 +84,15 @@ class ServiceMetrics:
                     if number is not None:
                         yield (str(name), str(key)), number
 
+    def serve_at(self, where: str) -> tuple[str, int]:
+        """`serve` on `where`, HOST:PORT (a rig file's `metrics`); ValueError for another
+        text."""
+        from photonic_testbed.hil.rig.model import host_port
+        got = host_port(where)
+        if got is None:
+            raise ValueError(f"metrics are served on HOST:PORT, not {where!r}")
+        return self.serve(*got)
+
     def serve(self, host: str, port: int) -> tuple[str, int]:
         """The HTTP endpoint Prometheus scrapes (`/metrics`), on a thread; returns where."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)

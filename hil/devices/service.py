@@ -494,8 +494,7 @@ def run_service(spec: ServiceSpec, ready=None, stop: threading.Event | None = No
     if spec.metrics:
         try:
             from photonic_testbed.hil.devices.metrics import ServiceMetrics
-            host, _, port = spec.metrics.rpartition(":")
-            ServiceMetrics([service]).serve(host.strip("[]"), int(port))
+            ServiceMetrics([service]).serve_at(spec.metrics)
         except (ImportError, OSError, ValueError) as e:
             service.close()
             if ready is None:

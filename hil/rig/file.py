@@ -32,6 +32,7 @@ from photonic_testbed.hil.rig.model import (
     GpuConfig,
     Rig,
     RigFileError,
+    host_port,
 )
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -110,12 +111,6 @@ def _check_endpoint(c: _Checker, table: str, key: str, value: str) -> str:
     if m is None or not 0 <= int(m.group(2)) <= 65535:
         c.fail(table, key, "an endpoint tcp://HOST:PORT", value)
     return value
-
-
-def _host_port(text: str) -> bool:
-    """`HOST:PORT`, a port 1..65535 (an IPv6 host in brackets)."""
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -212,7 +207,7 @@ def parse(text: str, where: str = "<rig>", base: pathlib.Path | None = None) -> 
             c.fail(table, "driver", "'module:Class'", d["driver"])
         if d.get("telemetry_hz", 0) < 0:
             c.fail(table, "telemetry_hz", "a rate >= 0", d["telemetry_hz"])
-        if "metrics" in d and not _host_port(d["metrics"]):
+        if "metrics" in d and host_port(d["metrics"]) is None:
             c.fail(table, "metrics", "HOST:PORT (a port 1..65535)", d["metrics"])
         request = d.get("request") or f"tcp://{bus.host}:{bus.base_port + 2 * i}"
         publish = d.get("publish") or f"tcp://{bus.host}:{bus.base_port + 2 * i + 1}"

@@ -282,6 +282,15 @@ class Rig:
         return client_keys(self.bus.client_key, self.bus.server_public_key)
 
 
+def host_port(text: str) -> tuple[str, int] | None:
+    """`HOST:PORT` (a port 1..65535; an IPv6 host in brackets) as (host, port); None for
+    anything else."""
+    host, sep, port = str(text).rpartition(":")
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return host.strip("[]"), int(port)
+
+
 def monitor_device(host: str) -> str:
     """The bus device name of a host's GPU monitor."""
     return f"gpus-{host}"
